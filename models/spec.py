@@ -1,0 +1,100 @@
+"""The model spec: a small JSON object that rebuilds a model anywhere.
+
+Profiles and plans carry the spec of the model they were made for, so ``gpipe-plan run
+plan.json`` rebuilds the very same model (with the seed, bit for bit) on every rank without
+the user repeating any option. ``model_spec`` fills in defaults and checks everything a user
+can get wrong, so that a bad option is one line at the start, not a traceback later.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..artifacts import BadInput
+from . import gpt, resnet
+from .user import INPUT_DTYPES, find_factory
+
+BUILTINS: dict[str, dict[str, Any]] = {"gpt": gpt.DEFAULTS, "resnet": resnet.DEFAULTS}
+_CHECKS = {"gpt": gpt.check_options, "resnet": resnet.check_options}
+IMPORT_OPTIONS = ("input_shape", "num_classes", "input_dtype", "vocab_size")
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def model_spec(model: str, **options: Any) -> dict[str, Any]:
+    """The spec for a built-in name or ``pkg.module:factory`` with ``options``.
+
+    Options that are ``None`` are left at their defaults. Raises :class:`BadInput` (one line)
+    for an unknown model, an option that does not apply, a bad value, or a factory that does
+    not import.
+    """
+    given = {k: v for k, v in options.items() if v is not None}
+    if model in BUILTINS:
+        return _builtin_spec(model, given)
+    if ":" not in model:
+        raise BadInput(f"unknown model '{model}': the built-ins are {', '.join(BUILTINS)}; "
+                       f"give your own as pkg.module:factory")
+    return _import_spec(model, given)
+
+
+def _builtin_spec(name: str, given: dict[str, Any]) -> dict[str, Any]:
+    defaults = BUILTINS[name]
+    unknown = [k for k in given if k not in defaults]
+    if unknown:
+        allowed = ", ".join(_flag(k) for k in defaults)
+        raise BadInput(f"{_flag(unknown[0])} does not apply to the built-in '{name}' (its options: {allowed})")
+    merged = {**defaults, **given}
+    if "blocks" in merged:
+        merged["blocks"] = _int_list(merged["blocks"], "--blocks")
+    try:
+        _CHECKS[name](merged)
+    except ValueError as exc:
+        raise BadInput(f"{name}: {exc}") from None
+    return {"source": "builtin", "name": name, "options": merged}
+
+
+def _import_spec(path: str, given: dict[str, Any]) -> dict[str, Any]:
+    unknown = [k for k in given if k not in IMPORT_OPTIONS]
+    if unknown:
+        raise BadInput(f"{_flag(unknown[0])} applies to the built-ins only; a model of your own takes "
+                       f"{', '.join(_flag(k) for k in IMPORT_OPTIONS)}")
+    for key in ("input_shape", "num_classes"):
+        if key not in given:
+            raise BadInput(f"a model of your own ('{path}') needs {_flag(key)}")
+    shape = _int_list(given["input_shape"], "--input-shape")
+    num_classes = given["num_classes"]
+    if not isinstance(num_classes, int) or num_classes < 2:
+        raise BadInput(f"--num-classes must be an integer of at least 2, got {num_classes!r}")
+    dtype = given.get("input_dtype", "float32")
+    if dtype not in INPUT_DTYPES:
+        raise BadInput(f"--input-dtype '{dtype}' is not one of {', '.join(INPUT_DTYPES)}")
+    vocab_size = given.get("vocab_size")
+    is_float = dtype.startswith(("float", "bfloat"))
+    if not is_float and vocab_size is None:
+        raise BadInput(f"--input-dtype {dtype} (token ids) needs --vocab-size: the range to draw them from")
+    if is_float and vocab_size is not None:
+        raise BadInput(f"--vocab-size applies to integer inputs (--input-dtype int64), not {dtype}")
+    if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size < 1):
+        raise BadInput(f"--vocab-size must be a positive integer, got {vocab_size!r}")
+    find_factory(path)  # fail now, in one line, if it does not import
+    return {"source": "import", "factory": path, "input_shape": shape, "input_dtype": dtype,
+            "num_classes": num_classes, "vocab_size": vocab_size}
+
+
+def _int_list(value: Any, flag: str) -> list[int]:
+    """``"3,32,32"``, ``"64"``, ``[3, 32, 32]`` or ``(3, 32, 32)`` -> ``[3, 32, 32]``, all positive."""
+    if isinstance(value, str):
+        parts = [p.strip() for p in value.split(",") if p.strip()]
+        try:
+            items = [int(p) for p in parts]
+        except ValueError:
+            raise BadInput(f"{flag} '{value}' is not a comma-separated list of integers, e.g. 3,32,32") from None
+    elif isinstance(value, int) and not isinstance(value, bool):
+        items = [value]
+    else:
+        items = list(value)
+    if not items or not all(isinstance(i, int) and not isinstance(i, bool) and i > 0 for i in items):
+        raise BadInput(f"{flag} must be positive integers, got {value!r}")
+    return items

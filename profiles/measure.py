@@ -1,0 +1,237 @@
+"""Measuring the layers, and the whole model, at one micro-batch size.
+
+A layer is timed the way a pipeline stage runs it: its inputs are leaves that require grad
+(a stage computes the gradient it sends back to the stage before; the first layer's inputs
+are data and do not), its forward runs with autograd recording, and its backward starts from
+a gradient of each output, as one arriving from the next stage would. The last layer also
+computes the loss, forward and backward, because the last stage does.
+
+Timing goes in rounds, and a round runs the layers the way the unsplit model does: every
+layer's forward in order, keeping what each saves for backward, then every backward in
+reverse order; then the whole model once. Each figure is the median over ``repeats`` rounds
+after ``warmup`` rounds. Three reasons:
+
+- memory: at the end of the forwards all layers' activations are alive at once, as in
+  training. On a CPU that matters: fresh memory costs page faults that the allocator hides
+  when one layer's buffers are freed and reused run after run, which made per-layer sums
+  ~10% faster than the whole model;
+- caches: a layer runs after the layer before it, as in a pipeline stage, not hot from its
+  own previous run;
+- noise: a slow spell of a shared machine lands on all figures alike instead of on whichever
+  layer was being repeated, so the per-layer sum stays comparable with the whole-model step.
+
+Parameter gradients accumulate across rounds, as across the micro-batches of one step. The
+garbage collector is off while timing so that a collection does not land in one figure.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .clock import Clock, median
+from .memory import SavedTensors, tensor_bytes
+
+Tensors = tuple[torch.Tensor, ...]
+
+
+@dataclass
+class Timing:
+    forward_s: float
+    backward_s: float
+
+
+@dataclass
+class LayerFigures:
+    """What one layer costs at one micro-batch size."""
+
+    forward_s: float
+    backward_s: float
+    activation_bytes: int
+    output_bytes: int
+    output_shapes: list[list[int]]
+    output_dtypes: list[str]
+    peak_transient_bytes: int | None = None
+
+
+@contextmanager
+def no_gc() -> Iterator[None]:
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@dataclass
+class Runner:
+    """One thing to time: ``backward(forward())``, the two halves timed separately."""
+
+    name: str
+    forward: Callable[[], object]
+    backward: Callable[[object], None]
+
+
+def time_rounds(groups: list[list[Runner]], clock: Clock, warmup: int, repeats: int,
+                after_run: Callable[[str], None] | None = None) -> list[list[Timing]]:
+    """Median forward and backward time of every runner, over ``repeats`` rounds after ``warmup``.
+
+    Each round runs each group in turn: the group's forwards in order (results kept), then
+    its backwards in reverse order. ``after_run(name)`` is called after each forward and
+    each backward, outside the timed spans (it drives a progress bar).
+    """
+    forward_spans: list[list[list[tuple[object, object]]]] = [[[] for _ in group] for group in groups]
+    backward_spans: list[list[list[tuple[object, object]]]] = [[[] for _ in group] for group in groups]
+    with no_gc():
+        for r in range(warmup + repeats):
+            for g, group in enumerate(groups):
+                results: list[object] = []
+                for k, runner in enumerate(group):
+                    start = clock.mark()
+                    results.append(runner.forward())
+                    end = clock.mark()
+                    if r >= warmup:
+                        forward_spans[g][k].append((start, end))
+                    if after_run is not None:
+                        after_run(runner.name)
+                for k in reversed(range(len(group))):
+                    start = clock.mark()
+                    group[k].backward(results[k])
+                    end = clock.mark()
+                    results[k] = None  # free the graph now, as the backward of training does
+                    if r >= warmup:
+                        backward_spans[g][k].append((start, end))
+                    if after_run is not None:
+                        after_run(group[k].name)
+        clock.sync()
+    return [[Timing(forward_s=median([clock.seconds(a, b) for a, b in fwd]),
+                    backward_s=median([clock.seconds(a, b) for a, b in bwd]))
+             for fwd, bwd in zip(forward_spans[g], backward_spans[g])] for g in range(len(groups))]
+
+
+def as_leaves(xs: Tensors, requires_grad: bool) -> Tensors:
+    """Fresh leaf tensors sharing ``xs``'s data; floating ones require grad if asked."""
+    return tuple(x.detach().requires_grad_(requires_grad and x.is_floating_point()) for x in xs)
+
+
+def _backward_from(grads: list[torch.Tensor | None]) -> Callable[[Tensors], None]:
+    """Backward from given output gradients, as a stage does with what the next stage sent."""
+    def backward(outputs: Tensors) -> None:
+        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    return backward
+
+
+def _loss_backward(loss: torch.Tensor) -> None:
+    loss.backward()
+
+
+def prepare_layer(name: str, layer: nn.Module, xs: Tensors, *, first: bool,
+                  loss: Callable[[Tensors], torch.Tensor] | None) -> tuple[LayerFigures, Runner]:
+    """Weigh ``layer`` on inputs ``xs`` (one micro-batch) and make the runner that times it.
+
+    The figures are complete but for the times, which :func:`time_rounds` measures.
+    ``loss``: for the last layer, the loss of its outputs, computed inside its forward and
+    differentiated in its backward.
+    """
+    state = [*layer.parameters(), *layer.buffers()]
+
+    # One untimed pass to see what the layer keeps for backward and what it sends on.
+    saved = SavedTensors(exclude=state)
+    leaves = as_leaves(xs, requires_grad=not first)
+    with saved.recording():
+        outputs = layer(*leaves)
+        tail = loss(outputs) if loss is not None else None
+    figures = LayerFigures(
+        forward_s=0.0, backward_s=0.0,
+        activation_bytes=saved.nbytes,
+        output_bytes=tensor_bytes(outputs),
+        output_shapes=[list(o.shape[1:]) for o in outputs],
+        output_dtypes=[str(o.dtype).replace("torch.", "") for o in outputs],
+    )
+    # Gradients like the ones the next stage would send: same shape, arbitrary values.
+    grads = [torch.ones_like(o) if o.requires_grad else None for o in outputs]
+    del outputs, tail, leaves
+
+    if loss is not None:
+        def forward() -> object:
+            return loss(layer(*as_leaves(xs, requires_grad=not first)))
+        return figures, Runner(name, forward, _loss_backward)
+
+    def forward_only() -> object:
+        return layer(*as_leaves(xs, requires_grad=not first))
+    return figures, Runner(name, forward_only, _backward_from(grads))
+
+
+def peak_transient_bytes(runner: Runner, device: torch.device, figures: LayerFigures) -> int:
+    """CUDA: the peak of one forward+backward above what the layer holds by design.
+
+    What is allocated before (inputs, parameters, gradients) is the baseline; outputs and
+    saved activations are accounted elsewhere; the rest of the peak is workspace and
+    temporaries the planner must leave room for.
+    """
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    runner.backward(runner.forward())
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    return max(0, peak - base - figures.activation_bytes - figures.output_bytes)
+
+
+class _PassThrough(nn.Module):
+    """A layer that does no work: its output is its input, a leaf that requires grad.
+
+    Its backward still starts autograd's engine and accumulates the input's gradient, as a
+    real layer's does, and runs no operation of its own to be mistaken for overhead.
+    """
+
+    def forward(self, x: torch.Tensor) -> Tensors:
+        return (x,)
+
+
+def harness_runner(device: torch.device) -> Runner:
+    """A runner for an empty layer: what timing a layer costs beyond the layer's own work.
+
+    Making leaves, calling the layer, and above all starting autograd's engine for a backward
+    of its own cost tens of microseconds per layer. The whole model pays that once, a stage
+    once per micro-batch, but a sum of separately timed layers pays it per layer: the
+    profiler subtracts this runner's median from every layer's, so that per-layer figures
+    add up to the whole (and a model cut into many small layers is not overcharged).
+    """
+    _, runner = prepare_layer("harness", _PassThrough(), (torch.zeros(1, device=device),), first=False, loss=None)
+    return runner
+
+
+def model_step_runner(run: Callable[[], torch.Tensor]) -> Runner:
+    """The whole, unsplit model: forward including the loss, then backward."""
+    return Runner("whole model", run, _loss_backward)
+
+
+def optimizer_step_s(params: list[torch.Tensor], clock: Clock, warmup: int, repeats: int) -> float:
+    """Median time of one Adam step over tensors shaped like ``params`` (copies: the model is untouched)."""
+    if not params:
+        return 0.0
+    copies = [p.detach().clone().requires_grad_(True) for p in params]
+    for c in copies:
+        c.grad = torch.ones_like(c)
+    optimizer = torch.optim.Adam(copies, lr=1e-3)
+    spans = []
+    with no_gc():
+        for r in range(warmup + repeats):
+            start = clock.mark()
+            optimizer.step()
+            end = clock.mark()
+            if r >= warmup:
+                spans.append((start, end))
+        clock.sync()
+    return median([clock.seconds(a, b) for a, b in spans])

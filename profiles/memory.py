@@ -1,0 +1,69 @@
+"""Bytes a computation keeps for its backward pass, counted exactly.
+
+During the forward pass autograd stores, for every operation, the tensors its backward needs
+(a linear layer keeps its input to compute the weight gradient; a ReLU keeps its output).
+Those tensors are the *activations* a pipeline stage must hold from a micro-batch's forward
+until its backward, M of them at once under GPipe. ``torch.autograd.graph.saved_tensors_hooks``
+lets us see every tensor as autograd stores it, so the count is exact, not a guess from shapes.
+
+Two rules make the count mean memory:
+
+- count each storage once: several saved tensors are often views of one buffer (the three
+  parts of a fused q/k/v projection), and memory holds the buffer once;
+- leave parameters out: a stage holds its weights whatever the micro-batch, and the memory
+  model counts them separately.
+
+A layer's input, when saved, counts: it is memory the layer keeps alive for its backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+
+class SavedTensors:
+    """Collects the storages autograd saves inside :meth:`recording`; :attr:`nbytes` totals them."""
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self._excluded = {_storage_key(t) for t in exclude}
+        self._storages: dict[tuple[str, int], int] = {}
+
+    @contextmanager
+    def recording(self) -> Iterator["SavedTensors"]:
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+            yield self
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(tensor)
+        if key not in self._excluded:
+            self._storages[key] = tensor.untyped_storage().nbytes()
+        return tensor  # keep autograd's own reference: we count, we do not move anything
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self._storages.values())
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+    storage = tensor.untyped_storage()
+    return (str(storage.device), storage.data_ptr())
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the tensors' elements, as they would be sent over a link."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of distinct tensors (a parameter used twice counts once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values())

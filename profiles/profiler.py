@@ -1,0 +1,212 @@
+"""Profile a model: every layer at every micro-batch size, and the whole model to check the sum.
+
+The planner predicts a pipeline's step time by adding up per-layer figures, so the profile
+checks that adding up works on this machine: it times the unsplit model's forward+backward
+the same way and records ``consistency`` (sum of layers / whole model). A ratio far from 1
+means per-layer timing misses something (per-call overhead, caches) and the plans made from
+this profile will be off by about as much.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from .. import __version__
+from ..artifacts import PROFILE_FORMAT
+from ..models import LayeredModel, build_model
+from .clock import clock_for
+from .device import describe
+from .measure import (LayerFigures, Runner, Timing, harness_runner, model_step_runner, optimizer_step_s,
+                      peak_transient_bytes, prepare_layer, time_rounds)
+from .memory import tensor_bytes, unique_bytes
+
+Tensors = tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class ProfileRequest:
+    """What to profile, where, and how carefully."""
+
+    spec: dict[str, Any]
+    micro_batch_sizes: list[int]
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    threads: int = 1
+    warmup: int = 3
+    repeats: int = 10
+    seed: int = 0
+    measure_link: bool = False
+    batch_size: int | None = None
+
+
+class Progress(Protocol):
+    """Told the number of units of work, then once per unit done (a progress bar)."""
+
+    def begin(self, total: int) -> None: ...
+
+    def step(self, description: str) -> None: ...
+
+
+class _Silent:
+    def begin(self, total: int) -> None:
+        pass
+
+    def step(self, description: str) -> None:
+        pass
+
+
+def default_sizes(batch_size: int) -> list[int]:
+    """1, 2, 4, ... doubling up to ``batch_size``, which is always included."""
+    sizes = []
+    b = 1
+    while b < batch_size:
+        sizes.append(b)
+        b *= 2
+    sizes.append(batch_size)
+    return sizes
+
+
+def profile_model(request: ProfileRequest, progress: Progress | None = None) -> dict[str, Any]:
+    """Measure the model ``request.spec`` describes; return the profile document."""
+    progress = progress or _Silent()
+    torch.set_num_threads(request.threads)
+    device = request.device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # events and allocations go to this GPU's current stream
+    model = build_model(request.spec, seed=request.seed).to(device)
+    sizes = sorted(request.micro_batch_sizes)
+    model.check(batch_size=sizes[0], device=device)  # a bad --input-shape fails here, in one line
+
+    rounds = request.warmup + request.repeats
+    progress.begin(len(sizes) * rounds * 2 * (len(model.layers) + 2) + 1 + (1 if request.measure_link else 0))
+    per_size: list[list[LayerFigures]] = []
+    steps: list[Timing] = []
+    harnesses: list[Timing] = []
+    input_bytes: list[int] = []
+    for b in sizes:
+        inputs, targets = _batch(model, b, request.seed, device)
+        input_bytes.append(tensor_bytes(inputs))
+        figures, step, harness = _measure_size(model, inputs, targets, request, progress, b)
+        per_size.append(figures)
+        steps.append(step)
+        harnesses.append(harness)
+
+    progress.step("optimizer steps")
+    clock = clock_for(device, request.threads)
+    optimizer_s = [optimizer_step_s(_distinct(layer.parameters()), clock, request.warmup, request.repeats)
+                   for _, layer in model.layers]
+
+    link = None
+    if request.measure_link:
+        from .link import measure_link
+
+        progress.step("link between two processes")
+        link = measure_link(device)
+    return _document(model, request, sizes, per_size, steps, harnesses, input_bytes, optimizer_s, link)
+
+
+def _batch(model: LayeredModel, size: int, seed: int, device: torch.device) -> tuple[Tensors, torch.Tensor]:
+    inputs, targets = model.synthetic_batch(size, torch.Generator().manual_seed(seed))
+    return tuple(x.to(device) for x in inputs), targets.to(device)
+
+
+def _measure_size(model: LayeredModel, inputs: Tensors, targets: torch.Tensor, request: ProfileRequest,
+                  progress: Progress, b: int) -> tuple[list[LayerFigures], Timing, Timing]:
+    # Every layer's inputs at this size: run the layers once, without autograd.
+    layer_inputs: list[Tensors] = []
+    with torch.no_grad():
+        xs = inputs
+        for _, layer in model.layers:
+            layer_inputs.append(xs)
+            xs = layer(*xs)
+    last = len(model.layers) - 1
+    figures: list[LayerFigures] = []
+    # The first runner times the harness itself around a trivial layer; see harness_runner.
+    runners: list[Runner] = [harness_runner(request.device)]
+    for i, (name, layer) in enumerate(model.layers):
+        loss = (lambda outputs: model.loss(outputs, targets)) if i == last else None
+        weighed, runner = prepare_layer(name, layer, layer_inputs[i], first=(i == 0), loss=loss)
+        figures.append(weighed)
+        runners.append(runner)
+    whole = model_step_runner(lambda: model.loss(model.forward(*inputs), targets))
+
+    clock = clock_for(request.device, request.threads)
+    (harness, *layer_timings), (step,) = time_rounds([runners, [whole]], clock, request.warmup, request.repeats,
+                                                     after_run=lambda name: progress.step(f"b={b} {name}"))
+    for weighed, timing in zip(figures, layer_timings):
+        weighed.forward_s = max(0.0, timing.forward_s - harness.forward_s)
+        weighed.backward_s = max(0.0, timing.backward_s - harness.backward_s)
+    if request.device.type == "cuda":
+        for weighed, runner in zip(figures, runners[1:]):
+            weighed.peak_transient_bytes = peak_transient_bytes(runner, request.device, weighed)
+    return figures, step, harness
+
+
+def _distinct(params: Any) -> list[torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for p in params:
+        seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _document(model: LayeredModel, request: ProfileRequest, sizes: list[int],
+              per_size: list[list[LayerFigures]], steps: list[Timing], harnesses: list[Timing],
+              input_bytes: list[int],
+              optimizer_s: list[float], link: dict[str, Any] | None) -> dict[str, Any]:
+    layers = []
+    for i, (name, layer) in enumerate(model.layers):
+        at = [figures[i] for figures in per_size]
+        largest = at[-1]
+        entry: dict[str, Any] = {
+            "name": name,
+            "forward_s": [f.forward_s for f in at],
+            "backward_s": [f.backward_s for f in at],
+            "activation_bytes": [f.activation_bytes for f in at],
+            "output_bytes": [f.output_bytes for f in at],
+            "param_bytes": unique_bytes(layer.parameters()),
+            "buffer_bytes": unique_bytes(layer.buffers()),
+            "optimizer_s": optimizer_s[i],
+            "output_shapes": largest.output_shapes,
+            "output_dtypes": largest.output_dtypes,
+        }
+        if request.device.type == "cuda":
+            entry["peak_transient_bytes"] = [f.peak_transient_bytes for f in at]
+        layers.append(entry)
+
+    layer_sum = [sum(f.forward_s + f.backward_s for f in figures) for figures in per_size]
+    model_step = [t.forward_s + t.backward_s for t in steps]
+    params = list(model.module.parameters())
+    doc: dict[str, Any] = {
+        "format": PROFILE_FORMAT,
+        "version": 1,
+        "model": model.spec,
+        "device": describe(request.device, request.threads),
+        "micro_batch_sizes": sizes,
+        "batch_size": request.batch_size or sizes[-1],
+        "dtype": _dtype_name(params[0].dtype) if params else "float32",
+        "input": {"shapes": model.input_shapes, "dtypes": [_dtype_name(d) for d in model.input_dtypes]},
+        "input_bytes": input_bytes,
+        "layers": layers,
+        "consistency": {
+            "layer_sum_s": layer_sum,
+            "model_step_s": model_step,
+            "ratio": [s / m if m > 0 else None for s, m in zip(layer_sum, model_step)],
+            "model_forward_s": [t.forward_s for t in steps],
+            "model_backward_s": [t.backward_s for t in steps],
+        },
+        "measurement": {"warmup": request.warmup, "repeats": request.repeats, "statistic": "median",
+                        "timer": clock_for(request.device, request.threads).name, "seed": request.seed,
+                        "harness_forward_s": [t.forward_s for t in harnesses],
+                        "harness_backward_s": [t.backward_s for t in harnesses]},
+        "tool": {"name": "gpipe-plan", "version": __version__, "torch": torch.__version__},
+    }
+    if link is not None:
+        doc["link"] = link
+    return doc
+

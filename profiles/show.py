@@ -1,0 +1,132 @@
+"""Pretty-print a profile: what was measured, per layer, and how far the sum can be trusted.
+
+Used at the end of ``gpipe-plan profile`` and by ``gpipe-plan show profile.json``. Reads only
+the JSON document, never torch, so that showing a profile starts instantly; and only
+``.get``s the optional keys, because imported (PipeDream) profiles lack most of them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def render_profile(doc: dict[str, Any], console: Console) -> None:
+    """Print ``doc`` (a profile JSON object) on ``console``: a header, a layer table, checks."""
+    sizes = doc.get("micro_batch_sizes") or []
+    layers = doc.get("layers") or []
+    console.print(_header(doc))
+    if not sizes or not layers:
+        console.print("[yellow]no layers measured[/]")
+        return
+    column = len(sizes) - 1  # the largest micro-batch size: where the costs matter most
+    table = Table(title=f"per layer at micro-batch size {sizes[column]}", title_justify="left",
+                  caption="saved: activations kept for backward; output: bytes crossing the cut after the layer",
+                  caption_justify="left")
+    longest = max(len(str(layer.get("name", ""))) for layer in layers)
+    for heading in ("layer", "forward", "backward", "saved", "output", "params"):
+        if heading == "layer":  # names are what the user reads first: never cut them short
+            table.add_column(heading, min_width=min(longest, 40), overflow="fold")
+        else:
+            table.add_column(heading, justify="right", no_wrap=True)
+    total_f = total_b = 0.0
+    total_act = total_params = 0
+    for layer in layers:
+        f = _at(layer.get("forward_s"), column)
+        b = _at(layer.get("backward_s"), column)
+        act = _at(layer.get("activation_bytes"), column)
+        total_f += f or 0.0
+        total_b += b or 0.0
+        total_act += act or 0
+        total_params += layer.get("param_bytes") or 0
+        table.add_row(str(layer.get("name", "?")), format_seconds(f), format_seconds(b),
+                      format_bytes(act), format_bytes(_at(layer.get("output_bytes"), column)),
+                      format_bytes(layer.get("param_bytes")))
+    table.add_section()
+    table.add_row("total", format_seconds(total_f), format_seconds(total_b), format_bytes(total_act),
+                  "", format_bytes(total_params))
+    console.print(table)
+    consistency = doc.get("consistency")
+    if consistency:
+        console.print(_consistency(consistency, sizes))
+    link = doc.get("link")
+    if link:
+        console.print(f"link ({link.get('backend', '?')}): latency {format_seconds(link.get('latency_s'))}, "
+                      f"bandwidth {format_rate(link.get('bandwidth_bytes_per_s'))}")
+
+
+def _header(doc: dict[str, Any]) -> str:
+    model = doc.get("model") or {}
+    device = doc.get("device") or {}
+    what = model.get("name") or model.get("factory") or "?"
+    options = model.get("options")
+    if options:
+        what += " (" + ", ".join(f"{k}={_compact(v)}" for k, v in options.items()) + ")"
+    where = f"{device.get('type', '?')}: {device.get('name', '?')}"
+    if device.get("threads"):
+        where += f", {device['threads']} thread{'s' if device['threads'] != 1 else ''}"
+    sizes = ", ".join(str(s) for s in doc.get("micro_batch_sizes") or [])
+    lines = [f"[bold]profile[/] of {what}", f"  device          {where}", f"  micro-batches   {sizes}"]
+    measurement = doc.get("measurement")
+    if measurement:
+        lines.append(f"  timing          {measurement.get('statistic', 'median')} of {measurement.get('repeats')} "
+                     f"after {measurement.get('warmup')} warm-up ({measurement.get('timer')})")
+    return "\n".join(lines)
+
+
+def _consistency(consistency: dict[str, Any], sizes: list[int]) -> Table:
+    table = Table(title="consistency: sum of layers vs the whole model's step", title_justify="left")
+    for heading in ("micro-batch", "sum of layers", "whole model", "ratio"):
+        table.add_column(heading, justify="right")
+    sums = consistency.get("layer_sum_s") or []
+    steps = consistency.get("model_step_s") or []
+    ratios = consistency.get("ratio") or []
+    for i, size in enumerate(sizes):
+        ratio = _at(ratios, i)
+        shown = "-" if ratio is None else f"{ratio:.3f}"
+        if ratio is not None and abs(ratio - 1) > 0.15:
+            shown = f"[yellow]{shown}[/]"  # plans from this profile will be off by about as much
+        table.add_row(str(size), format_seconds(_at(sums, i)), format_seconds(_at(steps, i)), shown)
+    return table
+
+
+def _at(values: Any, index: int) -> Any:
+    if isinstance(values, list) and 0 <= index < len(values):
+        return values[index]
+    return None
+
+
+def _compact(value: Any) -> str:
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def format_seconds(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.0f} µs"
+
+
+def format_bytes(count: float | None) -> str:
+    if count is None:
+        return "-"
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"  # unreachable; keeps type checkers content
+
+
+def format_rate(bytes_per_s: float | None) -> str:
+    if bytes_per_s is None or not math.isfinite(bytes_per_s):
+        return "unlimited"
+    return f"{bytes_per_s / 1e9:.2f} GB/s"
