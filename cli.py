@@ -48,6 +48,49 @@ def main() -> None:
     """
 
 
+# --------------------------------------------------------------------------- profile
+@main.command()
+@click.argument("model")
+@click.option("--batch-size", "-b", type=int, default=None,
+              help="Largest micro-batch size to measure. Default: 8, or the largest of --micro-batch-sizes.")
+@click.option("--micro-batch-sizes", default=None, metavar="1,2,4",
+              help="Micro-batch sizes to measure. Default: 1, 2, 4, ... doubling up to --batch-size.")
+@click.option("--device", default="cpu", show_default=True, metavar="cpu|cuda|cuda:N", help="Device to profile on.")
+@click.option("--input-shape", default=None, metavar="S",
+              help="Your model: the shape of one input sample, e.g. 64 or 3,32,32.")
+@click.option("--num-classes", type=int, default=None,
+              help="Your model (and resnet): the number of classes the output scores.")
+@click.option("--input-dtype", default=None, metavar="DTYPE",
+              help="Your model: input dtype, float32 (default) or int64 for token ids.")
+@click.option("--vocab-size", type=int, default=None,
+              help="gpt's vocabulary; for your model with --input-dtype int64, the token id range.")
+@click.option("--layers", type=int, default=None, help="gpt: transformer blocks (default 4).")
+@click.option("--width", type=int, default=None, help="gpt: model width (default 128); resnet: base channels (16).")
+@click.option("--heads", type=int, default=None, help="gpt: attention heads (default 4).")
+@click.option("--seq-len", type=int, default=None, help="gpt: tokens per sample (default 64).")
+@click.option("--blocks", default=None, metavar="2,2,2", help="resnet: residual blocks per stage (default 2,2,2).")
+@click.option("--image-size", type=int, default=None, help="resnet: image side in pixels (default 32).")
+@click.option("--threads", type=int, default=1, show_default=True,
+              help="CPU intra-op threads while measuring; runs of a plan use the same per rank.")
+@click.option("--warmup", type=int, default=3, show_default=True, help="Untimed runs before the timed ones.")
+@click.option("--repeats", type=int, default=10, show_default=True, help="Timed runs; the median is kept.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the parameters and synthetic data.")
+@click.option("--measure-link", is_flag=True,
+              help="Also measure latency and bandwidth between two processes (gloo on CPU, NCCL on 2 GPUs).")
+@click.option("--out", "-o", type=click.Path(dir_okay=False), default="profile.json", show_default=True,
+              help="Where to write the profile JSON.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary; print only the profile's path.")
+def profile(**options: Any) -> None:
+    """Measure MODEL layer by layer: time, activation memory, output sizes.
+
+    MODEL is a built-in (gpt, resnet) or your own as pkg.module:factory, where factory()
+    returns an nn.Module (give --input-shape and --num-classes).
+    """
+    from .profiles import profile_command
+
+    profile_command(**options)
+
+
 # --------------------------------------------------------------------------- solve
 @main.command()
 @click.argument("profile", type=click.Path(dir_okay=False))
@@ -83,16 +126,119 @@ def solve(**options: Any) -> None:
     solve_command(**options)
 
 
+# --------------------------------------------------------------------------- import-pipedream
+@main.command("import-pipedream")
+@click.argument("graph", type=click.Path(dir_okay=False))
+@click.option("--batch-size", type=int, default=None,
+              help="Mini-batch the graph was profiled with. Default: inferred from an ImageNet-style input.")
+@click.option("--out", "-o", type=click.Path(dir_okay=False), default=None,
+              help="Where to write the profile. Default: MODEL.profile.json.")
+def import_pipedream(graph: str, batch_size: int | None, out: str | None) -> None:
+    """Convert a PipeDream graph.txt (per-operator GPU profile) into a gpipe-plan profile."""
+    from .planner.command import import_pipedream_command
+
+    import_pipedream_command(graph, batch_size=batch_size, out=out)
+
+
 # --------------------------------------------------------------------------- show
 @main.command()
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--timeline", type=click.Path(dir_okay=False), default=None,
               help="For a plan: also draw its predicted schedule as an SVG timeline.")
 def show(file: str, timeline: str | None) -> None:
-    """Pretty-print a profile or a plan."""
-    from .planner.command import show_command
+    """Pretty-print a profile or a plan (neither needs torch)."""
+    from .artifacts import PLAN_FORMAT, PROFILE_FORMAT, check_format, read_json
 
-    show_command(file, timeline=timeline)
+    doc = read_json(file, "file")
+    if isinstance(doc, dict) and doc.get("format") == PROFILE_FORMAT:
+        from rich.console import Console
+
+        from .profiles.show import render_profile
+
+        check_format(doc, PROFILE_FORMAT, file)
+        render_profile(doc, Console())
+        return
+    from .planner.command import show_plan
+
+    if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
+        raise BadInput(f"'{file}' is neither a gpipe-plan profile nor a plan (its \"format\" is "
+                       f"{doc.get('format') if isinstance(doc, dict) else None!r})")
+    show_plan(file, timeline=timeline)
+
+
+# --------------------------------------------------------------------------- run
+@main.command()
+@click.argument("plan", type=click.Path(dir_okay=False))
+@click.option("--steps", type=int, default=20, show_default=True,
+              help="Training steps to run in all (a resumed run continues up to this count).")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seed of the initial parameters (the same on every rank) and of the data.")
+@click.option("--optimizer", type=click.Choice(["adam", "adamw", "sgd", "momentum"]), default=None,
+              help="Optimizer. Default: the one the plan's memory model counted, else adam.")
+@click.option("--lr", type=float, default=None,
+              help="Learning rate. Default: 1e-3 for adam/adamw, 1e-2 for sgd/momentum.")
+@click.option("--weight-decay", type=float, default=0.0, show_default=True, help="Weight decay.")
+@click.option("--momentum", type=float, default=0.9, show_default=True, help="Momentum of --optimizer momentum.")
+@click.option("--grad-clip", type=float, default=None, metavar="NORM",
+              help="Clip the global gradient norm (over all stages) to NORM.")
+@click.option("--lr-schedule", type=click.Choice(["constant", "cosine"]), default="constant", show_default=True,
+              help="Learning-rate schedule after the warm-up; cosine decays to lr/10 at the last step.")
+@click.option("--warmup-steps", type=int, default=0, show_default=True, help="Linear learning-rate warm-up steps.")
+@click.option("--data", type=click.Path(dir_okay=False), default=None, metavar="FILE.txt",
+              help="gpt: train on this text, byte-level (needs vocab_size >= 256). Default: synthetic data.")
+@click.option("--save", type=click.Path(dir_okay=False), default=None, metavar="model.pt",
+              help="Write the trained model's full state_dict (the unsplit model's keys), for torch.load.")
+@click.option("--report", type=click.Path(dir_okay=False), default=None, metavar="report.json",
+              help="Write measured vs predicted (step time, per-stage times, memory, bubble) as JSON.")
+@click.option("--trace", type=click.Path(dir_okay=False), default=None, metavar="trace.json",
+              help="Write a Chrome trace of every stage's forwards and backwards (open in ui.perfetto.dev).")
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None,
+              help="Save checkpoints here (one file per stage), every --checkpoint-every steps and at the end.")
+@click.option("--checkpoint-every", type=int, default=100, show_default=True, help="Steps between checkpoints.")
+@click.option("--keep-checkpoints", type=int, default=2, show_default=True, help="Newest checkpoints to keep.")
+@click.option("--resume", is_flag=True,
+              help="Continue from the newest checkpoint in --checkpoint-dir (start fresh if there is none).")
+@click.option("--executor", type=click.Choice(["auto", "native", "torch"]), default="auto", show_default=True,
+              help="native: gpipe-plan's executor (gloo/CPU); torch: torch.distributed.pipelining; "
+                   "auto: native on CPU, torch on CUDA.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Where ranks run: cuda is one GPU per rank (cuda:LOCAL_RANK); auto follows the plan's profile.")
+@click.option("--threads", type=int, default=None,
+              help="CPU threads per rank. Default: the threads the plan's profile measured with.")
+@click.option("--timeout", type=float, default=60.0, show_default=True,
+              help="Seconds a rank waits for a neighbour before it declares the run stuck.")
+@click.option("--log-every", type=int, default=10, show_default=True,
+              help="When the output is not a terminal: print a progress line every N steps.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress line or table (errors and warnings still show).")
+def run(**options: Any) -> None:
+    """Train with PLAN: one process per stage, measured against the prediction.
+
+    \b
+    Runs the plan's K stages as K local processes (gloo on CPU, NCCL on CUDA).
+    Across machines, start it with torchrun instead (see docs/runtime.md):
+      torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
+               --rdzv-endpoint HOST:29500 -m gpipe_plan.cli run plan.json
+    """
+    from .runtime.command import run_command
+
+    run_command(**options)
+
+
+# --------------------------------------------------------------------------- demo
+@main.command()
+@click.option("--steps", type=int, default=30, show_default=True, help="Training steps.")
+@click.option("--stages", "-k", type=int, default=2, show_default=True, help="Pipeline stages.")
+@click.option("--out-dir", type=click.Path(file_okay=False), default=None,
+              help="Keep the profile, plan, report and trace here. Default: a temporary folder.")
+def demo(**options: Any) -> None:
+    """Profile the built-in gpt on this CPU, plan 2 stages, train with the plan, compare.
+
+    The whole loop in about two minutes: profile -> solve -> run, then the plan, its
+    timeline, and measured against predicted.
+    """
+    from .runtime.demo import demo_command
+
+    demo_command(**options)
 
 
 if __name__ == "__main__":  # pragma: no cover

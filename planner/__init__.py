@@ -1,0 +1,29 @@
+"""The planner: from a profile to the best pipeline plan. Pure Python: no torch here.
+
+Read it in this order:
+
+- :mod:`.profile`    a profile's per-layer figures at any micro-batch size (interpolation);
+- :mod:`.costmodel`  what one stage costs in time and memory;
+- :mod:`.schedule`   how long a step takes: GPipe's closed form, and an event simulator;
+- :mod:`.dp`         the exact GPipe solver (thresholds, probes, branch and bound);
+- :mod:`.onefoneb`   the 1F1B solver (per-stage lower bounds, branch and bound);
+- :mod:`.ilp`        the same problem as an integer linear programme (pulp/CBC);
+- :mod:`.brute`      every partition, for the tests;
+- :mod:`.search`     the search over micro-batch counts, schedules and recomputation;
+- :mod:`.plan`       the plan document; :mod:`.render` and :mod:`.timeline` show it;
+- :mod:`.pipedream`  import PipeDream's profiled graphs; :mod:`.baselines` the usual heuristics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def solve_file(profile_path: str, plan_path: str | None = None, *, stages: int, **options: Any) -> dict[str, Any]:
+    """Plan from a profile file (and write the plan to ``plan_path``); see :func:`.command.solve_file`."""
+    from .command import solve_file as run
+
+    return run(profile_path, plan_path, stages=stages, **options)
+
+
+__all__ = ["solve_file"]

@@ -1,0 +1,137 @@
+"""``gpipe-plan solve`` and ``show`` for plans: read, search, write, print."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ..artifacts import PLAN_FORMAT, PROFILE_FORMAT, BadInput, file_sha256, read_artifact, write_json_atomic, \
+    write_text_atomic
+from .plan import build_plan
+from .profile import Profile
+from .render import plan_timeline_svg, render_plan
+from .search import SolveOptions, search
+from .units import format_seconds, parse_bandwidth, parse_size
+
+
+def load_profile(path: str) -> Profile:
+    return Profile(read_artifact(path, PROFILE_FORMAT), where=f"profile '{path}'")
+
+
+def parse_micro_batches(text: str | int) -> int | str:
+    if isinstance(text, int):
+        return text
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(str(text))
+    except ValueError:
+        raise BadInput(f"--micro-batches must be a positive integer or 'auto', got {text!r}") from None
+    if value < 1:
+        raise BadInput(f"--micro-batches must be at least 1, got {value}")
+    return value
+
+
+def solve_options(
+    stages: int,
+    micro_batches: int | str = "auto",
+    global_batch_size: int | None = None,
+    schedule: str = "auto",
+    recompute: str = "auto",
+    memory_limit: str | int | None = None,
+    link_bandwidth: str | float | None = None,
+    link_latency: float | None = None,
+    optimizer: str = "adam",
+    solver: str = "dp",
+    time_budget_s: float = 30.0,
+) -> SolveOptions:
+    """Options as typed on the command line -> :class:`SolveOptions` (one-line errors)."""
+    if link_latency is not None and link_latency < 0:
+        raise BadInput(f"--link-latency must be >= 0 seconds, got {link_latency}")
+    return SolveOptions(
+        stages=stages,
+        global_batch_size=global_batch_size,
+        micro_batches=parse_micro_batches(micro_batches),
+        schedule=schedule,
+        recompute=recompute,
+        memory_limit_bytes=None if memory_limit is None else (
+            memory_limit if isinstance(memory_limit, int) else parse_size(memory_limit)),
+        link_bandwidth_bytes_per_s=None if link_bandwidth is None else (
+            float(link_bandwidth) * 1e9 if isinstance(link_bandwidth, (int, float)) else parse_bandwidth(link_bandwidth)),
+        link_latency_s=link_latency,
+        optimizer=optimizer,
+        solver=solver,
+        time_budget_s=time_budget_s,
+    )
+
+
+def solve_file(profile_path: str, plan_path: str | None = None, *, stages: int, progress: bool = False,
+               **options: Any) -> dict[str, Any]:
+    """Plan from a profile file; writes the plan (atomically) when ``plan_path`` is given.
+
+    ``options`` are those of :func:`solve_options` (e.g. ``global_batch_size=32``,
+    ``micro_batches="auto"``, ``memory_limit="16GiB"``). Returns the plan document.
+    """
+    profile = load_profile(profile_path)
+    opts = solve_options(stages, **options)
+    if progress:
+        with _progress() as bar:
+            task = bar.add_task("solving", total=None)
+            result = search(profile, opts, progress=lambda done, total, what: bar.update(
+                task, completed=done, total=total, description=f"solving {what}"))
+    else:
+        result = search(profile, opts)
+    plan = build_plan(profile, profile_path, file_sha256(profile_path), result)
+    if plan_path is not None:
+        write_json_atomic(plan_path, plan)
+    return plan
+
+
+def solve_command(profile: str, stages: int, micro_batches: str, global_batch_size: int | None, schedule: str,
+                  recompute: str, memory_limit: str | None, link_bandwidth: str | None, link_latency: float | None,
+                  optimizer: str, solver: str, out: str, timeline: str | None, quiet: bool) -> None:
+    started = time.perf_counter()
+    plan = solve_file(profile, out, stages=stages, progress=not quiet and sys.stderr.isatty(),
+                      micro_batches=micro_batches, global_batch_size=global_batch_size, schedule=schedule,
+                      recompute=recompute, memory_limit=memory_limit, link_bandwidth=link_bandwidth,
+                      link_latency=link_latency, optimizer=optimizer, solver=solver)
+    if timeline:
+        write_text_atomic(timeline, plan_timeline_svg(plan))
+    console = Console()
+    if quiet:
+        console.print(f"{out}: predicted step {format_seconds(plan['predicted']['step_s'])}", highlight=False)
+        return
+    render_plan(plan, console)
+    console.print(f"wrote {out}" + (f" and {timeline}" if timeline else "")
+                  + f" in {time.perf_counter() - started:.2f} s", highlight=False)
+
+
+def show_plan(path: str, timeline: str | None = None) -> None:
+    plan = read_artifact(path, PLAN_FORMAT)
+    render_plan(plan, Console())
+    if timeline:
+        write_text_atomic(timeline, plan_timeline_svg(plan))
+        Console().print(f"wrote {timeline}", highlight=False)
+
+
+def import_pipedream_command(graph: str, batch_size: int | None, out: str | None) -> None:
+    from .pipedream import import_pipedream
+
+    doc = import_pipedream(graph, batch_size=batch_size)
+    Profile(doc, where=graph)   # what we write must be a profile the planner accepts
+    target = out or f"{doc['model']['name']}.profile.json"
+    write_json_atomic(target, doc)
+    Console().print(f"wrote {target}: {len(doc['layers'])} layers from {doc['source']['nodes']} nodes, "
+                    f"batch {doc['batch_size']}", highlight=False)
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                    TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+
+
+__all__ = ["solve_file", "solve_command", "show_plan", "load_profile", "PROFILE_FORMAT"]

@@ -1,0 +1,241 @@
+"""The cost model: what one pipeline stage costs, in time and memory.
+
+A plan cuts the L layers into K contiguous stages. Stage k holds layers ``[s, e)`` and, with
+micro-batches of size b (figures from :mod:`planner.profile`), costs per micro-batch::
+
+    F_k = sum(forward_s[s:e])  + overhead            forward
+    B_k = sum(backward_s[s:e]) + overhead            backward
+          + F_k - overhead   when the stage recomputes (it re-runs its forward first)
+    C_k = latency + output_bytes[e-1] / bandwidth    send to stage k+1 (0 for the last stage)
+
+``overhead`` is the runtime's fixed cost per micro-batch and stage (profile key
+``overhead.per_microbatch_s``; zero unless calibrated).
+
+Memory of stage k, in bytes::
+
+    parameters + gradients + optimizer state (Adam 2x, momentum 1x, SGD 0x the parameters)
+    + buffers
+    + activations: n_k micro-batches in flight hold their saved activations; a stage that
+      recomputes keeps only each micro-batch's *input* and, while it recomputes one
+      micro-batch, that one's activations: n_k * input_bytes + activation_bytes
+    + the largest transient peak of its layers (CUDA profiles)
+
+n_k is how many micro-batches the schedule keeps in flight on stage k: GPipe runs every
+forward before any backward, so n_k = M; 1F1B starts backwards early, so n_k = min(M, K - k).
+
+Time of a whole step is a property of the schedule, not of one stage: see
+:mod:`planner.schedule` (GPipe closed form and the event simulator).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Sequence
+
+from .profile import LayerFigures
+
+OPTIMIZER_STATE_MULTIPLIER = {"adam": 2, "momentum": 1, "sgd": 0}
+SCHEDULES = ("gpipe", "1f1b")
+RECOMPUTE_MODES = ("never", "always", "auto")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Everything about a plan except where the stage boundaries go."""
+
+    stages: int
+    micro_batches: int
+    schedule: str = "gpipe"
+    recompute: str = "never"
+    memory_limit_bytes: float | None = None
+    link_bandwidth_bytes_per_s: float = math.inf   # inf: communication is free
+    link_latency_s: float = 0.0
+    optimizer: str = "adam"
+    overhead_s: float = 0.0
+
+    @property
+    def comm_on(self) -> bool:
+        return math.isfinite(self.link_bandwidth_bytes_per_s)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Predicted figures of one stage; times are per micro-batch."""
+
+    start: int
+    end: int
+    index: int
+    recompute: bool
+    forward_s: float
+    backward_s: float        # includes the recomputed forward when `recompute`
+    recompute_s: float       # the part of backward_s that is recomputation
+    send_s: float
+    optimizer_s: float
+    in_flight: int
+    params_bytes: float
+    gradients_bytes: float
+    optimizer_state_bytes: float
+    buffers_bytes: float
+    activations_bytes: float
+    transient_bytes: float
+
+    @property
+    def memory_bytes(self) -> float:
+        return (self.params_bytes + self.gradients_bytes + self.optimizer_state_bytes
+                + self.buffers_bytes + self.activations_bytes + self.transient_bytes)
+
+
+class CostModel:
+    """Per-stage costs for one :class:`Setting`, from prefix sums: any stage costs O(1)."""
+
+    def __init__(self, figures: LayerFigures, setting: Setting):
+        if setting.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {setting.schedule!r}")
+        if setting.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"unknown recompute mode {setting.recompute!r}")
+        self.figures = figures
+        self.setting = setting
+        self.L = figures.num_layers
+        self.K = setting.stages
+        self.M = setting.micro_batches
+        self.overhead = setting.overhead_s
+        self.limit = setting.memory_limit_bytes
+        state_mult = OPTIMIZER_STATE_MULTIPLIER[setting.optimizer]
+        # Prefix sums: the sum over layers [s, e) is pre[e] - pre[s].
+        self.pf = _prefix(figures.forward_s)
+        self.pg = _prefix(figures.backward_s)
+        # Backward of a recomputing stage re-runs its forward: one prefix for both, so that the
+        # solvers and the evaluation compute the very same float for it.
+        self.pgr = _prefix(g + f for g, f in zip(figures.backward_s, figures.forward_s))
+        self.pa = _prefix(figures.activation_bytes)
+        self.pp = _prefix(figures.param_bytes)
+        self.pbuf = _prefix(figures.buffer_bytes)
+        self.popt = _prefix(figures.optimizer_s)
+        self.static_per_param = 2 + state_mult     # parameters + gradients + optimizer state
+        self.state_mult = state_mult
+        self.transient = _RangeMax(figures.transient_bytes)
+        self.has_transient = any(figures.transient_bytes)
+        # comm[e]: time to send what crosses the cut before layer e (e = 1..L-1); no cut at L.
+        self.comm = [0.0] * (self.L + 1)
+        if setting.comm_on:
+            for e in range(1, self.L):
+                self.comm[e] = setting.link_latency_s + figures.output_bytes[e - 1] / setting.link_bandwidth_bytes_per_s
+        # in_bytes[s]: one micro-batch of what stage starting at s receives (kept when recomputing).
+        self.in_bytes = [figures.input_bytes] + list(figures.output_bytes[:-1])
+        self.allowed_recompute: tuple[bool, ...] = {
+            "never": (False,), "always": (True,), "auto": (False, True)}[setting.recompute]
+
+    # ------------------------------------------------------------------ pieces
+    def in_flight(self, k: int) -> int:
+        if self.setting.schedule == "gpipe":
+            return self.M
+        return min(self.M, self.K - k)
+
+    def forward(self, s: int, e: int) -> float:
+        return self.pf[e] - self.pf[s] + self.overhead
+
+    def backward(self, s: int, e: int, recompute: bool) -> float:
+        prefix = self.pgr if recompute else self.pg
+        return prefix[e] - prefix[s] + self.overhead
+
+    def optimizer(self, s: int, e: int) -> float:
+        return self.popt[e] - self.popt[s]
+
+    def static_memory(self, s: int, e: int) -> float:
+        return (self.pp[e] - self.pp[s]) * self.static_per_param + (self.pbuf[e] - self.pbuf[s])
+
+    def memory(self, s: int, e: int, k: int, recompute: bool) -> float:
+        act = self.pa[e] - self.pa[s]
+        n = self.in_flight(k)
+        activations = n * self.in_bytes[s] + act if recompute else n * act
+        mem = self.static_memory(s, e) + activations
+        if self.has_transient:
+            mem += self.transient.query(s, e)
+        return mem
+
+    def fits(self, s: int, e: int, k: int, recompute: bool) -> bool:
+        return self.limit is None or self.memory(s, e, k, recompute) <= self.limit
+
+    def choose_recompute(self, s: int, e: int, k: int) -> bool | None:
+        """The recompute choice for a stage, or None when no allowed choice fits in memory.
+
+        Recomputation only ever adds time (it re-runs the forward), so it is chosen only when
+        the stage would not fit without it: that is the time-optimal per-stage rule, and the
+        brute-force tests check it against trying both.
+        """
+        for r in self.allowed_recompute:
+            if self.fits(s, e, k, r):
+                return r
+        return None
+
+    def stage(self, s: int, e: int, k: int, recompute: bool | None = None) -> StageCost:
+        if recompute is None:
+            chosen = self.choose_recompute(s, e, k)
+            recompute = bool(chosen) if chosen is not None else self.allowed_recompute[-1]
+        params = self.pp[e] - self.pp[s]
+        act = self.pa[e] - self.pa[s]
+        n = self.in_flight(k)
+        return StageCost(
+            start=s, end=e, index=k, recompute=recompute,
+            forward_s=self.forward(s, e),
+            backward_s=self.backward(s, e, recompute),
+            recompute_s=self.backward(s, e, True) - self.backward(s, e, False) if recompute else 0.0,
+            send_s=self.comm[e] if e < self.L else 0.0,
+            optimizer_s=self.optimizer(s, e),
+            in_flight=n,
+            params_bytes=params,
+            gradients_bytes=params,
+            optimizer_state_bytes=params * self.state_mult,
+            buffers_bytes=self.pbuf[e] - self.pbuf[s],
+            activations_bytes=(n * self.in_bytes[s] + act) if recompute else n * act,
+            transient_bytes=self.transient.query(s, e) if self.has_transient else 0.0,
+        )
+
+    def stages(self, bounds: Sequence[int], recompute: Sequence[bool] | None = None) -> list[StageCost]:
+        """The stages of a partition given by its boundaries ``0 = b0 < b1 < ... < bK = L``."""
+        return [
+            self.stage(bounds[k], bounds[k + 1], k, None if recompute is None else recompute[k])
+            for k in range(len(bounds) - 1)
+        ]
+
+
+class _RangeMax:
+    """Maximum over any range of a fixed list in O(1) (a sparse table)."""
+
+    def __init__(self, values: Sequence[float]):
+        self.table = [list(values)]
+        n, width = len(values), 1
+        while 2 * width <= n:
+            prev = self.table[-1]
+            self.table.append([max(prev[i], prev[i + width]) for i in range(n - 2 * width + 1)])
+            width *= 2
+
+    def query(self, s: int, e: int) -> float:
+        """max(values[s:e]) for s < e."""
+        level = (e - s).bit_length() - 1
+        row = self.table[level]
+        return max(row[s], row[e - (1 << level)])
+
+
+def _prefix(values: Sequence[float]) -> list[float]:
+    return [0.0, *accumulate(float(v) for v in values)]
+
+
+def reach(prefix: list[float], start: int, budget: float, extra: float = 0.0) -> int:
+    """The largest e >= start with ``prefix[e] - prefix[start] + extra <= budget`` (start if none).
+
+    Bisection finds it on the rearranged inequality; the two loops then settle it on the very
+    expression the rest of the planner evaluates, so that rounding can never make a stage
+    pass here and exceed the budget there.
+    """
+    base = prefix[start]
+    e = max(start, bisect.bisect_right(prefix, base + budget - extra) - 1)
+    while e > start and prefix[e] - base + extra > budget:
+        e -= 1
+    last = len(prefix) - 1
+    while e < last and prefix[e + 1] - base + extra <= budget:
+        e += 1
+    return e

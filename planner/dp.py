@@ -1,0 +1,536 @@
+"""The exact solver for GPipe: thresholds, a feasibility probe, and branch and bound.
+
+GPipe's step time for a partition P of the layers into K stages (see :mod:`planner.schedule`)
+splits into a part that adds up over stages and a part set by the slowest stations::
+
+    T(P) = A(P) + (M - 1) * (Phi(P) + Gamma(P))
+
+    A(P)     = sum_k (F_k + B_k + 2 C_k)  +  optimizer step of stage 0
+    Phi(P)   = max_k max(F_k, C_k)      the slowest forward station (stage or link)
+    Gamma(P) = max_k max(B_k, C_k)      the slowest backward station
+
+Two maxima and a sum: minimising max_k (F_k + B_k), the usual min-max partition, is not the
+same problem (a stage heavy in forward and another heavy in backward both count in full), so
+a min-max DP on F + B is not exact. Instead:
+
+1. Fix thresholds X for Phi and Y for Gamma. Whether some partition keeps every station under
+   them is a *feasibility probe*; the cheapest A(P) among those partitions, D(X, Y), is a
+   shortest path over the cut positions (a DP over stages and cuts).
+2. T* = min over (X, Y) of D(X, Y) + (M - 1)(X + Y), where only values that some stage or link
+   actually takes matter. Branch and bound finds it over boxes [Xa, Xb] x [Ya, Yb]: a box
+   cannot beat D(Xb, Yb) + (M - 1)(Xa + Ya); solving D at the box's corner gives a real plan
+   P* with stations (Phi*, Gamma*), which settles every threshold pair above (Phi*, Gamma*);
+   what is left of the box is the two boxes {X < Phi*} and {X >= Phi*, Y < Gamma*}.
+3. The smallest achievable Phi + Gamma (a "staircase" walk along the Pareto front of the two
+   maxima, using probes only) bounds every box from below and gives the first incumbents.
+
+When A(P) is the same for every partition (no communication, no optimizer time, one
+recompute setting for all stages), D is just the probe and the search is the staircase walk.
+
+The probe and D come in a fast form and a general one. Fast: with no communication and
+memory that only grows with a stage, a stage that fits still fits when it sheds layers, so a
+greedy cut (each stage as long as the thresholds allow) decides feasibility in O(K log L), and
+D is a DP whose candidate predecessors form a sliding window, O(K L). General (links whose
+cost depends on where you cut, or recomputation whose memory depends on the stage's input):
+reachable cut positions stage by stage, and a DP over (stage, cut, previous cut).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import struct
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .costmodel import CostModel
+from .objective import Evaluation, evaluate
+from .costmodel import reach
+
+INF = math.inf
+_RELATIVE_SLACK = 1e-12   # bounds are sums of floats: prune only when clearly no better
+
+
+@dataclass
+class Solution:
+    evaluation: Evaluation
+    proven: bool
+    lower_bound_s: float
+    method: str
+    stats: dict = field(default_factory=dict)
+
+
+def _bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _from_bits(b: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", b))[0]
+
+
+def below(x: float) -> float:
+    """The largest float strictly below x (x >= 0)."""
+    return math.nextafter(x, -INF)
+
+
+class GPipeSolver:
+    """Exact minimum of GPipe's step time over all partitions into exactly K stages.
+
+    The searches after the staircase stop after ``time_budget_s``; the solution then says it
+    is not proven and carries the lower bound that the unexplored part still allows.
+    """
+
+    def __init__(self, cm: CostModel, time_budget_s: float = 10.0):
+        self.cm = cm
+        self.time_budget_s = time_budget_s
+        self.started = time.perf_counter()
+        self.L, self.K, self.M = cm.L, cm.K, cm.M
+        comm_on = cm.setting.comm_on
+        has_limit = cm.limit is not None
+        # The recompute choice, when it is the same for every stage.
+        if cm.setting.recompute == "never" or not has_limit:
+            self.fixed_recompute: bool | None = cm.setting.recompute == "always"
+        elif cm.setting.recompute == "always":
+            self.fixed_recompute = True
+        else:
+            self.fixed_recompute = None
+        # Memory that only grows with the stage: true unless a recomputing stage's memory
+        # depends on its input (the cut it starts at) under a limit.
+        shrink_safe = not has_limit or self.fixed_recompute is False
+        self.greedy_ok = not comm_on and shrink_safe
+        self.window_ok = self.fixed_recompute is not None and shrink_safe
+        self.constant_additive = self.window_ok and not comm_on and cm.popt[-1] == 0.0
+        self.probes = 0
+        self.dp_runs = 0
+        self.next_forward = self.next_backward = INF   # see _probe_greedy
+        self._min_forward: dict[tuple[float, int | None], tuple[float, tuple[int, ...]] | None] = {}
+        self._min_backward: dict[tuple[float, int | None], tuple[float, tuple[int, ...]] | None] = {}
+
+    # ----------------------------------------------------------------- stations
+    def stations(self, bounds: tuple[int, ...]) -> tuple[float, float]:
+        """(Phi, Gamma) of a partition, with the recompute choice the solver would make."""
+        cm = self.cm
+        phi = gamma = 0.0
+        for k in range(self.K):
+            s, e = bounds[k], bounds[k + 1]
+            r = self._recompute(s, e)
+            c = cm.comm[e] if e < self.L else 0.0
+            phi = max(phi, cm.forward(s, e), c)
+            gamma = max(gamma, cm.backward(s, e, bool(r)), c)
+        return phi, gamma
+
+    def _recompute(self, s: int, e: int) -> bool | None:
+        # GPipe keeps M micro-batches in flight on every stage: the stage index does not matter.
+        return self.cm.choose_recompute(s, e, 0)
+
+    # ----------------------------------------------------------------- probe
+    def probe(self, X: float, Y: float, first_cap: int | None = None) -> tuple[int, ...] | None:
+        """Some partition whose every forward station is <= X and backward station <= Y
+        (and whose first stage ends at or before ``first_cap``, greedy probe only)."""
+        self.probes += 1
+        if self.greedy_ok:
+            return self._probe_greedy(X, Y, first_cap)
+        assert first_cap is None
+        return self._probe_reachable(X, Y)
+
+    def _mem_reach(self, s: int, hi: int, recompute: bool) -> int:
+        """The largest e in [s, hi] whose stage [s, e) fits in memory (s if none)."""
+        cm = self.cm
+        if cm.limit is None or hi <= s:
+            return hi
+        if cm.fits(s, hi, 0, recompute):
+            return hi
+        lo = s          # invariant: lo fits (or is s), hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if cm.fits(s, mid, 0, recompute):
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def _probe_greedy(self, X: float, Y: float, first_cap: int | None) -> tuple[int, ...] | None:
+        """Cut each stage as long as the thresholds allow; feasible iff that needs <= K stages.
+
+        On failure it also notes, in ``self.next_forward`` / ``self.next_backward``, the least
+        threshold at which some stage held back by that threshold could take one more layer:
+        below it the greedy cuts stay the same, so every threshold below it fails too.
+        """
+        cm, L, K = self.cm, self.L, self.K
+        r = bool(self.fixed_recompute)
+        backward_prefix = cm.pgr if r else cm.pg
+        bounds = [0]
+        s = 0
+        next_forward = next_backward = INF
+        while s < L:
+            e_forward = reach(cm.pf, s, X, cm.overhead)
+            e_backward = reach(backward_prefix, s, Y, cm.overhead)
+            e = self._mem_reach(s, min(e_forward, e_backward), r)
+            if s == 0 and first_cap is not None:
+                e = min(e, first_cap)
+            if e < L:
+                if e_forward == e and e_forward < e_backward:
+                    next_forward = min(next_forward, cm.forward(s, e + 1))
+                if e_backward == e and e_backward < e_forward:
+                    next_backward = min(next_backward, cm.backward(s, e + 1, r))
+            if e <= s or len(bounds) > K:
+                self.next_forward, self.next_backward = next_forward, next_backward
+                return None
+            bounds.append(e)
+            s = e
+        # Fewer than K stages: cutting a stage further keeps every station under the thresholds.
+        missing = K - (len(bounds) - 1)
+        if missing:
+            taken = set(bounds)
+            extra = [p for p in range(1, L) if p not in taken][:missing]
+            bounds = sorted(taken.union(extra))
+        return tuple(bounds)
+
+    def _valid_ends(self, s: int, X: float, Y: float) -> list[tuple[int, int]]:
+        """Intervals (lo, hi) of ends e for which the stage [s, e) meets X, Y and memory."""
+        cm = self.cm
+        e_forward = reach(cm.pf, s, X, cm.overhead)
+        if e_forward <= s:
+            return []
+        if self.fixed_recompute is not None:
+            r = self.fixed_recompute
+            prefix = cm.pgr if r else cm.pg
+            e = self._mem_reach(s, min(e_forward, reach(prefix, s, Y, cm.overhead)), r)
+            return [(s + 1, e)] if e > s else []
+        # Per-stage choice: without recomputation while it fits, with it beyond.
+        fits_plain = self._mem_reach(s, e_forward, False)
+        out = []
+        e0 = min(fits_plain, reach(cm.pg, s, Y, cm.overhead))
+        if e0 > s:
+            out.append((s + 1, e0))
+        if fits_plain < e_forward:
+            e1 = self._mem_reach(s, min(e_forward, reach(cm.pgr, s, Y, cm.overhead)), True)
+            if e1 > fits_plain:
+                out.append((fits_plain + 1, e1))
+        return out
+
+    def _probe_reachable(self, X: float, Y: float) -> tuple[int, ...] | None:
+        cm, L, K = self.cm, self.L, self.K
+        cut_cap = min(X, Y)
+        cut_ok = [e == L or cm.comm[e] <= cut_cap for e in range(L + 1)]
+        current = [False] * (L + 1)
+        current[0] = True
+        parents: list[list[int]] = []
+        for k in range(K):
+            intervals = []
+            for s in range(L):
+                if current[s]:
+                    for lo, hi in self._valid_ends(s, X, Y):
+                        intervals.append((lo, hi, s))
+            intervals.sort()
+            nxt = [False] * (L + 1)
+            parent = [-1] * (L + 1)
+            heap: list[tuple[int, int]] = []
+            i = 0
+            first, last = k + 1, L - (K - 1 - k)
+            for e in range(1, L + 1):
+                while i < len(intervals) and intervals[i][0] <= e:
+                    heapq.heappush(heap, (-intervals[i][1], intervals[i][2]))
+                    i += 1
+                while heap and -heap[0][0] < e:
+                    heapq.heappop(heap)
+                if heap and first <= e <= last and cut_ok[e] and (k == K - 1) == (e == L):
+                    nxt[e] = True
+                    parent[e] = heap[0][1]
+            parents.append(parent)
+            current = nxt
+        if not current[L]:
+            return None
+        bounds = [L]
+        for k in range(K - 1, -1, -1):
+            bounds.append(parents[k][bounds[-1]])
+        return tuple(reversed(bounds))
+
+    # ----------------------------------------------------------------- thresholds
+    def min_forward(self, Y: float, first_cap: int | None = None) -> tuple[float, tuple[int, ...]] | None:
+        """The smallest Phi of a partition with Gamma <= Y, and such a partition."""
+        key = (Y, first_cap)
+        if key not in self._min_forward:
+            self._min_forward[key] = self._minimise(
+                lambda x: self.probe(x, Y, first_cap), lambda b: self.stations(b)[0],
+                lambda: self.next_forward, self._forward_floor())
+        return self._min_forward[key]
+
+    def min_backward(self, X: float, first_cap: int | None = None) -> tuple[float, tuple[int, ...]] | None:
+        """The smallest Gamma of a partition with Phi <= X, and such a partition."""
+        key = (X, first_cap)
+        if key not in self._min_backward:
+            self._min_backward[key] = self._minimise(
+                lambda y: self.probe(X, y, first_cap), lambda b: self.stations(b)[1],
+                lambda: self.next_backward, self._backward_floor())
+        return self._min_backward[key]
+
+    def staircase(self, first_cap: int | None = None) -> tuple[float, list[tuple[int, ...]]] | None:
+        """The least Phi + Gamma over partitions (first stage ending by ``first_cap``), walking
+        the Pareto front of the two maxima; returns it with the front's partitions, best first."""
+        y_floor_found = self.min_backward(INF, first_cap)
+        if y_floor_found is None:
+            return None
+        y_floor = y_floor_found[0]
+        least, front = INF, []
+        step = self.min_forward(INF, first_cap)
+        while step is not None:
+            x, _ = step
+            y_found = self.min_backward(x, first_cap)
+            assert y_found is not None
+            y, b = y_found
+            if x + y < least:
+                least = x + y
+                front.insert(0, b)
+            else:
+                front.append(b)
+            if y <= y_floor:
+                break
+            step = self.min_forward(below(y), first_cap)
+            if step is None or step[0] + y_floor >= least:
+                break
+        return least, front
+
+    def _forward_floor(self) -> float:
+        cm = self.cm
+        return max(cm.forward(i, i + 1) for i in range(self.L))
+
+    def _backward_floor(self) -> float:
+        cm = self.cm
+        return max(cm.backward(i, i + 1, False) for i in range(self.L))
+
+    def _minimise(self, probe, value, jump, floor: float) -> tuple[float, tuple[int, ...]] | None:
+        """The least threshold whose probe succeeds: bisection over the floats themselves,
+        snapping down to what the found plan really reaches and, after a failed greedy probe,
+        jumping up to the next threshold that changes anything."""
+        found = probe(INF)
+        if found is None:
+            return None
+        hi, best = value(found), found
+        lo = floor                           # every threshold below lo fails
+        while lo < hi:
+            mid = _from_bits((_bits(lo) + _bits(hi)) // 2)
+            found = probe(mid)
+            if found is None:
+                lo = max(math.nextafter(mid, INF), jump() if self.greedy_ok else 0.0)
+            else:
+                hi, best = value(found), found
+        return hi, best
+
+    # ----------------------------------------------------------------- additive DP
+    def min_additive(self, X: float, Y: float) -> tuple[float, tuple[int, ...]] | None:
+        """D(X, Y): the least A(P) over partitions within the thresholds, and such a partition."""
+        if self.constant_additive:
+            bounds = self.probe(X, Y)
+            if bounds is None:
+                return None
+            return self._additive(bounds), bounds
+        self.dp_runs += 1
+        if self.window_ok:
+            return self._additive_window(X, Y)
+        return self._additive_general(X, Y)
+
+    def _additive(self, bounds: tuple[int, ...]) -> float:
+        cm = self.cm
+        total = cm.optimizer(bounds[0], bounds[1])
+        for k in range(self.K):
+            s, e = bounds[k], bounds[k + 1]
+            r = bool(self._recompute(s, e))
+            total += cm.forward(s, e) + cm.backward(s, e, r) + 2 * (cm.comm[e] if e < self.L else 0.0)
+        return total
+
+    def _additive_window(self, X: float, Y: float) -> tuple[float, tuple[int, ...]] | None:
+        """Stage costs F + B add up to a constant here; what varies is 2 C at each cut and
+        stage 0's optimizer step. The stages that may end at e start in a window [lo(e), e)."""
+        cm, L, K = self.cm, self.L, self.K
+        r = bool(self.fixed_recompute)
+        cut_cap = min(X, Y)
+        lo = [0] * (L + 1)
+        s = 0
+        for e in range(1, L + 1):
+            while s < e and not (cm.forward(s, e) <= X and cm.backward(s, e, r) <= Y and cm.fits(s, e, 0, r)):
+                s += 1
+            lo[e] = s
+        comm2 = [2 * c for c in cm.comm]
+        cost = [INF] * (L + 1)
+        for e in range(1, L - K + 2):
+            if lo[e] == 0 and cm.comm[e] <= cut_cap:
+                cost[e] = cm.optimizer(0, e) + comm2[e]
+        parents: list[list[int]] = []
+        for k in range(1, K):
+            first, last = (k + 1 if k < K - 1 else L), L - (K - 1 - k)
+            new = [INF] * (L + 1)
+            parent = [-1] * (L + 1)
+            window: deque[int] = deque()
+            pushed = k     # candidates s are pushed in increasing order
+            for e in range(first, last + 1):
+                while pushed < e:
+                    if cost[pushed] < INF:
+                        while window and cost[window[-1]] > cost[pushed]:
+                            window.pop()
+                        window.append(pushed)
+                    pushed += 1
+                while window and window[0] < lo[e]:
+                    window.popleft()
+                if window and (e == L or cm.comm[e] <= cut_cap):
+                    new[e] = cost[window[0]] + (comm2[e] if e < L else 0.0)
+                    parent[e] = window[0]
+            parents.append(parent)
+            cost = new
+        if cost[L] == INF:
+            return None
+        bounds = [L]
+        for parent in reversed(parents):
+            bounds.append(parent[bounds[-1]])
+        bounds.append(0)
+        bounds = tuple(reversed(bounds))
+        return self._additive(bounds), bounds
+
+    def _additive_general(self, X: float, Y: float) -> tuple[float, tuple[int, ...]] | None:
+        cm, L, K = self.cm, self.L, self.K
+        cut_cap = min(X, Y)
+        cost = [INF] * (L + 1)
+        cost[0] = 0.0
+        parents: list[list[int]] = []
+        for k in range(K):
+            first, last = k + 1, L - (K - 1 - k)
+            new = [INF] * (L + 1)
+            parent = [-1] * (L + 1)
+            for e in range(first, last + 1):
+                send = cm.comm[e] if e < L else 0.0
+                if send > cut_cap:
+                    continue
+                best, arg = INF, -1
+                for s in range(e - 1, k - 1, -1):
+                    f = cm.forward(s, e)
+                    if f > X or cm.backward(s, e, False) > Y:
+                        break                # stages only get slower as they grow
+                    if cost[s] == INF:
+                        continue
+                    r = cm.choose_recompute(s, e, 0)
+                    if r is None:
+                        continue
+                    b = cm.backward(s, e, r)
+                    if b > Y:
+                        continue
+                    c = cost[s] + f + b + 2 * send + (cm.optimizer(0, e) if k == 0 else 0.0)
+                    if c < best:
+                        best, arg = c, s
+                new[e], parent[e] = best, arg
+            parents.append(parent)
+            cost = new
+        if cost[L] == INF:
+            return None
+        bounds = [L]
+        for k in range(K - 1, -1, -1):
+            bounds.append(parents[k][bounds[-1]])
+        bounds = tuple(reversed(bounds))
+        return self._additive(bounds), bounds
+
+    # ----------------------------------------------------------------- search
+    def _out_of_time(self) -> bool:
+        return time.perf_counter() - self.started > self.time_budget_s
+
+    def solve(self) -> Solution | None:
+        cm, M = self.cm, self.M
+        self.started = time.perf_counter()
+        root = self.min_additive(INF, INF)
+        if root is None:
+            return None                                   # nothing fits in memory
+        additive_floor, bounds = root
+        best = evaluate(cm, bounds)
+
+        def consider(b: tuple[int, ...]) -> None:
+            nonlocal best
+            ev = evaluate(cm, b)
+            if ev.step_s < best.step_s:
+                best = ev
+
+        stair = self.staircase()
+        assert stair is not None
+        least_sum, front = stair
+        for b in front:
+            consider(b)
+        open_bound = INF      # least bound of what a time-out left unexplored
+        if self.constant_additive or M == 1:
+            # A(P) is the same for every plan, or (M = 1) it is the whole objective: done.
+            method = "staircase over the two maxima" if M > 1 else "least-additive DP"
+        elif self.greedy_ok:
+            open_bound = self._first_stage_search(least_sum, front[0], consider, lambda: best.step_s)
+            method = "staircase per first-stage length (optimizer time of stage 0)"
+        else:
+            open_bound = self._box_search(additive_floor, least_sum, consider, lambda: best.step_s)
+            method = "branch and bound over threshold boxes, " + (
+                "sliding-window DP" if self.window_ok else "general DP")
+        # Unless time ran out, every alternative is settled: no plan with this setting is faster.
+        proven = open_bound >= best.step_s
+        return Solution(best, proven, min(best.step_s, open_bound), "gpipe closed form; " + method,
+                        {"probes": self.probes, "dp_runs": self.dp_runs,
+                         "seconds": round(time.perf_counter() - self.started, 3)})
+
+    def _first_stage_search(self, least_sum, best_front, consider, incumbent) -> float:
+        """No communication: A(P) is a constant plus stage 0's optimizer step, which grows with
+        stage 0's length e0. So T* = min over e0 of const + O(e0) + (M-1) h(e0), with h(e0) the
+        least Phi + Gamma when stage 0 ends by e0. The best plan overall ends stage 0 at e*, so
+        only shorter first stages can do better, and they are tried from e* down, each a
+        staircase walk, until even the cheapest optimizer step cannot pay for the slower rest."""
+        cm, L, K, M = self.cm, self.L, self.K, self.M
+        e_star = best_front[1]
+        constant = self._additive(best_front) - cm.optimizer(0, e_star)
+        cheapest_optimizer = cm.optimizer(0, 1)
+        cap = e_star - 1
+        while cap >= 1 and K > 1:
+            rest = K - 1
+            rest_floor = ((cm.pf[L] - cm.pf[cap] + rest * cm.overhead) / rest
+                          + (cm.pg[L] - cm.pg[cap] + rest * cm.overhead) / rest)
+            floor = constant + cheapest_optimizer + (M - 1) * max(least_sum, rest_floor)
+            if floor >= incumbent() * (1 - _RELATIVE_SLACK):
+                break
+            if self._out_of_time():
+                return floor
+            found = self.staircase(cap)
+            if found is None:
+                break                      # shorter first stages cannot fit either
+            for b in found[1]:
+                consider(b)
+            cap = min(cap, found[1][0][1]) - 1
+        return INF
+
+    def _box_search(self, additive_floor, least_sum, consider, incumbent) -> float:
+        M = self.M
+
+        def bound(d: float, xa: float, ya: float) -> float:
+            return d + (M - 1) * max(least_sum, xa + ya)
+
+        boxes: list[tuple[float, int, float, float, float, float]] = []
+        counter = 0
+        heapq.heappush(boxes, (bound(additive_floor, 0.0, 0.0), counter, 0.0, INF, 0.0, INF))
+        while boxes:
+            box_bound, _, xa, xb, ya, yb = heapq.heappop(boxes)
+            if box_bound >= incumbent() * (1 - _RELATIVE_SLACK):
+                break
+            if self._out_of_time():
+                return box_bound
+            ym = self.min_backward(xb)
+            if ym is None or ym[0] > yb:
+                continue
+            xm = self.min_forward(yb)
+            if xm is None or xm[0] > xb:
+                continue
+            xa, ya = max(xa, xm[0]), max(ya, ym[0])
+            corner = self.min_additive(xb, yb)
+            if corner is None:
+                continue
+            d, b = corner
+            if bound(d, xa, ya) >= incumbent() * (1 - _RELATIVE_SLACK):
+                continue
+            consider(b)
+            phi, gamma = self.stations(b)
+            if phi > xa:
+                counter += 1
+                heapq.heappush(boxes, (bound(d, xa, ya), counter, xa, below(phi), ya, yb))
+            if gamma > ya:
+                counter += 1
+                heapq.heappush(boxes, (bound(d, phi, ya), counter, phi, xb, ya, below(gamma)))
+        return INF

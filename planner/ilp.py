@@ -1,0 +1,185 @@
+"""The same problem as an integer linear programme (pulp with its bundled CBC solver).
+
+A second, independent exact method: the tests hold the DP and this ILP to the same optimum,
+and brute force holds both. It is slower than the DP, but it is a direct transcription of the
+cost model, which makes it easy to trust.
+
+Variables: ``below[i][k]`` = 1 when layer i sits in stage k or earlier. Contiguity is then
+``below[i+1][k] <= below[i][k] <= below[i][k+1]``, layer i's stage indicator is
+``below[i][k] - below[i][k-1]``, and layer i ends stage k exactly when
+``below[i][k] - below[i+1][k]`` is 1, which prices the cut. ``recompute[k]`` chooses
+recomputation; its extra time ``F_k * recompute[k]`` is linearised with a big-M bound.
+
+Time, GPipe: the closed form, with ``phi >= F_k, C_k`` and ``gamma >= B_k, C_k``.
+Time, 1F1B: every operation of the schedule gets a start-time variable; each must start after
+its stage's previous operation and after its input arrived over the link (links are
+sequential resources too), and the step is the end of stage 0's last backward plus its
+optimizer step. Minimising the step over start times is the schedule's longest path, so the
+ILP's optimum is exactly the simulator's step for the best partition.
+
+Memory: per stage, in the form of :mod:`planner.costmodel`; with recomputation allowed, one
+constraint for each choice, the one not taken relaxed by a big-M.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pulp
+
+from .costmodel import CostModel
+from .dp import Solution
+from .objective import evaluate
+from .schedule import operation_order
+
+
+def solve_ilp(cm: CostModel, time_limit_s: float = 60.0) -> Solution | None:
+    L, K, M = cm.L, cm.K, cm.M
+    fig = cm.figures
+    # Scale to keep CBC's tolerances meaningful: time in units of the mean layer's work.
+    time_unit = (sum(fig.forward_s) + sum(fig.backward_s)) / L or 1.0
+    f = [x / time_unit for x in fig.forward_s]
+    g = [x / time_unit for x in fig.backward_s]
+    opt = [x / time_unit for x in fig.optimizer_s]
+    ovh = cm.overhead / time_unit
+    comm = [c / time_unit for c in cm.comm]            # comm[e]: the cut before layer e
+
+    prob = pulp.LpProblem("gpipe_plan", pulp.LpMinimize)
+    below = [[pulp.LpVariable(f"below_{i}_{k}", cat="Binary") for k in range(K)] for i in range(L)]
+    for i in range(L):
+        prob += below[i][K - 1] == 1
+        for k in range(K - 1):
+            prob += below[i][k] <= below[i][k + 1]
+        if i + 1 < L:
+            for k in range(K):
+                prob += below[i + 1][k] <= below[i][k]
+
+    def member(i: int, k: int):
+        return below[i][k] - (below[i][k - 1] if k else 0)
+
+    for k in range(K):
+        prob += pulp.lpSum(member(i, k) for i in range(L)) >= 1
+
+    def ends(i: int, k: int):
+        """1 when layer i is the last layer of stage k (k < K-1)."""
+        return below[i][k] - below[i + 1][k]
+
+    recompute = []
+    for k in range(K):
+        if cm.allowed_recompute == (False,):
+            recompute.append(0)
+        elif cm.allowed_recompute == (True,):
+            recompute.append(1)
+        else:
+            recompute.append(pulp.LpVariable(f"recompute_{k}", cat="Binary"))
+
+    forward, backward, send = [], [], []
+    big_forward = sum(f) + ovh
+    for k in range(K):
+        fk = pulp.lpSum(f[i] * member(i, k) for i in range(L)) + ovh
+        extra = pulp.LpVariable(f"recompute_time_{k}", lowBound=0)
+        if isinstance(recompute[k], int):
+            prob += extra == (fk - ovh if recompute[k] else 0)
+        else:
+            prob += extra >= (fk - ovh) - big_forward * (1 - recompute[k])
+        forward.append(fk)
+        backward.append(pulp.lpSum(g[i] * member(i, k) for i in range(L)) + ovh + extra)
+        if k < K - 1:
+            send.append(pulp.lpSum(comm[i + 1] * ends(i, k) for i in range(L - 1)))
+    optimizer0 = pulp.lpSum(opt[i] * member(i, 0) for i in range(L))
+
+    if cm.setting.schedule == "gpipe":
+        phi = pulp.LpVariable("phi", lowBound=0)
+        gamma = pulp.LpVariable("gamma", lowBound=0)
+        for k in range(K):
+            prob += phi >= forward[k]
+            prob += gamma >= backward[k]
+        for c in send:
+            prob += phi >= c
+            prob += gamma >= c
+        prob += (pulp.lpSum(forward) + pulp.lpSum(backward) + 2 * pulp.lpSum(send)
+                 + (M - 1) * (phi + gamma) + optimizer0)
+    else:
+        prob += _schedule_makespan(prob, cm.setting.schedule, K, M, forward, backward, send) + optimizer0
+
+    if cm.limit is not None:
+        _memory_constraints(prob, cm, member, ends, recompute)
+
+    status = prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(time_limit_s)), gapRel=0, gapAbs=1e-9))
+    if pulp.LpStatus[status] == "Infeasible":
+        return None
+    if pulp.LpStatus[status] != "Optimal" and prob.sol_status not in (pulp.LpSolutionIntegerFeasible,):
+        return None
+    stage_of = [min(k for k in range(K) if (below[i][k].value() or 0) > 0.5) for i in range(L)]
+    bounds = [0] + [i for i in range(1, L) if stage_of[i] != stage_of[i - 1]] + [L]
+    chosen = [bool(round(r.value())) if not isinstance(r, int) else bool(r) for r in recompute]
+    ev = evaluate(cm, bounds, chosen)
+    proven = pulp.LpStatus[status] == "Optimal" and prob.sol_status == pulp.LpSolutionOptimal
+    lower = ev.step_s if proven else 0.0     # CBC stopped early: no bound we can vouch for
+    return Solution(ev, proven, lower, f"integer linear programme (pulp/CBC), {cm.setting.schedule}",
+                    {"variables": len(prob.variables()), "constraints": len(prob.constraints)})
+
+
+def _schedule_makespan(prob, schedule: str, K: int, M: int, forward, backward, send):
+    """Start-time variables for every operation and send; returns stage 0's finish time."""
+    start = {}
+    for k in range(K):
+        previous = None
+        for kind, m in operation_order(schedule, K, M, k):
+            var = pulp.LpVariable(f"start_{kind}_{k}_{m}", lowBound=0)
+            start[(kind, k, m)] = var
+            if previous is not None:
+                prev_kind = previous[0]
+                prob += var >= start[previous] + (forward[k] if prev_kind == "F" else backward[k])
+            previous = (kind, k, m)
+    # Links: sends leave in the order their stage produced them, one at a time.
+    for k in range(K - 1):
+        fwd_prev = bwd_prev = None
+        for kind, m in operation_order(schedule, K, M, k):
+            if kind == "F":
+                sent = pulp.LpVariable(f"send_fwd_{k}_{m}", lowBound=0)
+                prob += sent >= start[("F", k, m)] + forward[k]
+                if fwd_prev is not None:
+                    prob += sent >= fwd_prev + send[k]
+                prob += start[("F", k + 1, m)] >= sent + send[k]
+                fwd_prev = sent
+        for kind, m in operation_order(schedule, K, M, k + 1):
+            if kind == "B":
+                sent = pulp.LpVariable(f"send_bwd_{k}_{m}", lowBound=0)
+                prob += sent >= start[("B", k + 1, m)] + backward[k + 1]
+                if bwd_prev is not None:
+                    prob += sent >= bwd_prev + send[k]
+                prob += start[("B", k, m)] >= sent + send[k]
+                bwd_prev = sent
+    for m in range(M):
+        prob += start[("B", K - 1, m)] >= start[("F", K - 1, m)] + forward[K - 1]
+    last_kind, last_m = operation_order(schedule, K, M, 0)[-1]
+    return start[(last_kind, 0, last_m)] + backward[0]
+
+
+def _memory_constraints(prob, cm: CostModel, member, ends, recompute) -> None:
+    L, K = cm.L, cm.K
+    fig = cm.figures
+    unit = cm.limit
+    static = [(p * cm.static_per_param + b) / unit for p, b in zip(fig.param_bytes, fig.buffer_bytes)]
+    act = [a / unit for a in fig.activation_bytes]
+    trans = [t / unit for t in fig.transient_bytes]
+    inbytes = [x / unit for x in cm.in_bytes]
+    big = 1.0 + sum(static) + cm.M * (sum(act) + max(inbytes) + max(trans, default=0.0))
+    for k in range(K):
+        n = cm.in_flight(k)
+        held = pulp.lpSum(static[i] * member(i, k) for i in range(L))
+        acts = pulp.lpSum(act[i] * member(i, k) for i in range(L))
+        peak = pulp.LpVariable(f"transient_{k}", lowBound=0)
+        for i in range(L):
+            if trans[i] > 0:
+                prob += peak >= trans[i] * member(i, k)
+        stage_input = inbytes[0] if k == 0 else pulp.lpSum(inbytes[i + 1] * ends(i, k - 1) for i in range(L - 1))
+        plain = held + peak + n * acts
+        recomputing = held + peak + n * stage_input + acts
+        r = recompute[k]
+        if isinstance(r, int):
+            prob += (recomputing if r else plain) <= 1.0
+        else:
+            prob += plain <= 1.0 + big * r
+            prob += recomputing <= 1.0 + big * (1 - r)

@@ -1,0 +1,196 @@
+"""A profile as the planner sees it: per-layer figures at any micro-batch size.
+
+The profiler measures each layer at a few micro-batch sizes. A plan with M micro-batches of a
+global batch B runs at size ``b = B / M``, which usually was not measured, so every per-layer
+quantity is interpolated linearly between the two measured sizes around ``b`` and extrapolated
+from the two nearest ones outside them (clamped at zero). A profile measured at one size
+scales in proportion to ``b``. Linear is the right shape for both time (a layer's work grows
+with the rows it processes, plus a fixed launch cost that the intercept carries) and memory
+(activations are exactly proportional to ``b``).
+
+This module also validates the profile, so that a missing field is reported as "layer 3
+('block1') has no 'backward_s'" rather than as a KeyError somewhere in the solver.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ..artifacts import PROFILE_FORMAT, BadInput, check_format
+
+PER_SIZE_FIELDS = ("forward_s", "backward_s", "activation_bytes", "output_bytes")
+OPTIONAL_PER_SIZE_FIELDS = ("peak_transient_bytes",)
+
+
+@dataclass(frozen=True)
+class LayerFigures:
+    """Every layer's figures at one micro-batch size: the arrays the solvers work on."""
+
+    micro_batch_size: float
+    names: tuple[str, ...]
+    forward_s: tuple[float, ...]
+    backward_s: tuple[float, ...]
+    activation_bytes: tuple[float, ...]
+    output_bytes: tuple[float, ...]       # bytes crossing the cut after each layer
+    transient_bytes: tuple[float, ...]
+    param_bytes: tuple[float, ...]
+    buffer_bytes: tuple[float, ...]
+    optimizer_s: tuple[float, ...]
+    input_bytes: float                    # one micro-batch of the model's input
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.names)
+
+
+class Profile:
+    """A validated profile document, able to give :class:`LayerFigures` at any size."""
+
+    def __init__(self, doc: Any, where: str = "profile"):
+        check_format(doc, PROFILE_FORMAT, where)
+        self.doc = doc
+        self.where = where
+        self.sizes = _sizes(doc, where)
+        self.layers = _layers(doc, where, len(self.sizes))
+        self.names = tuple(layer["name"] for layer in self.layers)
+        self.input_bytes = _optional_series(doc, "input_bytes", where, len(self.sizes))
+        link = doc.get("link") or {}
+        self.link_bandwidth_bytes_per_s: float | None = _positive_or_none(link.get("bandwidth_bytes_per_s"))
+        self.link_latency_s: float = float(link.get("latency_s") or 0.0)
+        overhead = doc.get("overhead") or {}
+        self.per_microbatch_overhead_s: float = float(overhead.get("per_microbatch_s") or 0.0)
+        self._cache: dict[float, LayerFigures] = {}
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def model(self) -> dict:
+        return self.doc["model"]
+
+    @property
+    def device(self) -> dict:
+        return self.doc.get("device") or {}
+
+    def at(self, micro_batch_size: float) -> LayerFigures:
+        """Per-layer figures at ``micro_batch_size`` (interpolated; see the module docstring)."""
+        b = float(micro_batch_size)
+        if b not in self._cache:
+            sizes = self.sizes
+
+            def series(values: Sequence[float]) -> float:
+                return interpolate(sizes, values, b)
+
+            self._cache[b] = LayerFigures(
+                micro_batch_size=b,
+                names=self.names,
+                forward_s=tuple(series(l["forward_s"]) for l in self.layers),
+                backward_s=tuple(series(l["backward_s"]) for l in self.layers),
+                activation_bytes=tuple(series(l["activation_bytes"]) for l in self.layers),
+                output_bytes=tuple(series(l["output_bytes"]) for l in self.layers),
+                transient_bytes=tuple(
+                    series(l["peak_transient_bytes"]) if l.get("peak_transient_bytes") is not None else 0.0
+                    for l in self.layers
+                ),
+                param_bytes=tuple(float(l["param_bytes"]) for l in self.layers),
+                buffer_bytes=tuple(float(l.get("buffer_bytes") or 0.0) for l in self.layers),
+                optimizer_s=tuple(float(l.get("optimizer_s") or 0.0) for l in self.layers),
+                input_bytes=series(self.input_bytes) if self.input_bytes is not None else 0.0,
+            )
+        return self._cache[b]
+
+    def measured_range(self) -> tuple[int, int]:
+        return self.sizes[0], self.sizes[-1]
+
+
+def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys), extended linearly past the ends, never below zero."""
+    if len(xs) == 1:
+        return max(0.0, float(ys[0]) * x / xs[0])
+    if x <= xs[0]:
+        i = 0
+    elif x >= xs[-1]:
+        i = len(xs) - 2
+    else:
+        i = 0
+        while xs[i + 1] < x:
+            i += 1
+    x0, x1, y0, y1 = xs[i], xs[i + 1], float(ys[i]), float(ys[i + 1])
+    if x == x0:
+        return max(0.0, y0)
+    if x == x1:
+        return max(0.0, y1)
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def _sizes(doc: dict, where: str) -> list[int]:
+    sizes = doc.get("micro_batch_sizes")
+    if not isinstance(sizes, list) or not sizes:
+        raise BadInput(f"{where}: 'micro_batch_sizes' must be a non-empty list of positive integers")
+    for s in sizes:
+        if not isinstance(s, (int, float)) or isinstance(s, bool) or s <= 0:
+            raise BadInput(f"{where}: 'micro_batch_sizes' must hold positive numbers, found {s!r}")
+    if any(b <= a for a, b in zip(sizes, sizes[1:])):
+        raise BadInput(f"{where}: 'micro_batch_sizes' must be strictly ascending, got {sizes}")
+    return list(sizes)
+
+
+def _layers(doc: dict, where: str, n_sizes: int) -> list[dict]:
+    layers = doc.get("layers")
+    if not isinstance(layers, list) or not layers:
+        raise BadInput(f"{where}: 'layers' must be a non-empty list")
+    if not isinstance(doc.get("model"), dict):
+        raise BadInput(f"{where}: 'model' (the spec that rebuilds the model) is missing")
+    seen: set[str] = set()
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, dict):
+            raise BadInput(f"{where}: layer {i} is not a JSON object")
+        name = layer.get("name")
+        label = f"layer {i}" + (f" ({name!r})" if isinstance(name, str) else "")
+        if not isinstance(name, str) or not name:
+            raise BadInput(f"{where}: {label} has no 'name'")
+        if name in seen:
+            raise BadInput(f"{where}: {label}: the name {name!r} is used twice; layer names must be unique")
+        seen.add(name)
+        for field in PER_SIZE_FIELDS:
+            if field not in layer:
+                raise BadInput(f"{where}: {label} has no '{field}'")
+            _check_series(layer[field], f"{where}: {label} field '{field}'", n_sizes)
+        for field in OPTIONAL_PER_SIZE_FIELDS:
+            if layer.get(field) is not None:
+                _check_series(layer[field], f"{where}: {label} field '{field}'", n_sizes)
+        if "param_bytes" not in layer:
+            raise BadInput(f"{where}: {label} has no 'param_bytes'")
+        _check_number(layer["param_bytes"], f"{where}: {label} field 'param_bytes'")
+        for field in ("optimizer_s", "buffer_bytes"):
+            if layer.get(field) is not None:
+                _check_number(layer[field], f"{where}: {label} field '{field}'")
+    return layers
+
+
+def _optional_series(doc: dict, key: str, where: str, n_sizes: int) -> list[float] | None:
+    if doc.get(key) is None:
+        return None
+    _check_series(doc[key], f"{where}: '{key}'", n_sizes)
+    return doc[key]
+
+
+def _check_series(values: Any, label: str, n_sizes: int) -> None:
+    if not isinstance(values, list) or len(values) != n_sizes:
+        raise BadInput(f"{label} must be a list of {n_sizes} numbers, one per micro-batch size")
+    for v in values:
+        _check_number(v, label)
+
+
+def _check_number(v: Any, label: str) -> None:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+        raise BadInput(f"{label} must hold non-negative numbers, found {v!r}")
+
+
+def _positive_or_none(v: Any) -> float | None:
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+        return float(v)
+    return None

@@ -1,0 +1,241 @@
+"""The search around the solvers: micro-batch count, schedule and recomputation.
+
+A plan is a partition (the solvers' job) under a *setting*: how many micro-batches M, which
+schedule, what recomputation is allowed. The best plan overall is the best of the best
+plans of each setting, so this module enumerates the settings the user left open, solves
+each exactly, and keeps all of them: the winner goes into the plan, the others are the
+runners-up a user compares it with.
+
+M must divide the global batch (every micro-batch has the same size); with ``auto`` every
+divisor is a candidate. More micro-batches shrink the bubble (K-1)/(M+K-1) but each pays
+the fixed per-micro-batch costs again, so the best M is a measured trade-off, not a rule.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from ..artifacts import BadInput
+from .costmodel import CostModel, Setting
+from .dp import GPipeSolver, Solution
+from .onefoneb import OneFOneBSolver
+from .profile import Profile
+from .units import format_bytes
+
+
+@dataclass(frozen=True)
+class SolveOptions:
+    stages: int
+    global_batch_size: int | None = None
+    micro_batches: int | str = "auto"
+    schedule: str = "auto"
+    recompute: str = "auto"
+    memory_limit_bytes: int | None = None
+    link_bandwidth_bytes_per_s: float | None = None   # None: the profile's link, else free
+    link_latency_s: float | None = None
+    optimizer: str = "adam"
+    solver: str = "dp"
+    time_budget_s: float = 30.0
+
+
+@dataclass
+class Candidate:
+    setting: Setting
+    micro_batch_size: int
+    solution: Solution | None              # None: nothing fits in memory with this setting
+
+    @property
+    def step_s(self) -> float:
+        return self.solution.evaluation.step_s if self.solution else math.inf
+
+    def sort_key(self) -> tuple:
+        ev = self.solution.evaluation if self.solution else None
+        return (self.step_s, ev.peak_memory_bytes if ev else math.inf,
+                self.setting.micro_batches, self.setting.schedule)
+
+
+@dataclass
+class SearchResult:
+    options: SolveOptions
+    global_batch_size: int
+    candidates: list[Candidate] = field(default_factory=list)   # best first
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def resolve_global_batch(profile: Profile, options: SolveOptions) -> int:
+    if options.global_batch_size is not None:
+        if options.global_batch_size < 1:
+            raise BadInput(f"--global-batch-size must be at least 1, got {options.global_batch_size}")
+        return options.global_batch_size
+    batch = profile.doc.get("batch_size")
+    return int(batch) if isinstance(batch, int) and batch > 0 else int(profile.sizes[-1])
+
+
+def check_options(profile: Profile, options: SolveOptions) -> int:
+    """Refuse impossible requests with one line each; returns the global batch size."""
+    L = profile.num_layers
+    if options.stages < 1:
+        raise BadInput(f"--stages must be at least 1, got {options.stages}")
+    if options.stages > L:
+        raise BadInput(
+            f"--stages {options.stages} is more than the profile's {L} layers: "
+            f"use at most {L} stages (each stage needs a layer), or profile a finer model")
+    batch = resolve_global_batch(profile, options)
+    if options.micro_batches != "auto":
+        m = options.micro_batches
+        if not isinstance(m, int) or m < 1:
+            raise BadInput(f"--micro-batches must be a positive integer or 'auto', got {m!r}")
+        if batch % m:
+            choices = ", ".join(map(str, divisors(batch)[:12]))
+            raise BadInput(
+                f"--micro-batches {m} does not divide the global batch of {batch}: "
+                f"use one of {choices}{', ...' if len(divisors(batch)) > 12 else ''} or 'auto'")
+    return batch
+
+
+def settings_for(profile: Profile, options: SolveOptions, batch: int) -> list[tuple[Setting, int]]:
+    """Every setting the options leave open, with its micro-batch size."""
+    bandwidth = options.link_bandwidth_bytes_per_s
+    if bandwidth is None:
+        bandwidth = profile.link_bandwidth_bytes_per_s or math.inf
+    latency = options.link_latency_s if options.link_latency_s is not None else profile.link_latency_s
+    ms = divisors(batch) if options.micro_batches == "auto" else [int(options.micro_batches)]
+    schedules = ["gpipe", "1f1b"] if options.schedule == "auto" else [options.schedule]
+    out = []
+    for m in ms:
+        for schedule in schedules:
+            setting = Setting(
+                stages=options.stages, micro_batches=m, schedule=schedule, recompute=options.recompute,
+                memory_limit_bytes=options.memory_limit_bytes,
+                link_bandwidth_bytes_per_s=bandwidth,
+                link_latency_s=latency if math.isfinite(bandwidth) else 0.0,
+                optimizer=options.optimizer,
+                overhead_s=profile.per_microbatch_overhead_s if options.stages > 1 else 0.0,
+            )
+            out.append((setting, batch // m))
+    return out
+
+
+def solve_setting(profile: Profile, setting: Setting, micro_batch_size: int, solver: str,
+                  time_budget_s: float, seeds: list[tuple[int, ...]] = ()) -> Candidate:
+    cm = CostModel(profile.at(micro_batch_size), setting)
+    if solver == "ilp":
+        from .ilp import solve_ilp  # pulp loads lazily: the DP path never pays for it
+
+        solution = solve_ilp(cm, time_limit_s=time_budget_s)
+    elif setting.schedule == "gpipe":
+        solution = GPipeSolver(cm, time_budget_s=time_budget_s).solve()
+    else:
+        solution = OneFOneBSolver(cm, seeds=seeds, time_budget_s=time_budget_s).solve()
+    return Candidate(setting, micro_batch_size, solution)
+
+
+def search(profile: Profile, options: SolveOptions, progress=None) -> SearchResult:
+    """Solve every open setting exactly; the result's candidates are sorted best first.
+
+    ``progress``, if given, is called with (done, total, description) as settings finish.
+    """
+    batch = check_options(profile, options)
+    settings = settings_for(profile, options, batch)
+    result = SearchResult(options, batch)
+    started = time.perf_counter()
+    gpipe_best: dict[int, tuple[int, ...]] = {}
+    # GPipe first: its optimal partitions seed the 1F1B search of the same M.
+    order = sorted(range(len(settings)), key=lambda i: (settings[i][0].schedule != "gpipe", i))
+    for done, i in enumerate(order):
+        setting, size = settings[i]
+        remaining = max(1.0, options.time_budget_s - (time.perf_counter() - started))
+        per_setting = max(1.0, remaining / max(1, len(settings) - done))
+        seeds = [gpipe_best[setting.micro_batches]] if setting.micro_batches in gpipe_best else []
+        candidate = solve_setting(profile, setting, size, options.solver, per_setting, seeds)
+        if candidate.solution and setting.schedule == "gpipe":
+            gpipe_best[setting.micro_batches] = candidate.solution.evaluation.bounds
+        result.candidates.append(candidate)
+        if progress:
+            progress(done + 1, len(settings), f"M={setting.micro_batches} {setting.schedule}")
+    result.candidates.sort(key=Candidate.sort_key)
+    if result.best.solution is None:
+        raise BadInput(explain_infeasible(profile, options, batch))
+    return result
+
+
+# --------------------------------------------------------------------------- memory
+def least_memory(profile: Profile, setting: Setting, micro_batch_size: int) -> float:
+    """The smallest per-device memory limit under which ``setting`` has a plan at all.
+
+    A min-max partition of stage memory: bisection on the limit, each probe a reachability
+    sweep over cut positions (with recomputation chosen wherever it saves memory).
+    """
+    cm = CostModel(profile.at(micro_batch_size), Setting(**{**setting.__dict__, "memory_limit_bytes": None}))
+    L, K = cm.L, cm.K
+    options = cm.allowed_recompute
+
+    def stage_memory(s: int, e: int, k: int) -> float:
+        return min(cm.memory(s, e, k, r) for r in options)
+
+    def feasible(limit: float) -> bool:
+        current = {0}
+        for k in range(K):
+            nxt = set()
+            for s in current:
+                if k == K - 1:
+                    if stage_memory(s, L, k) <= limit:
+                        nxt.add(L)
+                    continue
+                for e in range(s + 1, L - (K - 1 - k) + 1):
+                    if stage_memory(s, e, k) > limit:
+                        break            # for a fixed start, memory grows with the stage
+                    nxt.add(e)
+            current = nxt
+            if not current:
+                return False
+        return L in current
+
+    lo, hi = 0.0, max(stage_memory(k * L // K, (k + 1) * L // K, k) for k in range(K))
+    while hi - lo > max(1.0, hi * 1e-9):
+        mid = (lo + hi) / 2
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def explain_infeasible(profile: Profile, options: SolveOptions, batch: int) -> str:
+    """One line: the limit is too small; the least that works; which option would help."""
+    limit = options.memory_limit_bytes or 0
+    need = min(least_memory(profile, s, size) for s, size in settings_for(profile, options, batch))
+    line = (f"no plan fits --memory-limit {format_bytes(limit)} per device with these options: "
+            f"the smallest limit that works is {format_bytes(need)}")
+    relaxations = []
+    if options.recompute != "auto":
+        relaxations.append(("--recompute auto", {"recompute": "auto"}))
+    if options.schedule == "gpipe":
+        relaxations.append(("--schedule 1f1b", {"schedule": "1f1b"}))
+    if options.micro_batches != "auto":
+        relaxations.append(("--micro-batches auto", {"micro_batches": "auto"}))
+    if options.stages < profile.num_layers:
+        more = min(profile.num_layers, options.stages * 2)
+        relaxations.append((f"--stages {more}", {"stages": more}))
+    helps = []
+    for flag, change in relaxations:
+        relaxed = SolveOptions(**{**options.__dict__, **change})
+        relaxed_need = min(least_memory(profile, s, size) for s, size in settings_for(profile, relaxed, batch))
+        if relaxed_need < need:
+            helps.append((relaxed_need, flag))
+    helps.sort()
+    fitting = [(n, flag) for n, flag in helps if n <= limit]
+    if fitting:
+        line += f"; {fitting[0][1]} would make it fit (it needs {format_bytes(fitting[0][0])})"
+    elif helps:
+        line += f"; {helps[0][1]} would lower it to {format_bytes(helps[0][0])}"
+    return line

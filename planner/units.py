@@ -1,0 +1,62 @@
+"""Parsing and printing the quantities users type and read: sizes, bandwidths, times."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from ..artifacts import BadInput
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+
+
+def parse_size(text: str, flag: str = "--memory-limit") -> int:
+    """``'16GiB'`` -> 17179869184. Decimal (GB) and binary (GiB) units; a bare number is bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise BadInput(f"{flag} {text!r} is not a size: write it like 16GiB, 80GB or 512MB")
+    value = float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
+    if value <= 0:
+        raise BadInput(f"{flag} must be positive, got {text!r}")
+    return int(value)
+
+
+def parse_bandwidth(text: str) -> float:
+    """``--link-bandwidth`` in GB/s -> bytes per second; ``'inf'`` -> ``math.inf`` (ignore communication)."""
+    t = str(text).strip().lower().removesuffix("gb/s").strip()
+    if t in ("inf", "infinity", "none", "off"):
+        return math.inf
+    try:
+        value = float(t)
+    except ValueError:
+        raise BadInput(f"--link-bandwidth {text!r} is not a number of GB/s (or 'inf' to ignore communication)") from None
+    if not value > 0 or not math.isfinite(value):
+        raise BadInput(f"--link-bandwidth must be a positive number of GB/s or 'inf', got {text!r}")
+    return value * 1e9
+
+
+def format_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_seconds(s: float | None) -> str:
+    if s is None or (isinstance(s, float) and math.isnan(s)):
+        return "-"
+    if s == 0:
+        return "0"
+    if abs(s) >= 1:
+        return f"{s:.3f} s"
+    if abs(s) >= 1e-3:
+        return f"{s * 1e3:.3f} ms"
+    return f"{s * 1e6:.1f} µs"
