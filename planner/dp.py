@@ -37,6 +37,7 @@ reachable cut positions stage by stage, and a DP over (stage, cut, previous cut)
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import struct
@@ -98,7 +99,10 @@ class GPipeSolver:
         # Memory that only grows with the stage: true unless a recomputing stage's memory
         # depends on its input (the cut it starts at) under a limit.
         shrink_safe = not has_limit or self.fixed_recompute is False
-        self.greedy_ok = not comm_on and shrink_safe
+        self.comm_on = comm_on
+        self.greedy_ok = shrink_safe
+        # Cut positions by send time, to count those a threshold allows (see _probe_greedy).
+        self.sorted_comm = sorted(cm.comm[1:cm.L])
         self.window_ok = self.fixed_recompute is not None and shrink_safe
         self.constant_additive = self.window_ok and not comm_on and cm.popt[-1] == 0.0
         self.probes = 0
@@ -153,13 +157,19 @@ class GPipeSolver:
     def _probe_greedy(self, X: float, Y: float, first_cap: int | None) -> tuple[int, ...] | None:
         """Cut each stage as long as the thresholds allow; feasible iff that needs <= K stages.
 
+        A stage may end only where the send to the next stage meets both thresholds; the greedy
+        stage steps back to the last such cut. Shorter stages still meet the thresholds, so a
+        greedy plan with m stages becomes one with K as long as there are enough allowed cuts.
+
         On failure it also notes, in ``self.next_forward`` / ``self.next_backward``, the least
-        threshold at which some stage held back by that threshold could take one more layer:
-        below it the greedy cuts stay the same, so every threshold below it fails too.
+        threshold at which the greedy cuts could change (a held-back stage could take one more
+        layer, or a skipped cut becomes allowed): every threshold below it fails too.
         """
         cm, L, K = self.cm, self.L, self.K
         r = bool(self.fixed_recompute)
         backward_prefix = cm.pgr if r else cm.pg
+        cut_cap = min(X, Y)
+        comm = cm.comm
         bounds = [0]
         s = 0
         next_forward = next_backward = INF
@@ -174,16 +184,32 @@ class GPipeSolver:
                     next_forward = min(next_forward, cm.forward(s, e + 1))
                 if e_backward == e and e_backward < e_forward:
                     next_backward = min(next_backward, cm.backward(s, e + 1, r))
+            if self.comm_on:
+                skipped = INF
+                while s < e < L and comm[e] > cut_cap:
+                    skipped = min(skipped, comm[e])
+                    e -= 1
+                if skipped < INF:
+                    if X <= Y:
+                        next_forward = min(next_forward, skipped)
+                    if Y <= X:
+                        next_backward = min(next_backward, skipped)
             if e <= s or len(bounds) > K:
                 self.next_forward, self.next_backward = next_forward, next_backward
                 return None
             bounds.append(e)
             s = e
-        # Fewer than K stages: cutting a stage further keeps every station under the thresholds.
         missing = K - (len(bounds) - 1)
         if missing:
             taken = set(bounds)
-            extra = [p for p in range(1, L) if p not in taken][:missing]
+            extra = [p for p in range(1, L) if p not in taken and comm[p] <= cut_cap][:missing]
+            if len(extra) < missing:
+                # Too few allowed cuts: raising min(X, Y) to the next send time is the first change.
+                allowed = bisect.bisect_right(self.sorted_comm, cut_cap)
+                nxt = self.sorted_comm[allowed] if allowed < len(self.sorted_comm) else INF
+                self.next_forward = nxt if X <= Y else INF
+                self.next_backward = nxt if Y <= X else INF
+                return None
             bounds = sorted(taken.union(extra))
         return tuple(bounds)
 
@@ -432,7 +458,9 @@ class GPipeSolver:
     def _out_of_time(self) -> bool:
         return time.perf_counter() - self.started > self.time_budget_s
 
-    def solve(self) -> Solution | None:
+    def solve(self, cutoff_s: float = INF) -> Solution | None:
+        """The optimum, or, when it cannot beat ``cutoff_s`` (a step time already achieved by
+        another setting), the best plan found on the way and a lower bound that is >= it."""
         cm, M = self.cm, self.M
         self.started = time.perf_counter()
         root = self.min_additive(INF, INF)
@@ -447,25 +475,32 @@ class GPipeSolver:
             if ev.step_s < best.step_s:
                 best = ev
 
+        def incumbent() -> float:
+            return min(best.step_s, cutoff_s)
+
         stair = self.staircase()
         assert stair is not None
         least_sum, front = stair
         for b in front:
             consider(b)
-        open_bound = INF      # least bound of what a time-out left unexplored
+        floor = additive_floor + (M - 1) * least_sum     # no plan of this setting is faster
+        open_bound = INF      # least bound of what was left unexplored
         if self.constant_additive or M == 1:
             # A(P) is the same for every plan, or (M = 1) it is the whole objective: done.
             method = "staircase over the two maxima" if M > 1 else "least-additive DP"
-        elif self.greedy_ok:
-            open_bound = self._first_stage_search(least_sum, front[0], consider, lambda: best.step_s)
+        elif floor >= incumbent() * (1 - _RELATIVE_SLACK):
+            method = "lower bound"
+        elif self.window_ok and not self.comm_on:
+            open_bound = self._first_stage_search(least_sum, front[0], consider, incumbent)
             method = "staircase per first-stage length (optimizer time of stage 0)"
         else:
-            open_bound = self._box_search(additive_floor, least_sum, consider, lambda: best.step_s)
+            open_bound = self._box_search(additive_floor, least_sum, consider, incumbent)
             method = "branch and bound over threshold boxes, " + (
                 "sliding-window DP" if self.window_ok else "general DP")
-        # Unless time ran out, every alternative is settled: no plan with this setting is faster.
-        proven = open_bound >= best.step_s
-        return Solution(best, proven, min(best.step_s, open_bound), "gpipe closed form; " + method,
+        # Every plan was either found (>= best), pruned (>= best or the cutoff at the time), or
+        # left open by the time budget (>= open_bound).
+        lower = max(floor, min(best.step_s, cutoff_s, open_bound))
+        return Solution(best, lower >= best.step_s, lower, "gpipe closed form; " + method,
                         {"probes": self.probes, "dp_runs": self.dp_runs,
                          "seconds": round(time.perf_counter() - self.started, 3)})
 

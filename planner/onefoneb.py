@@ -10,7 +10,8 @@ a time and some of its waits are forced:
 * between its first forward and the first backward, micro-batch 0 goes down the rest of the
   pipeline and back (``down``), while the stage can only run its other warm-up forwards
   (``min(M, K-k) - 1`` of them); the same holds between its last forward and last backward,
-  with the cool-down backwards.
+  with the cool-down backwards. (When all M forwards fit in the warm-up, the two windows
+  overlap and only the larger wait counts.)
 
 So ``step >= before + M (F_k + B_k) + max(0, down - (w-1) F_k) + max(0, down - (w-1) B_k)``
 for every k, plus stage 0's optimizer step. The bound is tight for most partitions (the
@@ -36,9 +37,13 @@ _RELATIVE_SLACK = 1e-12
 
 
 class OneFOneBSolver:
-    def __init__(self, cm: CostModel, seeds: Iterable[tuple[int, ...]] = (), time_budget_s: float = 10.0):
+    def __init__(self, cm: CostModel, seeds: Iterable[tuple[int, ...]] = (), time_budget_s: float = 10.0,
+                 cutoff_s: float = INF):
+        """``cutoff_s``: a step time already achieved elsewhere (another setting); partitions
+        that cannot beat it are not explored, and if none can, the search is skipped."""
         assert cm.setting.schedule == "1f1b"
         self.cm = cm
+        self.cutoff_s = cutoff_s
         self.L, self.K, self.M = cm.L, cm.K, cm.M
         self.seeds = list(seeds)
         self.time_budget_s = time_budget_s
@@ -54,14 +59,16 @@ class OneFOneBSolver:
             before = cm.pf[s] + cm.pg[s] + 2 * k * cm.overhead
         f = cm.forward(s, e)
         b = cm.backward(s, e, recompute)
-        down = (cm.pf[L] - cm.pf[e]) + (cm.pg[L] - cm.pg[e]) + 2 * (K - 1 - k) * cm.overhead
-        if e < L:
-            down += 2 * cm.comm[e]
+        # (the same expression as in _suffix_bounds, so that both give the very same float)
+        down = cm.pf[L] + cm.pg[L] - cm.pf[e] - cm.pg[e] + 2 * (K - 1 - k) * cm.overhead + (
+            2 * cm.comm[e] if e < L else 0.0)
         warmup = min(M, K - k)
         if warmup < M:
             idle = max(0.0, down - (warmup - 1) * f) + max(0.0, down - (warmup - 1) * b)
         else:
-            idle = max(0.0, down - (M - 1) * f)
+            # All forwards come first (GPipe-like on this stage): the two windows overlap, so
+            # only the larger wait is certain.
+            idle = max(0.0, down - (M - 1) * f, down - (M - 1) * b)
         return before + M * (f + b) + idle
 
     def partition_bound(self, bounds: tuple[int, ...]) -> float:
@@ -79,30 +86,48 @@ class OneFOneBSolver:
 
     def _suffix_bounds(self) -> list[list[float]]:
         """rest[k][s]: the least, over ways to cut layers [s, L) into stages k..K-1, of their
-        largest stage bound (with the least time before each stage)."""
-        cm, L, K = self.cm, self.L, self.K
+        largest stage bound (with the least time before each stage).
+
+        Without communication a stage's bound only grows as it takes more layers (each extra
+        layer adds M times its work and takes at most (M-1) times it off the waits), so the
+        scan over a stage's end stops at the first end whose bound passes the best so far.
+        """
+        cm, L, K, M = self.cm, self.L, self.K, self.M
+        pf, pg, comm, ovh = cm.pf, cm.pg, cm.comm, cm.overhead
+        monotone = not cm.setting.comm_on
+        choose = cm.choose_recompute
+        backward = cm.backward
         rest = [[INF] * (L + 1) for _ in range(K + 1)]
         rest[K][L] = 0.0
         for k in range(K - 1, -1, -1):
+            warmup = min(M, K - k)
+            after_k = rest[k + 1]
+            here = rest[k]
             for s in range(k, L - (K - 1 - k)):
                 best = INF
-                last = L if k == K - 1 else L - (K - 1 - k)
-                first = L if k == K - 1 else s + 1
-                growing = cm.pf[s] + cm.pg[s] + 2 * k * cm.overhead
+                first, last = (L, L) if k == K - 1 else (s + 1, L - (K - 1 - k))
+                before = pf[s] + pg[s] + 2 * k * ovh
                 for e in range(first, last + 1):
-                    # before + M (F + B) only grows with e: once it passes `best`, stop.
-                    if growing + self.M * (cm.forward(s, e) + cm.backward(s, e, False)) >= best:
-                        break
-                    after = rest[k + 1][e]
-                    if after >= best:
-                        continue
-                    r = cm.choose_recompute(s, e, k)
+                    f = pf[e] - pf[s] + ovh
+                    if before + M * (f + pg[e] - pg[s] + ovh) >= best:
+                        break                    # even without waits it is no better
+                    after = after_k[e]
+                    r = choose(s, e, k)
                     if r is None:
-                        break        # a longer stage [s, e') holds more, with either choice
-                    value = max(self.stage_bound(s, e, k, r), after)
+                        break                    # a longer stage holds more, either way
+                    b = backward(s, e, r)
+                    down = pf[L] + pg[L] - pf[e] - pg[e] + 2 * (K - 1 - k) * ovh + (2 * comm[e] if e < L else 0.0)
+                    if warmup < M:
+                        idle = max(0.0, down - (warmup - 1) * f) + max(0.0, down - (warmup - 1) * b)
+                    else:
+                        idle = max(0.0, down - (M - 1) * f, down - (M - 1) * b)
+                    bound = before + M * (f + b) + idle
+                    if bound >= best and monotone:
+                        break
+                    value = bound if bound > after else after
                     if value < best:
                         best = value
-                rest[k][s] = best
+                here[s] = best
         return rest
 
     # ----------------------------------------------------------------- search
@@ -127,12 +152,11 @@ class OneFOneBSolver:
             if len(seed) == K + 1 and seed[-1] == L:
                 consider(tuple(seed))
         consider(self._least_bound_partition(rest))
-        assert best is not None
         out_of_time = False
         open_bound = INF        # the least bound among prefixes left unexplored
 
         def incumbent() -> float:
-            return best.step_s * (1 - _RELATIVE_SLACK)
+            return min(best.step_s if best else INF, self.cutoff_s) * (1 - _RELATIVE_SLACK)
 
         def dfs(k: int, s: int, before: float, worst: float, optimizer_s: float, cuts: list[int]) -> None:
             nonlocal out_of_time, open_bound
@@ -165,8 +189,14 @@ class OneFOneBSolver:
 
         if global_bound < incumbent():
             dfs(0, 0, 0.0, 0.0, 0.0, [0])
-        proven = not out_of_time
-        lower = best.step_s if proven else min(best.step_s, open_bound)
+        if best is None:
+            return None
+        # What the search did not rule out (time ran out, or it could not beat the cutoff)
+        # keeps a lower bound; with nothing left open, `best` is this setting's optimum.
+        # Every partition was pruned (bound >= the best or the cutoff at the time), simulated
+        # (>= best), or left open by the time budget (>= open_bound).
+        lower = max(global_bound, min(best.step_s, self.cutoff_s, open_bound))
+        proven = lower >= best.step_s
         return Solution(best, proven, lower,
                         "1f1b event simulation; per-stage lower bounds + branch and bound",
                         {"simulations": self.simulations, "nodes": self.nodes,
@@ -177,19 +207,14 @@ class OneFOneBSolver:
         cm, L, K = self.cm, self.L, self.K
         cuts, s = [0], 0
         for k in range(K):
-            target = rest[k][s]
-            chosen = None
-            for e in range(s + 1, L - (K - 1 - k) + 1):
-                if k == K - 1 and e != L:
-                    continue
+            chosen, chosen_value = (L if k == K - 1 else s + 1), INF
+            for e in ([L] if k == K - 1 else range(s + 1, L - (K - 1 - k) + 1)):
                 r = cm.choose_recompute(s, e, k)
                 if r is None:
-                    continue
-                if max(self.stage_bound(s, e, k, r), rest[k + 1][e]) <= target:
-                    chosen = e
                     break
-            if chosen is None:   # pragma: no cover - rest[][] guarantees a witness
-                chosen = s + 1 if k < K - 1 else L
+                value = max(self.stage_bound(s, e, k, r), rest[k + 1][e])
+                if value < chosen_value:
+                    chosen, chosen_value = e, value
             cuts.append(chosen)
             s = chosen
         return tuple(cuts)

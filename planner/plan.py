@@ -65,7 +65,7 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
         warnings.append(
             f"micro-batch size {best.micro_batch_size} is outside the profiled sizes {lo}..{hi}: "
             "its times are extrapolated; profile with --micro-batch-sizes covering it for a firmer prediction")
-    if not sol.proven:
+    if not result.proven:
         warnings.append("the search ran out of time before proving this plan optimal; see optimality.gap")
     return {
         "format": PLAN_FORMAT,
@@ -98,10 +98,12 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
         "stages": stages,
         "predicted": predicted(ev, M, result.global_batch_size),
         "optimality": {
-            "proven": sol.proven,
+            # Over every setting searched (each M, schedule), not only the chosen one.
+            "proven": result.proven,
             "method": sol.method,
-            "lower_bound_s": sol.lower_bound_s,
-            "gap": (ev.step_s / sol.lower_bound_s - 1.0) if sol.lower_bound_s > 0 else None,
+            "settings_searched": len(result.candidates),
+            "lower_bound_s": result.lower_bound_s,
+            "gap": (ev.step_s / result.lower_bound_s - 1.0) if result.lower_bound_s > 0 else None,
         },
         "runners_up": [runner_up(c, result.global_batch_size) for c in result.candidates[1:MAX_RUNNERS_UP + 1]],
         "warnings": warnings,

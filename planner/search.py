@@ -50,6 +50,11 @@ class Candidate:
     def step_s(self) -> float:
         return self.solution.evaluation.step_s if self.solution else math.inf
 
+    @property
+    def lower_bound_s(self) -> float:
+        """No plan with this setting is faster (inf when none fits)."""
+        return self.solution.lower_bound_s if self.solution else math.inf
+
     def sort_key(self) -> tuple:
         ev = self.solution.evaluation if self.solution else None
         return (self.step_s, ev.peak_memory_bytes if ev else math.inf,
@@ -65,6 +70,16 @@ class SearchResult:
     @property
     def best(self) -> Candidate:
         return self.candidates[0]
+
+    @property
+    def lower_bound_s(self) -> float:
+        """No plan in the whole searched space (every setting) is faster than this."""
+        return min(c.lower_bound_s for c in self.candidates)
+
+    @property
+    def proven(self) -> bool:
+        """The best plan is optimal over every setting searched, not just its own."""
+        return self.lower_bound_s >= self.best.step_s * (1 - 1e-12)
 
 
 def divisors(n: int) -> list[int]:
@@ -126,42 +141,80 @@ def settings_for(profile: Profile, options: SolveOptions, batch: int) -> list[tu
 
 
 def solve_setting(profile: Profile, setting: Setting, micro_batch_size: int, solver: str,
-                  time_budget_s: float, seeds: list[tuple[int, ...]] = ()) -> Candidate:
+                  time_budget_s: float, seeds: list[tuple[int, ...]] = (), cutoff_s: float = math.inf) -> Candidate:
     cm = CostModel(profile.at(micro_batch_size), setting)
     if solver == "ilp":
         from .ilp import solve_ilp  # pulp loads lazily: the DP path never pays for it
 
         solution = solve_ilp(cm, time_limit_s=time_budget_s)
     elif setting.schedule == "gpipe":
-        solution = GPipeSolver(cm, time_budget_s=time_budget_s).solve()
+        solution = GPipeSolver(cm, time_budget_s=time_budget_s).solve(cutoff_s)
     else:
-        solution = OneFOneBSolver(cm, seeds=seeds, time_budget_s=time_budget_s).solve()
+        solution = OneFOneBSolver(cm, seeds=seeds, time_budget_s=time_budget_s, cutoff_s=cutoff_s).solve()
     return Candidate(setting, micro_batch_size, solution)
 
 
 def search(profile: Profile, options: SolveOptions, progress=None) -> SearchResult:
-    """Solve every open setting exactly; the result's candidates are sorted best first.
+    """Solve every open setting; the result's candidates are sorted best first.
 
-    ``progress``, if given, is called with (done, total, description) as settings finish.
+    GPipe settings are solved first (their solver is fast and exact); each one's optimal
+    partition seeds the 1F1B search of the same M, and the best step found so far is the
+    cutoff below which a 1F1B search must go to matter: settings that cannot beat it are
+    settled by their lower bound alone. ``progress``, if given, is called with
+    (done, total, description) as settings finish.
     """
     batch = check_options(profile, options)
     settings = settings_for(profile, options, batch)
     result = SearchResult(options, batch)
     started = time.perf_counter()
-    gpipe_best: dict[int, tuple[int, ...]] = {}
-    # GPipe first: its optimal partitions seed the 1F1B search of the same M.
-    order = sorted(range(len(settings)), key=lambda i: (settings[i][0].schedule != "gpipe", i))
-    for done, i in enumerate(order):
-        setting, size = settings[i]
+    done = 0
+
+    def run(setting: Setting, size: int, seeds: list, cutoff: float) -> Candidate:
+        nonlocal done
         remaining = max(1.0, options.time_budget_s - (time.perf_counter() - started))
-        per_setting = max(1.0, remaining / max(1, len(settings) - done))
-        seeds = [gpipe_best[setting.micro_batches]] if setting.micro_batches in gpipe_best else []
-        candidate = solve_setting(profile, setting, size, options.solver, per_setting, seeds)
-        if candidate.solution and setting.schedule == "gpipe":
-            gpipe_best[setting.micro_batches] = candidate.solution.evaluation.bounds
-        result.candidates.append(candidate)
+        per_setting = max(0.5, remaining / max(1, len(settings) - done))
+        candidate = solve_setting(profile, setting, size, options.solver, per_setting, seeds, cutoff)
+        done += 1
         if progress:
-            progress(done + 1, len(settings), f"M={setting.micro_batches} {setting.schedule}")
+            progress(done, len(settings), f"M={setting.micro_batches} {setting.schedule}")
+        return candidate
+
+    gpipe = [(s, size) for s, size in settings if s.schedule == "gpipe"]
+    others = [(s, size) for s, size in settings if s.schedule != "gpipe"]
+    best_so_far = math.inf
+    gpipe_best: dict[int, Candidate] = {}
+    if options.solver == "dp":
+        # A first, cheap pass (the staircase: a good plan and a lower bound per setting) orders
+        # the exact searches best first, so that each can stop at what is already achieved.
+        solvers = {s: GPipeSolver(CostModel(profile.at(size), s)) for s, size in gpipe}
+        quick = {s: Candidate(s, size, solvers[s].solve(cutoff_s=0.0)) for s, size in gpipe}
+        best_so_far = min((c.step_s for c in quick.values()), default=math.inf)
+        for setting, size in sorted(gpipe, key=lambda item: quick[item[0]].step_s):
+            candidate = quick[setting]
+            if candidate.solution is not None and candidate.lower_bound_s < best_so_far * (1 - 1e-12):
+                solvers[setting].time_budget_s = max(0.5, (options.time_budget_s - (time.perf_counter() - started))
+                                                     / max(1, len(settings) - done))
+                candidate = Candidate(setting, size, solvers[setting].solve(cutoff_s=best_so_far))
+            done += 1
+            if progress:
+                progress(done, len(settings), f"M={setting.micro_batches} gpipe")
+            gpipe_best[setting.micro_batches] = candidate
+            best_so_far = min(best_so_far, candidate.step_s)
+            result.candidates.append(candidate)
+    else:
+        for setting, size in gpipe:
+            candidate = run(setting, size, [], best_so_far)
+            gpipe_best[setting.micro_batches] = candidate
+            best_so_far = min(best_so_far, candidate.step_s)
+            result.candidates.append(candidate)
+    # 1F1B: seeded with GPipe's partition of the same M, most promising first.
+    for setting, size in sorted(others, key=lambda item: (gpipe_best[item[0].micro_batches].step_s
+                                                         if item[0].micro_batches in gpipe_best else 0.0)):
+        seed = gpipe_best.get(setting.micro_batches)
+        seeds = [seed.solution.evaluation.bounds] if seed and seed.solution else []
+        candidate = run(setting, size, seeds, best_so_far)
+        best_so_far = min(best_so_far, candidate.step_s)
+        result.candidates.append(candidate)
     result.candidates.sort(key=Candidate.sort_key)
     if result.best.solution is None:
         raise BadInput(explain_infeasible(profile, options, batch))
