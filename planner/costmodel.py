@@ -125,6 +125,7 @@ class CostModel:
                 self.comm[e] = setting.link_latency_s + figures.output_bytes[e - 1] / setting.link_bandwidth_bytes_per_s
         # in_bytes[s]: one micro-batch of what stage starting at s receives (kept when recomputing).
         self.in_bytes = [figures.input_bytes] + list(figures.output_bytes[:-1])
+        self._max_end: dict[tuple[int, int, bool], int] = {}
         self.allowed_recompute: tuple[bool, ...] = {
             "never": (False,), "always": (True,), "auto": (False, True)}[setting.recompute]
 
@@ -157,7 +158,28 @@ class CostModel:
         return mem
 
     def fits(self, s: int, e: int, k: int, recompute: bool) -> bool:
-        return self.limit is None or self.memory(s, e, k, recompute) <= self.limit
+        return self.limit is None or e <= self.max_end(s, k, recompute)
+
+    def max_end(self, s: int, k: int, recompute: bool) -> int:
+        """The longest stage starting at s that fits: the largest e with memory(s, e) <= limit
+        (s when not even one layer fits). For a fixed start, memory only grows with the end,
+        so this one number answers every "does [s, e) fit?" question; it is cached."""
+        if self.limit is None:
+            return self.L
+        key = (s, self.in_flight(k), recompute)
+        found = self._max_end.get(key)
+        if found is None:
+            lo, hi = s, self.L          # lo fits (or is s); find the last e that fits
+            if self.memory(s, hi, k, recompute) <= self.limit:
+                lo = hi
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if self.memory(s, mid, k, recompute) <= self.limit:
+                    lo = mid
+                else:
+                    hi = mid
+            found = self._max_end[key] = lo
+        return found
 
     def choose_recompute(self, s: int, e: int, k: int) -> bool | None:
         """The recompute choice for a stage, or None when no allowed choice fits in memory.

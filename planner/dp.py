@@ -140,19 +140,7 @@ class GPipeSolver:
 
     def _mem_reach(self, s: int, hi: int, recompute: bool) -> int:
         """The largest e in [s, hi] whose stage [s, e) fits in memory (s if none)."""
-        cm = self.cm
-        if cm.limit is None or hi <= s:
-            return hi
-        if cm.fits(s, hi, 0, recompute):
-            return hi
-        lo = s          # invariant: lo fits (or is s), hi does not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if cm.fits(s, mid, 0, recompute):
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        return min(hi, self.cm.max_end(s, 0, recompute))
 
     def _probe_greedy(self, X: float, Y: float, first_cap: int | None) -> tuple[int, ...] | None:
         """Cut each stage as long as the thresholds allow; feasible iff that needs <= K stages.
@@ -243,11 +231,14 @@ class GPipeSolver:
         current = [False] * (L + 1)
         current[0] = True
         parents: list[list[int]] = []
+        ends: dict[int, list[tuple[int, int]]] = {}    # GPipe: a stage's ends do not depend on k
         for k in range(K):
             intervals = []
             for s in range(L):
                 if current[s]:
-                    for lo, hi in self._valid_ends(s, X, Y):
+                    if s not in ends:
+                        ends[s] = self._valid_ends(s, X, Y)
+                    for lo, hi in ends[s]:
                         intervals.append((lo, hi, s))
             intervals.sort()
             nxt = [False] * (L + 1)
@@ -414,36 +405,39 @@ class GPipeSolver:
         return self._additive(bounds), bounds
 
     def _additive_general(self, X: float, Y: float) -> tuple[float, tuple[int, ...]] | None:
+        """D(X, Y) by relaxing, from every reachable cut s, the stages [s, e) that meet the
+        thresholds (their ends form at most two intervals: see _valid_ends)."""
         cm, L, K = self.cm, self.L, self.K
+        pf, pg, pgr, comm, ovh = cm.pf, cm.pg, cm.pgr, cm.comm, cm.overhead
         cut_cap = min(X, Y)
+        plain_ok = False in cm.allowed_recompute
         cost = [INF] * (L + 1)
         cost[0] = 0.0
         parents: list[list[int]] = []
+        ends: dict[int, list[tuple[int, int]]] = {}
         for k in range(K):
-            first, last = k + 1, L - (K - 1 - k)
+            last = L - (K - 1 - k)
             new = [INF] * (L + 1)
             parent = [-1] * (L + 1)
-            for e in range(first, last + 1):
-                send = cm.comm[e] if e < L else 0.0
-                if send > cut_cap:
+            for s in range(k, last):
+                base = cost[s]
+                if base == INF:
                     continue
-                best, arg = INF, -1
-                for s in range(e - 1, k - 1, -1):
-                    f = cm.forward(s, e)
-                    if f > X or cm.backward(s, e, False) > Y:
-                        break                # stages only get slower as they grow
-                    if cost[s] == INF:
-                        continue
-                    r = cm.choose_recompute(s, e, 0)
-                    if r is None:
-                        continue
-                    b = cm.backward(s, e, r)
-                    if b > Y:
-                        continue
-                    c = cost[s] + f + b + 2 * send + (cm.optimizer(0, e) if k == 0 else 0.0)
-                    if c < best:
-                        best, arg = c, s
-                new[e], parent[e] = best, arg
+                if s not in ends:
+                    ends[s] = self._valid_ends(s, X, Y)
+                plain_end = cm.max_end(s, 0, False) if plain_ok else s
+                for lo, hi in ends[s]:
+                    for e in range(max(lo, k + 1), min(hi, last) + 1):
+                        if k == K - 1 and e != L:
+                            continue
+                        send = comm[e] if e < L else 0.0
+                        if send > cut_cap:
+                            continue
+                        back = pg if e <= plain_end else pgr
+                        c = (base + (pf[e] - pf[s] + ovh) + (back[e] - back[s] + ovh) + 2 * send
+                             + (cm.optimizer(0, e) if k == 0 else 0.0))
+                        if c < new[e] or (c == new[e] and s > parent[e]):
+                            new[e], parent[e] = c, s
             parents.append(parent)
             cost = new
         if cost[L] == INF:

@@ -60,8 +60,8 @@ class OneFOneBSolver:
         f = cm.forward(s, e)
         b = cm.backward(s, e, recompute)
         # (the same expression as in _suffix_bounds, so that both give the very same float)
-        down = cm.pf[L] + cm.pg[L] - cm.pf[e] - cm.pg[e] + 2 * (K - 1 - k) * cm.overhead + (
-            2 * cm.comm[e] if e < L else 0.0)
+        total = cm.pf[L] + cm.pg[L]
+        down = total - cm.pf[e] - cm.pg[e] + 2 * (K - 1 - k) * cm.overhead + (2 * cm.comm[e] if e < L else 0.0)
         warmup = min(M, K - k)
         if warmup < M:
             idle = max(0.0, down - (warmup - 1) * f) + max(0.0, down - (warmup - 1) * b)
@@ -93,30 +93,33 @@ class OneFOneBSolver:
         scan over a stage's end stops at the first end whose bound passes the best so far.
         """
         cm, L, K, M = self.cm, self.L, self.K, self.M
-        pf, pg, comm, ovh = cm.pf, cm.pg, cm.comm, cm.overhead
+        pf, pg, pgr, comm, ovh = cm.pf, cm.pg, cm.pgr, cm.comm, cm.overhead
+        total = pf[L] + pg[L]
         monotone = not cm.setting.comm_on
-        choose = cm.choose_recompute
-        backward = cm.backward
+        plain_allowed = False in cm.allowed_recompute
+        recompute_allowed = True in cm.allowed_recompute
         rest = [[INF] * (L + 1) for _ in range(K + 1)]
         rest[K][L] = 0.0
         for k in range(K - 1, -1, -1):
             warmup = min(M, K - k)
             after_k = rest[k + 1]
             here = rest[k]
+            waits = 2 * (K - 1 - k) * ovh
             for s in range(k, L - (K - 1 - k)):
                 best = INF
                 first, last = (L, L) if k == K - 1 else (s + 1, L - (K - 1 - k))
                 before = pf[s] + pg[s] + 2 * k * ovh
-                for e in range(first, last + 1):
+                # Which ends fit in memory without / with recomputation (a prefix of ends each).
+                plain_end = cm.max_end(s, k, False) if plain_allowed else s
+                fit_end = max(plain_end, cm.max_end(s, k, True) if recompute_allowed else s)
+                for e in range(first, min(last, fit_end) + 1):
                     f = pf[e] - pf[s] + ovh
                     if before + M * (f + pg[e] - pg[s] + ovh) >= best:
                         break                    # even without waits it is no better
                     after = after_k[e]
-                    r = choose(s, e, k)
-                    if r is None:
-                        break                    # a longer stage holds more, either way
-                    b = backward(s, e, r)
-                    down = pf[L] + pg[L] - pf[e] - pg[e] + 2 * (K - 1 - k) * ovh + (2 * comm[e] if e < L else 0.0)
+                    back = pg if e <= plain_end else pgr
+                    b = back[e] - back[s] + ovh
+                    down = total - pf[e] - pg[e] + waits + (2 * comm[e] if e < L else 0.0)
                     if warmup < M:
                         idle = max(0.0, down - (warmup - 1) * f) + max(0.0, down - (warmup - 1) * b)
                     else:
