@@ -126,6 +126,36 @@ def solve(**options: Any) -> None:
     solve_command(**options)
 
 
+# --------------------------------------------------------------------------- explore
+@main.command()
+@click.argument("profile", type=click.Path(dir_okay=False))
+@click.option("--stages", "-k", default="1,2,4,8", show_default=True, help="Comma-separated stage counts K (rows).")
+@click.option("--micro-batches", "-m", default="auto", show_default=True,
+              help="Comma-separated micro-batch counts M (columns), or 'auto': the powers of two dividing the batch.")
+@click.option("--global-batch-size", "-b", type=int, default=None,
+              help="Samples per step. Default: the profile's largest micro-batch size.")
+@click.option("--memory-limit", default=None, metavar="SIZE",
+              help="Memory per device (e.g. 80GB): marks cells that do not fit and enables the capacity table.")
+@click.option("--schedule", default="auto", show_default=True, help="gpipe, 1f1b, a comma list, or auto (both).")
+@click.option("--recompute", default="never,always", show_default=True,
+              help="Comma list of never, always, auto (per stage).")
+@click.option("--link-bandwidth", default=None, metavar="GB/s|inf",
+              help="Link bandwidth in GB/s or 'inf'. Default: the profile's measured link, else 'inf'.")
+@click.option("--optimizer", type=click.Choice(["adam", "sgd", "momentum"]), default="adam", show_default=True)
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write every cell as JSON rows.")
+@click.option("--chart", type=click.Path(dir_okay=False), default=None, help="Draw throughput vs M (SVG).")
+@click.option("--time-budget", type=float, default=0.5, show_default=True,
+              help="Seconds per cell before a search settles for its best plan so far (marked *).")
+def explore(**options: Any) -> None:
+    """What-if tables for PROFILE: throughput and memory for each K, M, schedule, recompute.
+
+    Every cell holds the planner's optimal plan for that setting, not a uniform split.
+    """
+    from .planner.command import explore_command
+
+    explore_command(**options)
+
+
 # --------------------------------------------------------------------------- import-pipedream
 @main.command("import-pipedream")
 @click.argument("graph", type=click.Path(dir_okay=False))

@@ -129,6 +129,54 @@ def import_pipedream_command(graph: str, batch_size: int | None, out: str | None
                     f"batch {doc['batch_size']}", highlight=False)
 
 
+def explore_command(profile: str, stages: str, micro_batches: str, global_batch_size: int | None,
+                    memory_limit: str | None, schedule: str, recompute: str, link_bandwidth: str | None,
+                    optimizer: str, json_out: str | None, chart: str | None, time_budget: float) -> None:
+    from .explore import explore
+    from .explore_view import exploration_chart, exploration_json, render_exploration
+
+    prof = load_profile(profile)
+    ks = _int_list(stages, "--stages")
+    ms: list[int] | str = "auto" if micro_batches.strip().lower() == "auto" else _int_list(micro_batches, "--micro-batches")
+    schedules = ["gpipe", "1f1b"] if schedule == "auto" else _choices(schedule, ("gpipe", "1f1b"), "--schedule")
+    recomputes = _choices(recompute, ("never", "always", "auto"), "--recompute")
+    limit = parse_size(memory_limit) if memory_limit else None
+    bandwidth = parse_bandwidth(link_bandwidth) if link_bandwidth else None
+    with _progress() as bar:
+        task = bar.add_task("exploring", total=None)
+        ex = explore(prof, ks, ms, global_batch_size, limit, schedules, recomputes,
+                     link_bandwidth_bytes_per_s=bandwidth, optimizer=optimizer, time_budget_s=time_budget,
+                     progress=lambda done, total, what: bar.update(task, completed=done, total=total,
+                                                                   description=f"exploring {what}"))
+    if json_out:
+        write_json_atomic(json_out, exploration_json(ex))
+    if chart:
+        write_text_atomic(chart, exploration_chart(ex))
+    console = Console()
+    render_exploration(ex, console, limit)
+    written = [p for p in (json_out, chart) if p]
+    if written:
+        console.print("wrote " + " and ".join(written), highlight=False)
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise BadInput(f"{flag} takes a comma-separated list of integers, like 1,2,4,8; got {text!r}") from None
+    if not values:
+        raise BadInput(f"{flag} needs at least one value")
+    return values
+
+
+def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    values = [x.strip().lower() for x in str(text).split(",") if x.strip()]
+    bad = [v for v in values if v not in allowed]
+    if bad or not values:
+        raise BadInput(f"{flag} takes a comma-separated list of {', '.join(allowed)}; got {text!r}")
+    return values
+
+
 def _progress() -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                     TimeElapsedColumn(), console=Console(stderr=True), transient=True)

@@ -17,7 +17,10 @@ Memory of stage k, in bytes::
     + buffers
     + activations: n_k micro-batches in flight hold their saved activations; a stage that
       recomputes keeps only each micro-batch's *input* and, while it recomputes one
-      micro-batch, that one's activations: n_k * input_bytes + activation_bytes
+      micro-batch, that one's activations. The stage's first layer saves its own input for
+      backward (a linear, norm, attention or embedding layer does), so the micro-batch being
+      recomputed does not hold its input twice:
+      (n_k - 1) * input_bytes + max(activation_bytes, input_bytes)
     + the largest transient peak of its layers (CUDA profiles)
 
 n_k is how many micro-batches the schedule keeps in flight on stage k: GPipe runs every
@@ -151,11 +154,15 @@ class CostModel:
     def memory(self, s: int, e: int, k: int, recompute: bool) -> float:
         act = self.pa[e] - self.pa[s]
         n = self.in_flight(k)
-        activations = n * self.in_bytes[s] + act if recompute else n * act
+        activations = self._recompute_activations(s, n, act) if recompute else n * act
         mem = self.static_memory(s, e) + activations
         if self.has_transient:
             mem += self.transient.query(s, e)
         return mem
+
+    def _recompute_activations(self, s: int, in_flight: int, act: float) -> float:
+        inp = self.in_bytes[s]
+        return (in_flight - 1) * inp + (act if act > inp else inp)
 
     def fits(self, s: int, e: int, k: int, recompute: bool) -> bool:
         return self.limit is None or e <= self.max_end(s, k, recompute)
@@ -212,7 +219,7 @@ class CostModel:
             gradients_bytes=params,
             optimizer_state_bytes=params * self.state_mult,
             buffers_bytes=self.pbuf[e] - self.pbuf[s],
-            activations_bytes=(n * self.in_bytes[s] + act) if recompute else n * act,
+            activations_bytes=self._recompute_activations(s, n, act) if recompute else n * act,
             transient_bytes=self.transient.query(s, e) if self.has_transient else 0.0,
         )
 

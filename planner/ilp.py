@@ -176,7 +176,11 @@ def _memory_constraints(prob, cm: CostModel, member, ends, recompute) -> None:
                 prob += peak >= trans[i] * member(i, k)
         stage_input = inbytes[0] if k == 0 else pulp.lpSum(inbytes[i + 1] * ends(i, k - 1) for i in range(L - 1))
         plain = held + peak + n * acts
-        recomputing = held + peak + n * stage_input + acts
+        # (n - 1) inputs + max(activations, input): see planner.costmodel
+        held_one = pulp.LpVariable(f"recompute_peak_{k}", lowBound=0)
+        prob += held_one >= acts
+        prob += held_one >= stage_input
+        recomputing = held + peak + (n - 1) * stage_input + held_one
         r = recompute[k]
         if isinstance(r, int):
             prob += (recomputing if r else plain) <= 1.0

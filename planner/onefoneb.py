@@ -38,11 +38,15 @@ _RELATIVE_SLACK = 1e-12
 
 class OneFOneBSolver:
     def __init__(self, cm: CostModel, seeds: Iterable[tuple[int, ...]] = (), time_budget_s: float = 10.0,
-                 cutoff_s: float = INF):
+                 cutoff_s: float = INF, suffix_tables: dict[int, list[float]] | None = None):
         """``cutoff_s``: a step time already achieved elsewhere (another setting); partitions
-        that cannot beat it are not explored, and if none can, the search is skipped."""
+        that cannot beat it are not explored, and if none can, the search is skipped.
+        ``suffix_tables``: shared between solvers that differ only in K (see _suffix_tables)."""
         assert cm.setting.schedule == "1f1b"
         self.cm = cm
+        self.suffix_tables = {} if suffix_tables is None else suffix_tables
+        # The other stages' backward, at its least: with recomputation when every stage must.
+        self.other_backward = cm.pgr if cm.allowed_recompute == (True,) else cm.pg
         self.cutoff_s = cutoff_s
         self.L, self.K, self.M = cm.L, cm.K, cm.M
         self.seeds = list(seeds)
@@ -56,12 +60,13 @@ class OneFOneBSolver:
         earlier stages and links add (known once they are chosen), else their least value."""
         cm, L, K, M = self.cm, self.L, self.K, self.M
         if before is None:
-            before = cm.pf[s] + cm.pg[s] + 2 * k * cm.overhead
+            before = cm.pf[s] + self.other_backward[s] + 2 * k * cm.overhead
         f = cm.forward(s, e)
         b = cm.backward(s, e, recompute)
         # (the same expression as in _suffix_bounds, so that both give the very same float)
-        total = cm.pf[L] + cm.pg[L]
-        down = total - cm.pf[e] - cm.pg[e] + 2 * (K - 1 - k) * cm.overhead + (2 * cm.comm[e] if e < L else 0.0)
+        ob = self.other_backward
+        total = cm.pf[L] + ob[L]
+        down = total - cm.pf[e] - ob[e] + 2 * (K - 1 - k) * cm.overhead + (2 * cm.comm[e] if e < L else 0.0)
         warmup = min(M, K - k)
         if warmup < M:
             idle = max(0.0, down - (warmup - 1) * f) + max(0.0, down - (warmup - 1) * b)
@@ -86,7 +91,17 @@ class OneFOneBSolver:
 
     def _suffix_bounds(self) -> list[list[float]]:
         """rest[k][s]: the least, over ways to cut layers [s, L) into stages k..K-1, of their
-        largest stage bound (with the least time before each stage).
+        largest stage bound (with the least time before each stage)."""
+        tables = self._suffix_tables()
+        ovh = self.cm.overhead
+        return [[v + 2 * k * ovh for v in tables[self.K - k]] for k in range(self.K)] + [tables[0]]
+
+    def _suffix_tables(self) -> dict[int, list[float]]:
+        """tables[R][s]: rest[K - R][s] less the 2 (K - R) overheads every term of it carries.
+
+        What the last R stages of a pipeline can do depends on R, not on K (warm-up depth,
+        in-flight micro-batches and waits all count the stages left), so one table serves
+        every K: pass the same ``suffix_tables`` dict to the solvers of several K (explore).
 
         Without communication a stage's bound only grows as it takes more layers (each extra
         layer adds M times its work and takes at most (M-1) times it off the waits), so the
@@ -94,21 +109,26 @@ class OneFOneBSolver:
         """
         cm, L, K, M = self.cm, self.L, self.K, self.M
         pf, pg, pgr, comm, ovh = cm.pf, cm.pg, cm.pgr, cm.comm, cm.overhead
-        total = pf[L] + pg[L]
+        ob = self.other_backward
+        total = pf[L] + ob[L]
         monotone = not cm.setting.comm_on
         plain_allowed = False in cm.allowed_recompute
         recompute_allowed = True in cm.allowed_recompute
-        rest = [[INF] * (L + 1) for _ in range(K + 1)]
-        rest[K][L] = 0.0
-        for k in range(K - 1, -1, -1):
-            warmup = min(M, K - k)
-            after_k = rest[k + 1]
-            here = rest[k]
-            waits = 2 * (K - 1 - k) * ovh
-            for s in range(k, L - (K - 1 - k)):
+        tables = self.suffix_tables
+        if 0 not in tables:
+            tables[0] = [INF] * L + [0.0]
+        for R in range(1, K + 1):
+            if R in tables:
+                continue
+            k = K - R                          # as stage k of this pipeline (memory: in flight)
+            warmup = min(M, R)
+            after_k = tables[R - 1]
+            here = [INF] * (L + 1)
+            waits = 2 * (R - 1) * ovh
+            for s in range(0, L - R + 1):
                 best = INF
-                first, last = (L, L) if k == K - 1 else (s + 1, L - (K - 1 - k))
-                before = pf[s] + pg[s] + 2 * k * ovh
+                first, last = (L, L) if R == 1 else (s + 1, L - (R - 1))
+                before = pf[s] + ob[s]
                 # Which ends fit in memory without / with recomputation (a prefix of ends each).
                 plain_end = cm.max_end(s, k, False) if plain_allowed else s
                 fit_end = max(plain_end, cm.max_end(s, k, True) if recompute_allowed else s)
@@ -119,7 +139,7 @@ class OneFOneBSolver:
                     after = after_k[e]
                     back = pg if e <= plain_end else pgr
                     b = back[e] - back[s] + ovh
-                    down = total - pf[e] - pg[e] + waits + (2 * comm[e] if e < L else 0.0)
+                    down = total - pf[e] - ob[e] + waits + (2 * comm[e] if e < L else 0.0)
                     if warmup < M:
                         idle = max(0.0, down - (warmup - 1) * f) + max(0.0, down - (warmup - 1) * b)
                     else:
@@ -131,7 +151,8 @@ class OneFOneBSolver:
                     if value < best:
                         best = value
                 here[s] = best
-        return rest
+            tables[R] = here
+        return tables
 
     # ----------------------------------------------------------------- search
     def solve(self) -> Solution | None:

@@ -1,0 +1,124 @@
+"""Show an exploration: GPipe-paper style tables, JSON rows, and a throughput chart (SVG)."""
+
+from __future__ import annotations
+
+from html import escape
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .explore import Exploration
+from .units import format_bytes
+
+PALETTE = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#FF9DA6", "#9D755D"]
+
+
+def render_exploration(ex: Exploration, console: Console, memory_limit_bytes: int | None) -> None:
+    stages = sorted({c.stages for c in ex.cells})
+    ms = sorted({c.micro_batches for c in ex.cells})
+    combos = []
+    for c in ex.cells:
+        if (c.schedule, c.recompute) not in combos:
+            combos.append((c.schedule, c.recompute))
+    lookup = {(c.stages, c.micro_batches, c.schedule, c.recompute): c for c in ex.cells}
+    console.print(f"global batch {ex.global_batch_size}; throughput normalised to one device with one "
+                  f"micro-batch (K = 1, M = 1, gpipe, no recomputation): "
+                  f"{ex.global_batch_size / ex.reference_step_s:,.1f} samples/s", highlight=False)
+    for schedule, recompute in combos:
+        table = Table(title=f"{schedule}, recompute {recompute}: normalised throughput "
+                            f"(bubble, peak memory per device)", header_style="bold")
+        table.add_column("K \\ M", justify="right")
+        for M in ms:
+            table.add_column(str(M), justify="right")
+        for K in stages:
+            row = [str(K)]
+            for M in ms:
+                c = lookup.get((K, M, schedule, recompute))
+                if c is None or c.step_s is None:
+                    row.append("[dim]-[/dim]")
+                    continue
+                text = (f"{c.normalized_throughput:.2f}{'' if c.proven else '*'}\n"
+                        f"{c.bubble_fraction:.0%}, {format_bytes(c.peak_memory_bytes)}")
+                row.append(text if c.fits else f"[red]{text}\ndoes not fit[/red]")
+            table.add_row(*row)
+        console.print(table)
+    if any(not c.proven for c in ex.cells if c.step_s is not None):
+        console.print("* search stopped at its time budget: the best plan found, not proven optimal")
+    if memory_limit_bytes:
+        console.print(f"red cells exceed the memory limit of {format_bytes(memory_limit_bytes)} per device "
+                      "(shown: their best plan without the limit)")
+    if ex.block is None:
+        console.print("capacity: no repeated block found in this profile")
+    elif ex.capacity:
+        b = ex.block
+        table = Table(title=f"capacity: copies of the repeated block ({', '.join(b['names'])}; "
+                            f"{b['blocks']} in the profile) that fit {format_bytes(memory_limit_bytes)} per device",
+                      header_style="bold")
+        for col in ("K", "recompute", "blocks", "parameters", "with"):
+            table.add_column(col, justify="right" if col not in ("recompute", "with") else "left")
+        for cap in ex.capacity:
+            table.add_row(str(cap.stages), cap.recompute, f"{cap.blocks:,}",
+                          f"{cap.parameters / 1e6:,.1f} M ({format_bytes(cap.param_bytes)})", cap.setting)
+        console.print(table)
+    elif not memory_limit_bytes:
+        console.print("capacity: give --memory-limit to see how many blocks fit")
+
+
+def exploration_json(ex: Exploration) -> dict[str, Any]:
+    return {
+        "format": "gpipe-plan.exploration",
+        "version": 1,
+        "global_batch_size": ex.global_batch_size,
+        "reference_step_s": ex.reference_step_s,
+        "rows": [c.row() for c in ex.cells],
+        "repeated_block": ex.block,
+        "capacity": [c.row() for c in ex.capacity],
+    }
+
+
+def exploration_chart(ex: Exploration, width: int = 720, height: int = 420) -> str:
+    """Normalised throughput against M (log scale), one line per K and schedule/recompute."""
+    import math
+
+    ms = sorted({c.micro_batches for c in ex.cells})
+    series: dict[str, list[tuple[int, float]]] = {}
+    for c in ex.cells:
+        if c.normalized_throughput is not None and c.fits:
+            label = f"K={c.stages} {c.schedule} rc={c.recompute}"
+            series.setdefault(label, []).append((c.micro_batches, c.normalized_throughput))
+    top = max((y for pts in series.values() for _, y in pts), default=1.0) * 1.1
+    left, right, up, down = 60, 190, 30, 50
+    plot_w, plot_h = width - left - right, height - up - down
+    span = math.log2(max(ms)) - math.log2(min(ms)) or 1.0
+
+    def x(m: int) -> float:
+        return left + (math.log2(m) - math.log2(min(ms))) / span * plot_w
+
+    def y(v: float) -> float:
+        return up + plot_h - v / top * plot_h
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'font-family="sans-serif" font-size="11">', f'<rect width="{width}" height="{height}" fill="white"/>',
+           f'<text x="{left}" y="18" font-size="13" font-weight="bold">Predicted throughput vs micro-batches '
+           f'(normalised to K=1, M=1)</text>',
+           f'<line x1="{left}" y1="{up + plot_h}" x2="{left + plot_w}" y2="{up + plot_h}" stroke="#333"/>',
+           f'<line x1="{left}" y1="{up}" x2="{left}" y2="{up + plot_h}" stroke="#333"/>']
+    for m in ms:
+        out.append(f'<text x="{x(m):.1f}" y="{up + plot_h + 16}" text-anchor="middle">{m}</text>')
+    out.append(f'<text x="{left + plot_w / 2}" y="{height - 12}" text-anchor="middle">micro-batches M</text>')
+    for i in range(6):
+        v = top * i / 5
+        out.append(f'<text x="{left - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{v:.1f}</text>')
+        out.append(f'<line x1="{left}" y1="{y(v):.1f}" x2="{left + plot_w}" y2="{y(v):.1f}" stroke="#eee"/>')
+    for i, (label, pts) in enumerate(sorted(series.items())):
+        colour = PALETTE[i % len(PALETTE)]
+        dash = "" if "never" in label else ' stroke-dasharray="5,3"'
+        path = " ".join(f"{'M' if j == 0 else 'L'}{x(m):.1f},{y(v):.1f}" for j, (m, v) in enumerate(sorted(pts)))
+        out.append(f'<path d="{path}" fill="none" stroke="{colour}" stroke-width="2"{dash}/>')
+        ly = up + 14 * i
+        out.append(f'<line x1="{left + plot_w + 10}" y1="{ly}" x2="{left + plot_w + 30}" y2="{ly}" '
+                   f'stroke="{colour}" stroke-width="2"{dash}/>')
+        out.append(f'<text x="{left + plot_w + 34}" y="{ly + 4}">{escape(label)}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"

@@ -1,0 +1,134 @@
+"""gpipe-plan explore: the what-if grid and the capacity table (issue 6)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from gpipe_plan.artifacts import FORMAT_VERSIONS, PROFILE_FORMAT
+from gpipe_plan.cli import main
+from gpipe_plan.planner.costmodel import CostModel, Setting
+from gpipe_plan.planner.explore import explore, find_repeated_block
+from gpipe_plan.planner.objective import evaluate
+from gpipe_plan.planner.profile import Profile
+
+SIZES = [1, 2, 4, 8, 16]
+
+
+def transformer_like(blocks: int = 6, intercept: float = 0.0, seed: int = 0) -> dict:
+    """embed, `blocks` identical blocks, head; times exactly linear in the micro-batch size
+    (plus an optional fixed cost); every layer saves at least its input for backward."""
+    def layer(name, fwd, act, out, params):
+        return {"name": name,
+                "forward_s": [intercept + fwd * b for b in SIZES],
+                "backward_s": [2 * (intercept + fwd * b) for b in SIZES],
+                "activation_bytes": [act * b for b in SIZES],
+                "output_bytes": [out * b for b in SIZES],
+                "param_bytes": params}
+    layers = [layer("embed", 1e-4, 1000, 4000, 400_000)]
+    layers += [layer(f"block{i}", 1e-3, 20_000, 4000, 3_000_000) for i in range(blocks)]
+    layers += [layer("head", 4e-4, 8000, 1000, 500_000)]
+    return {"format": PROFILE_FORMAT, "version": FORMAT_VERSIONS[PROFILE_FORMAT],
+            "model": {"source": "synthetic", "name": "transformer-like"},
+            "device": {"type": "cpu", "name": "test", "threads": 1},
+            "micro_batch_sizes": SIZES, "batch_size": 16, "input_bytes": [64 * b for b in SIZES],
+            "layers": layers}
+
+
+def test_throughput_never_decreases_with_more_micro_batches_when_times_are_linear():
+    ex = explore(Profile(transformer_like()), [1, 2, 4, 8], "auto", 16, schedules=("gpipe", "1f1b"),
+                 recomputes=("never", "always"), time_budget_s=5.0)
+    series: dict[tuple, list[tuple[int, float]]] = {}
+    for c in ex.cells:
+        assert c.proven, c
+        series.setdefault((c.stages, c.schedule, c.recompute), []).append((c.micro_batches, c.throughput_per_s))
+    assert len(series) == 4 * 2 * 2
+    for key, points in series.items():
+        points.sort()
+        assert [m for m, _ in points] == [1, 2, 4, 8, 16]
+        for (m0, t0), (m1, t1) in zip(points, points[1:]):
+            assert t1 >= t0 * (1 - 1e-9), (key, m0, t0, m1, t1)
+    # and pipelining pays: 8 stages at M = 16 beat one device
+    best8 = max(c.normalized_throughput for c in ex.cells if c.stages == 8)
+    assert best8 > 3.0
+
+
+def test_recomputation_never_raises_activation_memory():
+    profile = Profile(transformer_like())
+    ex = explore(profile, [1, 2, 4], "auto", 16, recomputes=("never",), time_budget_s=5.0)
+    checked = 0
+    for c in ex.cells:
+        fig = profile.at(c.micro_batch_size)
+        bounds = [0]
+        for n in c.balance:
+            bounds.append(bounds[-1] + n)
+        plain = evaluate(CostModel(fig, Setting(c.stages, c.micro_batches, c.schedule, "never")), bounds)
+        recomputed = evaluate(CostModel(fig, Setting(c.stages, c.micro_batches, c.schedule, "always")), bounds)
+        for p, r in zip(plain.stages, recomputed.stages):
+            assert r.activations_bytes <= p.activations_bytes
+            checked += 1
+        # and it buys memory only by paying time
+        assert recomputed.step_s > plain.step_s
+    assert checked > 20
+
+
+def test_capacity_grows_with_stages_and_with_recomputation():
+    profile = Profile(transformer_like(blocks=6))
+    block = find_repeated_block(profile)
+    assert block == {"first_layer": 1, "layers_per_block": 1, "blocks": 6, "names": ["block0"]}
+    limit = 60_000_000
+    ex = explore(profile, [1, 2, 4, 8], [1, 4, 16], 16, memory_limit_bytes=limit, time_budget_s=2.0)
+    by = {(c.stages, c.recompute): c for c in ex.capacity}
+    for recompute in ("never", "always"):
+        blocks = [by[(K, recompute)].blocks for K in (1, 2, 4, 8)]
+        assert blocks == sorted(blocks) and blocks[-1] > blocks[0], blocks
+    for K in (1, 2, 4, 8):
+        assert by[(K, "always")].blocks >= by[(K, "never")].blocks
+    # one device: the static memory of a block is 3e6 params x 4 (param + grad + 2 Adam) = 12 MB,
+    # so no more than 60 MB / 12 MB = 5 blocks can fit, whatever the activations
+    assert by[(1, "never")].blocks <= 5
+
+
+def test_cells_that_do_not_fit_are_marked_not_hidden():
+    profile = Profile(transformer_like())
+    ex = explore(profile, [1, 4], [1, 16], 16, memory_limit_bytes=30_000_000, recomputes=("never",),
+                 time_budget_s=2.0)
+    assert len(ex.cells) == 2 * 2 * 2
+    one_device = [c for c in ex.cells if c.stages == 1]
+    assert all(not c.fits and c.peak_memory_bytes > 30_000_000 and c.step_s for c in one_device)
+    assert any(c.fits for c in ex.cells if c.stages == 4)
+
+
+def test_cli_writes_json_rows_and_chart(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(transformer_like()))
+    out, chart = tmp_path / "grid.json", tmp_path / "grid.svg"
+    result = CliRunner().invoke(main, ["explore", str(path), "--stages", "1,2,4", "--micro-batches", "1,2,4,8",
+                                       "--memory-limit", "60MB", "--json", str(out), "--chart", str(chart)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert len(rows) == 3 * 4 * 2 * 2
+    for key in ("stages", "micro_batches", "schedule", "recompute", "throughput_per_s", "normalized_throughput",
+                "bubble_fraction", "peak_memory_bytes", "fits"):
+        assert all(key in r for r in rows)
+    ref = [r for r in rows if r["stages"] == 1 and r["micro_batches"] == 1 and r["schedule"] == "gpipe"
+           and r["recompute"] == "never"][0]
+    assert ref["normalized_throughput"] == pytest.approx(1.0)
+    assert doc["capacity"] and chart.read_text().startswith("<svg")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--stages", "1,x"], "--stages"),
+    (["--micro-batches", "3"], "does not divide"),
+    (["--recompute", "sometimes"], "--recompute"),
+    (["--memory-limit", "lots"], "--memory-limit"),
+])
+def test_cli_bad_input(tmp_path, args, message):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(transformer_like()))
+    result = CliRunner().invoke(main, ["explore", str(path), *args])
+    assert result.exit_code == 2
+    assert message in result.output and "Traceback" not in result.output
