@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from typing import Any
@@ -50,8 +51,8 @@ def solve_options(
     time_budget_s: float = 30.0,
 ) -> SolveOptions:
     """Options as typed on the command line -> :class:`SolveOptions` (one-line errors)."""
-    if link_latency is not None and link_latency < 0:
-        raise BadInput(f"--link-latency must be >= 0 seconds, got {link_latency}")
+    if link_latency is not None and not (math.isfinite(link_latency) and link_latency >= 0):
+        raise BadInput(f"--link-latency must be a finite number of seconds >= 0, got {link_latency}")
     return SolveOptions(
         stages=stages,
         global_batch_size=global_batch_size,

@@ -462,10 +462,17 @@ class GPipeSolver:
             return None                                   # nothing fits in memory
         additive_floor, bounds = root
         best = evaluate(cm, bounds)
+        # The searches reason about A(P) with stage 0's optimizer step, which is exact unless a
+        # later stage's optimizer step outlasts the next step's fill (see planner.objective).
+        # Where a plan they settle on pays such a wait, the plans it stood for are only known
+        # to be no faster than its step without the wait: keep that as a lower bound.
+        unsettled = best.step_s - best.optimizer_wait_s if best.optimizer_wait_s > 0 else INF
 
         def consider(b: tuple[int, ...]) -> None:
-            nonlocal best
+            nonlocal best, unsettled
             ev = evaluate(cm, b)
+            if ev.optimizer_wait_s > 0:
+                unsettled = min(unsettled, ev.step_s - ev.optimizer_wait_s)
             if ev.step_s < best.step_s:
                 best = ev
 
@@ -491,12 +498,25 @@ class GPipeSolver:
             open_bound = self._box_search(additive_floor, least_sum, consider, incumbent)
             method = "branch and bound over threshold boxes, " + (
                 "sliding-window DP" if self.window_ok else "general DP")
-        # Every plan was either found (>= best), pruned (>= best or the cutoff at the time), or
-        # left open by the time budget (>= open_bound).
-        lower = max(floor, min(best.step_s, cutoff_s, open_bound))
-        return Solution(best, lower >= best.step_s, lower, "gpipe closed form; " + method,
-                        {"probes": self.probes, "dp_runs": self.dp_runs,
-                         "seconds": round(time.perf_counter() - self.started, 3)})
+        # Every plan was either found (>= best), pruned (>= best or the cutoff at the time),
+        # left open by the time budget (>= open_bound), or stood for by a plan with an
+        # optimizer wait (>= unsettled).
+        lower = max(floor, min(best.step_s, cutoff_s, open_bound, unsettled))
+        stats = {"probes": self.probes, "dp_runs": self.dp_runs}
+        if unsettled < min(best.step_s, cutoff_s, open_bound) and not self._out_of_time():
+            # A later stage's optimizer step is what kept these searches from settling: finish
+            # with the branch and bound over cuts, whose bounds and leaves both count it exactly.
+            from .onefoneb import OneFOneBSolver
+
+            remaining = max(0.1, self.time_budget_s - (time.perf_counter() - self.started))
+            exact = OneFOneBSolver(cm, seeds=[best.bounds], time_budget_s=remaining, cutoff_s=cutoff_s).solve()
+            if exact is not None:
+                if exact.evaluation.step_s < best.step_s:
+                    best = exact.evaluation
+                lower = max(lower, min(exact.lower_bound_s, best.step_s))
+                method += " + branch and bound over cuts (optimizer waits)"
+        stats["seconds"] = round(time.perf_counter() - self.started, 3)
+        return Solution(best, lower >= best.step_s, lower, "gpipe closed form; " + method, stats)
 
     def _first_stage_search(self, least_sum, best_front, consider, incumbent) -> float:
         """No communication: A(P) is a constant plus stage 0's optimizer step, which grows with

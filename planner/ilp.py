@@ -24,6 +24,7 @@ constraint for each choice, the one not taken relaxed by a big-M.
 from __future__ import annotations
 
 import math
+import warnings
 
 import pulp
 
@@ -45,7 +46,7 @@ def solve_ilp(cm: CostModel, time_limit_s: float = 60.0) -> Solution | None:
     comm = [c / time_unit for c in cm.comm]            # comm[e]: the cut before layer e
 
     prob = pulp.LpProblem("gpipe_plan", pulp.LpMinimize)
-    below = [[pulp.LpVariable(f"below_{i}_{k}", cat="Binary") for k in range(K)] for i in range(L)]
+    below = [[_var(prob, f"below_{i}_{k}", cat="Binary") for k in range(K)] for i in range(L)]
     for i in range(L):
         prob += below[i][K - 1] == 1
         for k in range(K - 1):
@@ -71,13 +72,13 @@ def solve_ilp(cm: CostModel, time_limit_s: float = 60.0) -> Solution | None:
         elif cm.allowed_recompute == (True,):
             recompute.append(1)
         else:
-            recompute.append(pulp.LpVariable(f"recompute_{k}", cat="Binary"))
+            recompute.append(_var(prob, f"recompute_{k}", cat="Binary"))
 
     forward, backward, send = [], [], []
     big_forward = sum(f) + ovh
     for k in range(K):
         fk = pulp.lpSum(f[i] * member(i, k) for i in range(L)) + ovh
-        extra = pulp.LpVariable(f"recompute_time_{k}", lowBound=0)
+        extra = _var(prob, f"recompute_time_{k}", 0)
         if isinstance(recompute[k], int):
             prob += extra == (fk - ovh if recompute[k] else 0)
         else:
@@ -86,11 +87,16 @@ def solve_ilp(cm: CostModel, time_limit_s: float = 60.0) -> Solution | None:
         backward.append(pulp.lpSum(g[i] * member(i, k) for i in range(L)) + ovh + extra)
         if k < K - 1:
             send.append(pulp.lpSum(comm[i + 1] * ends(i, k) for i in range(L - 1)))
-    optimizer0 = pulp.lpSum(opt[i] * member(i, 0) for i in range(L))
+    # The optimizer tail (planner.objective.optimizer_tail): max_k (optimizer_k - fill before k).
+    optimizer_tail = _var(prob, "optimizer_tail", 0)
+    before = 0
+    for k in range(K):
+        prob += optimizer_tail >= pulp.lpSum(opt[i] * member(i, k) for i in range(L)) - before
+        before = before + forward[k] + (send[k] if k < K - 1 else 0)
 
     if cm.setting.schedule == "gpipe":
-        phi = pulp.LpVariable("phi", lowBound=0)
-        gamma = pulp.LpVariable("gamma", lowBound=0)
+        phi = _var(prob, "phi", 0)
+        gamma = _var(prob, "gamma", 0)
         for k in range(K):
             prob += phi >= forward[k]
             prob += gamma >= backward[k]
@@ -98,26 +104,41 @@ def solve_ilp(cm: CostModel, time_limit_s: float = 60.0) -> Solution | None:
             prob += phi >= c
             prob += gamma >= c
         prob += (pulp.lpSum(forward) + pulp.lpSum(backward) + 2 * pulp.lpSum(send)
-                 + (M - 1) * (phi + gamma) + optimizer0)
+                 + (M - 1) * (phi + gamma) + optimizer_tail)
     else:
-        prob += _schedule_makespan(prob, cm.setting.schedule, K, M, forward, backward, send) + optimizer0
+        prob += _schedule_makespan(prob, cm.setting.schedule, K, M, forward, backward, send) + optimizer_tail
 
     if cm.limit is not None:
         _memory_constraints(prob, cm, member, ends, recompute)
 
-    status = prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(time_limit_s)), gapRel=0, gapAbs=1e-9))
+    with warnings.catch_warnings():
+        # PuLP 3.3 announces API changes for 4.0 (pyproject keeps us below it).
+        warnings.simplefilter("ignore", DeprecationWarning)
+        status = prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(time_limit_s)), gapRel=0,
+                                              gapAbs=1e-9))
     if pulp.LpStatus[status] == "Infeasible":
         return None
     if pulp.LpStatus[status] != "Optimal" and prob.sol_status not in (pulp.LpSolutionIntegerFeasible,):
         return None
     stage_of = [min(k for k in range(K) if (below[i][k].value() or 0) > 0.5) for i in range(L)]
     bounds = [0] + [i for i in range(1, L) if stage_of[i] != stage_of[i - 1]] + [L]
-    chosen = [bool(round(r.value())) if not isinstance(r, int) else bool(r) for r in recompute]
+    # A recompute variable no constraint needs (e.g. stages with no forward time) may be left
+    # without a value: it changes nothing, so read it as "no".
+    chosen = [bool(r) if isinstance(r, int) else bool(round(r.value() or 0)) for r in recompute]
     ev = evaluate(cm, bounds, chosen)
     proven = pulp.LpStatus[status] == "Optimal" and prob.sol_status == pulp.LpSolutionOptimal
     lower = ev.step_s if proven else 0.0     # CBC stopped early: no bound we can vouch for
     return Solution(ev, proven, lower, f"integer linear programme (pulp/CBC), {cm.setting.schedule}",
                     {"variables": len(prob.variables()), "constraints": len(prob.constraints)})
+
+
+def _var(prob, name: str, low: float | None = None, cat: str = "Continuous"):
+    """A variable of ``prob``: PuLP 3.3+ attaches it with add_variable, older PuLP builds it alone."""
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, lowBound=low, cat=cat)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return pulp.LpVariable(name, lowBound=low, cat=cat)
 
 
 def _schedule_makespan(prob, schedule: str, K: int, M: int, forward, backward, send):
@@ -126,7 +147,7 @@ def _schedule_makespan(prob, schedule: str, K: int, M: int, forward, backward, s
     for k in range(K):
         previous = None
         for kind, m in operation_order(schedule, K, M, k):
-            var = pulp.LpVariable(f"start_{kind}_{k}_{m}", lowBound=0)
+            var = _var(prob, f"start_{kind}_{k}_{m}", 0)
             start[(kind, k, m)] = var
             if previous is not None:
                 prev_kind = previous[0]
@@ -137,7 +158,7 @@ def _schedule_makespan(prob, schedule: str, K: int, M: int, forward, backward, s
         fwd_prev = bwd_prev = None
         for kind, m in operation_order(schedule, K, M, k):
             if kind == "F":
-                sent = pulp.LpVariable(f"send_fwd_{k}_{m}", lowBound=0)
+                sent = _var(prob, f"send_fwd_{k}_{m}", 0)
                 prob += sent >= start[("F", k, m)] + forward[k]
                 if fwd_prev is not None:
                     prob += sent >= fwd_prev + send[k]
@@ -145,7 +166,7 @@ def _schedule_makespan(prob, schedule: str, K: int, M: int, forward, backward, s
                 fwd_prev = sent
         for kind, m in operation_order(schedule, K, M, k + 1):
             if kind == "B":
-                sent = pulp.LpVariable(f"send_bwd_{k}_{m}", lowBound=0)
+                sent = _var(prob, f"send_bwd_{k}_{m}", 0)
                 prob += sent >= start[("B", k + 1, m)] + backward[k + 1]
                 if bwd_prev is not None:
                     prob += sent >= bwd_prev + send[k]
@@ -170,14 +191,14 @@ def _memory_constraints(prob, cm: CostModel, member, ends, recompute) -> None:
         n = cm.in_flight(k)
         held = pulp.lpSum(static[i] * member(i, k) for i in range(L))
         acts = pulp.lpSum(act[i] * member(i, k) for i in range(L))
-        peak = pulp.LpVariable(f"transient_{k}", lowBound=0)
+        peak = _var(prob, f"transient_{k}", 0)
         for i in range(L):
             if trans[i] > 0:
                 prob += peak >= trans[i] * member(i, k)
         stage_input = inbytes[0] if k == 0 else pulp.lpSum(inbytes[i + 1] * ends(i, k - 1) for i in range(L - 1))
         plain = held + peak + n * acts
         # (n - 1) inputs + max(activations, input): see planner.costmodel
-        held_one = pulp.LpVariable(f"recompute_peak_{k}", lowBound=0)
+        held_one = _var(prob, f"recompute_peak_{k}", 0)
         prob += held_one >= acts
         prob += held_one >= stage_input
         recomputing = held + peak + (n - 1) * stage_input + held_one

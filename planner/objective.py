@@ -16,6 +16,7 @@ class Evaluation:
     step_s: float
     makespan_s: float
     fits: bool                       # every stage within the memory limit
+    optimizer_wait_s: float = 0.0    # what later stages' optimizer steps add beyond stage 0's
 
     @property
     def recompute(self) -> tuple[bool, ...]:
@@ -47,7 +48,21 @@ def evaluate(cm: CostModel, bounds: Sequence[int], recompute: Sequence[bool] | N
     stages = cm.stages(bounds, recompute)
     makespan = makespan_of(cm.setting.schedule, stages, cm.M)
     fits = cm.limit is None or all(s.memory_bytes <= cm.limit for s in stages)
-    return Evaluation(tuple(bounds), tuple(stages), makespan + stages[0].optimizer_s, makespan, fits)
+    optimizer = optimizer_tail(stages)
+    return Evaluation(tuple(bounds), tuple(stages), makespan + optimizer, makespan, fits,
+                      optimizer - stages[0].optimizer_s)
+
+
+def optimizer_tail(stages: Sequence[StageCost]) -> float:
+    """How long after the last backward the next step can begin: every stage steps its
+    optimizer once the step's backwards are done (the runtime agrees on the loss first), and
+    stage k is needed again only when the next step's first micro-batch reaches it, after the
+    forwards and sends of the stages before it. So the wait is max_k (optimizer_k - that)."""
+    tail, before = 0.0, 0.0
+    for st in stages:
+        tail = max(tail, st.optimizer_s - before)
+        before += st.forward_s + st.send_s
+    return tail
 
 
 def makespan_of(schedule: str, stages: Sequence[StageCost], M: int) -> float:

@@ -42,7 +42,9 @@ class OneFOneBSolver:
         """``cutoff_s``: a step time already achieved elsewhere (another setting); partitions
         that cannot beat it are not explored, and if none can, the search is skipped.
         ``suffix_tables``: shared between solvers that differ only in K (see _suffix_tables)."""
-        assert cm.setting.schedule == "1f1b"
+        # GPipe runs all M forwards first, as if its warm-up were M deep: the same bounds hold
+        # for it (GPipeSolver falls back on this search when its own cannot settle a case).
+        self.gpipe = cm.setting.schedule == "gpipe"
         self.cm = cm
         self.suffix_tables = {} if suffix_tables is None else suffix_tables
         # The other stages' backward, at its least: with recomputation when every stage must.
@@ -67,7 +69,7 @@ class OneFOneBSolver:
         ob = self.other_backward
         total = cm.pf[L] + ob[L]
         down = total - cm.pf[e] - ob[e] + 2 * (K - 1 - k) * cm.overhead + (2 * cm.comm[e] if e < L else 0.0)
-        warmup = min(M, K - k)
+        warmup = M if self.gpipe else min(M, K - k)
         if warmup < M:
             idle = max(0.0, down - (warmup - 1) * f) + max(0.0, down - (warmup - 1) * b)
         else:
@@ -121,7 +123,7 @@ class OneFOneBSolver:
             if R in tables:
                 continue
             k = K - R                          # as stage k of this pipeline (memory: in flight)
-            warmup = min(M, R)
+            warmup = M if self.gpipe else min(M, R)
             after_k = tables[R - 1]
             here = [INF] * (L + 1)
             waits = 2 * (R - 1) * ovh
@@ -222,7 +224,8 @@ class OneFOneBSolver:
         lower = max(global_bound, min(best.step_s, self.cutoff_s, open_bound))
         proven = lower >= best.step_s
         return Solution(best, proven, lower,
-                        "1f1b event simulation; per-stage lower bounds + branch and bound",
+                        f"{cm.setting.schedule} {'closed form' if self.gpipe else 'event simulation'}; "
+                        "per-stage lower bounds + branch and bound",
                         {"simulations": self.simulations, "nodes": self.nodes,
                          "seconds": round(time.perf_counter() - started, 3)})
 

@@ -8,7 +8,7 @@ linearised in a topological order that stays close to the order in which the ope
 created (node numbers), and the cut after each position carries every tensor produced at or
 before it and consumed after it, skips included: that is what the stage boundary sends.
 
-``Input`` nodes are the data loader, not a layer: their "compute time" is loading time, so
+``Input`` nodes (``Input0``, ``Input1``... when a model has several) are the data loader, not a layer: their "compute time" is loading time, so
 they contribute only their bytes (the model input, and any input still needed further on).
 """
 
@@ -29,6 +29,11 @@ _EDGE = re.compile(r"^\s+(node\d+) -- (node\d+)\s*$")
 
 # Per-sample input bytes of the ImageNet-style models (3 x side x side float32) by side.
 _IMAGE_SIDES = (224, 299, 331)
+_INPUT = re.compile(r"^Input\d*$")
+
+
+def is_input(op: str) -> bool:
+    return bool(_INPUT.match(op))
 
 
 def parse_graph(text: str, where: str) -> nx.DiGraph:
@@ -65,7 +70,7 @@ def linearise(graph: nx.DiGraph) -> list[str]:
 
 def infer_batch_size(graph: nx.DiGraph) -> int | None:
     """The mini-batch PipeDream profiled with, when the input is an ImageNet-style image."""
-    inputs = [n for n in graph.nodes if graph.nodes[n]["op"] == "Input"]
+    inputs = [n for n in graph.nodes if is_input(graph.nodes[n]["op"])]
     if len(inputs) != 1:
         return None
     total = graph.nodes[inputs[0]]["output_bytes"]
@@ -89,8 +94,8 @@ def import_pipedream(path: str, batch_size: int | None = None, name: str | None 
         raise BadInput(f"--batch-size must be at least 1, got {batch}")
     order = linearise(graph)
     position = {n: i for i, n in enumerate(order)}
-    is_input = {n: graph.nodes[n]["op"] == "Input" for n in order}
-    layers_order = [n for n in order if not is_input[n]]
+    source = {n: is_input(graph.nodes[n]["op"]) for n in order}
+    layers_order = [n for n in order if not source[n]]
     if not layers_order:
         raise BadInput(f"'{p}' has only input nodes")
     layer_index = {n: i for i, n in enumerate(layers_order)}
@@ -100,7 +105,7 @@ def import_pipedream(path: str, batch_size: int | None = None, name: str | None 
         consumers = [layer_index[c] for c in graph.successors(n) if c in layer_index]
         if consumers:
             last_use[n] = max(consumers)
-    produced_at = {n: (-1 if is_input[n] else layer_index[n]) for n in order}
+    produced_at = {n: (-1 if source[n] else layer_index[n]) for n in order}
     L = len(layers_order)
     # crossing[i]: bytes of values produced at or before layer i and used after it.
     delta = [0.0] * (L + 1)
@@ -115,7 +120,7 @@ def import_pipedream(path: str, batch_size: int | None = None, name: str | None 
         crossing.append(running)
     # crossing[i] now holds bytes live *into* layer i; the cut after i is what is live into i+1.
     cut_after = crossing[1:] + [graph.nodes[layers_order[-1]]["output_bytes"]]
-    input_bytes = sum(graph.nodes[n]["output_bytes"] for n in order if is_input[n])
+    input_bytes = sum(graph.nodes[n]["output_bytes"] for n in order if source[n])
     layers = []
     for i, n in enumerate(layers_order):
         attrs = graph.nodes[n]

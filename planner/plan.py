@@ -65,6 +65,10 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
         warnings.append(
             f"micro-batch size {best.micro_batch_size} is outside the profiled sizes {lo}..{hi}: "
             "its times are extrapolated; profile with --micro-batch-sizes covering it for a firmer prediction")
+    if ev.optimizer_wait_s > 0:
+        warnings.append(
+            f"a later stage's optimizer step outlasts the next step's fill by {ev.optimizer_wait_s:.3g} s "
+            "(predicted.optimizer_wait_s): the step includes that wait")
     if not result.proven:
         warnings.append("the search ran out of time before proving this plan optimal; see optimality.gap")
     return {
@@ -117,6 +121,7 @@ def predicted(ev: Evaluation, micro_batches: int, global_batch_size: int) -> dic
         "bubble_fraction": ev.bubble_fraction(micro_batches),
         "samples_per_s": global_batch_size / ev.step_s if ev.step_s > 0 else None,
         "peak_memory_bytes": int(math.ceil(ev.peak_memory_bytes)),
+        "optimizer_wait_s": ev.optimizer_wait_s,
     }
 
 

@@ -78,7 +78,8 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
     console.print(
         f"predicted step [bold]{format_seconds(pred['step_s'])}[/bold], "
         f"bubble {pred['bubble_fraction']:.1%}, "
-        f"throughput {samples:,.1f} samples/s" if samples else "", highlight=False)
+        + (f"throughput {samples:,.1f} samples/s" if samples else "throughput not defined (a zero step time)"),
+        highlight=False)
     opt = plan.get("optimality", {})
     if opt.get("proven"):
         console.print(f"[green]proven optimal[/green] for this M, schedule and recompute setting ({opt.get('method')})")
@@ -96,8 +97,9 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
                 rt.add_row(str(r["micro_batches"]), str(r["micro_batch_size"]), r["schedule"],
                            "[red]does not fit[/red]", "", "", "", "")
                 continue
+            versus = f"+{r['step_s'] / pred['step_s'] - 1:.1%}" if pred["step_s"] > 0 else "-"
             rt.add_row(str(r["micro_batches"]), str(r["micro_batch_size"]), r["schedule"],
-                       format_seconds(r["step_s"]), f"+{r['step_s'] / pred['step_s'] - 1:.1%}",
+                       format_seconds(r["step_s"]), versus,
                        f"{r['bubble_fraction']:.1%}", format_bytes(r["peak_memory_bytes"]),
                        " ".join(map(str, r.get("balance", []))))
         console.print(rt)

@@ -17,8 +17,12 @@ then alternates one backward and one forward, then drains its backwards: the sam
 GPipe when stages are balanced, with at most K-k micro-batches in flight instead of M. It has
 no such closed form, so :func:`simulate` plays the operations out.
 
-The step ends when stage 0, the last to finish a backward, has also run its optimizer step;
-the other stages' optimizer steps overlap stage 0's remaining backward work.
+After the last backward every stage runs its optimizer step (the runtime first agrees on
+the loss, a tiny all-reduce). The next step begins on stage 0 after its optimizer step; stage
+k is needed again only when that step's first micro-batch reaches it, after the forwards and
+sends of the stages before it. So the step is the makespan plus
+``max_k (optimizer_k - time before stage k's first forward)``: stage 0's optimizer step, unless
+a later stage's is longer than what the next step's fill hides.
 """
 
 from __future__ import annotations
@@ -157,6 +161,9 @@ def simulate_times(
     if record:
         for k in range(K):
             if opt[k] > 0:
-                events.append(Event(k, "optimizer", -1, stage_free[k], stage_free[k] + opt[k]))
+                events.append(Event(k, "optimizer", -1, makespan, makespan + opt[k]))
     busy = [M * (forward_s[k] + backward_s[k]) + opt[k] for k in range(K)]
-    return Timeline(makespan_s=makespan, step_s=makespan + opt[0], busy_s=busy, events=events)
+    # The first forward of stage k starts when micro-batch 0 arrives: the fill before it.
+    first_forward = [0.0] + [forward_done[k][0] - forward_s[k] for k in range(1, K)]
+    tail = max(opt[k] - first_forward[k] for k in range(K))
+    return Timeline(makespan_s=makespan, step_s=makespan + tail, busy_s=busy, events=events)

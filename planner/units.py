@@ -21,8 +21,10 @@ def parse_size(text: str, flag: str = "--memory-limit") -> int:
     if not match or match.group(2).lower() not in _SIZE_UNITS:
         raise BadInput(f"{flag} {text!r} is not a size: write it like 16GiB, 80GB or 512MB")
     value = float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
-    if value <= 0:
-        raise BadInput(f"{flag} must be positive, got {text!r}")
+    if not math.isfinite(value):
+        raise BadInput(f"{flag} {text!r} is too large to be a size")
+    if value < 1:
+        raise BadInput(f"{flag} must be at least 1 byte, got {text!r}")
     return int(value)
 
 

@@ -1,0 +1,318 @@
+"""Shared pieces of the planner tests: random instances and an independent reference model.
+
+The reference functions below are written from DESIGN.md and docs/plan-format.md, not from
+the planner's code, so that a test comparing the planner with them can fail when the cost
+model itself is wrong (brute force shares the planner's cost model, so it cannot catch that).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+from gpipe_plan.planner.costmodel import Setting
+from gpipe_plan.planner.profile import LayerFigures
+
+REPO = Path(__file__).resolve().parent.parent
+PIPEDREAM_DIR = REPO / "data" / "pipedream-profiles"
+
+STATE_MULT = {"adam": 2, "momentum": 1, "sgd": 0}   # DESIGN.md: Adam 2x, momentum 1x
+
+
+def hyp(max_examples: int):
+    """Deterministic hypothesis settings: the same examples on every run, no database."""
+    return settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                           HealthCheck.filter_too_much])
+
+
+# --------------------------------------------------------------------------- instances
+def make_figures(
+    forward: Sequence[float],
+    backward: Sequence[float],
+    activation: Sequence[float] | None = None,
+    output: Sequence[float] | None = None,
+    params: Sequence[float] | None = None,
+    *,
+    transient: Sequence[float] | None = None,
+    buffers: Sequence[float] | None = None,
+    optimizer: Sequence[float] | None = None,
+    input_bytes: float = 0.0,
+    size: float = 1.0,
+) -> LayerFigures:
+    L = len(forward)
+    zeros = (0.0,) * L
+    return LayerFigures(
+        micro_batch_size=size,
+        names=tuple(f"layer{i}" for i in range(L)),
+        forward_s=tuple(map(float, forward)),
+        backward_s=tuple(map(float, backward)),
+        activation_bytes=tuple(map(float, activation)) if activation is not None else zeros,
+        output_bytes=tuple(map(float, output)) if output is not None else zeros,
+        transient_bytes=tuple(map(float, transient)) if transient is not None else zeros,
+        param_bytes=tuple(map(float, params)) if params is not None else zeros,
+        buffer_bytes=tuple(map(float, buffers)) if buffers is not None else zeros,
+        optimizer_s=tuple(map(float, optimizer)) if optimizer is not None else zeros,
+        input_bytes=float(input_bytes),
+    )
+
+
+# Times: a coarse grid (ties between partitions, zeros) or arbitrary floats (rounding).
+_time = st.one_of(st.integers(0, 12).map(lambda x: x * 0.5e-3),
+                  st.floats(0.0, 0.01, allow_nan=False, allow_infinity=False))
+_bytes = st.integers(0, 1000).map(float)
+
+
+@st.composite
+def instances(draw, schedule: str | None = None, max_layers: int = 8, max_stages: int = 4,
+              max_micro_batches: int = 8, features: bool = True):
+    """(LayerFigures, Setting) of a small random planning problem.
+
+    Each feature (memory limit, communication, overhead, optimizer time, transient memory)
+    is switched on or off by its own draw, so that the solvers' special cases (no comm, no
+    optimizer time, a fixed recompute choice) and their general cases are all exercised.
+    """
+    L = draw(st.sampled_from([1] + 4 * list(range(2, max_layers + 1))))
+    # K = 1 (and L = 1) are edge cases, not the point: give K >= 2 most of the draws.
+    K = draw(st.sampled_from([1] + 3 * list(range(2, min(max_stages, L) + 1))))
+    M = draw(st.integers(1, max_micro_batches))
+    fwd = draw(st.lists(_time, min_size=L, max_size=L))
+    bwd = draw(st.lists(_time, min_size=L, max_size=L))
+    act = draw(st.lists(_bytes, min_size=L, max_size=L))
+    out = draw(st.lists(_bytes, min_size=L, max_size=L))
+    par = draw(st.lists(_bytes, min_size=L, max_size=L))
+    use = (lambda: draw(st.booleans())) if features else (lambda: False)
+    transient = draw(st.lists(_bytes, min_size=L, max_size=L)) if use() else None
+    buffers = draw(st.lists(st.integers(0, 100).map(float), min_size=L, max_size=L)) if use() else None
+    optimizer = draw(st.lists(st.floats(0.0, 0.003), min_size=L, max_size=L)) if use() else None
+    input_bytes = float(draw(st.integers(0, 1000)))
+    fig = make_figures(fwd, bwd, act, out, par, transient=transient, buffers=buffers,
+                       optimizer=optimizer, input_bytes=input_bytes)
+    sched = schedule or draw(st.sampled_from(["gpipe", "1f1b"]))
+    recompute = draw(st.sampled_from(["never", "always", "auto"]))
+    opt_name = draw(st.sampled_from(["adam", "momentum", "sgd"]))
+    limit = None
+    if use():
+        # Between the least memory any partition needs and the median one without
+        # recomputation needs: the limit binds most of the time, and now and then nothing fits at all.
+        lo, hi = _memory_range(fig, K, M, sched, recompute, opt_name)
+        q = draw(st.integers(-2, 14)) / 20
+        limit = float(int(lo * (1 + q) if q < 0 else lo + q * (hi - lo)))
+    bandwidth, latency = math.inf, 0.0
+    if use():
+        bandwidth = draw(st.sampled_from([2e4, 1e5, 5e5, 3e6]))
+        latency = draw(st.sampled_from([0.0, 1e-4, 1e-3]))
+    overhead = draw(st.sampled_from([1e-4, 1e-3])) if use() else 0.0
+    setting = Setting(stages=K, micro_batches=M, schedule=sched, recompute=recompute,
+                      memory_limit_bytes=limit, link_bandwidth_bytes_per_s=bandwidth,
+                      link_latency_s=latency, optimizer=opt_name, overhead_s=overhead)
+    return fig, setting
+
+
+def _memory_range(fig: LayerFigures, K: int, M: int, schedule: str, recompute: str,
+                  optimizer: str) -> tuple[float, float]:
+    import itertools
+
+    L = fig.num_layers
+    probe = Setting(stages=K, micro_batches=M, schedule=schedule, optimizer=optimizer)
+    choices = {"never": (False,), "always": (True,), "auto": (False, True)}[recompute]
+    least, needs = math.inf, []
+    for cuts in itertools.combinations(range(1, L), K - 1):
+        bounds = (0, *cuts, L)
+        need = max(min(ref_stage(fig, probe, bounds, k, r)["memory"] for r in choices) for k in range(K))
+        least = min(least, need)
+        needs.append(max(ref_stage(fig, probe, bounds, k, choices[0])["memory"] for k in range(K)))
+    return least, max(sorted(needs)[len(needs) // 2], least)
+
+
+def bounds_strategy(L: int, K: int):
+    """Boundaries 0 = b0 < b1 < ... < bK = L of a random partition."""
+    if K == 1:
+        return st.just((0, L))
+    return st.lists(st.integers(1, L - 1), min_size=K - 1, max_size=K - 1, unique=True).map(
+        lambda cuts: (0, *sorted(cuts), L))
+
+
+# --------------------------------------------------------------------------- reference model
+def ref_stage(fig: LayerFigures, setting: Setting, bounds: Sequence[int], k: int, recompute: bool) -> dict:
+    """One stage's figures, straight from DESIGN.md's cost model."""
+    L, K, M = fig.num_layers, setting.stages, setting.micro_batches
+    s, e = bounds[k], bounds[k + 1]
+    fwd = math.fsum(fig.forward_s[s:e])
+    f = fwd + setting.overhead_s
+    b = math.fsum(fig.backward_s[s:e]) + setting.overhead_s + (fwd if recompute else 0.0)
+    comm_on = math.isfinite(setting.link_bandwidth_bytes_per_s)
+    c = setting.link_latency_s + fig.output_bytes[e - 1] / setting.link_bandwidth_bytes_per_s \
+        if (comm_on and e < L) else 0.0
+    n = M if setting.schedule == "gpipe" else min(M, K - k)
+    params = math.fsum(fig.param_bytes[s:e])
+    act = math.fsum(fig.activation_bytes[s:e])
+    stage_input = fig.input_bytes if s == 0 else fig.output_bytes[s - 1]
+    # Recomputing: the inputs of the micro-batches in flight, and while one is recomputed its
+    # activations, which already hold its input (the first layer saves it), hence the max:
+    # (n - 1) inputs + max(activations, input), as docs/planner.md states.
+    activations = (n - 1) * stage_input + max(act, stage_input) if recompute else n * act
+    memory = (params * (2 + STATE_MULT[setting.optimizer]) + math.fsum(fig.buffer_bytes[s:e])
+              + activations + max(fig.transient_bytes[s:e]))
+    return {"F": f, "B": b, "C": c, "memory": memory, "in_flight": n,
+            "optimizer": math.fsum(fig.optimizer_s[s:e])}
+
+
+def ref_order(schedule: str, K: int, M: int, k: int) -> list[tuple[str, int]]:
+    """Operation order of stage k: GPipe all F then all B; 1F1B warm-up, 1B1F, cool-down."""
+    if schedule == "gpipe":
+        return [("F", m) for m in range(M)] + [("B", m) for m in range(M)]
+    w = min(M, K - k)
+    order = [("F", m) for m in range(w)]
+    for m in range(M):
+        order.append(("B", m))
+        if w + m < M:
+            order.append(("F", w + m))
+    return order
+
+
+def ref_makespan(schedule: str, F: Sequence[float], B: Sequence[float], C: Sequence[float], M: int) -> float:
+    """End of the last operation, by recursion over the dependencies (not an event loop).
+
+    An operation ends at max(previous op on its stage, its input's arrival) + its time; a send
+    leaves when its producer ended and the previous send on that link (same direction) is done.
+    """
+    K = len(F)
+    orders = [ref_order(schedule, K, M, k) for k in range(K)]
+    index = [{op: i for i, op in enumerate(o)} for o in orders]
+
+    @functools.lru_cache(maxsize=None)
+    def end(k: int, i: int) -> float:
+        kind, m = orders[k][i]
+        prev = end(k, i - 1) if i > 0 else 0.0
+        if kind == "F":
+            ready = 0.0 if k == 0 else arrive_fwd(k - 1, m)
+            return max(prev, ready) + F[k]
+        ready = end(k, index[k][("F", m)]) if k == K - 1 else arrive_bwd(k, m)
+        return max(prev, ready) + B[k]
+
+    @functools.lru_cache(maxsize=None)
+    def arrive_fwd(link: int, m: int) -> float:     # stage link -> link+1
+        leave = end(link, index[link][("F", m)])
+        if m > 0:
+            leave = max(leave, arrive_fwd(link, m - 1))
+        return leave + C[link]
+
+    @functools.lru_cache(maxsize=None)
+    def arrive_bwd(link: int, m: int) -> float:     # stage link+1 -> link
+        leave = end(link + 1, index[link + 1][("B", m)])
+        if m > 0:
+            leave = max(leave, arrive_bwd(link, m - 1))
+        return leave + C[link]
+
+    return max(end(k, len(orders[k]) - 1) for k in range(K))
+
+
+def ref_gpipe_closed_form(F, B, C, M) -> float:
+    """DESIGN.md: sum F + sum C + (M-1) max(F, C) + sum B + sum C + (M-1) max(B, C)."""
+    return (sum(F) + sum(C) + (M - 1) * max(list(F) + list(C))
+            + sum(B) + sum(C) + (M - 1) * max(list(B) + list(C)))
+
+
+def ref_evaluate(fig: LayerFigures, setting: Setting, bounds: Sequence[int],
+                 recompute: Sequence[bool]) -> dict:
+    """Step time, per-stage memory and whether it fits, all from the reference model.
+
+    The step is the makespan plus the optimizer tail of docs/planner.md: every stage steps its
+    optimizer after the last backward, and stage k is needed again only once the next step's
+    first micro-batch has passed the stages (and links) before it."""
+    K = setting.stages
+    stages = [ref_stage(fig, setting, bounds, k, recompute[k]) for k in range(K)]
+    F = [s["F"] for s in stages]
+    B = [s["B"] for s in stages]
+    C = [s["C"] for s in stages[:-1]]
+    makespan = ref_makespan(setting.schedule, F, B, C, setting.micro_batches)
+    fill = [sum(F[:k]) + sum(C[:k]) for k in range(K)]
+    tail = max(s["optimizer"] - fill[k] for k, s in enumerate(stages))
+    limit = setting.memory_limit_bytes
+    return {
+        "stages": stages,
+        "makespan": makespan,
+        "step": makespan + tail,
+        "fits": limit is None or all(s["memory"] <= limit * (1 + 1e-12) for s in stages),
+        "memory": [s["memory"] for s in stages],
+    }
+
+
+def close(a: float, b: float, rel: float) -> bool:
+    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-15)
+
+
+# --------------------------------------------------------------------------- profile documents
+def profile_doc(
+    L: int = 6,
+    sizes: Sequence[int] = (1, 2, 4),
+    *,
+    batch_size: int | None = 8,
+    forward_per_sample: Sequence[float] | None = None,
+    backward_per_sample: Sequence[float] | None = None,
+    activation_per_sample: Sequence[int] | None = None,
+    output_per_sample: Sequence[int] | None = None,
+    param_bytes: Sequence[int] | None = None,
+    forward_fixed: Sequence[float] | None = None,
+    backward_fixed: Sequence[float] | None = None,
+    **extra: Any,
+) -> dict:
+    """A synthetic profile (docs/profile-format.md) whose figures are linear in the size b:
+    time = fixed + per_sample * b, bytes = per_sample * b."""
+    fwd = forward_per_sample or [1e-3 * (1 + i % 3) for i in range(L)]
+    bwd = backward_per_sample or [2e-3 * (1 + (i * 2) % 5) for i in range(L)]
+    act = activation_per_sample or [1000 * (1 + i % 2) for i in range(L)]
+    out = output_per_sample or [100 * (1 + i % 4) for i in range(L)]
+    par = param_bytes or [4000 + 1000 * (i % 3) for i in range(L)]
+    f0 = forward_fixed or [0.0] * L
+    b0 = backward_fixed or [0.0] * L
+    doc = {
+        "format": "gpipe-plan.profile",
+        "version": 1,
+        "model": {"source": "builtin", "name": "gpt", "options": {"layers": L}},
+        "device": {"type": "cpu", "name": "synthetic", "threads": 1},
+        "micro_batch_sizes": list(sizes),
+        "layers": [
+            {
+                "name": f"layer{i}",
+                "forward_s": [f0[i] + fwd[i] * b for b in sizes],
+                "backward_s": [b0[i] + bwd[i] * b for b in sizes],
+                "activation_bytes": [act[i] * b for b in sizes],
+                "output_bytes": [out[i] * b for b in sizes],
+                "param_bytes": par[i],
+            }
+            for i in range(L)
+        ],
+    }
+    if batch_size is not None:
+        doc["batch_size"] = batch_size
+    doc.update(extra)
+    return doc
+
+
+def write_json(path: Path, doc: Any) -> Path:
+    path.write_text(json.dumps(doc, indent=1))
+    return path
+
+
+def ref_brute(fig: LayerFigures, setting: Setting) -> dict | None:
+    """The least reference step over every partition and per-stage recompute choice that fits."""
+    import itertools
+
+    L, K = fig.num_layers, setting.stages
+    choices = {"never": (False,), "always": (True,), "auto": (False, True)}[setting.recompute]
+    best = None
+    for cuts in itertools.combinations(range(1, L), K - 1):
+        bounds = (0, *cuts, L)
+        for rc in itertools.product(choices, repeat=K):
+            ev = ref_evaluate(fig, setting, bounds, rc)
+            if ev["fits"] and (best is None or ev["step"] < best["step"]):
+                best = {**ev, "bounds": bounds, "recompute": rc}
+    return best
