@@ -7,6 +7,8 @@ import sys
 PARTS = {
     "quality": ("bench.planner_quality", "plan quality on the 14 PipeDream profiles vs the usual heuristics"),
     "solver": ("bench.planner_speed", "solver speed: 2,000 layers x 64 stages, full search on 500 layers"),
+    "runtime": ("bench.runtime_speedup", "2 stages vs 1 on this CPU: samples/s, per-micro-batch overhead"),
+    "scaling": ("bench.solver_scaling", "solver time vs layers (100-5,000) and stages (2-128), DP and ILP"),
 }
 
 

@@ -1,0 +1,16 @@
+"""The runtime: train with a plan, one process per stage, and measure it against the prediction.
+
+``gpipe-plan run plan.json`` (:mod:`.command`) starts K ranks (:mod:`.launch`), or is one
+rank under ``torchrun``. Each rank (:mod:`.train`):
+
+1. rebuilds the whole model from the plan's spec and the seed, keeps its stage (:mod:`.stage`);
+2. runs its share of every step in the schedule's order (:mod:`.schedule`, :mod:`.executor`),
+   sending activations forward and gradients back to its neighbours (:mod:`.p2p`);
+3. steps its optimizer, saves checkpoints (:mod:`.checkpoint`), records spans (:mod:`.timing`);
+4. at the end, sends what it measured to rank 0, which writes the report (:mod:`.report`),
+   the trace (:mod:`.trace`) and the saved model.
+
+``gpipe-plan demo`` (:mod:`.demo`) runs profile -> solve -> run on the built-in gpt.
+
+Importing this package stays cheap (no torch): ``gpipe-plan --help`` imports the CLI only.
+"""

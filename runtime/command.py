@@ -1,0 +1,32 @@
+"""``gpipe-plan run``: check everything cheap, then start the ranks (or be one, under torchrun)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from typing import Any
+
+from .conditions import threads_per_rank
+from .options import RunOptions, check_options
+from .plan import load_plan
+
+
+def run_command(plan: str, **options: Any) -> None:
+    """Train with PLAN. Raises BadInput (exit 2) or RunFailure (exit 1)."""
+    opts = check_options(RunOptions(plan=plan, **options))
+    run_plan = load_plan(opts.plan)  # a bad plan fails here, before any process starts
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        # Started by torchrun: this process is one rank. Say failures ourselves and exit at
+        # once (a rank whose peers are gone must not wait for them at shutdown).
+        from .worker import run_rank
+
+        warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+        status = run_rank(opts)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    from .launch import launch_local
+
+    threads = threads_per_rank(opts.threads, run_plan, run_plan.num_stages)
+    launch_local(opts, run_plan.num_stages, threads)

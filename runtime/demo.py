@@ -1,0 +1,128 @@
+"""``gpipe-plan demo``: the whole loop on the built-in gpt, on this CPU, in about two minutes.
+
+1. profile the default ``gpt`` layer by layer (one thread, as each rank will run);
+2. solve for 2 stages: where to cut, how many micro-batches, which schedule;
+3. train with the plan for a few dozen steps, 2 processes;
+4. show the plan, its predicted timeline, and measured against predicted.
+
+Everything is written to ``--out-dir`` (a temporary folder by default), so the profile, the
+plan, the report and the trace can be looked at afterwards.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from ..artifacts import RunFailure, write_json_atomic
+from .options import RunOptions, check_options
+
+GLOBAL_BATCH = 32
+MICRO_BATCH_SIZES = [1, 2, 4, 8, 16, 32]
+
+
+def demo_command(steps: int = 30, stages: int = 2, out_dir: str | None = None) -> None:
+    console = Console()
+    if out_dir is not None:
+        folder = Path(out_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        _demo(console, folder, steps, stages)
+    else:
+        with tempfile.TemporaryDirectory(prefix="gpipe-plan-demo-") as tmp:
+            _demo(console, Path(tmp), steps, stages)
+
+
+def _demo(console: Console, folder: Path, steps: int, stages: int) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    started = time.monotonic()
+    profile_path, plan_path = folder / "profile.json", folder / "plan.json"
+
+    console.rule("[bold]1. profile[/] the built-in gpt, layer by layer, 1 thread")
+    profile = _profile(console, profile_path)
+
+    console.rule(f"[bold]2. solve[/] for {stages} stages, global batch {GLOBAL_BATCH}")
+    plan = _solve(profile_path, plan_path, stages)
+    _show_plan(console, plan_path, plan)
+
+    console.rule(f"[bold]3. run[/] {steps} steps with the plan, {stages} processes")
+    from .launch import launch_local
+
+    options = check_options(RunOptions(plan=str(plan_path), steps=steps, report=str(folder / "report.json"),
+                                       trace=str(folder / "trace.json"), log_every=5))
+    threads = int(profile["device"].get("threads") or 1)
+    launch_local(options, stages, threads)
+    console.print(f"\ndone in {time.monotonic() - started:.0f} s. Files in {folder}: profile.json, plan.json, "
+                  f"plan.svg (the predicted timeline), report.json, trace.json (the measured one: open it in "
+                  f"https://ui.perfetto.dev)", highlight=False)
+
+
+def _profile(console: Console, path: Path) -> dict[str, Any]:
+    import torch
+
+    from ..models import model_spec
+    from ..profiles.profiler import ProfileRequest, profile_model
+
+    request = ProfileRequest(spec=model_spec("gpt"), micro_batch_sizes=MICRO_BATCH_SIZES,
+                             device=torch.device("cpu"), threads=1, warmup=2, repeats=5, batch_size=GLOBAL_BATCH)
+    doc = profile_model(request)
+    write_json_atomic(path, doc)
+    try:
+        from ..profiles.show import render_profile
+
+        render_profile(doc, console)
+    except ImportError:  # pragma: no cover - the profiler's pretty-printer is optional here
+        console.print(f"wrote {path}")
+    return doc
+
+
+def _solve(profile_path: Path, plan_path: Path, stages: int) -> dict[str, Any]:
+    try:
+        from ..planner import solve_file
+    except ImportError as exc:  # pragma: no cover - the planner ships with the package
+        raise RunFailure(f"the planner is not available: {exc}") from None
+    return solve_file(str(profile_path), str(plan_path), stages=stages, global_batch_size=GLOBAL_BATCH)
+
+
+def _show_plan(console: Console, plan_path: Path, plan: dict[str, Any]) -> None:
+    from ..artifacts import write_text_atomic
+    from ..planner.render import plan_timeline_svg, render_plan
+
+    render_plan(plan, console)
+    console.print(text_timeline(plan), highlight=False)
+    write_text_atomic(plan_path.with_suffix(".svg"), plan_timeline_svg(plan))
+
+
+def text_timeline(plan: dict[str, Any], width: int = 72) -> str:
+    """The plan's predicted step, one row of characters per stage.
+
+    ``F3==`` is the forward of micro-batch 3, ``B3====`` its backward (``R`` a recomputation),
+    ``o`` the optimizer step, ``.`` idle: the dots are the bubble.
+    """
+    from ..planner.schedule import simulate_times
+
+    stages = plan["stages"]
+    timeline = simulate_times(plan["schedule"], [s["forward_s"] for s in stages], [s["backward_s"] for s in stages],
+                              [s.get("send_s", 0.0) for s in stages[:-1]], plan["micro_batches"],
+                              optimizer_s=[s.get("optimizer_s", 0.0) for s in stages], record=True)
+    span = timeline.step_s or 1.0
+    rows = []
+    for k in range(len(stages)):
+        cells = ["."] * width
+        for event in timeline.events:
+            if event.stage != k or event.kind == "send":
+                continue
+            letter = {"forward": "F", "backward": "B", "recompute": "R", "optimizer": "o"}[event.kind]
+            label = letter if event.micro_batch < 0 else f"{letter}{event.micro_batch}"
+            a = int(event.start_s / span * width)
+            b = max(int(event.end_s / span * width), a + 1)
+            for i in range(a, min(b, width)):
+                cells[i] = label[i - a] if i - a < len(label) else ("=" if letter != "o" else "o")
+        rows.append(f"stage {k} |{''.join(cells)}|")
+    header = f"predicted timeline of one step ({span * 1e3:.1f} ms); '.' is idle: the bubble"
+    return "\n".join([header, *rows])

@@ -1,0 +1,51 @@
+"""A plan written by hand: a given split, no predictions.
+
+``gpipe-plan solve`` makes plans from profiles. To run a split of one's own choosing (a
+torchgpipe ``balance``), or in tests that must not depend on timing, this writes the same
+document (docs/plan-format.md) with the predictions left out; ``run`` then reports measured
+figures only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ..artifacts import PLAN_FORMAT, FORMAT_VERSIONS
+from ..models import build_model
+
+
+def hand_plan(spec: dict[str, Any], balance: Sequence[int], micro_batches: int, micro_batch_size: int,
+              schedule: str = "gpipe", recompute: bool | Sequence[bool] = False, threads: int = 1,
+              with_shapes: bool = True) -> dict[str, Any]:
+    """A runnable plan for ``spec`` cut by ``balance`` (layers per stage)."""
+    model = build_model(spec, seed=0)
+    names = [name for name, _ in model.layers]
+    if sum(balance) != len(names):
+        raise ValueError(f"balance {list(balance)} covers {sum(balance)} layers; the model has {len(names)}")
+    flags = [recompute] * len(balance) if isinstance(recompute, bool) else list(recompute)
+    outputs = model.check(batch_size=1) if with_shapes else None
+    stages = []
+    first = 0
+    for k, count in enumerate(balance):
+        stage: dict[str, Any] = {"index": k, "layers": names[first:first + count], "first_layer": first,
+                                 "recompute": bool(flags[k])}
+        if outputs is not None:
+            out = outputs[first + count - 1]
+            stage["output_shapes"] = [list(t.shape[1:]) for t in out]
+            stage["output_dtypes"] = [str(t.dtype).replace("torch.", "") for t in out]
+        stages.append(stage)
+        first += count
+    return {
+        "format": PLAN_FORMAT,
+        "version": FORMAT_VERSIONS[PLAN_FORMAT],
+        "model": model.spec,
+        "profile": {"path": None, "sha256": None, "device": {"type": "cpu", "name": "hand-written", "threads": threads}},
+        "options": {"stages": len(balance)},
+        "balance": list(balance),
+        "micro_batches": micro_batches,
+        "micro_batch_size": micro_batch_size,
+        "global_batch_size": micro_batches * micro_batch_size,
+        "schedule": schedule,
+        "stages": stages,
+        "predicted": {},
+    }

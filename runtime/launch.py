@@ -1,0 +1,145 @@
+"""Start the K ranks of a plan on this machine, watch them, and stop them all if one fails.
+
+``gpipe-plan run plan.json`` is a small launcher: it starts one process per stage with the
+environment ``torchrun`` would give them (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...),
+then waits. The guarantees:
+
+- a rank that fails stops every rank: as soon as one exits with an error (or is killed), the
+  launcher terminates the others, then kills what is left a few seconds later;
+- the error shown is the original one, with its rank: ranks whose only complaint is that a
+  neighbour went away are not the cause (see :mod:`.worker`);
+- no process is left behind: the launcher waits for every rank it started, and each rank
+  asks Linux to kill it if the launcher itself dies (``PR_SET_PDEATHSIG``).
+
+No torch here: the launcher only starts and watches processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..artifacts import BadInput, RunFailure
+from .options import ENV, RunOptions
+from .worker import ERROR_DIR_ENV, PARENT_ENV
+
+POLL_S = 0.05
+GRACE_S = 3.0          # after SIGTERM, before SIGKILL
+SETTLE_S = 0.5         # after the first failure, let the others report theirs
+
+
+@dataclass
+class Failure:
+    rank: int
+    kind: str            # error | peer_lost | bad_input | interrupted | signal | exit
+    message: str
+    time: float
+    traceback: str = ""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch_local(options: RunOptions, nprocs: int, threads: int) -> None:
+    """Run ``nprocs`` ranks here; return when all succeeded, raise when one failed."""
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="gpipe-plan-run-") as errors:
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            for rank in range(nprocs):
+                env = dict(os.environ)
+                env.update({
+                    "RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
+                    "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                    "GPIPE_PLAN_LAUNCHER": "gpipe-plan", ENV: options.to_json(), ERROR_DIR_ENV: errors,
+                    PARENT_ENV: str(os.getpid()),
+                    # The thread pools size themselves at start-up from these: set them to the
+                    # rank's share before torch starts (train() also calls set_num_threads).
+                    "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+                })
+                # Own process group: Ctrl-C reaches the launcher only, which stops the ranks.
+                procs.append(subprocess.Popen([sys.executable, "-m", "gpipe_plan.runtime.worker"], env=env,
+                                              process_group=0))
+            failure = _watch(procs, Path(errors))
+        except KeyboardInterrupt:
+            _stop(procs)
+            raise
+        finally:
+            _stop(procs)
+    if failure is not None:
+        raise _as_exception(failure, nprocs)
+
+
+def _watch(procs: list[subprocess.Popen[bytes]], errors: Path) -> Failure | None:
+    """Wait for the ranks; at the first failure, collect what the others say and pick the cause."""
+    first_failure_at: float | None = None
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c == 0 for c in codes):
+            return None
+        if first_failure_at is None and any(c not in (None, 0) for c in codes):
+            first_failure_at = time.monotonic()
+        if first_failure_at is not None:
+            if all(c is not None for c in codes) or time.monotonic() - first_failure_at > SETTLE_S:
+                return _root_cause(procs, errors)
+        time.sleep(POLL_S)
+
+
+def _root_cause(procs: list[subprocess.Popen[bytes]], errors: Path) -> Failure:
+    """The failure that explains the others: a real error before a lost neighbour."""
+    failures: list[Failure] = []
+    for rank, p in enumerate(procs):
+        record = _read_error(errors / f"rank-{rank}.json")
+        if record is not None:
+            failures.append(Failure(rank, record["kind"], record["message"], record["time"], record["traceback"]))
+        elif p.returncode is not None and p.returncode < 0:
+            name = signal.Signals(-p.returncode).name
+            failures.append(Failure(rank, "signal", f"rank {rank} was killed by {name}", time.time()))
+        elif p.returncode not in (None, 0):
+            failures.append(Failure(rank, "exit", f"rank {rank} exited with status {p.returncode}", time.time()))
+    order = {"bad_input": 0, "error": 1, "signal": 2, "exit": 3, "interrupted": 4, "peer_lost": 5}
+    failures.sort(key=lambda f: (order.get(f.kind, 9), f.time))
+    return failures[0]
+
+
+def _read_error(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _as_exception(failure: Failure, nprocs: int) -> Exception:
+    if failure.kind == "bad_input":
+        return BadInput(failure.message)
+    if failure.traceback and failure.kind == "error":
+        sys.stderr.write(f"--- rank {failure.rank} traceback ---\n{failure.traceback}")
+    if failure.kind in ("signal", "exit"):
+        return RunFailure(f"{failure.message}; stopped all {nprocs} ranks")
+    return RunFailure(f"rank {failure.rank} failed: {failure.message}; stopped all {nprocs} ranks")
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Terminate every rank still running, kill the stubborn ones, reap them all."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

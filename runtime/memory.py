@@ -1,0 +1,105 @@
+"""Measuring a stage's memory in the terms the plan predicts it.
+
+The planner predicts a stage's peak as parameters + gradients + optimizer state + buffers +
+the activations of the micro-batches in flight. On CUDA the allocator knows the true peak
+(``torch.cuda.max_memory_allocated``). On the CPU nothing tracks tensor memory, and the
+process's resident size mixes in the PyTorch runtime and the whole model every rank built,
+so we measure each part directly:
+
+- parameters, gradients, optimizer state and buffers: the bytes of those very tensors;
+- activations: the bytes autograd saves for backward (``saved_tensors_hooks``, the profiler's
+  own definition; parameters excluded), summed over the micro-batches whose backward has not
+  run yet, at its largest. A stage that recomputes keeps only its inputs per micro-batch,
+  plus one micro-batch's activations while it recomputes; we measure that one once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class ActivationMeter:
+    """Live bytes saved for backward, per micro-batch in flight, and their peak."""
+
+    exclude: set[int] = field(default_factory=set)   # storages not to count (parameters)
+    live: dict[int, int] = field(default_factory=dict)
+    peak_bytes: int = 0           # most bytes held at once by the micro-batches in flight
+    transient_bytes: int = 0      # recomputing stages: one micro-batch's activations
+
+    @property
+    def total_bytes(self) -> int:
+        return self.peak_bytes + self.transient_bytes
+
+    @classmethod
+    def for_module(cls, module: nn.Module) -> "ActivationMeter":
+        return cls(exclude={p.untyped_storage().data_ptr() for p in module.parameters()})
+
+    @contextlib.contextmanager
+    def forward(self, micro_batch: int) -> Iterator[None]:
+        """Count what autograd saves during this micro-batch's forward."""
+        seen: set[tuple[int, int]] = set()
+        total = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal total
+            storage = t.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            # Count each storage once (a tensor saved by two operations is held once).
+            if key not in seen and key[0] not in self.exclude:
+                seen.add(key)
+                total += storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self.hold(micro_batch, total)
+
+    def hold(self, micro_batch: int, nbytes: int) -> None:
+        self.live[micro_batch] = self.live.get(micro_batch, 0) + nbytes
+        self.peak_bytes = max(self.peak_bytes, sum(self.live.values()))
+
+    def release(self, micro_batch: int) -> None:
+        self.live.pop(micro_batch, None)
+
+    def measure_once(self, fn: Callable[..., object], *xs: torch.Tensor) -> int:
+        """Bytes ``fn(*xs)`` saves for backward (run with gradients, then thrown away)."""
+        meter = ActivationMeter(exclude=self.exclude)
+        with meter.forward(0):
+            fn(*xs)
+        return meter.peak_bytes
+
+
+def static_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+    """Bytes of parameters, their gradients, the optimizer's state and the buffers."""
+    params = list(module.parameters())
+    state = 0
+    if optimizer is not None:
+        for per_param in optimizer.state.values():
+            state += sum(tensor_bytes(v) for v in per_param.values()
+                         if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return {
+        "params_bytes": sum(tensor_bytes(p) for p in params),
+        "gradients_bytes": sum(tensor_bytes(p) for p in params if p.requires_grad),
+        "optimizer_state_bytes": state,
+        "buffers_bytes": sum(tensor_bytes(b) for b in module.buffers()),
+    }
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size (Linux reports kilobytes)."""
+    try:
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    except (ImportError, OSError):  # pragma: no cover - not Linux
+        return 0

@@ -1,0 +1,118 @@
+"""The options of ``gpipe-plan run``, checked in the launching process before any rank starts.
+
+The launcher hands them to every rank as JSON (an environment variable), so they are plain
+values. No torch here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..artifacts import BadInput
+
+OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
+DEFAULT_LR = {"adam": 1e-3, "adamw": 1e-3, "sgd": 1e-2, "momentum": 1e-2}
+LR_SCHEDULES = ("constant", "cosine")
+EXECUTORS = ("auto", "native", "torch")
+DEVICES = ("auto", "cpu", "cuda")
+ENV = "GPIPE_PLAN_RUN_OPTIONS"
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    plan: str
+    steps: int = 20
+    seed: int = 0
+    optimizer: str | None = None          # None: the plan's (its memory model counted it), else adam
+    lr: float | None = None               # None: DEFAULT_LR of the optimizer
+    weight_decay: float = 0.0
+    momentum: float = 0.9
+    grad_clip: float | None = None
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    data: str | None = None
+    save: str | None = None
+    report: str | None = None
+    trace: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    resume: bool = False
+    executor: str = "auto"
+    device: str = "auto"
+    threads: int | None = None
+    timeout: float = 60.0
+    log_every: int = 10
+    quiet: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunOptions":
+        return cls(**json.loads(text))
+
+    def optimizer_name(self, plan_optimizer: str | None) -> str:
+        if self.optimizer:
+            return self.optimizer
+        return plan_optimizer if plan_optimizer in OPTIMIZERS else "adam"
+
+    def learning_rate(self, optimizer: str) -> float:
+        return self.lr if self.lr is not None else DEFAULT_LR[optimizer]
+
+
+def check_options(options: RunOptions) -> RunOptions:
+    """Refuse what cannot work, in one line each; make paths absolute (ranks may cd)."""
+    if options.steps < 1:
+        raise BadInput(f"--steps must be at least 1, got {options.steps}")
+    if options.optimizer is not None and options.optimizer not in OPTIMIZERS:
+        raise BadInput(f"--optimizer '{options.optimizer}' is not one of {', '.join(OPTIMIZERS)}")
+    if options.lr is not None and not (math.isfinite(options.lr) and options.lr > 0):
+        raise BadInput(f"--lr must be a positive number, got {options.lr}")
+    if options.weight_decay < 0 or not 0 <= options.momentum < 1:
+        raise BadInput("--weight-decay must be >= 0 and --momentum in [0, 1)")
+    if options.grad_clip is not None and not options.grad_clip > 0:
+        raise BadInput(f"--grad-clip must be positive, got {options.grad_clip}")
+    if options.lr_schedule not in LR_SCHEDULES:
+        raise BadInput(f"--lr-schedule '{options.lr_schedule}' is not one of {', '.join(LR_SCHEDULES)}")
+    if options.warmup_steps < 0:
+        raise BadInput(f"--warmup-steps must be >= 0, got {options.warmup_steps}")
+    if options.checkpoint_every < 1 or options.keep_checkpoints < 1:
+        raise BadInput("--checkpoint-every and --keep-checkpoints must be at least 1")
+    if options.resume and not options.checkpoint_dir:
+        raise BadInput("--resume needs --checkpoint-dir: the folder the run saved its checkpoints in")
+    if options.executor not in EXECUTORS:
+        raise BadInput(f"--executor '{options.executor}' is not one of {', '.join(EXECUTORS)}")
+    if options.device not in DEVICES:
+        raise BadInput(f"--device '{options.device}' is not one of {', '.join(DEVICES)}")
+    if options.threads is not None and options.threads < 1:
+        raise BadInput(f"--threads must be at least 1, got {options.threads}")
+    if not options.timeout > 0:
+        raise BadInput(f"--timeout must be positive, got {options.timeout}")
+    if options.log_every < 1:
+        raise BadInput(f"--log-every must be at least 1, got {options.log_every}")
+    if options.data is not None:
+        path = Path(options.data)
+        if not path.is_file():
+            raise BadInput(f"--data '{options.data}' is not a file")
+    for flag, value in (("--save", options.save), ("--report", options.report), ("--trace", options.trace)):
+        if value is not None:
+            folder = Path(value).parent
+            if not folder.is_dir():
+                raise BadInput(f"cannot write {flag} '{value}': folder '{folder}' does not exist")
+    if options.checkpoint_dir is not None:
+        folder = Path(options.checkpoint_dir)
+        if folder.exists() and not folder.is_dir():
+            raise BadInput(f"--checkpoint-dir '{folder}' is a file, not a folder")
+    absolute = {k: os.path.abspath(v) for k, v in _paths(options).items() if v is not None}
+    return dataclasses.replace(options, **absolute)
+
+
+def _paths(options: RunOptions) -> dict[str, Any]:
+    return {k: getattr(options, k) for k in ("plan", "data", "save", "report", "trace", "checkpoint_dir")}

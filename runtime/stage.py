@@ -1,0 +1,215 @@
+"""One pipeline stage: the plan's run of layers, cut out of the whole model.
+
+Every rank builds the *whole* model from the plan's spec and the seed, so every rank starts
+from the very parameters the unsplit model would (no weights travel), then keeps the layers
+of its stage. The layers' parameters are the whole model's own Parameter objects; the stage
+only remembers which ``state_dict`` keys they are, so that a trained pipeline saves as the
+user's unsplit model.
+
+A stage receives a tuple of tensors and sends a tuple of tensors. Their shapes are static:
+the plan carries them per sample (from the profile); without them we run one micro-batch
+through the layers here, once, and read them off. Knowing the shapes up front is what lets a
+stage post its receives before the data is sent (no shape handshake per micro-batch), and is
+what ``torch.distributed.pipelining`` needs to avoid deadlocks on gloo.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..artifacts import BadInput
+from ..models import LayeredModel
+from .plan import RunPlan
+
+Tensors = tuple[torch.Tensor, ...]
+
+_DTYPES = {str(d).replace("torch.", ""): d for d in (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape (with the micro-batch dimension) and dtype of one tensor crossing a cut."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def carries_grad(self) -> bool:
+        """Only floating tensors have gradients; token ids and masks pass through without."""
+        return self.dtype.is_floating_point or self.dtype.is_complex
+
+    def empty(self, device: torch.device) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=device)
+
+
+class StageModule(nn.Module):
+    """A contiguous run of layers, called as ``stage(*xs) -> tuple``, like each layer.
+
+    With ``recompute``, the forward keeps only the stage's inputs and runs again during the
+    backward to rebuild the activations it needs (``torch.utils.checkpoint``): memory for
+    one micro-batch's activations instead of every in-flight one's, paid for with one more
+    forward per micro-batch.
+    """
+
+    def __init__(self, layers: list[tuple[str, nn.Module]], recompute: bool = False) -> None:
+        super().__init__()
+        self.names = [name for name, _ in layers]
+        # A ModuleList registers the layers as submodules: parameters(), to() and
+        # state_dict() of the stage see exactly the stage's layers.
+        self.layers = nn.ModuleList(layer for _, layer in layers)
+        self.recompute = recompute
+
+    def run_layers(self, *xs: torch.Tensor) -> Tensors:
+        for layer in self.layers:
+            xs = layer(*xs)
+        return xs
+
+    def forward(self, *xs: torch.Tensor) -> Tensors:
+        if self.recompute and torch.is_grad_enabled():
+            # Non-reentrant checkpointing: works when some inputs need no gradient (token ids)
+            # and restores the RNG state for the rerun, so the rerun computes the same values.
+            return checkpoint(self.run_layers, *xs, use_reentrant=False)
+        return self.run_layers(*xs)
+
+
+@dataclass
+class Stage:
+    """What one rank runs: its layers, what it receives and sends, and its parameters' names."""
+
+    index: int
+    num_stages: int
+    module: StageModule
+    input_meta: tuple[TensorMeta, ...]     # what stage index-1 sends (the batch, for stage 0)
+    output_meta: tuple[TensorMeta, ...]    # what this stage sends (the logits, for the last)
+    global_to_local: dict[str, str]        # whole-model state_dict key -> key in module.state_dict()
+    unowned: dict[str, torch.Tensor]       # stage 0 only: whole-model state no layer uses
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.module.parameters())
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Parameters under their whole-model names (what checkpoints and ``--save`` use)."""
+        local_to_global = {local: key for key, local in self.global_to_local.items()}
+        return [(local_to_global[name], p) for name, p in self.module.named_parameters()]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's part of the whole model's ``state_dict``, under the whole model's keys."""
+        local = self.module.state_dict()
+        return {key: local[name] for key, name in self.global_to_local.items()} | dict(self.unowned)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load this stage's part from a dict keyed like the whole model (extra keys ignored)."""
+        missing = [key for key in (*self.global_to_local, *self.unowned) if key not in state]
+        if missing:
+            raise BadInput(f"checkpoint has no '{missing[0]}' for stage {self.index}")
+        local = {name: state[key] for key, name in self.global_to_local.items()}
+        self.module.load_state_dict(local, strict=False)
+        for key, tensor in self.unowned.items():
+            tensor.data.copy_(state[key])
+
+
+def check_layer_names(model: LayeredModel, plan: RunPlan) -> None:
+    """Refuse a plan whose layers are not the rebuilt model's, in order."""
+    have = [name for name, _ in model.layers]
+    want = plan.layer_names
+    if have == want:
+        return
+    for i, (h, w) in enumerate(zip(have, want)):
+        if h != w:
+            raise BadInput(f"plan '{plan.path}' does not match its model: layer {i} is '{w}' in the plan "
+                           f"but '{h}' in the rebuilt model; re-run `gpipe-plan profile` and `solve`")
+    raise BadInput(f"plan '{plan.path}' does not match its model: the plan has {len(want)} layers, the "
+                   f"rebuilt model {len(have)}; re-run `gpipe-plan profile` and `solve`")
+
+
+def build_stage(model: LayeredModel, plan: RunPlan, index: int) -> Stage:
+    """Cut stage ``index`` out of ``model``, on the CPU (``stage.module.to(device)`` moves it)."""
+    check_layer_names(model, plan)
+    sp = plan.stages[index]
+    layers = model.layers[sp.first_layer:sp.first_layer + len(sp.layers)]
+    module = StageModule(layers, recompute=sp.recompute)
+    _refuse_shared_state(model, plan)
+    input_meta, output_meta = _cut_metas(model, plan, index)
+    whole = model.module.state_dict(keep_vars=True)
+    local_name = {id(t): name for name, t in module.state_dict(keep_vars=True).items()}
+    global_to_local = {key: local_name[id(t)] for key, t in whole.items() if id(t) in local_name}
+    unowned: dict[str, torch.Tensor] = {}
+    if index == 0:
+        # Whatever no layer uses (an unused parameter, a stray buffer) still belongs in the
+        # saved model: stage 0 keeps it, at its initial value.
+        used = {id(t) for _, layer in model.layers for t in _state_tensors(layer)}
+        unowned = {key: t.detach() for key, t in whole.items() if id(t) not in used}
+    _release_other_layers(model, module)
+    return Stage(index=index, num_stages=plan.num_stages, module=module, input_meta=input_meta,
+                 output_meta=output_meta, global_to_local=global_to_local, unowned=unowned)
+
+
+def _state_tensors(module: nn.Module) -> list[torch.Tensor]:
+    return list(module.parameters()) + list(module.buffers())
+
+
+def _refuse_shared_state(model: LayeredModel, plan: RunPlan) -> None:
+    """Two stages holding one parameter would each train their own copy: refuse that split."""
+    owner: dict[int, int] = {}
+    for sp in plan.stages:
+        for _, layer in model.layers[sp.first_layer:sp.first_layer + len(sp.layers)]:
+            for p in layer.parameters():
+                if owner.setdefault(id(p), sp.index) != sp.index:
+                    raise BadInput(f"plan '{plan.path}' puts a parameter shared by several layers into "
+                                   f"stages {owner[id(p)]} and {sp.index}; a shared parameter must stay in one stage")
+
+
+def _release_other_layers(model: LayeredModel, keep: nn.Module) -> None:
+    """Free the memory of the layers other stages hold: this rank never runs them."""
+    kept = {id(t) for t in _state_tensors(keep)}
+    for _, layer in model.layers:
+        for p in layer.parameters():
+            if id(p) not in kept:
+                p.data = torch.empty(0, dtype=p.dtype)
+
+
+def _cut_metas(model: LayeredModel, plan: RunPlan, index: int) -> tuple[tuple[TensorMeta, ...], tuple[TensorMeta, ...]]:
+    """Shapes and dtypes entering and leaving stage ``index``, micro-batch dimension included."""
+    b = plan.micro_batch_size
+    first = tuple(TensorMeta((b, *shape), dtype) for shape, dtype in zip(model.input_shapes, model.input_dtypes))
+    planned = [sp.output_shapes is not None for sp in plan.stages]
+    if all(planned[max(index - 1, 0):index + 1]):
+        metas = [tuple(TensorMeta((b, *s), _dtype(d, plan)) for s, d in zip(sp.output_shapes or (), sp.output_dtypes or ()))
+                 for sp in plan.stages]
+    else:
+        metas = _measure_cut_metas(model, plan, index)
+    inputs = first if index == 0 else metas[index - 1]
+    return inputs, metas[index]
+
+
+def _measure_cut_metas(model: LayeredModel, plan: RunPlan, index: int) -> list[tuple[TensorMeta, ...]]:
+    """Run one micro-batch through stages 0..index (no gradients) and record what crosses."""
+    metas: list[tuple[TensorMeta, ...]] = []
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        xs, _ = model.synthetic_batch(plan.micro_batch_size, torch.Generator().manual_seed(0))
+        for sp in plan.stages[:index + 1]:
+            for _, layer in model.layers[sp.first_layer:sp.first_layer + len(sp.layers)]:
+                xs = layer(*xs)
+            metas.append(tuple(TensorMeta(tuple(x.shape), x.dtype) for x in xs))
+    return metas
+
+
+def _dtype(name: str, plan: RunPlan) -> torch.dtype:
+    key = name.replace("torch.", "")
+    if key not in _DTYPES:
+        raise BadInput(f"plan '{plan.path}': unknown dtype '{name}' in output_dtypes")
+    return _DTYPES[key]

@@ -1,0 +1,72 @@
+"""The once-a-step exchange: every rank learns the step's loss, and the gradient norm to clip by.
+
+Only the last stage computes the loss, but every rank needs it: to show progress (rank 0), and
+to stop together, before any optimizer step, when it is NaN. Clipping by the global gradient
+norm also needs every stage's share of it.
+
+With clipping, one all-reduce of (loss, squared norm) does both. Without it, the last stage
+just sends its loss to the others, and each of them posts that receive when the step starts,
+so the message is waiting for them when they finish: a gloo all-reduce of two numbers costs
+a few round trips (milliseconds on a busy machine), a pre-posted receive nothing. On NCCL a
+receive posted early would block the stream its sends queue on, so CUDA always all-reduces.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..artifacts import RunFailure
+from .p2p import PeerLost
+
+LOSS_TAG = 1 << 30  # far above the tags of activations and gradients (see p2p.tag)
+
+
+class StepSync:
+    def __init__(self, rank: int, world_size: int, device: torch.device, clip: bool, timeout_s: float) -> None:
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.last = world_size - 1
+        self.all_reduce = clip or device.type != "cpu"
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.buffer = torch.zeros(1, dtype=torch.float64)
+        self.pending: dist.Work | None = None
+        self.sends: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def begin_step(self) -> None:
+        """Post the receive of this step's loss (ranks other than the last, without clipping)."""
+        if self.world_size > 1 and not self.all_reduce and self.rank != self.last:
+            self.buffer = torch.zeros(1, dtype=torch.float64)
+            self.pending = dist.irecv(self.buffer, src=self.last, tag=LOSS_TAG)
+
+    def finish_step(self, loss: float, grad_sq: float) -> tuple[float, float]:
+        """(mean loss, global gradient norm) on every rank; ``loss`` counts on the last rank only."""
+        if self.world_size == 1:
+            return loss, math.sqrt(grad_sq)
+        if self.all_reduce:
+            shared = torch.tensor([loss if self.rank == self.last else 0.0, grad_sq], dtype=torch.float64,
+                                  device=self.device)
+            dist.all_reduce(shared)
+            return float(shared[0]), math.sqrt(float(shared[1]))
+        if self.rank == self.last:
+            for work, _ in self.sends:  # last step's, long done: keep their buffers until then
+                work.wait(self.timeout)
+            value = torch.tensor([loss], dtype=torch.float64)
+            self.sends = [(dist.isend(value, dst=r, tag=LOSS_TAG), value) for r in range(self.world_size - 1)]
+            return loss, 0.0
+        assert self.pending is not None
+        try:
+            self.pending.wait(self.timeout)
+        except RuntimeError as exc:
+            text = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            kind = RunFailure if "Timed out" in text else PeerLost
+            raise kind(f"rank {self.rank} did not receive the step's loss from rank {self.last}: {text}") from None
+        self.pending = None
+        return float(self.buffer[0]), 0.0
+
+    def close(self) -> None:
+        for work, _ in self.sends:
+            work.wait(self.timeout)
+        self.sends = []

@@ -1,0 +1,120 @@
+"""The same stage, driven by ``torch.distributed.pipelining`` (``ScheduleGPipe``, ``Schedule1F1B``).
+
+PyTorch's pipelining package runs a ``PipelineStage`` under a schedule object. Three things
+make it work on gloo/CPU, each learnt the hard way (see DESIGN.md):
+
+- static metadata: left to infer shapes, stages exchange them with blocking sends that
+  deadlock on gloo. We pass all four of ``input_args`` (requiring gradients on every stage
+  but the first), ``output_args``, ``output_grads`` (every stage but the last) and
+  ``input_grads`` (every stage but the first); with fewer, the first stage receives ``None``
+  gradients;
+- ``loss_fn`` on every rank: a schedule built without it skips that stage's backward;
+- the schedule splits the batch itself and divides the gradients by M at the end
+  (``scale_grads``), which is the same mean-over-the-batch gradient as the native executor's.
+
+We time each stage's forward and backward by overriding the stage's ``forward_one_chunk`` and
+``backward_one_chunk``: the spans cover the computation, not the waits for neighbours.
+
+This is the executor the CUDA/NCCL path uses: its schedules pair each send with the matching
+receive in one batch (``batch_isend_irecv``), which NCCL needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from ..artifacts import BadInput
+from .executor import LossFn, Tensors
+from .faults import Fault
+from .memory import ActivationMeter, tensor_bytes
+from .stage import Stage
+from .timing import SpanRecorder
+
+
+class _TimedStage(PipelineStage):
+    """A ``PipelineStage`` that records a span for every forward and backward it runs."""
+
+    recorder: SpanRecorder
+    fault: Fault | None
+    meter: ActivationMeter | None = None
+    step_index: int = 0
+
+    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):  # type: ignore[override]
+        start = self.recorder.now()
+        if self.fault is not None and fwd_chunk_id == 0 and self.fault.due(self.stage_index, self.step_index):
+            self.fault.fire(self.stage_index, self.step_index)
+        with self._metering(fwd_chunk_id, args):
+            out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        self.recorder.add("forward", fwd_chunk_id, start, self.recorder.now())
+        return out
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):  # type: ignore[override]
+        start = self.recorder.now()
+        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+        if self.meter is not None:
+            self.meter.release(bwd_chunk_id)
+        self.recorder.add("backward", bwd_chunk_id, start, self.recorder.now())
+
+    def _metering(self, chunk: int, args: Tensors) -> contextlib.AbstractContextManager[None]:
+        if self.meter is None:
+            return contextlib.nullcontext()
+        if self.submod.recompute:  # as in the native executor: inputs kept, one rerun live
+            xs = args if self.is_first else tuple(info.buffer for info in self.args_recv_info[chunk])
+            self.meter.hold(chunk, sum(tensor_bytes(x) for x in xs if isinstance(x, torch.Tensor)))
+            if self.meter.transient_bytes == 0:
+                self.meter.transient_bytes = self.meter.measure_once(self.submod.run_layers, *xs)
+            return contextlib.nullcontext()
+        return self.meter.forward(chunk)
+
+
+class TorchExecutor:
+    """Runs a stage with ``torch.distributed.pipelining``'s GPipe or 1F1B schedule."""
+
+    meters_activations = True
+
+    def __init__(self, stage: Stage, schedule: str, micro_batches: int, loss_fn: LossFn,
+                 device: torch.device, recorder: SpanRecorder, fault: Fault | None = None) -> None:
+        if schedule == "1f1b" and micro_batches < stage.num_stages:
+            raise BadInput(f"torch's Schedule1F1B needs at least as many micro-batches as stages "
+                           f"({micro_batches} < {stage.num_stages}): use --executor native or a GPipe plan")
+        self.stage = stage
+
+        def example(metas, grad: bool) -> Tensors:
+            return tuple(m.empty(device).requires_grad_(grad and m.carries_grad) for m in metas)
+
+        pipe_stage = _TimedStage(
+            stage.module, stage.index, stage.num_stages, device,
+            input_args=example(stage.input_meta, grad=not stage.is_first),
+            output_args=example(stage.output_meta, grad=False),
+            output_grads=None if stage.is_last else example(stage.output_meta, grad=False),
+            input_grads=None if stage.is_first else example(stage.input_meta, grad=False),
+        )
+        pipe_stage.recorder = recorder
+        pipe_stage.fault = fault
+        self.pipe_stage = pipe_stage
+        self.fault = fault
+        self.loss_fn = loss_fn
+        self.poison_step: int | None = None
+
+        def loss(outputs: Tensors, target: torch.Tensor) -> torch.Tensor:
+            value = loss_fn(outputs, target)
+            if self.fault is not None and self.poison_step is not None:
+                value = self.fault.poison(value)
+            return value
+
+        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+        self.schedule = kind(pipe_stage, micro_batches, loss_fn=loss, scale_grads=True)
+
+    def step(self, step: int, inputs: Tensors | None, targets: torch.Tensor | None,
+             meter: ActivationMeter | None = None) -> list[torch.Tensor]:
+        self.pipe_stage.meter = meter
+        self.pipe_stage.step_index = step
+        self.poison_step = step if self.fault is not None and self.fault.due(self.stage.index, step) else None
+        losses: list[torch.Tensor] = []
+        args = inputs if self.stage.is_first and inputs is not None else ()
+        self.schedule.step(*args, target=targets if self.stage.is_last else None, losses=losses,
+                           return_outputs=False)
+        return [loss.detach() for loss in losses]

@@ -1,0 +1,291 @@
+"""One rank's training run, top to bottom.
+
+Every rank runs this same function; rank k runs stage k. It reads like a single-process
+training script because it nearly is one: build the model, keep our stage, then for each
+step draw the batch, run our share of the pipeline schedule, learn the loss, step the
+optimizer. Everything pipeline-specific hides in the executor (:mod:`.executor`).
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+
+from ..artifacts import BadInput, RunFailure, write_bytes_atomic, write_json_atomic
+from ..models import build_model
+from . import checkpoint
+from .conditions import condition_warnings, cpu_cores, threads_per_rank
+from .data import batch_source
+from .distributed import World, check_world, choose_device, init
+from .executor import Executor, NativeExecutor
+from .faults import Fault
+from .objects import gather_objects
+from .memory import ActivationMeter, peak_rss_bytes, static_bytes
+from .optim import clip_gradients, learning_rate, make_optimizer, set_learning_rate, squared_grad_norm
+from .options import RunOptions
+from .p2p import Neighbours
+from .plan import RunPlan, load_plan
+from .progress import TrainingProgress
+from .report import RankResult, build_report, print_summary
+from .stage import Stage, build_stage
+from .sync import StepSync
+from .timing import SpanRecorder
+from .trace import chrome_trace
+
+
+def train(options: RunOptions, world: World) -> None:
+    # ------------------------------------------------------------------ where we stand
+    plan = load_plan(options.plan)
+    check_world(world, plan)
+    threads = threads_per_rank(options.threads, plan, world.local_world_size)
+    torch.set_num_threads(threads)
+    device = choose_device(options.device, plan, world.local_rank)
+    executor_name = _executor_name(options.executor, device)
+    # Join the ranks, unless the caller already did (tests run several trainings in one group).
+    joined_here = not dist.is_initialized()
+    objects = init(world, device, options.timeout) if joined_here else _objects_group(device)
+    reporter = world.rank == 0  # rank 0 prints, gathers and writes the outputs
+    err = Console(stderr=True)
+    warnings = condition_warnings(plan, threads, world.local_world_size, device.type)
+    if reporter:
+        for line in warnings:  # shown even with --quiet: they say the prediction will not hold
+            err.print(f"[yellow]warning:[/] {line}", highlight=False)
+
+    # ------------------------------------------------------------------ model, data, optimizer
+    # Every rank builds the whole model from the seed (identical parameters everywhere, no
+    # weights sent), then keeps its stage's layers and frees the rest.
+    model = build_model(plan.model, seed=options.seed)
+    stage = build_stage(model, plan, world.rank)
+    stage.module.to(device)
+    data = batch_source(model, options.data, plan.global_batch_size, options.seed)
+    tokens_per_sample = _tokens_per_sample(plan)
+    optimizer_name = options.optimizer_name(plan.optimizer)
+    optimizer = make_optimizer(stage.parameters(), optimizer_name, options)
+    base_lr = options.learning_rate(optimizer_name)
+    recorder = SpanRecorder(stage.index, device)
+    executor = _make_executor(executor_name, stage, plan, model.loss, device, recorder, options, world)
+    sync = StepSync(world.rank, world.world_size, device, clip=options.grad_clip is not None, timeout_s=options.timeout)
+
+    # ------------------------------------------------------------------ resume
+    identity = _identity(plan, stage, options)
+    start = 0
+    folder = Path(options.checkpoint_dir) if options.checkpoint_dir else None
+    if options.resume and folder is not None:
+        found = checkpoint.newest_common_step(folder, stage.index, stage.num_stages, objects)
+        if found is not None:
+            checkpoint.load(folder, found, stage, optimizer, identity)
+            start = found
+    if start >= options.steps:
+        raise BadInput(f"the checkpoint in '{folder}' is at step {start}: --steps {options.steps} leaves nothing to do")
+
+    progress = TrainingProgress(options.steps, start, plan.global_batch_size, tokens_per_sample,
+                                options.log_every, enabled=reporter and not options.quiet)
+    if reporter:
+        progress.note(_banner(plan, options, optimizer_name, base_lr, threads, device, executor_name, data.samples_text(),
+                              start))
+        if options.resume and start == 0:
+            progress.note(f"no complete checkpoint in '{folder}' yet: starting from step 0")
+
+    # ------------------------------------------------------------------ train
+    meter = ActivationMeter.for_module(stage.module)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    memory: dict[str, Any] = {}
+    losses: dict[int, float] = {}
+    step_s: dict[int, float] = {}
+    cpu_s: dict[int, float] = {}   # CPU time of the whole process (all its threads) per step
+    # torch's import leaves a very large object graph; freezing it keeps Python's cyclic
+    # garbage collector from walking all of it again and again during the steps.
+    gc.collect()
+    gc.freeze()
+    dist.barrier(group=objects)
+    recorder.start_clock()  # all ranks leave the barrier together: a common time origin
+    try:
+        for step in range(start, options.steps):
+            recorder.step = step
+            t0, c0 = recorder.now(), time.process_time()
+            lr = learning_rate(step, base_lr, options)
+            set_learning_rate(optimizer, lr)
+            sync.begin_step()
+
+            # The whole batch is a function of (seed, step); stage 0 needs its inputs, the
+            # last stage its targets, the stages between neither.
+            inputs = targets = None
+            if stage.is_first or stage.is_last:
+                t_data = recorder.now()
+                batch_inputs, batch_targets = data.batch(step)
+                inputs = tuple(x.to(device) for x in batch_inputs) if stage.is_first else None
+                targets = batch_targets.to(device) if stage.is_last else None
+                recorder.add("data", -1, t_data, recorder.now())
+
+            # Our share of the pipeline: forwards and backwards of the M micro-batches.
+            micro_losses = executor.step(step, inputs, targets, meter if step == start else None)
+
+            # Every rank learns the loss (the last stage has it) and, for clipping, the global
+            # gradient norm; so every rank stops here, together, when the loss is NaN.
+            local_loss = float(sum(float(v) for v in micro_losses) / plan.micro_batches) if stage.is_last else 0.0
+            t_sync = recorder.now()
+            loss, grad_norm = sync.finish_step(local_loss, squared_grad_norm(stage.parameters())
+                                               if options.grad_clip else 0.0)
+            recorder.add("sync", -1, t_sync, recorder.now())
+            if not math.isfinite(loss):
+                raise RunFailure(f"the loss is {loss} at step {step + 1}: training diverged; lower --lr "
+                                 f"(it is {lr:g}) or set --grad-clip")
+            if options.grad_clip:
+                clip_gradients(stage.parameters(), grad_norm, options.grad_clip)
+
+            t_opt = recorder.now()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            t1 = recorder.now()
+            recorder.add("optimizer", -1, t_opt, t1)
+            if step == start:
+                memory = _memory(stage, optimizer, meter if executor.meters_activations else None, device)
+
+            step_s[step] = t1 - t0
+            cpu_s[step] = time.process_time() - c0
+            losses[step] = loss
+            progress.update(step, loss, t1 - t0)
+
+            if folder is not None and ((step + 1) % options.checkpoint_every == 0 or step + 1 == options.steps):
+                checkpoint.save(folder, step + 1, stage, optimizer, identity)
+                dist.barrier(group=objects)  # every stage has saved step+1: older ones may go
+                checkpoint.prune(folder, options.keep_checkpoints, stage.index, stage.num_stages)
+        sync.close()
+    finally:
+        progress.close()
+
+    # ------------------------------------------------------------------ outputs
+    result = RankResult(world.rank, recorder.spans, step_s, memory, cpu_s)
+    results = _gather(result, world, objects)
+    pieces = _gather({k: v.detach().cpu() for k, v in stage.state_dict().items()} if options.save else None,
+                     world, objects)
+    if reporter:
+        assert results is not None and pieces is not None
+        if options.save:
+            _save_model(options.save, model.module.state_dict().keys(), pieces)
+        run = _run_facts(options, optimizer_name, base_lr, threads, device, executor_name, data.samples_text(), world)
+        run["warnings"] = warnings
+        report = build_report(plan, results, losses=losses, run=run, tokens_per_sample=tokens_per_sample)
+        if options.report:
+            write_json_atomic(options.report, report)
+        if options.trace:
+            spans = [r.spans for r in sorted(results, key=lambda r: r.rank)]
+            write_json_atomic(options.trace, chrome_trace(spans, {"plan": plan.path, "schedule": plan.schedule,
+                                                                  "micro_batches": plan.micro_batches}))
+        if not options.quiet:
+            print_summary(report, Console())
+            written = [f"{what} {path}" for what, path in (("model", options.save), ("report", options.report),
+                                                          ("trace", options.trace)) if path]
+            if written:
+                Console().print("wrote " + ", ".join(written), highlight=False)
+    dist.barrier(group=objects)
+    if joined_here:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- helpers
+def _objects_group(device: torch.device) -> Any:
+    """The gloo group for Python objects, in a process group someone else started."""
+    return dist.group.WORLD if device.type == "cpu" else dist.new_group(backend="gloo")
+
+
+def _executor_name(requested: str, device: torch.device) -> str:
+    if requested == "auto":
+        return "torch" if device.type == "cuda" else "native"
+    if requested == "native" and device.type == "cuda":
+        raise BadInput("--executor native runs on gloo (CPU); on CUDA use --executor torch (or auto)")
+    return requested
+
+
+def _make_executor(name: str, stage: Stage, plan: RunPlan, loss_fn: Any, device: torch.device,
+                   recorder: SpanRecorder, options: RunOptions, world: World) -> Executor:
+    fault = Fault.from_env()
+    if name == "torch":
+        from .torch_executor import TorchExecutor
+
+        return TorchExecutor(stage, plan.schedule, plan.micro_batches, loss_fn, device, recorder, fault)
+    neighbours = Neighbours(world.rank, world.world_size, device, options.timeout)
+    return NativeExecutor(stage, plan.schedule, plan.micro_batches, loss_fn, neighbours, recorder, fault)
+
+
+def _memory(stage: Stage, optimizer: torch.optim.Optimizer, meter: ActivationMeter | None,
+            device: torch.device) -> dict[str, Any]:
+    parts: dict[str, Any] = static_bytes(stage.module, optimizer)
+    parts["activations_bytes"] = meter.total_bytes if meter is not None else None
+    parts["peak_rss_bytes"] = peak_rss_bytes()
+    if device.type == "cuda":
+        parts["peak_bytes"] = int(torch.cuda.max_memory_allocated(device))
+        parts["method"] = "torch.cuda.max_memory_allocated"
+    elif meter is None:
+        parts["peak_bytes"] = None
+        parts["method"] = "activations not measured by this executor"
+    else:
+        parts["peak_bytes"] = sum(v for k, v in parts.items() if k in (
+            "params_bytes", "gradients_bytes", "optimizer_state_bytes", "buffers_bytes", "activations_bytes"))
+        parts["method"] = "tensor accounting: parameters, gradients, optimizer state, buffers, saved activations"
+    return parts
+
+
+def _gather(obj: Any, world: World, group: Any) -> list[Any] | None:
+    """``obj`` of every rank, on rank 0 (None elsewhere)."""
+    if world.world_size == 1:
+        return [obj]
+    return gather_objects(obj, group)
+
+
+def _save_model(path: str, keys: Any, pieces: list[dict[str, torch.Tensor]]) -> None:
+    """The whole model's ``state_dict``, keys and order as the unsplit model's, from every stage's part."""
+    merged: dict[str, torch.Tensor] = {}
+    for piece in pieces:
+        merged.update(piece)
+    missing = [k for k in keys if k not in merged]
+    if missing:
+        raise RunFailure(f"--save: no stage holds '{missing[0]}'")
+    ordered = {k: merged[k] for k in keys}
+    buffer = io.BytesIO()
+    torch.save(ordered, buffer)
+    write_bytes_atomic(path, buffer.getvalue())
+
+
+def _tokens_per_sample(plan: RunPlan) -> int | None:
+    spec = plan.model
+    if spec.get("source") == "builtin" and spec.get("name") == "gpt":
+        return int(spec["options"]["seq_len"])
+    return None
+
+
+def _identity(plan: RunPlan, stage: Stage, options: RunOptions) -> dict[str, Any]:
+    """What a checkpoint must agree with to be resumed by this run."""
+    return {"model": plan.model, "stages": plan.num_stages, "layers": list(plan.stages[stage.index].layers),
+            "seed": options.seed, "global_batch_size": plan.global_batch_size, "data": options.data}
+
+
+def _run_facts(options: RunOptions, optimizer: str, lr: float, threads: int, device: torch.device, executor: str,
+               data: str, world: World) -> dict[str, Any]:
+    return {"steps": options.steps, "seed": options.seed, "optimizer": optimizer, "lr": lr,
+            "lr_schedule": options.lr_schedule, "data": data, "executor": executor,
+            "backend": "nccl" if device.type == "cuda" else "gloo", "device": device.type,
+            "threads_per_rank": threads, "cpu_cores": cpu_cores(), "ranks": world.world_size,
+            "launcher": world.launcher, "torch": torch.__version__,
+            "started_unix_s": round(time.time(), 3)}
+
+
+def _banner(plan: RunPlan, options: RunOptions, optimizer: str, lr: float, threads: int, device: torch.device,
+            executor: str, data: str, start: int) -> str:
+    name = plan.model.get("name") or plan.model.get("factory")
+    where = f"{device.type}, {threads} thread(s) per rank" if device.type == "cpu" else str(device)
+    text = (f"training {name} on {plan.num_stages} stage(s) ({where}), {plan.schedule}, "
+            f"{plan.micro_batches} x {plan.micro_batch_size} samples per step, {optimizer} lr {lr:g}, "
+            f"{data}, {executor} executor")
+    if start:
+        text += f"; resumed at step {start}"
+    return text

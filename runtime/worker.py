@@ -1,0 +1,115 @@
+"""One rank, as a process: run :func:`.train.train`, and fail in a way the launcher can report.
+
+``gpipe-plan run`` starts K of these (``python -m gpipe_plan.runtime.worker``); under
+``torchrun`` the ``run`` command calls :func:`run_rank` in the process torchrun started.
+
+When a rank fails, the others fail soon after, with errors that only say their neighbour
+went away. The one error worth showing is the first, so each failing rank writes its error,
+with the time, its kind and the traceback, to a file the launcher reads (the idea of
+torchelastic's error files), and exits at once with ``os._exit``: a process whose peers are
+gone must not wait for them at interpreter shutdown.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+import warnings
+from typing import NoReturn
+
+from ..artifacts import BadInput
+from .options import ENV, RunOptions
+
+ERROR_DIR_ENV = "GPIPE_PLAN_ERROR_DIR"
+PARENT_ENV = "GPIPE_PLAN_PARENT_PID"
+
+
+def error_kind(exc: BaseException) -> str:
+    from .p2p import PeerLost
+
+    if isinstance(exc, BadInput):
+        return "bad_input"
+    if isinstance(exc, PeerLost) or _looks_like_lost_peer(exc):
+        return "peer_lost"
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    return "error"
+
+
+def _looks_like_lost_peer(exc: BaseException) -> bool:
+    text = str(exc)
+    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                                   "pair closure", "Connection refused", "ECONNRESET"))
+
+
+def describe(exc: BaseException) -> str:
+    """The error in one line: its type (unless ours) and message."""
+    from ..artifacts import RunFailure
+
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if isinstance(exc, (BadInput, RunFailure)):
+        return message
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+def run_rank(options: RunOptions) -> int:
+    """Run this process's rank; return the exit status (0, 1 failure, 2 bad input)."""
+    from .distributed import world_from_env
+    from .train import train
+
+    world = world_from_env()
+    if world is None:
+        raise BadInput("not started as a rank (RANK and WORLD_SIZE are unset)")
+    try:
+        train(options, world)
+        return 0
+    except BaseException as exc:  # noqa: BLE001 - every failure is reported, then we exit
+        kind = error_kind(exc)
+        error_dir = os.environ.get(ERROR_DIR_ENV)
+        if error_dir:
+            _write_error(error_dir, world.rank, exc, kind)
+        else:  # under torchrun: say it ourselves, with the rank
+            tb = "".join(traceback.format_exception(exc)) if kind not in ("bad_input",) else ""
+            sys.stderr.write(f"{tb}error: rank {world.rank}: {describe(exc)}\n")
+        return 2 if kind == "bad_input" else 130 if kind == "interrupted" else 1
+
+
+def _write_error(folder: str, rank: int, exc: BaseException, kind: str) -> None:
+    record = {"rank": rank, "time": time.time(), "kind": kind, "message": describe(exc),
+              "traceback": "".join(traceback.format_exception(exc))}
+    path = os.path.join(folder, f"rank-{rank}.json")
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to kill this rank if the launcher dies (kill -9 included): no orphans."""
+    parent = int(os.environ.get(PARENT_ENV, "0"))
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+    if parent and os.getppid() != parent:  # the launcher died before prctl took effect
+        os._exit(1)
+
+
+def main() -> NoReturn:
+    _die_with_parent()
+    # torch warns at import when NumPy is absent; nothing here uses NumPy.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    status = run_rank(RunOptions.from_json(os.environ[ENV]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+if __name__ == "__main__":
+    main()
