@@ -17,6 +17,7 @@ import torch
 from .. import __version__
 from ..artifacts import PROFILE_FORMAT
 from ..models import LayeredModel, build_model
+from ..speedprobe import speed_probe_s
 from .clock import clock_for
 from .device import describe
 from .measure import (LayerFigures, Runner, Timing, harness_runner, model_step_runner, optimizer_step_s,
@@ -79,6 +80,7 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
     sizes = sorted(request.micro_batch_sizes)
     model.check(batch_size=sizes[0], device=device)  # a bad --input-shape fails here, in one line
 
+    probe_before = speed_probe_s(device.type)   # see speedprobe: the speed this profile saw
     rounds = request.warmup + request.repeats
     progress.begin(len(sizes) * rounds * 2 * (len(model.layers) + 2) + 1 + (1 if request.measure_link else 0))
     per_size: list[list[LayerFigures]] = []
@@ -98,13 +100,17 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
     optimizer_s = [optimizer_step_s(_distinct(layer.parameters()), clock, request.warmup, request.repeats)
                    for _, layer in model.layers]
 
+    probes = [probe_before, speed_probe_s(device.type)]
     link = None
     if request.measure_link:
         from .link import measure_link
 
         progress.step("link between two processes")
         link = measure_link(device)
-    return _document(model, request, sizes, per_size, steps, harnesses, input_bytes, optimizer_s, link)
+    doc = _document(model, request, sizes, per_size, steps, harnesses, input_bytes, optimizer_s, link)
+    doc["device"]["speed_probe_s"] = sum(probes) / len(probes)
+    doc["measurement"]["speed_probe_s"] = probes
+    return doc
 
 
 def _batch(model: LayeredModel, size: int, seed: int, device: torch.device) -> tuple[Tensors, torch.Tensor]:

@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..artifacts import REPORT_FORMAT, FORMAT_VERSIONS
+from ..speedprobe import speed_ratio
 from .plan import RunPlan
 from .timing import Span
 
@@ -38,6 +39,7 @@ class RankResult:
     step_s: dict[int, float]          # step -> seconds, on this rank
     memory: dict[str, Any]
     cpu_s: dict[int, float] = field(default_factory=dict)   # step -> CPU seconds of the process
+    speed_probe_s: list[float] = field(default_factory=list)  # before and after training (speedprobe)
     hostname: str = field(default_factory=lambda: os.uname().nodename)
 
 
@@ -110,6 +112,7 @@ def build_report(plan: RunPlan, results: list[RankResult], *, losses: dict[int, 
         "measured_step_s": measured_step,
         "step_time_ratio": (measured_step / plan.predicted_step_s)
         if measured_step and plan.predicted_step_s else None,
+        "speed": _speed(plan, results, measured_step),
         "measured_step_s_per_step": {str(s): results[0].step_s[s] for s in sorted(results[0].step_s)},
         "predicted_bubble_fraction": plan.predicted_bubble_fraction,
         "measured_bubble_fraction": (1 - busy_total / (K * measured_step)) if measured_step else None,
@@ -122,6 +125,22 @@ def build_report(plan: RunPlan, results: list[RankResult], *, losses: dict[int, 
             "per_step": {str(s): losses[s] for s in loss_steps},
         },
         "stages": stages,
+    }
+
+
+def _speed(plan: RunPlan, results: list[RankResult], measured_step: float | None) -> dict[str, Any]:
+    """The machine's speed during the run against the profile's (see gpipe_plan.speedprobe)."""
+    probes = [p for r in results for p in r.speed_probe_s]
+    run_probe = statistics.mean(probes) if probes else None
+    ratio = speed_ratio(run_probe, plan.profile_device.get("speed_probe_s"))
+    at_speed = plan.predicted_step_s * ratio if ratio and plan.predicted_step_s else None
+    return {
+        "profile_probe_s": plan.profile_device.get("speed_probe_s"),
+        "run_probe_s": run_probe,
+        "per_rank_probe_s": {str(r.rank): r.speed_probe_s for r in results},
+        "ratio": ratio,
+        "predicted_step_s_at_run_speed": at_speed,
+        "step_time_ratio_at_run_speed": (measured_step / at_speed) if measured_step and at_speed else None,
     }
 
 
@@ -152,6 +171,13 @@ def print_summary(report: dict[str, Any], console: Console) -> None:
     if report["tokens_per_s"]:
         line += f"   {report['tokens_per_s']:,.0f} tokens/s"
     console.print(line + "   (measured / predicted)")
+    speed = report.get("speed") or {}
+    if speed.get("ratio"):
+        console.print(
+            f"this machine ran {abs(speed['ratio'] - 1):.0%} {'slower' if speed['ratio'] > 1 else 'faster'} than when "
+            f"the profile was measured (speed probe); at that speed the prediction is "
+            f"{_ms(speed['predicted_step_s_at_run_speed'])} ({(speed['step_time_ratio_at_run_speed'] - 1) * 100:+.0f}%)",
+            highlight=False)
 
 
 def _pair(measured: float | None, predicted: float | None, fmt: Any) -> str:

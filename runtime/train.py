@@ -21,6 +21,7 @@ from rich.console import Console
 
 from ..artifacts import BadInput, RunFailure, write_bytes_atomic, write_json_atomic
 from ..models import build_model
+from ..speedprobe import speed_probe_s, speed_ratio
 from . import checkpoint
 from .conditions import condition_warnings, cpu_cores, threads_per_rank
 from .data import batch_source
@@ -41,6 +42,10 @@ from .timing import SpanRecorder
 from .trace import chrome_trace
 
 
+# Beyond this factor either way, the machine is not the one the profile measured.
+SPEED_TOLERANCE = 1.15
+
+
 def train(options: RunOptions, world: World) -> None:
     # ------------------------------------------------------------------ where we stand
     plan = load_plan(options.plan)
@@ -58,6 +63,17 @@ def train(options: RunOptions, world: World) -> None:
     if reporter:
         for line in warnings:  # shown even with --quiet: they say the prediction will not hold
             err.print(f"[yellow]warning:[/] {line}", highlight=False)
+
+    # How fast this machine is now, against the profile's moment: every rank together, with
+    # the threads it trains with (gpipe_plan.speedprobe); again after training.
+    probes = [speed_probe_s(device.type)]
+    profile_probe = plan.profile_device.get("speed_probe_s")
+    ratio = speed_ratio(probes[0], profile_probe)
+    if reporter and ratio and not 1 / SPEED_TOLERANCE <= ratio <= SPEED_TOLERANCE:
+        err.print(f"[yellow]warning:[/] this machine runs {abs(ratio - 1):.0%} {'slower' if ratio > 1 else 'faster'} "
+                  f"than when the profile was measured (a fixed reference workload took {probes[0] * 1e3:.1f} ms, "
+                  f"then {profile_probe * 1e3:.1f} ms): expect the prediction to be off by about that much; "
+                  f"re-profile here, or read the report's speed-adjusted prediction", highlight=False)
 
     # ------------------------------------------------------------------ model, data, optimizer
     # Every rank builds the whole model from the seed (identical parameters everywhere, no
@@ -164,7 +180,8 @@ def train(options: RunOptions, world: World) -> None:
         progress.close()
 
     # ------------------------------------------------------------------ outputs
-    result = RankResult(world.rank, recorder.spans, step_s, memory, cpu_s)
+    probes.append(speed_probe_s(device.type))
+    result = RankResult(world.rank, recorder.spans, step_s, memory, cpu_s, speed_probe_s=probes)
     results = _gather(result, world, objects)
     pieces = _gather({k: v.detach().cpu() for k, v in stage.state_dict().items()} if options.save else None,
                      world, objects)
