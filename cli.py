@@ -156,6 +156,25 @@ def explore(**options: Any) -> None:
     explore_command(**options)
 
 
+# --------------------------------------------------------------------------- calibrate
+@main.command()
+@click.argument("report", type=click.Path(dir_okay=False))
+@click.option("--profile", "-p", "profile_path", type=click.Path(dir_okay=False), required=True,
+              help="The profile the run's plan was made from.")
+@click.option("--out", "-o", type=click.Path(dir_okay=False), default=None,
+              help="Where to write the calibrated profile. Default: PROFILE with .calibrated.json.")
+@click.option("--no-speed-correction", is_flag=True,
+              help="Keep the machine's speed drift during the run in the times (by default it is divided out).")
+def calibrate(report: str, profile_path: str, out: str | None, no_speed_correction: bool) -> None:
+    """Fold a run's measured per-stage times (REPORT from `run --report`) into its profile.
+
+    A second `solve` with the calibrated profile plans with what the pipeline really costs.
+    """
+    from .profiles.command_calibrate import calibrate_command
+
+    calibrate_command(report, profile_path, out, speed_correction=not no_speed_correction)
+
+
 # --------------------------------------------------------------------------- import-pipedream
 @main.command("import-pipedream")
 @click.argument("graph", type=click.Path(dir_okay=False))

@@ -64,15 +64,16 @@ def train(options: RunOptions, world: World) -> None:
         for line in warnings:  # shown even with --quiet: they say the prediction will not hold
             err.print(f"[yellow]warning:[/] {line}", highlight=False)
 
-    # How fast this machine is now, against the profile's moment: every rank together, with
-    # the threads it trains with (gpipe_plan.speedprobe); again after training.
-    probes = [speed_probe_s(device.type)]
+    # How fast this machine is now, against the profile's moment (gpipe_plan.speedprobe): each
+    # rank in turn, alone like the profile's probe, so that the ratio is the machine's drift and
+    # not the ranks slowing each other (that belongs to the run, and calibration keeps it).
+    probes = [_probe_in_turn(world, device, objects)]
     profile_probe = plan.profile_device.get("speed_probe_s")
     ratio = speed_ratio(probes[0], profile_probe)
     if reporter and ratio and not 1 / SPEED_TOLERANCE <= ratio <= SPEED_TOLERANCE:
         err.print(f"[yellow]warning:[/] this machine runs {abs(ratio - 1):.0%} {'slower' if ratio > 1 else 'faster'} "
-                  f"than when the profile was measured (a fixed reference workload took {probes[0] * 1e3:.1f} ms, "
-                  f"then {profile_probe * 1e3:.1f} ms): expect the prediction to be off by about that much; "
+                  f"than when the profile was measured (a fixed reference workload takes {probes[0] * 1e3:.1f} ms now, "
+                  f"{profile_probe * 1e3:.1f} ms then): expect the prediction to be off by about that much; "
                   f"re-profile here, or read the report's speed-adjusted prediction", highlight=False)
 
     # ------------------------------------------------------------------ model, data, optimizer
@@ -180,7 +181,7 @@ def train(options: RunOptions, world: World) -> None:
         progress.close()
 
     # ------------------------------------------------------------------ outputs
-    probes.append(speed_probe_s(device.type))
+    probes.append(_probe_in_turn(world, device, objects))
     result = RankResult(world.rank, recorder.spans, step_s, memory, cpu_s, speed_probe_s=probes)
     results = _gather(result, world, objects)
     pieces = _gather({k: v.detach().cpu() for k, v in stage.state_dict().items()} if options.save else None,
@@ -210,6 +211,17 @@ def train(options: RunOptions, world: World) -> None:
 
 
 # ---------------------------------------------------------------------- helpers
+def _probe_in_turn(world: World, device: torch.device, objects: Any) -> float:
+    """This rank's speed probe, run while the other ranks wait: one at a time."""
+    probe = 0.0
+    for rank in range(world.world_size):
+        if rank == world.rank:
+            probe = speed_probe_s(device.type)
+        if world.world_size > 1:
+            dist.barrier(group=objects)
+    return probe
+
+
 def _objects_group(device: torch.device) -> Any:
     """The gloo group for Python objects, in a process group someone else started."""
     return dist.group.WORLD if device.type == "cpu" else dist.new_group(backend="gloo")
