@@ -1,14 +1,39 @@
-"""python -m bench PART [options]; PART is one of the parts below, or 'all'."""
+"""python -m bench PART [options]; PART is one of the parts below, 'all', or 'assemble'.
+
+Each part writes docs/benchmarks/PART.md (and its pictures, docs/benchmarks/*.svg, and its
+raw figures, docs/benchmarks/data/PART.json where it measures runs). 'all' runs every part
+with its defaults, in the order below, then 'assemble' joins the sections into
+docs/benchmarks.md. On the 2-core development VM 'all' takes about 3 hours (see
+docs/benchmarks.md for the time each part took); every part takes options to be quicker
+(python -m bench PART --help). Leave the machine to the benchmark while it runs: the parts
+that time runs record the cores other processes used meanwhile.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 PARTS = {
+    "drift": ("bench.drift", "this machine's speed over time, one process alone and two at once"),
     "quality": ("bench.planner_quality", "plan quality on the 14 PipeDream profiles vs the usual heuristics"),
     "solver": ("bench.planner_speed", "solver speed: 2,000 layers x 64 stages, full search on 500 layers"),
-    "runtime": ("bench.runtime_speedup", "2 stages vs 1 on this CPU: samples/s, per-micro-batch overhead"),
     "scaling": ("bench.solver_scaling", "solver time vs layers (100-5,000) and stages (2-128), DP and ILP"),
+    "handtuning": ("bench.handtuning", "our plan vs a grid of hand-tuned uniform splits x M, measured on this CPU"),
+    "accuracy": ("bench.accuracy", "cost model: measured vs predicted step and memory, before/after calibration"),
+    "runtime": ("bench.runtime_speedup", "2 stages vs 1 on this CPU: samples/s, per-micro-batch overhead"),
+    "efficiency": ("bench.efficiency", "measured step vs ideal and bubble bound; vs torch.distributed.pipelining by hand"),
+}
+
+# Options 'all' gives a part instead of its defaults.
+ALL_OPTIONS: dict[str, list[str]] = {
+    "quality": ["--micro-batches", "8,64", "--ilp-seconds", "20", "--ilp-max-layers", "200"],
+    "scaling": ["--ilp-limit", "20"],
+    "runtime": ["--rounds", "2"],
 }
 
 
@@ -16,15 +41,47 @@ def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
         print(__doc__)
         for name, (_, what) in PARTS.items():
-            print(f"  {name:10s} {what}")
+            print(f"  {name:11s} {what}")
+        print(f"  {'assemble':11s} join docs/benchmarks/*.md into docs/benchmarks.md (no measuring)")
         return
     part = sys.argv[1]
+    if part == "assemble":
+        from .assemble import assemble
+
+        print(f"wrote {assemble()}")
+        return
     names = list(PARTS) if part == "all" else [part]
     for name in names:
         if name not in PARTS:
-            sys.exit(f"unknown part {name!r}; choose from {', '.join(PARTS)} or all")
+            sys.exit(f"unknown part {name!r}; choose from {', '.join(PARTS)}, all or assemble")
+    took = {}
+    failed = []
+    for name in names:
+        started = time.monotonic()
         module = __import__(PARTS[name][0], fromlist=["main"])
-        module.main(sys.argv[2:] if part != "all" else [])
+        try:
+            module.main(sys.argv[2:] if part != "all" else ALL_OPTIONS.get(name, []))
+        except Exception:  # in 'all', one broken part must not lose the others' hours
+            if part != "all":
+                raise
+            import traceback
+
+            traceback.print_exc()
+            failed.append(name)
+            continue
+        finally:
+            os.chdir(ROOT)  # a part may change directory (runtime_speedup does)
+        took[name] = time.monotonic() - started
+        from .assemble import record_time
+
+        record_time(name, took[name], sys.argv[2:] if part != "all" else ALL_OPTIONS.get(name, []))
+    if part == "all":
+        from .assemble import assemble
+
+        print(f"wrote {assemble()}")
+        print("took: " + ", ".join(f"{n} {s / 60:.0f} min" for n, s in took.items()))
+        if failed:
+            sys.exit(f"failed: {', '.join(failed)}")
 
 
 main()

@@ -51,9 +51,9 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
         f"(profile: {device.get('type', '?')}, {device.get('name', '?')})")
     table = Table(title=None, show_lines=False, header_style="bold")
     for col, justify in [("stage", "right"), ("layers", "left"), ("#", "right"), ("forward", "right"),
-                         ("backward", "right"), ("recompute", "center"), ("send", "right"),
+                         ("backward", "right"), ("rc", "center"), ("send", "right"),
                          ("memory", "right"), ("idle", "right")]:
-        table.add_column(col, justify=justify)
+        table.add_column(col, justify=justify, no_wrap=col != "layers")
     for st in plan["stages"]:
         names = st["layers"]
         span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
@@ -64,16 +64,16 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
             mem = f"[{colour}]{mem} ({share:.0%})[/{colour}]"
         table.add_row(
             str(st["index"]), span, str(len(names)),
-            format_seconds(st["forward_s"]), format_seconds(st["backward_s"]),
+            format_seconds(st["forward_s"], 3), format_seconds(st["backward_s"], 3),
             "yes" if st["recompute"] else "-",
-            format_seconds(st["send_s"]) if st.get("send_s") else "-",
+            format_seconds(st["send_s"], 3) if st.get("send_s") else "-",
             mem, f"{st.get('idle_fraction', 0.0):.1%}",
         )
     console.print(table)
     samples = pred.get("samples_per_s")
     console.print(
         f"micro-batches [bold]{plan['micro_batches']}[/bold] x {plan['micro_batch_size']} samples, "
-        f"schedule [bold]{plan['schedule']}[/bold]; per-stage times are per micro-batch"
+        f"schedule [bold]{plan['schedule']}[/bold]; times are per micro-batch; rc: recomputes"
         + (f"; memory limit {format_bytes(limit)}" if limit else ""))
     console.print(
         f"predicted step [bold]{format_seconds(pred['step_s'])}[/bold], "
@@ -82,7 +82,9 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
         highlight=False)
     opt = plan.get("optimality", {})
     if opt.get("proven"):
-        console.print(f"[green]proven optimal[/green] for this M, schedule and recompute setting ({opt.get('method')})")
+        searched = opt.get("settings_searched")
+        console.print(f"[green]proven optimal[/green] over {searched} settings of M and schedule"
+                      if searched else "[green]proven optimal[/green]", f"({opt.get('method')})", highlight=False)
     elif opt:
         gap = opt.get("gap")
         console.print(f"[yellow]not proven optimal[/yellow]: within {gap:.2%} of the lower bound"

@@ -52,13 +52,17 @@ def format_bytes(n: float | None) -> str:
     return f"{n:.0f} B"
 
 
-def format_seconds(s: float | None) -> str:
+def format_seconds(s: float | None, digits: int | None = None) -> str:
+    """Seconds in s, ms or µs; ``digits`` significant digits (default: 3 decimals)."""
     if s is None or (isinstance(s, float) and math.isnan(s)):
         return "-"
     if s == 0:
         return "0"
-    if abs(s) >= 1:
-        return f"{s:.3f} s"
-    if abs(s) >= 1e-3:
-        return f"{s * 1e3:.3f} ms"
-    return f"{s * 1e6:.1f} µs"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if abs(s) >= scale or unit == "µs":
+            value = s / scale
+            if digits is None:
+                return f"{value:.3f} {unit}" if unit != "µs" else f"{value:.1f} {unit}"
+            decimals = max(0, digits - len(str(int(abs(value)))))
+            return f"{value:.{decimals}f} {unit}"
+    return f"{s} s"  # pragma: no cover

@@ -1,0 +1,433 @@
+"""Cost-model accuracy: measured against predicted step time and memory, before and after calibration.
+
+    python -m bench accuracy                      # 2 models x 24 settings x 2 rounds: ~30 minutes
+    python -m bench accuracy --rounds 1 --micro-batches 1,8 --models gpt   # a few minutes
+
+For the built-ins (``gpt``, ``resnet``, default sizes, global batch 8), K in {1, 2}, M in
+{1, 2, 4, 8}, recomputation never/always, GPipe and 1F1B (K = 1 runs one schedule: with one
+stage the two are the same), each *cell* is:
+
+1. ``gpipe-plan solve PROFILE -k K --micro-batches M --schedule S --recompute R`` (the plan
+   with its predictions), ``gpipe-plan run PLAN --steps 20 --report R1``: the measured step is
+   the median of the steps after the first;
+2. ``gpipe-plan calibrate R1 --profile PROFILE`` (one calibration round), the same ``solve``
+   on the calibrated profile and a second ``run``: the error after calibration.
+
+The machine's speed drifts (see docs/runtime.md, "The machine's speed"), so every figure is
+the median over rounds, each round re-profiles the models first and walks the cells in a
+rotated order, and each run reports both the raw ratio (measured / predicted) and the ratio
+at the speed the run's probe measured (``speed.step_time_ratio_at_run_speed``).
+
+To say *where* an error comes from, each run's step is also re-predicted from the per-stage
+forward, backward and optimizer times the run itself measured, through the same schedule
+model (``ops`` column): if that matches the measured step, the schedule model is right and the
+error is in the per-operation times; what is left (measured / ops) is waits, messages and
+per-step work outside the operations. Per-operation errors are fitted as
+``measured = c x predicted + a``: ``a`` is a fixed cost per operation (the executor's
+per-micro-batch overhead), ``c - 1`` a proportional slowdown (drift, two ranks sharing caches
+and memory bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from gpipe_plan.planner.costmodel import CostModel, Setting
+from gpipe_plan.planner.objective import makespan_of, optimizer_tail
+from gpipe_plan.planner.profile import Profile
+
+from .common import (RESULTS, Ledger, cli, git_revision, machine, med, ms, read_json, rng, run_plan,
+                     scatter_svg, table, write_section, write_svg)
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    model: str
+    K: int
+    M: int
+    schedule: str
+    recompute: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.model} K{self.K} M{self.M} {self.schedule} rc={self.recompute}"
+
+    @property
+    def slug(self) -> str:
+        return f"{self.model}-k{self.K}-m{self.M}-{self.schedule}-{self.recompute}"
+
+
+def cells_of(models, stages, micro_batches, schedules, recomputes) -> list[Cell]:
+    out = []
+    for model in models:
+        for K in stages:
+            for M in micro_batches:
+                for S in (schedules if K > 1 else schedules[:1]):
+                    for R in recomputes:
+                        out.append(Cell(model, K, M, S, R))
+    return out
+
+
+def resimulated_step(plan: dict[str, Any], profile_doc: dict[str, Any], report: dict[str, Any]) -> float | None:
+    """The step the schedule model gives for the per-stage times the run measured."""
+    K, M, b = plan["num_stages"] if "num_stages" in plan else len(plan["balance"]), plan["micro_batches"], \
+        plan["micro_batch_size"]
+    recompute = [bool(st["recompute"]) for st in plan["stages"]]
+    setting = Setting(K, M, plan["schedule"], "never")
+    cm = CostModel(Profile(profile_doc).at(b), setting)
+    bounds = [0]
+    for n in plan["balance"]:
+        bounds.append(bounds[-1] + n)
+    stages = cm.stages(bounds, recompute)
+    measured = []
+    for st, rep in zip(stages, report["stages"]):
+        f, g, o = rep.get("measured_forward_s"), rep.get("measured_backward_s"), rep.get("measured_optimizer_s")
+        if f is None or g is None:
+            return None
+        measured.append(dataclasses.replace(st, forward_s=f, backward_s=g, optimizer_s=o or 0.0))
+    return makespan_of(plan["schedule"], measured, M) + optimizer_tail(measured)
+
+
+def one_run(cell: Cell, profile: Path, folder: Path, tag: str, B: int, steps: int, ledger: Ledger) -> dict[str, Any]:
+    plan = folder / f"{cell.slug}.{tag}.plan.json"
+    cli("solve", profile, "-k", cell.K, "--micro-batches", cell.M, "--schedule", cell.schedule,
+        "--recompute", cell.recompute, "-b", B, "--out", plan, "-q")
+    rep_path = folder / f"{cell.slug}.{tag}.report.json"
+    report = run_plan(plan, steps, report=rep_path, ledger=ledger)
+    plan_doc = read_json(plan)
+    prof_doc = read_json(profile)
+    speed = report.get("speed") or {}
+    ops = resimulated_step(plan_doc, prof_doc, report)
+    stages = []
+    for st in report["stages"]:
+        stages.append({k: st.get(k) for k in ("predicted_forward_s", "measured_forward_s", "predicted_backward_s",
+                                              "measured_backward_s", "measured_optimizer_s", "predicted_memory_bytes",
+                                              "measured_peak_memory_bytes", "measured_wait_s", "measured_cpu_s",
+                                              "measured_busy_s", "recompute")})
+    return {
+        "balance": plan_doc["balance"],
+        "predicted_step_s": report["predicted_step_s"],
+        "measured_step_s": report["measured_step_s"],
+        "ratio": report["step_time_ratio"],
+        "speed_ratio": speed.get("ratio"),
+        "ratio_at_speed": speed.get("step_time_ratio_at_run_speed"),
+        "ops_step_s": ops,
+        "memory_ratio": max((s["measured_peak_memory_bytes"] or 0) / s["predicted_memory_bytes"]
+                            for s in stages if s["predicted_memory_bytes"]),
+        "peak_predicted_bytes": max(s["predicted_memory_bytes"] or 0 for s in stages),
+        "peak_measured_bytes": max(s["measured_peak_memory_bytes"] or 0 for s in stages),
+        "others_cores": report["_others_cores"],
+        "stages": stages,
+        "warnings": report["run"].get("warnings"),
+    }
+
+
+def measure(cells: list[Cell], rounds: int, B: int, steps: int, calibrate: bool, ledger: Ledger,
+            keep: Path | None) -> dict[str, Any]:
+    results: dict[str, dict[str, list]] = {c.key: {"before": [], "after": []} for c in cells}
+    profiles_meta = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = keep or Path(tmp)
+        for r in range(rounds):
+            folder = root / f"round{r}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for model in dict.fromkeys(c.model for c in cells):
+                mine = [c for c in cells if c.model == model]
+                # Profile right before the runs that use it; walk the cells from a different
+                # start each round so that a slow spell does not always hit the same cells.
+                profile = folder / f"{model}.profile.json"
+                cli("profile", model, "--batch-size", B, "--out", profile, "-q")
+                doc = read_json(profile)
+                profiles_meta.append({"round": r, "model": model, "speed_probe_s": doc["device"].get("speed_probe_s"),
+                                      "probes_s": doc.get("measurement", {}).get("speed_probe_s"),
+                                      "sizes": doc["micro_batch_sizes"],
+                                      "model_step_s": doc.get("consistency", {}).get("model_step_s"),
+                                      "consistency": doc.get("consistency", {}).get("ratio")})
+                shift = (r * len(mine)) // max(rounds, 1)
+                for cell in mine[shift:] + mine[:shift]:
+                    before = one_run(cell, profile, folder, "before", B, steps, ledger)
+                    results[cell.key]["before"].append(before)
+                    print(f"round {r + 1} {cell.key:36s} before {before['ratio']:.3f} "
+                          f"(at run speed {before['ratio_at_speed'] or float('nan'):.3f})", flush=True)
+                    if calibrate:
+                        report = folder / f"{cell.slug}.before.report.json"
+                        calibrated = folder / f"{cell.slug}.calibrated.json"
+                        cli("calibrate", report, "--profile", profile, "--out", calibrated)
+                        after = one_run(cell, calibrated, folder, "after", B, steps, ledger)
+                        results[cell.key]["after"].append(after)
+                        print(f"round {r + 1} {cell.key:36s} after  {after['ratio']:.3f} "
+                              f"(at run speed {after['ratio_at_speed'] or float('nan'):.3f})", flush=True)
+    return {"cells": [dataclasses.asdict(c) | {"key": c.key} for c in cells], "results": results,
+            "profiles": profiles_meta}
+
+
+# ------------------------------------------------------------------------------------ analysis
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares y = c x + a; returns (c, a)."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    c = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 1.0
+    return c, my - c * mx
+
+
+def op_points(runs: list[dict[str, Any]], at_speed: bool) -> list[tuple[float, float]]:
+    pts = []
+    for run in runs:
+        scale = (run["speed_ratio"] or 1.0) if at_speed else 1.0
+        for st in run["stages"]:
+            for kind in ("forward", "backward"):
+                p, m = st[f"predicted_{kind}_s"], st[f"measured_{kind}_s"]
+                if p and m:
+                    pts.append((p * scale, m))
+    return pts
+
+
+def summarise(data: dict[str, Any]) -> dict[str, Any]:
+    rows, per_cell = [], {}
+    for c in data["cells"]:
+        res = data["results"][c["key"]]
+        b, a = res["before"], res["after"]
+        per_cell[c["key"]] = {
+            "cell": c,
+            "ratio": med(x["ratio"] for x in b), "ratio_at_speed": med(x["ratio_at_speed"] for x in b),
+            "ops": med(x["ops_step_s"] / x["predicted_step_s"] for x in b if x["ops_step_s"]),
+            "left": med(x["measured_step_s"] / x["ops_step_s"] for x in b if x["ops_step_s"]),
+            "memory": med(x["memory_ratio"] for x in b),
+            "after": med(x["ratio"] for x in a), "after_at_speed": med(x["ratio_at_speed"] for x in a),
+            # The calibration divided the before-run's speed ratio out of the times; without that the
+            # calibrated prediction is the same plan with every time scaled by that ratio.
+            "after_nocorr": med(y["ratio"] / (x["speed_ratio"] or 1.0) for x, y in zip(b, a)),
+            "after_memory": med(x["memory_ratio"] for x in a),
+            "predicted": med(x["predicted_step_s"] for x in b), "measured": med(x["measured_step_s"] for x in b),
+            "after_predicted": med(x["predicted_step_s"] for x in a), "after_measured": med(x["measured_step_s"] for x in a),
+            "speed": med(x["speed_ratio"] for x in b),
+        }
+        rows.append(per_cell[c["key"]])
+    return per_cell
+
+
+def err_stats(values: list[float | None]) -> tuple[float, float] | None:
+    xs = [abs(v - 1) for v in values if v is not None]
+    return (statistics.median(xs), max(xs)) if xs else None
+
+
+def render(data: dict[str, Any]) -> str:
+    args = argparse.Namespace(**data["args"])
+    per_cell = summarise(data)
+    cells = list(per_cell.values())
+    calibrated = any(c["after"] is not None for c in cells)
+    all_before = [x for res in data["results"].values() for x in res["before"]]
+    all_after = [x for res in data["results"].values() for x in res["after"]]
+
+    def stat_row(label: str, key: str, runs_key: str, runs: list) -> list[str]:
+        s = err_stats([c[key] for c in cells])
+        single = err_stats([x[runs_key] for x in runs])
+        if s is None:
+            return [label, "-", "-", "-"]
+        return [label, f"{s[0]:.1%}", f"{s[1]:.1%}", f"{single[1]:.1%}" if single else "-"]
+
+    summary = [stat_row("step, raw (before calibration)", "ratio", "ratio", all_before),
+               stat_row("step, at the run's speed (before)", "ratio_at_speed", "ratio_at_speed", all_before)]
+    if calibrated:
+        summary += [stat_row("step, raw (after one calibration round)", "after", "ratio", all_after),
+                    stat_row("step, at the run's speed (after)", "after_at_speed", "ratio_at_speed", all_after),
+                    stat_row("step, raw, after calibrating *without* dividing out the speed probe (derived)",
+                             "after_nocorr", "ratio", [])]
+    summary.append(stat_row("peak memory per stage (worst stage)", "memory", "memory_ratio", all_before))
+
+    # Where the error comes from.
+    by_k: dict[int, list[dict]] = {}
+    for key, res in data["results"].items():
+        K = int(key.split()[1][1:])
+        by_k.setdefault(K, []).extend(res["before"])
+    fits = []
+    for K, runs in sorted(by_k.items()):
+        for at_speed in (False, True):
+            pts = op_points(runs, at_speed)
+            if len(pts) < 3:
+                continue
+            c, a = fit_line(pts)
+            ratios = [m / p for p, m in pts]
+            fits.append([K, "at run speed" if at_speed else "raw", len(pts), f"{statistics.median(ratios):.3f}",
+                         f"{c:.3f}", f"{a * 1e3:+.2f}"])
+    # Two ranks at once: K = 2, M = 1 (the stages take turns) against M > 1 (they overlap).
+    overlap = []
+    for label, pick in (("K = 1", lambda k, m: k == 1), ("K = 2, M = 1 (stages take turns)", lambda k, m: k == 2 and m == 1),
+                        ("K = 2, M >= 2 (stages overlap)", lambda k, m: k == 2 and m >= 2)):
+        runs = [x for key, res in data["results"].items() for x in res["before"]
+                if pick(int(key.split()[1][1:]), int(key.split()[2][1:]))]
+        pts = op_points(runs, True)
+        if pts:
+            overlap.append([label, len(pts), f"{statistics.median(m / p for p, m in pts):.3f}",
+                            f"{statistics.median(x['speed_ratio'] or float('nan') for x in runs):.3f}"])
+    # The profiles themselves: the whole-model step per sample at each size, and the probes.
+    prof_rows = []
+    for pm in data.get("profiles", []):
+        if not pm.get("model_step_s"):
+            continue
+        per = [t / b * 1e3 for t, b in zip(pm["model_step_s"], pm["sizes"])]
+        probes = pm.get("probes_s") or []
+        prof_rows.append([pm["round"] + 1, pm["model"],
+                          " ".join(f"{t * 1e3:.1f}" for t in pm["model_step_s"]),
+                          " ".join(f"{v:.2f}" for v in per),
+                          f"{pm['model_step_s'][1] / pm['model_step_s'][0]:.2f}" if len(pm["model_step_s"]) > 1 else "-",
+                          " / ".join(f"{v * 1e3:.1f}" for v in probes)])
+    ops_err = err_stats([c["ops"] for c in cells])
+    left_err = err_stats([c["left"] for c in cells])
+
+    detail = []
+    for c in cells:
+        cc = c["cell"]
+        res = data["results"][cc["key"]]
+        b = res["before"]
+        detail.append([cc["model"], cc["K"], cc["M"], cc["schedule"] if cc["K"] > 1 else "-", cc["recompute"],
+                       " ".join(map(str, b[0]["balance"])) if b else "-",
+                       ms(c["predicted"]), ms(c["measured"]),
+                       f"{c['ratio']:.3f} [{rng([x['ratio'] for x in b])}]",
+                       f"{c['speed']:.2f}" if c["speed"] else "-",
+                       f"{c['ratio_at_speed']:.3f} [{rng([x['ratio_at_speed'] for x in b])}]" if c["ratio_at_speed"] else "-",
+                       f"{c['ops']:.3f}" if c["ops"] else "-", f"{c['left']:.3f}" if c["left"] else "-",
+                       f"{c['memory']:.3f}",
+                       f"{c['after']:.3f} [{rng([x['ratio'] for x in res['after']])}]" if c["after"] else "-",
+                       f"{c['after_at_speed']:.3f}" if c["after_at_speed"] else "-",
+                       f"{c['after_nocorr']:.3f}" if c["after_nocorr"] else "-"])
+
+    # Pictures.
+    step_series: dict[str, list[tuple[float, float]]] = {}
+    speed_series: dict[str, list[tuple[float, float]]] = {}
+    for c in cells:
+        m = c["cell"]["model"]
+        res = data["results"][c["cell"]["key"]]
+        step_series.setdefault(f"{m}, profile", []).append((c["predicted"], c["measured"]))
+        speed_series.setdefault(f"{m}, profile", []).append((
+            med(x["predicted_step_s"] * (x["speed_ratio"] or 1) for x in res["before"]), c["measured"]))
+        if c["after"] is not None:
+            step_series.setdefault(f"{m}, calibrated", []).append((c["after_predicted"], c["after_measured"]))
+            speed_series.setdefault(f"{m}, calibrated", []).append((
+                med(x["predicted_step_s"] * (x["speed_ratio"] or 1) for x in res["after"]), c["after_measured"]))
+    order = sorted(step_series)
+    write_svg("accuracy-step.svg", scatter_svg("Step time: measured vs predicted (median over rounds)",
+                                               {k: step_series[k] for k in order}, "predicted step", "measured step"))
+    write_svg("accuracy-step-speed.svg", scatter_svg(
+        "Step time: measured vs predicted at the run's measured speed", {k: speed_series[k] for k in sorted(speed_series)},
+        "predicted step x speed ratio", "measured step"))
+    mem_series: dict[str, list[tuple[float, float]]] = {}
+    for key, res in data["results"].items():
+        for x in res["before"][:1]:
+            for st in x["stages"]:
+                if st["predicted_memory_bytes"] and st["measured_peak_memory_bytes"]:
+                    mem_series.setdefault(key.split()[0], []).append(
+                        (st["predicted_memory_bytes"], st["measured_peak_memory_bytes"]))
+    write_svg("accuracy-memory.svg", scatter_svg("Peak memory per stage: measured vs predicted", mem_series,
+                                                 "predicted", "measured", unit_scale=2 ** -20, unit="MiB"))
+
+    before = err_stats([c["ratio"] for c in cells])
+    before_s = err_stats([c["ratio_at_speed"] for c in cells])
+    text = [
+        "## Cost-model accuracy on this CPU: measured against predicted",
+        "",
+        f"Machine: {data['machine']}; revision {data['revision']}. {data['ledger']}",
+        "",
+        f"Built-in `gpt` and `resnet` (default sizes), global batch {args.batch}, 1 thread per rank; "
+        f"K in {{{args.stages}}}, M in {{{args.micro_batches}}}, recompute never/always, GPipe and 1F1B "
+        f"(K = 1: one schedule). Each cell: `gpipe-plan solve` with the cell's flags, `gpipe-plan run --steps "
+        f"{args.steps}` (measured step = median of the steps after the first), then one calibration round "
+        f"(`gpipe-plan calibrate`, the same `solve` on the calibrated profile, a second run). {args.rounds} "
+        f"round(s); each round re-profiles both models just before their cells and walks the cells in a "
+        f"rotated order. Figures are medians over rounds, [min..max] over rounds in brackets. "
+        f"'At run speed': the prediction scaled by the run's speed probe (`speed.step_time_ratio_at_run_speed`).",
+        "",
+        "![step: measured vs predicted](benchmarks/accuracy-step.svg) "
+        "![step at the run's speed](benchmarks/accuracy-step-speed.svg) "
+        "![memory: measured vs predicted](benchmarks/accuracy-memory.svg)",
+        "",
+        "Error = |measured / predicted - 1|, over the cells (each cell the median of its rounds); the last "
+        "column is the worst single run:",
+        "",
+        table(["figure", "median error", "worst error (cells)", "worst single run"], summary),
+        "",
+        f"Target: median within 10%, worst within 25%. Before calibration the raw step error is "
+        f"{before[0]:.1%} median, {before[1]:.1%} worst; at the run's speed {before_s[0]:.1%} / {before_s[1]:.1%}."
+        if before and before_s else "",
+        "",
+        "### Where the error comes from",
+        "",
+        f"Re-predicting each run's step from the per-stage times *that run measured* (same schedule model) "
+        f"gives the `ops` column: |ops / predicted - 1| is {ops_err[0]:.1%} median, {ops_err[1]:.1%} worst, while "
+        f"the step the run measured is within {left_err[0]:.1%} median ({left_err[1]:.1%} worst) of that "
+        f"re-prediction (`measured/ops`). So the schedule model (bubble, waits, optimizer tail) holds and the error "
+        f"sits in the per-operation times." if ops_err and left_err else "",
+        "",
+        "Per-operation fit, every forward and backward of every stage of every run: measured = c x predicted + a "
+        "('at run speed': predicted first scaled by the run's speed ratio). `a` is a fixed cost per operation "
+        "(the executor's per-micro-batch work), `c - 1` a proportional slowdown:",
+        "",
+        table(["K", "prediction", "operations", "median measured/predicted", "c", "a (ms)"], fits),
+        "",
+        "Two ranks computing at once: per-operation measured / predicted at the run's speed, where the stages "
+        "take turns and where they overlap (and the speed probe's ratio, which each rank measures alone):",
+        "",
+        table(["runs", "operations", "median op ratio at run speed", "median speed ratio"], overlap),
+        "",
+        "The profiles (taken right before their cells): the whole-model forward+backward at each micro-batch "
+        "size as the profiler measured it (`consistency.model_step_s`), per sample, the step at b = 2 over the "
+        "step at b = 1 (a compute-bound model would be near 2; per-call costs make it somewhat less), and the "
+        "profile's speed probe before / after measuring:",
+        "",
+        table(["round", "model", "step at each size (ms)", "per sample (ms)", "b=2 / b=1", "probe before / after (ms)"],
+              prof_rows) if prof_rows else "(not recorded in this run)",
+        "",
+        "<details><summary>Every cell</summary>",
+        "",
+        "Times in ms. `speed`: the run's speed probe / the profile's (> 1: the machine was slower). `ops`: the "
+        "step re-predicted from the run's measured per-stage times / the prediction; `measured/ops`: what the "
+        "schedule model misses. `memory`: worst stage's measured / predicted peak.",
+        "",
+        table(["model", "K", "M", "schedule", "recompute", "balance", "predicted", "measured", "measured/predicted",
+               "speed", "at run speed", "ops", "measured/ops", "memory", "after calibration", "after, at run speed",
+               "after, no speed correction"],
+              detail),
+        "",
+        "</details>",
+    ]
+    return "\n".join(text) + "\n"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench accuracy", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="gpt,resnet")
+    parser.add_argument("--stages", default="1,2")
+    parser.add_argument("--micro-batches", default="1,2,4,8")
+    parser.add_argument("--schedules", default="gpipe,1f1b")
+    parser.add_argument("--recompute", default="never,always")
+    parser.add_argument("--batch", type=int, default=8, help="global batch (and the profile's largest size)")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--no-calibration", action="store_true", help="skip the calibrated re-runs (half the time)")
+    parser.add_argument("--keep", type=Path, default=None, help="keep profiles, plans and reports in this folder")
+    parser.add_argument("--from-json", type=Path, default=None, help="re-render from a saved accuracy.json")
+    args = parser.parse_args(argv)
+    if args.from_json:
+        data = read_json(args.from_json)
+    else:
+        ledger = Ledger()
+        started = machine()
+        cells = cells_of(args.models.split(","), [int(x) for x in args.stages.split(",")],
+                         [int(x) for x in args.micro_batches.split(",")], args.schedules.split(","),
+                         args.recompute.split(","))
+        data = measure(cells, args.rounds, args.batch, args.steps, not args.no_calibration, ledger, args.keep)
+        data.update(machine=started, revision=git_revision(), ledger=ledger.line(),
+                    args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
+        (RESULTS / "data").mkdir(parents=True, exist_ok=True)
+        (RESULTS / "data" / "accuracy.json").write_text(json.dumps(data, indent=1))
+    text = render(data)
+    path = write_section("accuracy", text)
+    print(text)
+    print(f"wrote {path}")

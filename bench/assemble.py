@@ -1,0 +1,74 @@
+"""docs/benchmarks.md: a short introduction, the machine, and every part's section in order."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+from .common import RESULTS, ROOT, git_revision, machine
+
+TIMINGS = RESULTS / "data" / "timings.json"
+
+INTRO = """\
+# Benchmarks
+
+Every figure below comes from a run of `python -m bench PART` (bench/), on the machine named in
+its section; nothing is copied from elsewhere. Regenerate everything with `python -m bench all`
+(then this file is rebuilt), one part with `python -m bench PART` followed by
+`python -m bench assemble`. Each part's section is also in `docs/benchmarks/PART.md`, its
+pictures are `docs/benchmarks/*.svg` and the raw figures of the parts that time runs are in
+`docs/benchmarks/data/*.json`.
+
+The CPU parts (hand-tuning, accuracy, runtime, efficiency) run on a 2-core VM whose speed
+drifts by 15-40% from one minute to the next. They interleave configurations in rounds, report
+medians over rounds with the spread, record the cores other processes used during every timed
+run, and give errors both raw and at the speed a reference workload measured during the run
+(docs/runtime.md, "The machine's speed").
+"""
+
+
+def record_time(part: str, seconds: float, argv: list[str]) -> None:
+    TIMINGS.parent.mkdir(parents=True, exist_ok=True)
+    data = json.loads(TIMINGS.read_text()) if TIMINGS.exists() else {}
+    data[part] = {"seconds": round(seconds, 1), "options": argv, "finished": time.strftime("%Y-%m-%d %H:%M")}
+    TIMINGS.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def assemble() -> Path:
+    from .__main__ import PARTS  # noqa: PLC0415 (the registry, in its order)
+
+    timings = json.loads(TIMINGS.read_text()) if TIMINGS.exists() else {}
+    out = [INTRO, f"Assembled from the sections at revision {git_revision()}; this machine: {machine()}.", ""]
+    rows = []
+    sections = []
+    for name, (module, what) in PARTS.items():
+        path = RESULTS / f"{name}.md"
+        if not path.exists():
+            rows.append(f"| {name} | {what} | not run | |")
+            continue
+        t = timings.get(name)
+        took = f"{t['seconds'] / 60:.0f} min" if t else "?"
+        opts = " ".join(t["options"]) if t and t["options"] else "(defaults)"
+        rows.append(f"| [{name}](#{_anchor(path)}) | {what} | {took} | `{opts}` |")
+        text = path.read_text()
+        # Pictures are linked relative to docs/benchmarks/ in the section's own file.
+        text = re.sub(r"\]\((?!https?:|benchmarks/|#)([^)/]+\.svg)\)", r"](benchmarks/\1)", text)
+        sections.append(text.rstrip() + "\n")
+    out += ["| part | what | took | options |", "|---|---|---|---|", *rows, ""]
+    total = sum(t["seconds"] for n, t in timings.items() if n in PARTS)
+    if total:
+        out += [f"The parts took {total / 3600:.1f} hours together when last run (on their own machine line).", ""]
+    out += sections
+    target = ROOT / "docs" / "benchmarks.md"
+    target.write_text("\n".join(out))
+    return target
+
+
+def _anchor(path: Path) -> str:
+    for line in path.read_text().splitlines():
+        if line.startswith("## "):
+            slug = re.sub(r"[^\w\- ]", "", line[3:].strip().lower()).replace(" ", "-")
+            return slug
+    return path.stem
