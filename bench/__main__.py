@@ -19,10 +19,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 PARTS = {
+    "profiler": ("bench.profiler", "gpipe-plan profile: wall time, consistency, run-to-run spread"),
     "drift": ("bench.drift", "this machine's speed over time, one process alone and two at once"),
     "quality": ("bench.planner_quality", "plan quality on the 14 PipeDream profiles vs the usual heuristics"),
     "solver": ("bench.planner_speed", "solver speed: 2,000 layers x 64 stages, full search on 500 layers"),
     "scaling": ("bench.solver_scaling", "solver time vs layers (100-5,000) and stages (2-128), DP and ILP"),
+    "explore": ("bench.explore_grid", "explore grids on two PipeDream profiles; three gpt cells run for real"),
     "handtuning": ("bench.handtuning", "our plan vs a grid of hand-tuned uniform splits x M, measured on this CPU"),
     "accuracy": ("bench.accuracy", "cost model: measured vs predicted step and memory, before/after calibration"),
     "runtime": ("bench.runtime_speedup", "2 stages vs 1 on this CPU: samples/s, per-micro-batch overhead"),
