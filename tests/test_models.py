@@ -13,33 +13,10 @@ from gpipe_plan.artifacts import BadInput
 from gpipe_plan.models import Classification, LayeredModel, build_model, model_spec
 from gpipe_plan.models.user import split
 
+from user_models import SKIP_NET
+
 TINY_GPT = {"layers": 2, "width": 32, "heads": 2, "seq_len": 8, "vocab_size": 256}
 TINY_RESNET = {"blocks": [1, 1], "width": 8, "image_size": 8, "num_classes": 5}
-
-SKIP_MODULE = """
-    import torch
-    from torch import nn
-
-    class Skip(nn.Module):
-        '''fc1's output h skips over fc2 and fc3 and is added back before the last layer.'''
-
-        def __init__(self):
-            super().__init__()
-            self.fc1 = nn.Linear(8, 16)
-            self.fc2 = nn.Linear(16, 16)
-            self.fc3 = nn.Linear(16, 16)
-            self.out = nn.Linear(16, 4)
-
-        def forward(self, x):
-            h = self.fc1(x)
-            y = torch.relu(self.fc2(h))
-            z = self.fc3(y)
-            return self.out(z + h)
-
-    def make():
-        return Skip()
-"""
-
 
 def run_layers(model: LayeredModel, batch: int = 3) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     inputs, _ = model.synthetic_batch(batch, torch.Generator().manual_seed(1))
@@ -145,7 +122,7 @@ def test_user_sequential_splits_at_children(user_module: Callable[[str], str]) -
 
 
 def test_traced_skip_connection_crosses_the_cuts(user_module: Callable[[str], str]) -> None:
-    name = user_module(SKIP_MODULE)
+    name = user_module(SKIP_NET)
     model = build_model(model_spec(f"{name}:make", input_shape=[8], num_classes=4))
     assert [n for n, _ in model.layers] == ["fc1", "fc2", "fc3", "out"]
     outputs = model.check(batch_size=2)
@@ -259,7 +236,7 @@ def test_token_inputs_for_user_models(user_module: Callable[[str], str]) -> None
 def test_build_model_rebuilds_from_a_json_spec(user_module: Callable[[str], str]) -> None:
     import json
 
-    name = user_module(SKIP_MODULE)
+    name = user_module(SKIP_NET)
     spec = json.loads(json.dumps(model_spec(f"{name}:make", input_shape="8", num_classes=4)))
     a, b = build_model(spec, seed=1), build_model(spec, seed=1)
     for x, y in itertools.zip_longest(a.module.parameters(), b.module.parameters()):

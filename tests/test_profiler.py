@@ -22,6 +22,8 @@ from gpipe_plan.profiles.measure import prepare_layer
 from gpipe_plan.profiles.memory import SavedTensors
 from gpipe_plan.profiles.profiler import ProfileRequest, default_sizes, profile_model
 
+from user_models import SKIP_NET
+
 FAST = ["--warmup", "0", "--repeats", "1"]
 
 
@@ -110,23 +112,7 @@ def test_user_model_profiles_through_the_import_path(user_module: Callable[[str]
 
 
 def test_traced_skip_connection_counts_in_cut_bytes(user_module: Callable[[str], str]) -> None:
-    name = user_module("""
-        import torch
-        from torch import nn
-        class Skip(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.fc1 = nn.Linear(8, 16)
-                self.fc2 = nn.Linear(16, 16)
-                self.fc3 = nn.Linear(16, 16)
-                self.out = nn.Linear(16, 4)
-            def forward(self, x):
-                h = self.fc1(x)
-                y = torch.relu(self.fc2(h))
-                return self.out(self.fc3(y) + h)
-        def make():
-            return Skip()
-    """)
+    name = user_module(SKIP_NET)
     doc = profile(model_spec(f"{name}:make", input_shape="8", num_classes=4), [1, 2])
     by_name = {layer["name"]: layer for layer in doc["layers"]}
     # The cut after fc2 carries relu(fc2(h)) and the skipped h: 16 + 16 floats per sample.

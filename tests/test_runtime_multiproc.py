@@ -28,32 +28,11 @@ from gpipe_plan.runtime.data import step_generator
 from gpipe_plan.runtime.handplan import hand_plan
 from gpipe_plan.runtime.launch import free_port
 
+from user_models import SKIP_NET, SKIP_NET_CLASSES, SKIP_NET_INPUTS
+
 BIN = Path(sys.executable).parent
 GPT = model_spec("gpt", layers=2, width=16, heads=2, seq_len=8, vocab_size=256)
 RESNET = model_spec("resnet", blocks=[1, 1], width=8, image_size=8, num_classes=5)
-USER_MODULE = """
-    import torch
-    from torch import nn
-
-    class Skip(nn.Module):
-        '''Not a Sequential: traced, and the cut after fc2 carries h (a skip) and y.'''
-
-        def __init__(self):
-            super().__init__()
-            self.fc1 = nn.Linear(12, 16)
-            self.fc2 = nn.Linear(16, 16)
-            self.fc3 = nn.Linear(16, 16)
-            self.out = nn.Linear(16, 3)
-
-        def forward(self, x):
-            h = torch.tanh(self.fc1(x))
-            y = torch.relu(self.fc2(h))
-            z = self.fc3(y)
-            return self.out(z + h)
-
-    def make():
-        return Skip()
-"""
 STEPS = 3
 LR = 1e-3
 
@@ -62,7 +41,7 @@ LR = 1e-3
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder with the user's model module in it; ranks start there (and import from it)."""
     folder = tmp_path_factory.mktemp("runtime")
-    (folder / "skipnet.py").write_text(textwrap.dedent(USER_MODULE))
+    (folder / "skipnet.py").write_text(textwrap.dedent(SKIP_NET))
     return folder
 
 
@@ -70,7 +49,7 @@ def user_spec(workdir: Path) -> dict[str, Any]:
     old = os.getcwd()
     os.chdir(workdir)
     try:
-        return model_spec("skipnet:make", input_shape=[12], num_classes=3)
+        return model_spec("skipnet:make", input_shape=[SKIP_NET_INPUTS], num_classes=SKIP_NET_CLASSES)
     finally:
         os.chdir(old)
 
