@@ -27,8 +27,11 @@ PROFILE_FORMAT = "gpipe-plan.profile"
 PLAN_FORMAT = "gpipe-plan.plan"
 REPORT_FORMAT = "gpipe-plan.report"
 
-# The version each format is written with, and the versions this code can read.
-FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 1, PLAN_FORMAT: 1, REPORT_FORMAT: 1}
+# The version each format is written with, and the versions this code can read. Profile 2
+# added ``contention`` and plan 2 ``options.compute_scale``; both only add optional keys, so
+# version 1 files still read (a version 1 profile plans as if neighbours cost nothing).
+FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 2, PLAN_FORMAT: 2, REPORT_FORMAT: 1}
+READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2), PLAN_FORMAT: (1, 2), REPORT_FORMAT: (1,)}
 
 
 class BadInput(Exception):
@@ -79,10 +82,11 @@ def check_format(doc: Any, fmt: str, where: str) -> None:
         hint = f" (it is a {found.split('.')[-1]})" if isinstance(found, str) and found.startswith("gpipe-plan.") else ""
         raise BadInput(f"'{where}' is not a gpipe-plan {what}: \"format\" is {found!r}, expected {fmt!r}{hint}")
     version = doc.get("version")
-    if version != FORMAT_VERSIONS[fmt]:
+    readable = READABLE_VERSIONS[fmt]
+    if version not in readable or isinstance(version, bool):
         raise BadInput(
             f"'{where}' is {what} format version {version!r}; this gpipe-plan reads version "
-            f"{FORMAT_VERSIONS[fmt]}: re-create it with this version of gpipe-plan"
+            f"{' or '.join(map(str, readable))}: re-create it with this version of gpipe-plan"
         )
 
 

@@ -77,6 +77,9 @@ def main() -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the parameters and synthetic data.")
 @click.option("--measure-link", is_flag=True,
               help="Also measure latency and bandwidth between two processes (gloo on CPU, NCCL on 2 GPUs).")
+@click.option("--contention-processes", type=int, default=None, metavar="N",
+              help="CPU: also time the model with N processes computing at once (as N stages do), so "
+                   "plans predict what neighbours cost; 0: do not. Default: cores / --threads, 2 to 8.")
 @click.option("--out", "-o", type=click.Path(dir_okay=False), default="profile.json", show_default=True,
               help="Where to write the profile JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary; print only the profile's path.")

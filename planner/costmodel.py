@@ -11,6 +11,15 @@ micro-batches of size b (figures from :mod:`planner.profile`), costs per micro-b
 ``overhead`` is the runtime's fixed cost per micro-batch and stage (profile key
 ``overhead.per_microbatch_s``; zero unless calibrated).
 
+Neighbours: the profile times each layer in one process alone, but the K stages of a pipeline
+on one CPU host compute at the same time and share caches, memory bandwidth and, on a virtual
+machine, whatever the host shares between its virtual cores. A CPU profile measures how much
+slower the model computes with neighbours (``contention.slowdown``, at ``processes`` at once);
+every forward, backward and optimizer time is then multiplied by :func:`neighbour_scale`: the
+slowdown, weighted by how many other stages there are and by the share of a stage's work that
+runs while the others compute too, (M - 1) / M in a filled pipeline (with one micro-batch the
+stages take turns). Scaling the layer times by one factor per setting keeps every solver exact.
+
 Memory of stage k, in bytes::
 
     parameters + gradients + optimizer state (Adam 2x, momentum 1x, SGD 0x the parameters)
@@ -58,10 +67,26 @@ class Setting:
     link_latency_s: float = 0.0
     optimizer: str = "adam"
     overhead_s: float = 0.0
+    compute_scale: float = 1.0    # neighbour_scale(...): every layer time is multiplied by it
 
     @property
     def comm_on(self) -> bool:
         return math.isfinite(self.link_bandwidth_bytes_per_s)
+
+
+def neighbour_scale(slowdown: float, processes: int, stages: int, micro_batches: int) -> float:
+    """The factor on every layer time of a K-stage plan, from a profile's measured slowdown.
+
+    ``slowdown`` was measured with ``processes`` copies computing at once. With K stages a
+    stage has K - 1 busy neighbours at most; we take the interference as growing in proportion
+    to them (capped at what was measured), and present only while the pipeline is full:
+    stage k's M operations overlap the others' for all but one micro-batch's worth, so the
+    share is (M - 1) / M. One stage, or one micro-batch, computes as profiled.
+    """
+    if stages <= 1 or micro_batches <= 1 or slowdown <= 1.0:
+        return 1.0
+    neighbours = min(stages - 1, processes - 1) / max(1, processes - 1)
+    return 1.0 + (slowdown - 1.0) * neighbours * (micro_batches - 1) / micro_batches
 
 
 @dataclass(frozen=True)
@@ -99,6 +124,8 @@ class CostModel:
             raise ValueError(f"unknown schedule {setting.schedule!r}")
         if setting.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"unknown recompute mode {setting.recompute!r}")
+        if setting.compute_scale != 1.0:
+            figures = figures.times_scaled(setting.compute_scale)
         self.figures = figures
         self.setting = setting
         self.L = figures.num_layers

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..artifacts import BadInput
-from .costmodel import OPTIMIZER_STATE_MULTIPLIER, CostModel, Setting
+from .costmodel import OPTIMIZER_STATE_MULTIPLIER, CostModel, Setting, neighbour_scale
 from .dp import GPipeSolver, Solution
 from .onefoneb import OneFOneBSolver
 from .profile import LayerFigures, Profile
@@ -101,7 +101,9 @@ def explore(profile: Profile, stages: Sequence[int], micro_batches: Sequence[int
         return Setting(stages=K, micro_batches=M, schedule=schedule, recompute=recompute,
                        memory_limit_bytes=limit, link_bandwidth_bytes_per_s=bandwidth,
                        link_latency_s=latency if math.isfinite(bandwidth) else 0.0, optimizer=optimizer,
-                       overhead_s=profile.per_microbatch_overhead_s if K > 1 else 0.0)
+                       overhead_s=profile.per_microbatch_overhead_s if K > 1 else 0.0,
+                       compute_scale=neighbour_scale(profile.contention_slowdown, profile.contention_processes,
+                                                     K, M))
 
     reference = GPipeSolver(CostModel(profile.at(batch), setting(1, 1, "gpipe", "never", None))).solve()
     assert reference is not None
@@ -125,7 +127,8 @@ def explore(profile: Profile, stages: Sequence[int], micro_batches: Sequence[int
                         if schedule == "gpipe":
                             sol = GPipeSolver(cm, time_budget_s=time_budget_s).solve()
                         else:
-                            key = (M, recompute, limit)
+                            # Tables depend on the layer times: share them only at one scale.
+                            key = (M, recompute, limit, cm.setting.compute_scale)
                             sol = OneFOneBSolver(cm, seeds=[gpipe_partition] if gpipe_partition else [],
                                                  time_budget_s=time_budget_s,
                                                  suffix_tables=tables.setdefault(key, {})).solve()

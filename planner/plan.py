@@ -91,6 +91,7 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
             "link_bandwidth_bytes_per_s": setting.link_bandwidth_bytes_per_s if setting.comm_on else None,
             "link_latency_s": setting.link_latency_s,
             "per_microbatch_overhead_s": setting.overhead_s,
+            "compute_scale": setting.compute_scale,
             "optimizer": options.optimizer,
             "solver": options.solver,
         },

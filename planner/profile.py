@@ -15,7 +15,7 @@ This module also validates the profile, so that a missing field is reported as "
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from ..artifacts import PROFILE_FORMAT, BadInput, check_format
@@ -44,6 +44,12 @@ class LayerFigures:
     def num_layers(self) -> int:
         return len(self.names)
 
+    def times_scaled(self, factor: float) -> "LayerFigures":
+        """The same figures with every forward, backward and optimizer time times ``factor``."""
+        return replace(self, forward_s=tuple(t * factor for t in self.forward_s),
+                       backward_s=tuple(t * factor for t in self.backward_s),
+                       optimizer_s=tuple(t * factor for t in self.optimizer_s))
+
 
 class Profile:
     """A validated profile document, able to give :class:`LayerFigures` at any size."""
@@ -61,6 +67,7 @@ class Profile:
         self.link_latency_s: float = float(link.get("latency_s") or 0.0)
         overhead = doc.get("overhead") or {}
         self.per_microbatch_overhead_s: float = float(overhead.get("per_microbatch_s") or 0.0)
+        self.contention_slowdown, self.contention_processes = _contention(doc, where)
         self._cache: dict[float, LayerFigures] = {}
 
     @property
@@ -188,6 +195,20 @@ def _check_series(values: Any, label: str, n_sizes: int) -> None:
 def _check_number(v: Any, label: str) -> None:
     if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
         raise BadInput(f"{label} must hold non-negative numbers, found {v!r}")
+
+
+def _contention(doc: dict, where: str) -> tuple[float, int]:
+    """(slowdown, processes) from the optional ``contention`` object; (1.0, 2) without one."""
+    contention = doc.get("contention")
+    if contention is None:
+        return 1.0, 2
+    slowdown = contention.get("slowdown") if isinstance(contention, dict) else None
+    processes = contention.get("processes") if isinstance(contention, dict) else None
+    if not isinstance(slowdown, (int, float)) or isinstance(slowdown, bool) or not slowdown >= 1.0 \
+            or not isinstance(processes, int) or isinstance(processes, bool) or processes < 2:
+        raise BadInput(f"{where}: 'contention' needs 'slowdown' (a number >= 1) and 'processes' (an integer "
+                       ">= 2); re-profile, or delete the key to plan without it")
+    return float(slowdown), processes
 
 
 def _positive_or_none(v: Any) -> float | None:

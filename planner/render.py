@@ -75,6 +75,10 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
         f"micro-batches [bold]{plan['micro_batches']}[/bold] x {plan['micro_batch_size']} samples, "
         f"schedule [bold]{plan['schedule']}[/bold]; times are per micro-batch; rc: recomputes"
         + (f"; memory limit {format_bytes(limit)}" if limit else ""))
+    scale = options.get("compute_scale") or 1.0
+    if scale != 1.0:
+        console.print(f"layer times x{scale:.3f}: stages computing side by side are slower than the profile's "
+                      "one process (its measured 'contention')", highlight=False)
     console.print(
         f"predicted step [bold]{format_seconds(pred['step_s'])}[/bold], "
         f"bubble {pred['bubble_fraction']:.1%}, "

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..artifacts import BadInput
-from .costmodel import CostModel, Setting
+from .costmodel import CostModel, Setting, neighbour_scale
 from .dp import GPipeSolver, Solution
 from .onefoneb import OneFOneBSolver
 from .profile import Profile
@@ -135,6 +135,8 @@ def settings_for(profile: Profile, options: SolveOptions, batch: int) -> list[tu
                 link_latency_s=latency if math.isfinite(bandwidth) else 0.0,
                 optimizer=options.optimizer,
                 overhead_s=profile.per_microbatch_overhead_s if options.stages > 1 else 0.0,
+                compute_scale=neighbour_scale(profile.contention_slowdown, profile.contention_processes,
+                                              options.stages, m),
             )
             out.append((setting, batch // m))
     return out

@@ -17,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ..artifacts import BadInput, RunFailure, write_json_atomic
 from ..models import model_spec
 from .device import resolve_device
+from .contention import default_processes
 from .profiler import ProfileRequest, default_sizes, profile_model
 from .show import render_profile
 
@@ -30,7 +31,7 @@ _MODEL_OPTIONS = ("layers", "width", "heads", "seq_len", "vocab_size", "blocks",
 def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes: str | None = None,
                     device: str = "cpu", threads: int = 1, warmup: int = 3, repeats: int = 10,
                     seed: int = 0, measure_link: bool = False, out: str = "profile.json",
-                    quiet: bool = False, **options: Any) -> None:
+                    quiet: bool = False, contention_processes: int | None = None, **options: Any) -> None:
     """Profile MODEL and write the profile JSON to ``out``. Raises BadInput / RunFailure."""
     spec = model_spec(model, **{k: options.get(k) for k in _MODEL_OPTIONS})
     unknown = set(options) - set(_MODEL_OPTIONS)
@@ -47,8 +48,13 @@ def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes
     dev = resolve_device(device)
     if measure_link and dev.type == "cuda" and torch.cuda.device_count() < 2:
         raise BadInput("--measure-link on cuda needs two GPUs (NCCL between them); this machine has one")
+    if contention_processes is None:
+        contention_processes = default_processes(threads) if dev.type == "cpu" else 0
+    if contention_processes < 0 or contention_processes == 1:
+        raise BadInput(f"--contention-processes must be 0 (do not measure) or at least 2, got {contention_processes}")
     request = ProfileRequest(spec=spec, micro_batch_sizes=sizes, device=dev, threads=threads, warmup=warmup,
-                             repeats=repeats, seed=seed, measure_link=measure_link, batch_size=batch)
+                             repeats=repeats, seed=seed, measure_link=measure_link, batch_size=batch,
+                             contention_processes=contention_processes)
 
     err = Console(stderr=True)
     try:

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from .. import __version__
-from ..artifacts import PROFILE_FORMAT
+from ..artifacts import FORMAT_VERSIONS, PROFILE_FORMAT
 from ..models import LayeredModel, build_model
 from ..speedprobe import speed_probe_s
 from .clock import clock_for
@@ -40,6 +40,8 @@ class ProfileRequest:
     seed: int = 0
     measure_link: bool = False
     batch_size: int | None = None
+    # CPU only: also time the model with this many processes computing at once (0: do not).
+    contention_processes: int = 0
 
 
 class Progress(Protocol):
@@ -82,7 +84,9 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
 
     probe_before = speed_probe_s(device.type)   # see speedprobe: the speed this profile saw
     rounds = request.warmup + request.repeats
-    progress.begin(len(sizes) * rounds * 2 * (len(model.layers) + 2) + 1 + (1 if request.measure_link else 0))
+    contention = request.contention_processes > 1 and device.type == "cpu"
+    progress.begin(len(sizes) * rounds * 2 * (len(model.layers) + 2) + 1 + (1 if request.measure_link else 0)
+                   + (1 if contention else 0))
     per_size: list[list[LayerFigures]] = []
     steps: list[Timing] = []
     harnesses: list[Timing] = []
@@ -108,6 +112,12 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
         progress.step("link between two processes")
         link = measure_link(device)
     doc = _document(model, request, sizes, per_size, steps, harnesses, input_bytes, optimizer_s, link)
+    if contention:
+        from .contention import measure_contention
+
+        progress.step(f"{request.contention_processes} processes computing side by side")
+        doc["contention"] = measure_contention(request.spec, sizes[len(sizes) // 2], request.threads,
+                                               request.contention_processes, seed=request.seed)
     doc["device"]["speed_probe_s"] = sum(probes) / len(probes)
     doc["measurement"]["speed_probe_s"] = probes
     return doc
@@ -190,7 +200,7 @@ def _document(model: LayeredModel, request: ProfileRequest, sizes: list[int],
     params = list(model.module.parameters())
     doc: dict[str, Any] = {
         "format": PROFILE_FORMAT,
-        "version": 1,
+        "version": FORMAT_VERSIONS[PROFILE_FORMAT],
         "model": model.spec,
         "device": describe(request.device, request.threads),
         "micro_batch_sizes": sizes,

@@ -52,6 +52,13 @@ def render_profile(doc: dict[str, Any], console: Console) -> None:
     consistency = doc.get("consistency")
     if consistency:
         console.print(_consistency(consistency, sizes))
+    contention = doc.get("contention")
+    if contention:
+        console.print(f"neighbours: with {contention.get('processes')} processes computing at once, a step at "
+                      f"micro-batch {contention.get('micro_batch_size')} takes "
+                      f"{contention.get('slowdown', 1.0):.2f}x its time alone (measured "
+                      f"{', '.join(f'{r:.2f}' for r in contention.get('cycle_ratios', []))}); plans with K > 1 "
+                      "charge it", highlight=False)
     link = doc.get("link")
     if link:
         console.print(f"link ({link.get('backend', '?')}): latency {format_seconds(link.get('latency_s'))}, "

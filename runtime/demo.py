@@ -44,7 +44,7 @@ def _demo(console: Console, folder: Path, steps: int, stages: int) -> None:
     profile_path, plan_path = folder / "profile.json", folder / "plan.json"
 
     console.rule("[bold]1. profile[/] the built-in gpt, layer by layer, 1 thread")
-    profile = _profile(console, profile_path)
+    profile = _profile(console, profile_path, stages)
 
     console.rule(f"[bold]2. solve[/] for {stages} stages, global batch {GLOBAL_BATCH}")
     plan = _solve(profile_path, plan_path, stages)
@@ -62,14 +62,16 @@ def _demo(console: Console, folder: Path, steps: int, stages: int) -> None:
                   f"https://ui.perfetto.dev)", highlight=False)
 
 
-def _profile(console: Console, path: Path) -> dict[str, Any]:
+def _profile(console: Console, path: Path, stages: int) -> dict[str, Any]:
     import torch
 
     from ..models import model_spec
     from ..profiles.profiler import ProfileRequest, profile_model
 
     request = ProfileRequest(spec=model_spec("gpt"), micro_batch_sizes=MICRO_BATCH_SIZES,
-                             device=torch.device("cpu"), threads=1, warmup=2, repeats=5, batch_size=GLOBAL_BATCH)
+                             device=torch.device("cpu"), threads=1, warmup=2, repeats=5, batch_size=GLOBAL_BATCH,
+                             # the stages will compute side by side: measure what that costs
+                             contention_processes=stages if stages > 1 else 0)
     doc = profile_model(request)
     write_json_atomic(path, doc)
     try:

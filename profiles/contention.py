@@ -1,0 +1,116 @@
+"""Neighbours: how much slower the model computes while other stages compute beside it.
+
+The profiler times each layer in one process, alone on the machine. In a pipeline on one CPU
+host, K stage processes compute at the same moment and share what cores do not own: the
+last-level cache, the memory bandwidth and, on a virtual machine, whatever the host shares
+between its virtual cores. On the 2-core development VM two ranks of a pipeline computed each
+of their operations 10-40% slower (in CPU time, so not waiting) than one process alone
+(docs/benchmarks.md, "Cost-model accuracy"). A generic probe cannot stand in for that: a small
+compute-bound loop hardly feels it. So it is measured on the model itself.
+
+We start ``processes`` worker processes with the profile's threads each, all building the
+model from its spec, and time whole training steps (forward, loss, backward) at one
+micro-batch size, in cycles: worker 0 alone for a moment, then all of them at once. The
+machine's speed drifts over seconds, so each cycle compares a shared phase with the alone
+phase right before it, and ``slowdown`` is the median of the cycles' ratios. The planner
+scales stage times by it for the share of a step in which stages compute together
+(planner/costmodel.py, ``neighbour_scale``).
+
+On a GPU each stage owns its device, so this is measured on CPU only.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+# Ratios this close to 1 (or below: the machine sped up) are noise: no slowdown is recorded.
+NOISE = 1.02
+
+
+def default_processes(threads: int) -> int:
+    """As many stage processes as this host runs at ``threads`` each: at least 2, at most 8."""
+    return max(2, min(8, (os.cpu_count() or 2) // max(1, threads)))
+
+
+def measure_contention(spec: dict[str, Any], micro_batch_size: int, threads: int = 1, processes: int = 2,
+                       seconds: float = 0.6, cycles: int = 5, seed: int = 0,
+                       timeout_s: float = 300.0) -> dict[str, Any]:
+    """The profile's ``contention`` object: steps alone and with ``processes - 1`` neighbours."""
+    context = mp.get_context("spawn")
+    barrier = context.Barrier(processes)
+    results = context.SimpleQueue()
+    procs = [context.Process(target=_worker, daemon=True,
+                             args=(rank, spec, seed, micro_batch_size, threads, seconds, cycles, barrier, results))
+             for rank in range(processes)]
+    # The children import torch afresh; spare the user its warning about a missing NumPy.
+    quiet = "ignore:Failed to initialize NumPy"
+    previous = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = f"{previous},{quiet}" if previous else quiet
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if previous is None:
+            del os.environ["PYTHONWARNINGS"]
+        else:
+            os.environ["PYTHONWARNINGS"] = previous
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    phases: dict[int, dict[str, list[float]]] = {}
+    while not results.empty():
+        rank, mine = results.get()
+        phases[rank] = mine
+    if any(p.exitcode != 0 for p in procs) or len(phases) != processes:
+        raise RuntimeError(f"the {processes} processes timing the model side by side failed "
+                           f"(exit codes {[p.exitcode for p in procs]})")
+    ratios = [statistics.median(phases[r]["together"][c] for r in phases) / phases[0]["alone"][c]
+              for c in range(cycles)]
+    ratio = statistics.median(ratios)
+    return {
+        "processes": processes,
+        "threads_per_process": threads,
+        "micro_batch_size": micro_batch_size,
+        "alone_step_s": statistics.median(phases[0]["alone"]),
+        "together_step_s": statistics.median(statistics.median(phases[r]["together"]) for r in phases),
+        "cycle_ratios": ratios,
+        "slowdown": ratio if ratio >= NOISE else 1.0,
+    }
+
+
+def _worker(rank: int, spec: dict[str, Any], seed: int, size: int, threads: int, seconds: float, cycles: int,
+            barrier: Any, results: Any) -> None:
+    from ..models import build_model
+
+    torch.set_num_threads(threads)
+    model = build_model(spec, seed=seed)
+    inputs, targets = model.synthetic_batch(size, torch.Generator().manual_seed(seed))
+
+    def median_step(duration: float) -> float:
+        times: list[float] = []
+        end = time.monotonic() + duration
+        while time.monotonic() < end or len(times) < 3:
+            start = time.perf_counter()
+            model.loss(model.forward_layers(*inputs), targets).backward()
+            times.append(time.perf_counter() - start)
+        model.module.zero_grad(set_to_none=True)
+        return statistics.median(times)
+
+    median_step(min(0.5, seconds))          # warm-up: allocator, caches, lazy initialisation
+    mine: dict[str, list[float]] = {"alone": [], "together": []}
+    for _ in range(cycles):
+        barrier.wait()
+        if rank == 0:
+            mine["alone"].append(median_step(seconds))
+        barrier.wait()
+        mine["together"].append(median_step(seconds))
+    results.put((rank, mine))

@@ -1,0 +1,98 @@
+"""Neighbours: a CPU profile's measured contention, and how plans charge it."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from gpipe_plan.artifacts import BadInput
+from gpipe_plan.cli import main
+from gpipe_plan.models import model_spec
+from gpipe_plan.planner.costmodel import CostModel, Setting, neighbour_scale
+from gpipe_plan.planner.explore import explore
+from gpipe_plan.planner.profile import Profile
+from gpipe_plan.planner.search import SolveOptions, search
+from gpipe_plan.profiles.contention import measure_contention
+from gpipe_plan.profiles.profiler import ProfileRequest, profile_model
+
+from planner_helpers import profile_doc
+
+TINY_GPT = model_spec("gpt", layers=2, width=16, heads=2, seq_len=8, vocab_size=64)
+
+
+def test_neighbour_scale_charges_the_overlapping_share_only() -> None:
+    assert neighbour_scale(1.4, 2, stages=1, micro_batches=8) == 1.0        # one stage: no neighbours
+    assert neighbour_scale(1.4, 2, stages=2, micro_batches=1) == 1.0        # stages take turns
+    assert neighbour_scale(1.4, 2, stages=2, micro_batches=4) == pytest.approx(1 + 0.4 * 3 / 4)
+    assert neighbour_scale(1.4, 2, stages=8, micro_batches=4) == pytest.approx(1 + 0.4 * 3 / 4)  # capped
+    assert neighbour_scale(1.6, 4, stages=2, micro_batches=2) == pytest.approx(1 + 0.6 / 3 / 2)
+    assert neighbour_scale(1.0, 2, stages=4, micro_batches=8) == 1.0
+
+
+def test_plans_scale_stage_times_by_the_profiles_slowdown() -> None:
+    plain = profile_doc(6, batch_size=8)
+    crowded = {**profile_doc(6, batch_size=8), "version": 2, "contention": {"processes": 2, "slowdown": 1.5}}
+    options = SolveOptions(stages=2, global_batch_size=8, micro_batches=4, schedule="gpipe", recompute="never")
+    base = search(Profile(plain), options).best.solution.evaluation
+    scaled = search(Profile(crowded), options).best.solution.evaluation
+    factor = 1 + 0.5 * 3 / 4
+    # One factor on every layer time: the same optimal cut, every time scaled by it.
+    assert [s.end for s in scaled.stages] == [s.end for s in base.stages]
+    for a, b in zip(base.stages, scaled.stages):
+        assert b.forward_s == pytest.approx(a.forward_s * factor)
+        assert b.backward_s == pytest.approx(a.backward_s * factor)
+    assert scaled.step_s == pytest.approx(base.step_s * factor)
+    one_stage = SolveOptions(stages=1, global_batch_size=8, micro_batches=4)
+    assert search(Profile(crowded), one_stage).best.solution.evaluation.step_s == \
+        pytest.approx(search(Profile(plain), one_stage).best.solution.evaluation.step_s)
+
+
+def test_explore_cells_agree_with_solve_under_contention() -> None:
+    doc = {**profile_doc(8, batch_size=8), "contention": {"processes": 2, "slowdown": 1.3}}
+    profile = Profile(doc)
+    ex = explore(profile, [1, 2, 4], [1, 2, 4, 8], 8, schedules=("gpipe", "1f1b"), recomputes=("never",),
+                 time_budget_s=5.0)
+    for cell in ex.cells:
+        best = search(profile, SolveOptions(stages=cell.stages, global_batch_size=8, micro_batches=cell.micro_batches,
+                                            schedule=cell.schedule, recompute="never")).best
+        assert cell.step_s == pytest.approx(best.solution.evaluation.step_s, rel=1e-9), cell
+
+
+@pytest.mark.parametrize("contention", [{"processes": 2}, {"processes": 1, "slowdown": 1.2},
+                                        {"processes": 2, "slowdown": 0.8}, "fast"])
+def test_a_bad_contention_key_is_named(contention) -> None:
+    with pytest.raises(BadInput, match="'contention' needs"):
+        Profile({**profile_doc(4), "contention": contention})
+
+
+def test_a_version_1_profile_plans_without_contention() -> None:
+    doc = profile_doc(4)
+    assert doc["version"] == 1
+    cm = CostModel(Profile(doc).at(2), Setting(stages=2, micro_batches=4))
+    assert cm.figures.forward_s == Profile(doc).at(2).forward_s
+
+
+def test_contention_is_measured_on_the_model() -> None:
+    out = measure_contention(TINY_GPT, micro_batch_size=2, processes=2, seconds=0.05, cycles=2)
+    assert out["processes"] == 2 and len(out["cycle_ratios"]) == 2
+    assert all(r > 0 for r in out["cycle_ratios"])
+    assert out["slowdown"] >= 1.0
+    assert out["alone_step_s"] > 0 and out["together_step_s"] > 0
+
+
+def test_profile_records_contention_only_when_asked() -> None:
+    request = ProfileRequest(spec=TINY_GPT, micro_batch_sizes=[1, 2], warmup=0, repeats=1)
+    assert "contention" not in profile_model(request)
+    doc = profile_model(ProfileRequest(spec=TINY_GPT, micro_batch_sizes=[1, 2], warmup=0, repeats=1,
+                                       contention_processes=2))
+    assert doc["version"] == 2
+    assert doc["contention"]["processes"] == 2 and doc["contention"]["micro_batch_size"] == 2
+    Profile(doc)   # the planner reads what the profiler wrote
+
+
+def test_cli_refuses_one_contention_process(tmp_path) -> None:
+    out = tmp_path / "p.json"
+    result = CliRunner().invoke(main, ["profile", "gpt", "--layers", "1", "--contention-processes", "1",
+                                       "-o", str(out)])
+    assert result.exit_code == 2 and "--contention-processes must be 0" in result.output
+    assert not out.exists()
