@@ -147,7 +147,8 @@ def measure(cells: list[Cell], rounds: int, B: int, steps: int, calibrate: bool,
                                       "probes_s": doc.get("measurement", {}).get("speed_probe_s"),
                                       "sizes": doc["micro_batch_sizes"],
                                       "model_step_s": doc.get("consistency", {}).get("model_step_s"),
-                                      "consistency": doc.get("consistency", {}).get("ratio")})
+                                      "consistency": doc.get("consistency", {}).get("ratio"),
+                                      "contention": (doc.get("contention") or {}).get("slowdown")})
                 shift = (r * len(mine)) // max(rounds, 1)
                 for cell in mine[shift:] + mine[:shift]:
                     before = one_run(cell, profile, folder, "before", B, steps, ledger)
@@ -240,6 +241,15 @@ def render(data: dict[str, Any]) -> str:
                     stat_row("step, at the run's speed (after)", "after_at_speed", "ratio_at_speed", all_after),
                     stat_row("step, raw, after calibrating *without* dividing out the speed probe (derived)",
                              "after_nocorr", "ratio", [])]
+    # One stage runs no pipeline at all: its error is the profile against the machine of the moment
+    # (the floor the host's drift sets); what K = 2 adds on top of it is the pipeline's.
+    for K in sorted({c["cell"]["K"] for c in cells}):
+        s = err_stats([c["ratio"] for c in cells if c["cell"]["K"] == K])
+        single = err_stats([x["ratio"] for key, res in data["results"].items() for x in res["before"]
+                            if int(key.split()[1][1:]) == K])
+        if s:
+            summary.append([f"step, raw (before), K = {K} only", f"{s[0]:.1%}", f"{s[1]:.1%}",
+                            f"{single[1]:.1%}" if single else "-"])
     summary.append(stat_row("peak memory per stage (worst stage)", "memory", "memory_ratio", all_before))
 
     # Where the error comes from.
@@ -278,7 +288,8 @@ def render(data: dict[str, Any]) -> str:
                           " ".join(f"{t * 1e3:.1f}" for t in pm["model_step_s"]),
                           " ".join(f"{v:.2f}" for v in per),
                           f"{pm['model_step_s'][1] / pm['model_step_s'][0]:.2f}" if len(pm["model_step_s"]) > 1 else "-",
-                          " / ".join(f"{v * 1e3:.1f}" for v in probes)])
+                          " / ".join(f"{v * 1e3:.1f}" for v in probes),
+                          f"{pm['contention']:.2f}" if pm.get("contention") else "-"])
     ops_err = err_stats([c["ops"] for c in cells])
     left_err = err_stats([c["left"] for c in cells])
 
@@ -379,9 +390,11 @@ def render(data: dict[str, Any]) -> str:
         "The profiles (taken right before their cells): the whole-model forward+backward at each micro-batch "
         "size as the profiler measured it (`consistency.model_step_s`), per sample, the step at b = 2 over the "
         "step at b = 1 (a compute-bound model would be near 2; per-call costs make it somewhat less), and the "
-        "profile's speed probe before / after measuring:",
+        "profile's speed probe before / after measuring, and the slowdown it measured with two processes at once "
+        "(`contention`, charged to K = 2 plans; '-': not recorded):",
         "",
-        table(["round", "model", "step at each size (ms)", "per sample (ms)", "b=2 / b=1", "probe before / after (ms)"],
+        table(["round", "model", "step at each size (ms)", "per sample (ms)", "b=2 / b=1", "probe before / after (ms)",
+               "contention slowdown"],
               prof_rows) if prof_rows else "(not recorded in this run)",
         "",
         "<details><summary>Every cell</summary>",

@@ -55,7 +55,8 @@ def measure(model: str, runs: int, ledger: Ledger, folder: Path) -> dict:
                     rows.append((_spread(values), _spread(shares), layer["name"], size, key,
                                  statistics.median(values)))
     ratios = [r for doc in docs for r in doc["consistency"]["ratio"] if r]
-    return {"walls": walls, "ratios": ratios, "rows": sorted(rows, reverse=True),
+    contention = [doc["contention"]["slowdown"] for doc in docs if doc.get("contention")]
+    return {"walls": walls, "ratios": ratios, "rows": sorted(rows, reverse=True), "contention": contention,
             "sizes": docs[0]["micro_batch_sizes"]}
 
 
@@ -76,7 +77,8 @@ def main(argv=None) -> None:
         summary.append([f"`{model}`", f"{statistics.median(r['walls']):.1f} s [{min(r['walls']):.1f}..{max(r['walls']):.1f}]",
                         f"{min(r['ratios']):.3f}..{max(r['ratios']):.3f}", len(spreads),
                         f"{statistics.median(spreads):.1%} / {max(spreads):.1%}" if spreads else "-",
-                        f"{statistics.median(shares):.1%} / {max(shares):.1%}" if shares else "-"])
+                        f"{statistics.median(shares):.1%} / {max(shares):.1%}" if shares else "-",
+                        " ".join(f"{c:.2f}" for c in r["contention"]) or "-"])
         for spread, share, name, size, key, middle in r["rows"][:3]:
             widest.append([f"`{model}`", name, size, key.replace("_s", ""), f"{middle * 1e3:.2f}", f"{spread:.1%}",
                            f"{share:.1%}"])
@@ -88,9 +90,10 @@ def main(argv=None) -> None:
         f"{args.runs} times per model, one after the other. Wall time is the whole command as a user runs it. "
         "Consistency is the sum of per-layer forward + backward over the whole model's step (every size of "
         "every run). Spread is (max - min) / median across the runs of each per-layer median over 1 ms; "
-        "'as share' divides each by its own run's whole-model step first.", "",
+        "'as share' divides each by its own run's whole-model step first. The last column is each profile's "
+        "`contention.slowdown` (two processes training at once against one alone; 1.00: within noise).", "",
         table(["model", "wall time, median [min..max]", "consistency (all sizes, all runs)", "figures over 1 ms",
-               "spread median / max", "spread as share median / max"], summary), "",
+               "spread median / max", "spread as share median / max", "contention slowdown per run"], summary), "",
         "The widest spreads:", "",
         table(["model", "layer", "micro-batch", "pass", "median ms", "spread", "as share"], widest), "",
     ])

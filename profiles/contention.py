@@ -107,10 +107,13 @@ def _worker(rank: int, spec: dict[str, Any], seed: int, size: int, threads: int,
 
     median_step(min(0.5, seconds))          # warm-up: allocator, caches, lazy initialisation
     mine: dict[str, list[float]] = {"alone": [], "together": []}
+    # A worker that dies breaks the barrier for the others (after the wait below) instead of
+    # leaving them to the parent's timeout.
+    wait_s = 60 + 3 * seconds
     for _ in range(cycles):
-        barrier.wait()
+        barrier.wait(wait_s)
         if rank == 0:
             mine["alone"].append(median_step(seconds))
-        barrier.wait()
+        barrier.wait(wait_s)
         mine["together"].append(median_step(seconds))
     results.put((rank, mine))
