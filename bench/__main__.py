@@ -86,4 +86,5 @@ def main() -> None:
             sys.exit(f"failed: {', '.join(failed)}")
 
 
-main()
+if __name__ == "__main__":
+    main()

@@ -4,7 +4,7 @@ The profiler times each layer in one process, alone on the machine. In a pipelin
 host, K stage processes compute at the same moment and share what cores do not own: the
 last-level cache, the memory bandwidth and, on a virtual machine, whatever the host shares
 between its virtual cores. On the 2-core development VM two ranks of a pipeline computed each
-of their operations 10-40% slower (in CPU time, so not waiting) than one process alone
+of their operations 10-20% slower in the median (in CPU time, so not waiting) than one process alone
 (docs/benchmarks.md, "Cost-model accuracy"). A generic probe cannot stand in for that: a small
 compute-bound loop hardly feels it. So it is measured on the model itself.
 
