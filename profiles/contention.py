@@ -107,8 +107,8 @@ def _worker(rank: int, spec: dict[str, Any], seed: int, size: int, threads: int,
 
     median_step(min(0.5, seconds))          # warm-up: allocator, caches, lazy initialisation
     mine: dict[str, list[float]] = {"alone": [], "together": []}
-    # A worker that dies breaks the barrier for the others (after the wait below) instead of
-    # leaving them to the parent's timeout.
+    # If a worker dies, the others give up at the barrier after this wait (and exit with an
+    # error) rather than hanging until the parent's timeout.
     wait_s = 60 + 3 * seconds
     for _ in range(cycles):
         barrier.wait(wait_s)
