@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import tempfile
 from pathlib import Path
@@ -42,8 +41,8 @@ from gpipe_plan.planner.costmodel import CostModel, Setting
 from gpipe_plan.planner.objective import makespan_of, optimizer_tail
 from gpipe_plan.planner.profile import Profile
 
-from .common import (RESULTS, Ledger, cli, git_revision, machine, med, ms, read_json, rng, run_plan,
-                     scatter_svg, table, write_section, write_svg)
+from .common import (Ledger, cli, med, measured_or_saved, ms, publish, read_json, rng, run_plan,
+                     scatter_svg, table, write_svg)
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
@@ -427,20 +426,11 @@ def main(argv=None) -> None:
     parser.add_argument("--keep", type=Path, default=None, help="keep profiles, plans and reports in this folder")
     parser.add_argument("--from-json", type=Path, default=None, help="re-render from a saved accuracy.json")
     args = parser.parse_args(argv)
-    if args.from_json:
-        data = read_json(args.from_json)
-    else:
-        ledger = Ledger()
-        started = machine()
+
+    def measure_cells(ledger: Ledger) -> dict[str, Any]:
         cells = cells_of(args.models.split(","), [int(x) for x in args.stages.split(",")],
                          [int(x) for x in args.micro_batches.split(",")], args.schedules.split(","),
                          args.recompute.split(","))
-        data = measure(cells, args.rounds, args.batch, args.steps, not args.no_calibration, ledger, args.keep)
-        data.update(machine=started, revision=git_revision(), ledger=ledger.line(),
-                    args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
-        (RESULTS / "data").mkdir(parents=True, exist_ok=True)
-        (RESULTS / "data" / "accuracy.json").write_text(json.dumps(data, indent=1))
-    text = render(data)
-    path = write_section("accuracy", text)
-    print(text)
-    print(f"wrote {path}")
+        return measure(cells, args.rounds, args.batch, args.steps, not args.no_calibration, ledger, args.keep)
+
+    publish("accuracy", render(measured_or_saved("accuracy", args, measure_cells)))

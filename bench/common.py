@@ -62,7 +62,7 @@ import resource  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from typing import Any, Iterable  # noqa: E402
+from typing import Any, Callable, Iterable  # noqa: E402
 
 GPIPE_PLAN = str(Path(sys.executable).parent / "gpipe-plan")
 BENCH_ENV = dict(os.environ, PYTHONWARNINGS="ignore")
@@ -328,3 +328,29 @@ def _lin_ticks(lo: float, hi: float, n: int = 6) -> list[float]:
             break
     start = math.ceil(lo / step) * step
     return [round(start + i * step, 12) for i in range(int((hi - start) / step) + 1)]
+
+
+def measured_or_saved(name: str, args: Any, measure: Callable[[Ledger], dict[str, Any]]) -> dict[str, Any]:
+    """A timing part's raw figures: re-read from ``--from-json``, or measured now.
+
+    Measured figures are stamped with the machine, the revision, what else ran meanwhile and the
+    part's options, and saved as docs/benchmarks/data/NAME.json, so that the section can be
+    re-rendered later without measuring again.
+    """
+    if args.from_json:
+        return read_json(args.from_json)
+    ledger = Ledger()
+    started = machine()
+    data = measure(ledger)
+    data.update(machine=started, revision=git_revision(), ledger=ledger.line(),
+                args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "from_json"})
+    (RESULTS / "data").mkdir(parents=True, exist_ok=True)
+    (RESULTS / "data" / f"{name}.json").write_text(json.dumps(data, indent=1))
+    return data
+
+
+def publish(name: str, text: str) -> None:
+    """Write the part's section (docs/benchmarks/NAME.md) and show it."""
+    path = write_section(name, text)
+    print(text)
+    print(f"wrote {path}")

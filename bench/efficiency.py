@@ -29,8 +29,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .common import (BENCH_ENV, COLOURS, RESULTS, ROOT, Ledger, Others, bars_svg, cli, git_revision, machine, med,
-                     read_json, rng, run_plan, table, write_section, write_svg)
+from .common import (BENCH_ENV, COLOURS, ROOT, Ledger, Others, bars_svg, cli, measured_or_saved, med, publish,
+                     read_json, rng, run_plan, table, write_svg)
 
 
 def by_hand(model: str, options: str, M: int, B: int, steps: int, ledger: Ledger, balance: str = "") -> dict:
@@ -185,17 +185,5 @@ def main(argv=None) -> None:
     parser.add_argument("--keep", default=None)
     parser.add_argument("--from-json", type=Path, default=None)
     args = parser.parse_args(argv)
-    if args.from_json:
-        data = read_json(args.from_json)
-    else:
-        ledger = Ledger()
-        started = machine()
-        data = measure(args, ledger)
-        data.update(machine=started, revision=git_revision(), ledger=ledger.line(),
-                    args={k: v for k, v in vars(args).items() if k != "from_json"})
-        (RESULTS / "data").mkdir(parents=True, exist_ok=True)
-        (RESULTS / "data" / "efficiency.json").write_text(json.dumps(data, indent=1))
-    text = render(data)
-    path = write_section("efficiency", text)
-    print(text)
-    print(f"wrote {path}")
+    data = measured_or_saved("efficiency", args, lambda ledger: measure(args, ledger))
+    publish("efficiency", render(data))

@@ -24,7 +24,6 @@ spell), and our plan is compared with it within each round.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -35,8 +34,8 @@ from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.profile import Profile
 from gpipe_plan.runtime.handplan import hand_plan
 
-from .common import (COLOURS, RESULTS, Ledger, bars_svg, cli, divisors, git_revision, machine, med, read_json, rng,
-                     run_plan, table, write_section, write_svg)
+from .common import (COLOURS, Ledger, bars_svg, cli, divisors, measured_or_saved, med, publish, read_json, rng,
+                     run_plan, table, write_svg)
 
 MODELS = {
     "resnet": ("resnet", []),
@@ -220,17 +219,5 @@ def main(argv=None) -> None:
     parser.add_argument("--keep", default=None, help="keep profiles, plans and reports in this folder")
     parser.add_argument("--from-json", type=Path, default=None)
     args = parser.parse_args(argv)
-    if args.from_json:
-        data = read_json(args.from_json)
-    else:
-        ledger = Ledger()
-        started = machine()
-        results = measure(args, ledger)
-        data = {"results": results, "machine": started, "revision": git_revision(), "ledger": ledger.line(),
-                "args": {k: v for k, v in vars(args).items() if k != "from_json"}}
-        (RESULTS / "data").mkdir(parents=True, exist_ok=True)
-        (RESULTS / "data" / "handtuning.json").write_text(json.dumps(data, indent=1))
-    text = render(data)
-    path = write_section("handtuning", text)
-    print(text)
-    print(f"wrote {path}")
+    data = measured_or_saved("handtuning", args, lambda ledger: {"results": measure(args, ledger)})
+    publish("handtuning", render(data))
