@@ -27,7 +27,8 @@ import time
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
+
+from .spawn import SPAWN, run_workers
 
 # Ratios this close to 1 (or below: the machine sped up) are noise: no slowdown is recorded.
 NOISE = 1.02
@@ -42,37 +43,13 @@ def measure_contention(spec: dict[str, Any], micro_batch_size: int, threads: int
                        seconds: float = 0.6, cycles: int = 5, seed: int = 0,
                        timeout_s: float = 300.0) -> dict[str, Any]:
     """The profile's ``contention`` object: steps alone and with ``processes - 1`` neighbours."""
-    context = mp.get_context("spawn")
-    barrier = context.Barrier(processes)
-    results = context.SimpleQueue()
-    procs = [context.Process(target=_worker, daemon=True,
-                             args=(rank, spec, seed, micro_batch_size, threads, seconds, cycles, barrier, results))
-             for rank in range(processes)]
-    # The children import torch afresh; spare the user its warning about a missing NumPy.
-    quiet = "ignore:Failed to initialize NumPy"
-    previous = os.environ.get("PYTHONWARNINGS")
-    os.environ["PYTHONWARNINGS"] = f"{previous},{quiet}" if previous else quiet
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        if previous is None:
-            del os.environ["PYTHONWARNINGS"]
-        else:
-            os.environ["PYTHONWARNINGS"] = previous
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    phases: dict[int, dict[str, list[float]]] = {}
-    while not results.empty():
-        rank, mine = results.get()
-        phases[rank] = mine
-    if any(p.exitcode != 0 for p in procs) or len(phases) != processes:
-        raise RuntimeError(f"the {processes} processes timing the model side by side failed "
-                           f"(exit codes {[p.exitcode for p in procs]})")
+    barrier = SPAWN.Barrier(processes)
+    phases: dict[int, dict[str, list[float]]] = dict(run_workers(
+        _worker, processes, (spec, seed, micro_batch_size, threads, seconds, cycles, barrier), timeout_s,
+        "timing the model side by side"))
+    if len(phases) != processes:
+        raise RuntimeError(f"{processes - len(phases)} of the {processes} processes timing the model side by "
+                           "side returned nothing")
     ratios = [statistics.median(phases[r]["together"][c] for r in phases) / phases[0]["alone"][c]
               for c in range(cycles)]
     ratio = statistics.median(ratios)

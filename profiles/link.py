@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from .spawn import run_workers
 
 # Message sizes in bytes: from latency-bound (4 B) to bandwidth-bound (16 MiB).
 DEFAULT_SIZES = (4, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24)
@@ -29,32 +30,11 @@ def measure_link(device: torch.device, sizes: tuple[int, ...] = DEFAULT_SIZES, r
     """Latency and bandwidth between two processes on ``device``'s type: the profile's ``link``."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     port = _free_port()
-    context = mp.get_context("spawn")
-    results = context.SimpleQueue()
-    procs = [context.Process(target=_worker, args=(rank, port, backend, sizes, repeats, warmup, results),
-                             daemon=True) for rank in range(2)]
-    # The children import torch afresh; spare the user its warning about a missing NumPy.
-    quiet = "ignore:Failed to initialize NumPy"
-    previous = os.environ.get("PYTHONWARNINGS")
-    os.environ["PYTHONWARNINGS"] = f"{previous},{quiet}" if previous else quiet
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        if previous is None:
-            del os.environ["PYTHONWARNINGS"]
-        else:
-            os.environ["PYTHONWARNINGS"] = previous
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    if any(p.exitcode != 0 for p in procs) or results.empty():
-        raise RuntimeError(f"the two {backend} processes measuring the link failed "
-                           f"(exit codes {[p.exitcode for p in procs]})")
-    one_way = results.get()
+    measured = run_workers(_worker, 2, (port, backend, sizes, repeats, warmup), timeout_s,
+                           f"measuring the link ({backend})")
+    if not measured:
+        raise RuntimeError(f"the two {backend} processes measuring the link returned nothing")
+    one_way = measured[0]
     latency, bandwidth = fit_line(list(sizes), one_way)
     return {"backend": backend, "bandwidth_bytes_per_s": bandwidth, "latency_s": latency,
             "message_bytes": list(sizes), "one_way_s": one_way}

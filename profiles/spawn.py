@@ -1,0 +1,52 @@
+"""Helper processes for measurements that need several processes at once (link, contention).
+
+Each worker is started with the ``spawn`` method (a fresh interpreter: no state inherited from
+the profiler's process, and the same way on every platform), gets its rank and a queue, and
+puts what it measured on the queue. A worker still running at the deadline is killed, so a
+measurement never leaves processes behind.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+# Shared objects a worker needs (a barrier) must come from the context the workers start in.
+SPAWN = mp.get_context("spawn")
+
+
+def run_workers(target: Callable[..., None], count: int, shared: tuple, timeout_s: float, what: str) -> list[Any]:
+    """Run ``target(rank, *shared, queue)`` in ``count`` processes; return what they put on the queue.
+
+    Raises RuntimeError saying ``what`` the processes were doing when one fails or overruns
+    ``timeout_s``.
+    """
+    results = SPAWN.SimpleQueue()
+    procs = [SPAWN.Process(target=target, args=(rank, *shared, results), daemon=True) for rank in range(count)]
+    # The children import torch afresh; spare the user its warning about a missing NumPy.
+    quiet = "ignore:Failed to initialize NumPy"
+    previous = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = f"{previous},{quiet}" if previous else quiet
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if previous is None:
+            del os.environ["PYTHONWARNINGS"]
+        else:
+            os.environ["PYTHONWARNINGS"] = previous
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    if any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"the {count} processes {what} failed (exit codes {[p.exitcode for p in procs]})")
+    out = []
+    while not results.empty():
+        out.append(results.get())
+    return out
