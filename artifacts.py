@@ -30,8 +30,8 @@ REPORT_FORMAT = "gpipe-plan.report"
 # The version each format is written with, and the versions this code can read. Profile 2
 # added ``contention`` and plan 2 ``options.compute_scale``; both only add optional keys, so
 # version 1 files still read (a version 1 profile plans as if neighbours cost nothing).
-FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 2, PLAN_FORMAT: 2, REPORT_FORMAT: 1}
-READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2), PLAN_FORMAT: (1, 2), REPORT_FORMAT: (1,)}
+FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 3, PLAN_FORMAT: 2, REPORT_FORMAT: 1}
+READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3), PLAN_FORMAT: (1, 2), REPORT_FORMAT: (1,)}
 
 
 class BadInput(Exception):
@@ -85,9 +85,16 @@ def check_format(doc: Any, fmt: str, where: str) -> None:
     readable = READABLE_VERSIONS[fmt]
     if version not in readable or isinstance(version, bool):
         raise BadInput(
-            f"'{where}' is {what} format version {version!r}; this gpipe-plan reads version "
-            f"{' or '.join(map(str, readable))}: re-create it with this version of gpipe-plan"
+            f"'{where}' is {what} format version {version!r}; this gpipe-plan reads {_versions(readable)}: "
+            "re-create it with this version of gpipe-plan"
         )
+
+
+def _versions(readable: tuple[int, ...]) -> str:
+    """(1,) -> 'version 1'; (1, 2, 3) -> 'versions 1, 2 or 3'."""
+    if len(readable) == 1:
+        return f"version {readable[0]}"
+    return "versions " + ", ".join(map(str, readable[:-1])) + f" or {readable[-1]}"
 
 
 def dumps(doc: Any) -> str:

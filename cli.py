@@ -80,6 +80,9 @@ def main() -> None:
 @click.option("--contention-processes", type=int, default=None, metavar="N",
               help="CPU: also time the model with N processes computing at once (as N stages do), so "
                    "plans predict what neighbours cost; 0: do not. Default: cores / --threads, 2 to 8.")
+@click.option("--recompute-timing/--no-recompute-timing", default=True, show_default=True,
+              help="Also time every layer under activation checkpointing, so that plans price recomputation "
+                   "as measured (about a third more profiling time).")
 @click.option("--out", "-o", type=click.Path(dir_okay=False), default="profile.json", show_default=True,
               help="Where to write the profile JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary; print only the profile's path.")

@@ -5,11 +5,20 @@ micro-batches of size b (figures from :mod:`planner.profile`), costs per micro-b
 
     F_k = sum(forward_s[s:e])  + overhead            forward
     B_k = sum(backward_s[s:e]) + overhead            backward
-          + F_k - overhead   when the stage recomputes (it re-runs its forward first)
+    B_k = sum(recompute_backward_s[s:e]) + overhead + recompute_call   when the stage recomputes
     C_k = latency + output_bytes[e-1] / bandwidth    send to stage k+1 (0 for the last stage)
 
 ``overhead`` is the runtime's fixed cost per micro-batch and stage (profile key
 ``overhead.per_microbatch_s``; zero unless calibrated).
+
+Recomputation (activation checkpointing) is not free beyond the rerun forward: the checkpointed
+forward runs hooks on every tensor it would have saved, the rerun happens inside the backward,
+and the wrapper itself costs a fixed ~0.1-0.5 ms per call on a CPU. A profile that timed the
+layers under ``torch.utils.checkpoint`` (profile version 3) gives each layer's recomputing
+backward (rerun included, plus what checkpointing added to its forward: a recomputing stage's
+whole extra work is charged to its backward, the forward stays the plain one) and the wrapper's
+cost ``recompute_call``, charged once per stage and micro-batch, as the runtime checkpoints a
+stage as one piece. Older and imported profiles take the textbook figure: backward + forward.
 
 Neighbours: the profile times each layer in one process alone, but the K stages of a pipeline
 on one CPU host compute at the same time and share caches, memory bandwidth and, on a virtual
@@ -139,7 +148,9 @@ class CostModel:
         self.pg = _prefix(figures.backward_s)
         # Backward of a recomputing stage re-runs its forward: one prefix for both, so that the
         # solvers and the evaluation compute the very same float for it.
-        self.pgr = _prefix(g + f for g, f in zip(figures.backward_s, figures.forward_s))
+        self.pgr = _prefix(figures.recomputing_backward_s())
+        # ... plus the checkpoint wrapper's own cost, once per stage and micro-batch.
+        self.overhead_recompute = self.overhead + figures.recompute_call_s
         self.pa = _prefix(figures.activation_bytes)
         self.pp = _prefix(figures.param_bytes)
         self.pbuf = _prefix(figures.buffer_bytes)
@@ -169,8 +180,13 @@ class CostModel:
         return self.pf[e] - self.pf[s] + self.overhead
 
     def backward(self, s: int, e: int, recompute: bool) -> float:
-        prefix = self.pgr if recompute else self.pg
-        return prefix[e] - prefix[s] + self.overhead
+        if recompute:
+            return self.pgr[e] - self.pgr[s] + self.overhead_recompute
+        return self.pg[e] - self.pg[s] + self.overhead
+
+    def backward_overhead(self, recompute: bool) -> float:
+        """The fixed part of a stage's backward: the runtime's, and checkpointing's when recomputing."""
+        return self.overhead_recompute if recompute else self.overhead
 
     def optimizer(self, s: int, e: int) -> float:
         return self.popt[e] - self.popt[s]

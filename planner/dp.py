@@ -163,7 +163,7 @@ class GPipeSolver:
         next_forward = next_backward = INF
         while s < L:
             e_forward = reach(cm.pf, s, X, cm.overhead)
-            e_backward = reach(backward_prefix, s, Y, cm.overhead)
+            e_backward = reach(backward_prefix, s, Y, cm.backward_overhead(r))
             e = self._mem_reach(s, min(e_forward, e_backward), r)
             if s == 0 and first_cap is not None:
                 e = min(e, first_cap)
@@ -210,7 +210,7 @@ class GPipeSolver:
         if self.fixed_recompute is not None:
             r = self.fixed_recompute
             prefix = cm.pgr if r else cm.pg
-            e = self._mem_reach(s, min(e_forward, reach(prefix, s, Y, cm.overhead)), r)
+            e = self._mem_reach(s, min(e_forward, reach(prefix, s, Y, cm.backward_overhead(r))), r)
             return [(s + 1, e)] if e > s else []
         # Per-stage choice: without recomputation while it fits, with it beyond.
         fits_plain = self._mem_reach(s, e_forward, False)
@@ -219,7 +219,7 @@ class GPipeSolver:
         if e0 > s:
             out.append((s + 1, e0))
         if fits_plain < e_forward:
-            e1 = self._mem_reach(s, min(e_forward, reach(cm.pgr, s, Y, cm.overhead)), True)
+            e1 = self._mem_reach(s, min(e_forward, reach(cm.pgr, s, Y, cm.overhead_recompute)), True)
             if e1 > fits_plain:
                 out.append((fits_plain + 1, e1))
         return out
@@ -408,7 +408,7 @@ class GPipeSolver:
         """D(X, Y) by relaxing, from every reachable cut s, the stages [s, e) that meet the
         thresholds (their ends form at most two intervals: see _valid_ends)."""
         cm, L, K = self.cm, self.L, self.K
-        pf, pg, pgr, comm, ovh = cm.pf, cm.pg, cm.pgr, cm.comm, cm.overhead
+        pf, pg, pgr, comm, ovh, ovh_r = cm.pf, cm.pg, cm.pgr, cm.comm, cm.overhead, cm.overhead_recompute
         cut_cap = min(X, Y)
         plain_ok = False in cm.allowed_recompute
         cost = [INF] * (L + 1)
@@ -433,8 +433,8 @@ class GPipeSolver:
                         send = comm[e] if e < L else 0.0
                         if send > cut_cap:
                             continue
-                        back = pg if e <= plain_end else pgr
-                        c = (base + (pf[e] - pf[s] + ovh) + (back[e] - back[s] + ovh) + 2 * send
+                        back, back_ovh = (pg, ovh) if e <= plain_end else (pgr, ovh_r)
+                        c = (base + (pf[e] - pf[s] + ovh) + (back[e] - back[s] + back_ovh) + 2 * send
                              + (cm.optimizer(0, e) if k == 0 else 0.0))
                         if c < new[e] or (c == new[e] and s > parent[e]):
                             new[e], parent[e] = c, s

@@ -8,7 +8,8 @@ Variables: ``below[i][k]`` = 1 when layer i sits in stage k or earlier. Contigui
 ``below[i+1][k] <= below[i][k] <= below[i][k+1]``, layer i's stage indicator is
 ``below[i][k] - below[i][k-1]``, and layer i ends stage k exactly when
 ``below[i][k] - below[i+1][k]`` is 1, which prices the cut. ``recompute[k]`` chooses
-recomputation; its extra time ``F_k * recompute[k]`` is linearised with a big-M bound.
+recomputation; its extra time (the rerun per layer plus the checkpoint call, ``R_k * recompute[k]``)
+is linearised with a big-M bound.
 
 Time, GPipe: the closed form, with ``phi >= F_k, C_k`` and ``gamma >= B_k, C_k``.
 Time, 1F1B: every operation of the schedule gets a start-time variable; each must start after
@@ -41,6 +42,9 @@ def solve_ilp(cm: CostModel, time_limit_s: float = 60.0) -> Solution | None:
     time_unit = (sum(fig.forward_s) + sum(fig.backward_s)) / L or 1.0
     f = [x / time_unit for x in fig.forward_s]
     g = [x / time_unit for x in fig.backward_s]
+    # What recomputing adds to each layer's backward (>= 0), and the checkpoint call per stage.
+    rerun = [(r - b) / time_unit for r, b in zip(fig.recomputing_backward_s(), fig.backward_s)]
+    call = fig.recompute_call_s / time_unit
     opt = [x / time_unit for x in fig.optimizer_s]
     ovh = cm.overhead / time_unit
     comm = [c / time_unit for c in cm.comm]            # comm[e]: the cut before layer e
@@ -75,14 +79,15 @@ def solve_ilp(cm: CostModel, time_limit_s: float = 60.0) -> Solution | None:
             recompute.append(_var(prob, f"recompute_{k}", cat="Binary"))
 
     forward, backward, send = [], [], []
-    big_forward = sum(f) + ovh
+    big_extra = sum(rerun) + call
     for k in range(K):
         fk = pulp.lpSum(f[i] * member(i, k) for i in range(L)) + ovh
+        rerun_k = pulp.lpSum(rerun[i] * member(i, k) for i in range(L)) + call
         extra = _var(prob, f"recompute_time_{k}", 0)
         if isinstance(recompute[k], int):
-            prob += extra == (fk - ovh if recompute[k] else 0)
+            prob += extra == (rerun_k if recompute[k] else 0)
         else:
-            prob += extra >= (fk - ovh) - big_forward * (1 - recompute[k])
+            prob += extra >= rerun_k - big_extra * (1 - recompute[k])
         forward.append(fk)
         backward.append(pulp.lpSum(g[i] * member(i, k) for i in range(L)) + ovh + extra)
         if k < K - 1:

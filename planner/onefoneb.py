@@ -110,7 +110,7 @@ class OneFOneBSolver:
         scan over a stage's end stops at the first end whose bound passes the best so far.
         """
         cm, L, K, M = self.cm, self.L, self.K, self.M
-        pf, pg, pgr, comm, ovh = cm.pf, cm.pg, cm.pgr, cm.comm, cm.overhead
+        pf, pg, pgr, comm, ovh, ovh_r = cm.pf, cm.pg, cm.pgr, cm.comm, cm.overhead, cm.overhead_recompute
         ob = self.other_backward
         total = pf[L] + ob[L]
         monotone = not cm.setting.comm_on
@@ -139,8 +139,8 @@ class OneFOneBSolver:
                     if before + M * (f + pg[e] - pg[s] + ovh) >= best:
                         break                    # even without waits it is no better
                     after = after_k[e]
-                    back = pg if e <= plain_end else pgr
-                    b = back[e] - back[s] + ovh
+                    back, back_ovh = (pg, ovh) if e <= plain_end else (pgr, ovh_r)
+                    b = back[e] - back[s] + back_ovh
                     down = total - pf[e] - ob[e] + waits + (2 * comm[e] if e < L else 0.0)
                     if warmup < M:
                         idle = max(0.0, down - (warmup - 1) * f) + max(0.0, down - (warmup - 1) * b)

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 from ..artifacts import PROFILE_FORMAT, BadInput, check_format
 
 PER_SIZE_FIELDS = ("forward_s", "backward_s", "activation_bytes", "output_bytes")
-OPTIONAL_PER_SIZE_FIELDS = ("peak_transient_bytes",)
+OPTIONAL_PER_SIZE_FIELDS = ("peak_transient_bytes", "recompute_forward_s", "recompute_backward_s")
 
 
 @dataclass(frozen=True)
@@ -39,16 +39,30 @@ class LayerFigures:
     buffer_bytes: tuple[float, ...]
     optimizer_s: tuple[float, ...]
     input_bytes: float                    # one micro-batch of the model's input
+    # A recomputing stage: each layer's backward including its rerun forward and the extra
+    # its checkpointed forward costs (None: not measured, taken as backward + forward), and
+    # what the checkpoint wrapper itself costs once per stage and micro-batch.
+    recompute_backward_s: tuple[float, ...] | None = None
+    recompute_call_s: float = 0.0
 
     @property
     def num_layers(self) -> int:
         return len(self.names)
 
+    def recomputing_backward_s(self) -> tuple[float, ...]:
+        """Each layer's backward in a stage that recomputes (never below its plain backward)."""
+        if self.recompute_backward_s is None:
+            return tuple(b + f for b, f in zip(self.backward_s, self.forward_s))
+        return tuple(max(r, b) for r, b in zip(self.recompute_backward_s, self.backward_s))
+
     def times_scaled(self, factor: float) -> "LayerFigures":
-        """The same figures with every forward, backward and optimizer time times ``factor``."""
+        """The same figures with every time (forward, backward, recompute, optimizer) times ``factor``."""
+        recompute = self.recompute_backward_s
         return replace(self, forward_s=tuple(t * factor for t in self.forward_s),
                        backward_s=tuple(t * factor for t in self.backward_s),
-                       optimizer_s=tuple(t * factor for t in self.optimizer_s))
+                       optimizer_s=tuple(t * factor for t in self.optimizer_s),
+                       recompute_backward_s=None if recompute is None else tuple(t * factor for t in recompute),
+                       recompute_call_s=self.recompute_call_s * factor)
 
 
 class Profile:
@@ -68,6 +82,7 @@ class Profile:
         overhead = doc.get("overhead") or {}
         self.per_microbatch_overhead_s: float = float(overhead.get("per_microbatch_s") or 0.0)
         self.contention_slowdown, self.contention_processes = _contention(doc, where)
+        self.recompute_call_s = _recompute_call(doc, where, len(self.sizes), self.layers)
         self._cache: dict[float, LayerFigures] = {}
 
     @property
@@ -106,8 +121,22 @@ class Profile:
                 buffer_bytes=tuple(float(l.get("buffer_bytes") or 0.0) for l in self.layers),
                 optimizer_s=tuple(float(l.get("optimizer_s") or 0.0) for l in self.layers),
                 input_bytes=series(self.input_bytes) if self.input_bytes is not None else 0.0,
+                **self._recompute_at(series),
             )
         return self._cache[b]
+
+    def _recompute_at(self, series: Any) -> dict[str, Any]:
+        """A recomputing layer's backward at one size: its measured backward under checkpointing
+        plus what checkpointing added to its forward (the cost model charges a recomputing
+        stage's whole extra work to its backward; its forward stays the plain one)."""
+        if self.recompute_call_s is None:
+            return {}
+        return {
+            "recompute_backward_s": tuple(
+                max(0.0, series(l["recompute_backward_s"]) + series(l["recompute_forward_s"]) - series(l["forward_s"]))
+                for l in self.layers),
+            "recompute_call_s": series(self.recompute_call_s),
+        }
 
     def measured_range(self) -> tuple[int, int]:
         return self.sizes[0], self.sizes[-1]
@@ -209,6 +238,21 @@ def _contention(doc: dict, where: str) -> tuple[float, int]:
         raise BadInput(f"{where}: 'contention' needs 'slowdown' (a number >= 1) and 'processes' (an integer "
                        ">= 2); re-profile, or delete the key to plan without it")
     return float(slowdown), processes
+
+
+def _recompute_call(doc: dict, where: str, n_sizes: int, layers: list[dict]) -> list[float] | None:
+    """The optional ``recompute_call_s`` series, only with every layer's recompute figures."""
+    call = doc.get("recompute_call_s")
+    measured = [l.get("recompute_forward_s") is not None and l.get("recompute_backward_s") is not None
+                for l in layers]
+    if call is None and not any(measured):
+        return None
+    if call is None or not all(measured):
+        raise BadInput(f"{where}: recompute timings are partial ('recompute_call_s' and every layer's "
+                       "'recompute_forward_s' and 'recompute_backward_s' go together); re-profile, or "
+                       "delete them all to plan recomputation as one more forward")
+    _check_series(call, f"{where}: 'recompute_call_s'", n_sizes)
+    return call
 
 
 def _positive_or_none(v: Any) -> float | None:

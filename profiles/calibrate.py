@@ -65,7 +65,10 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = True)
                     if layer.get("optimizer_s") is not None:
                         layer["optimizer_s"] = layer["optimizer_s"] * scale
                 else:
-                    layer[f"{kind}_s"] = [t * scale for t in layer[f"{kind}_s"]]
+                    # The same pass under checkpointing (profiles that timed it) scales alike.
+                    for key in (f"{kind}_s", f"recompute_{kind}_s"):
+                        if layer.get(key) is not None:
+                            layer[key] = [t * scale for t in layer[key]]
         rounds.append({"stage": stage["index"], "layers": stage["layers"],
                        **{f"{k}_scale": v for k, v in scales.items()}})
     if not rounds:

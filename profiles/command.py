@@ -31,7 +31,8 @@ _MODEL_OPTIONS = ("layers", "width", "heads", "seq_len", "vocab_size", "blocks",
 def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes: str | None = None,
                     device: str = "cpu", threads: int = 1, warmup: int = 3, repeats: int = 10,
                     seed: int = 0, measure_link: bool = False, out: str = "profile.json",
-                    quiet: bool = False, contention_processes: int | None = None, **options: Any) -> None:
+                    quiet: bool = False, contention_processes: int | None = None, recompute_timing: bool = True,
+                    **options: Any) -> None:
     """Profile MODEL and write the profile JSON to ``out``. Raises BadInput / RunFailure."""
     spec = model_spec(model, **{k: options.get(k) for k in _MODEL_OPTIONS})
     unknown = set(options) - set(_MODEL_OPTIONS)
@@ -54,7 +55,7 @@ def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes
         raise BadInput(f"--contention-processes must be 0 (do not measure) or at least 2, got {contention_processes}")
     request = ProfileRequest(spec=spec, micro_batch_sizes=sizes, device=dev, threads=threads, warmup=warmup,
                              repeats=repeats, seed=seed, measure_link=measure_link, batch_size=batch,
-                             contention_processes=contention_processes)
+                             contention_processes=contention_processes, recompute=recompute_timing)
 
     err = Console(stderr=True)
     try:

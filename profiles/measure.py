@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from torch.utils.checkpoint import checkpoint
+
 from .clock import Clock, median
 from .memory import SavedTensors, tensor_bytes
 
@@ -57,6 +59,9 @@ class LayerFigures:
     output_shapes: list[list[int]]
     output_dtypes: list[str]
     peak_transient_bytes: int | None = None
+    # Timed again under activation checkpointing, as a recomputing stage runs it.
+    recompute_forward_s: float | None = None
+    recompute_backward_s: float | None = None
 
 
 @contextmanager
@@ -135,13 +140,27 @@ def _loss_backward(loss: torch.Tensor) -> None:
     loss.backward()
 
 
+def checkpointed(layer: nn.Module) -> Callable[..., Tensors]:
+    """``layer`` as a recomputing stage runs it: ``torch.utils.checkpoint``, non-reentrant.
+
+    The forward keeps only the inputs (each tensor the layer would save for backward goes
+    through a hook instead); the backward first reruns the forward to rebuild them. Both cost
+    more than the plain passes beyond the rerun itself, which is why the profiler times them.
+    """
+    def run(*xs: torch.Tensor) -> Tensors:
+        return checkpoint(layer, *xs, use_reentrant=False)
+    return run
+
+
 def prepare_layer(name: str, layer: nn.Module, xs: Tensors, *, first: bool,
-                  loss: Callable[[Tensors], torch.Tensor] | None) -> tuple[LayerFigures, Runner]:
+                  loss: Callable[[Tensors], torch.Tensor] | None,
+                  recompute: bool = False) -> tuple[LayerFigures, Runner]:
     """Weigh ``layer`` on inputs ``xs`` (one micro-batch) and make the runner that times it.
 
     The figures are complete but for the times, which :func:`time_rounds` measures.
     ``loss``: for the last layer, the loss of its outputs, computed inside its forward and
-    differentiated in its backward.
+    differentiated in its backward (outside the checkpoint, as in a stage).
+    ``recompute``: the runner calls the layer under activation checkpointing.
     """
     state = [*layer.parameters(), *layer.buffers()]
 
@@ -162,13 +181,14 @@ def prepare_layer(name: str, layer: nn.Module, xs: Tensors, *, first: bool,
     grads = [torch.ones_like(o) if o.requires_grad else None for o in outputs]
     del outputs, tail, leaves
 
+    call = checkpointed(layer) if recompute else layer
     if loss is not None:
         def forward() -> object:
-            return loss(layer(*as_leaves(xs, requires_grad=not first)))
+            return loss(call(*as_leaves(xs, requires_grad=not first)))
         return figures, Runner(name, forward, _loss_backward)
 
     def forward_only() -> object:
-        return layer(*as_leaves(xs, requires_grad=not first))
+        return call(*as_leaves(xs, requires_grad=not first))
     return figures, Runner(name, forward_only, _backward_from(grads))
 
 
@@ -197,6 +217,26 @@ class _PassThrough(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Tensors:
         return (x,)
+
+
+class _Touch(nn.Module):
+    """The least layer checkpointing has something to rerun for: one multiply."""
+
+    def forward(self, x: torch.Tensor) -> Tensors:
+        return (x * 1.0,)
+
+
+def recompute_harness_runner(device: torch.device) -> Runner:
+    """A checkpointed one-multiply layer: what checkpointing costs per call, whatever it wraps.
+
+    Saving the RNG state, setting up the saved-tensor hooks and, in the backward, starting the
+    rerun cost a fixed ~0.1-0.5 ms per call on a CPU. A stage checkpoints all its layers as
+    one call, so the profiler subtracts this runner from every checkpointed layer and records
+    it once (``recompute_call_s``), for the planner to charge once per stage.
+    """
+    _, runner = prepare_layer("recompute harness", _Touch(), (torch.zeros(1, device=device),), first=False,
+                              loss=None, recompute=True)
+    return runner
 
 
 def harness_runner(device: torch.device) -> Runner:

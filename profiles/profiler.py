@@ -21,7 +21,7 @@ from ..speedprobe import speed_probe_s
 from .clock import clock_for
 from .device import describe
 from .measure import (LayerFigures, Runner, Timing, harness_runner, model_step_runner, optimizer_step_s,
-                      peak_transient_bytes, prepare_layer, time_rounds)
+                      peak_transient_bytes, prepare_layer, recompute_harness_runner, time_rounds)
 from .memory import tensor_bytes, unique_bytes
 
 Tensors = tuple[torch.Tensor, ...]
@@ -42,6 +42,8 @@ class ProfileRequest:
     batch_size: int | None = None
     # CPU only: also time the model with this many processes computing at once (0: do not).
     contention_processes: int = 0
+    # Also time every layer under activation checkpointing (what recomputation really costs).
+    recompute: bool = True
 
 
 class Progress(Protocol):
@@ -85,19 +87,23 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
     probe_before = speed_probe_s(device.type)   # see speedprobe: the speed this profile saw
     rounds = request.warmup + request.repeats
     contention = request.contention_processes > 1 and device.type == "cpu"
-    progress.begin(len(sizes) * rounds * 2 * (len(model.layers) + 2) + 1 + (1 if request.measure_link else 0)
+    runs_per_round = len(model.layers) + 2 + (len(model.layers) + 1 if request.recompute else 0)
+    progress.begin(len(sizes) * rounds * 2 * runs_per_round + 1 + (1 if request.measure_link else 0)
                    + (1 if contention else 0))
     per_size: list[list[LayerFigures]] = []
     steps: list[Timing] = []
     harnesses: list[Timing] = []
+    recompute_harnesses: list[Timing] = []
     input_bytes: list[int] = []
     for b in sizes:
         inputs, targets = _batch(model, b, request.seed, device)
         input_bytes.append(tensor_bytes(inputs))
-        figures, step, harness = _measure_size(model, inputs, targets, request, progress, b)
+        figures, step, harness, recompute_harness = _measure_size(model, inputs, targets, request, progress, b)
         per_size.append(figures)
         steps.append(step)
         harnesses.append(harness)
+        if recompute_harness is not None:
+            recompute_harnesses.append(recompute_harness)
 
     progress.step("optimizer steps")
     clock = clock_for(device, request.threads)
@@ -111,7 +117,8 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
 
         progress.step("link between two processes")
         link = measure_link(device)
-    doc = _document(model, request, sizes, per_size, steps, harnesses, input_bytes, optimizer_s, link)
+    doc = _document(model, request, sizes, per_size, steps, harnesses, recompute_harnesses, input_bytes,
+                    optimizer_s, link)
     if contention:
         from .contention import measure_contention
 
@@ -129,7 +136,7 @@ def _batch(model: LayeredModel, size: int, seed: int, device: torch.device) -> t
 
 
 def _measure_size(model: LayeredModel, inputs: Tensors, targets: torch.Tensor, request: ProfileRequest,
-                  progress: Progress, b: int) -> tuple[list[LayerFigures], Timing, Timing]:
+                  progress: Progress, b: int) -> tuple[list[LayerFigures], Timing, Timing, Timing | None]:
     # Every layer's inputs at this size: run the layers once, without autograd.
     layer_inputs: list[Tensors] = []
     with torch.no_grad():
@@ -141,23 +148,37 @@ def _measure_size(model: LayeredModel, inputs: Tensors, targets: torch.Tensor, r
     figures: list[LayerFigures] = []
     # The first runner times the harness itself around a trivial layer; see harness_runner.
     runners: list[Runner] = [harness_runner(request.device)]
+    # The same layers under checkpointing, as a third group of every round (same drift).
+    recomputing: list[Runner] = [recompute_harness_runner(request.device)]
     for i, (name, layer) in enumerate(model.layers):
         loss = (lambda outputs: model.loss(outputs, targets)) if i == last else None
         weighed, runner = prepare_layer(name, layer, layer_inputs[i], first=(i == 0), loss=loss)
         figures.append(weighed)
         runners.append(runner)
+        if request.recompute:
+            _, rerun = prepare_layer(f"{name} (recompute)", layer, layer_inputs[i], first=(i == 0), loss=loss,
+                                     recompute=True)
+            recomputing.append(rerun)
     whole = model_step_runner(lambda: model.loss(model.forward(*inputs), targets))
 
     clock = clock_for(request.device, request.threads)
-    (harness, *layer_timings), (step,) = time_rounds([runners, [whole]], clock, request.warmup, request.repeats,
-                                                     after_run=lambda name: progress.step(f"b={b} {name}"))
+    groups = [runners, [whole]] + ([recomputing] if request.recompute else [])
+    timed = time_rounds(groups, clock, request.warmup, request.repeats,
+                        after_run=lambda name: progress.step(f"b={b} {name}"))
+    (harness, *layer_timings), (step,) = timed[0], timed[1]
     for weighed, timing in zip(figures, layer_timings):
         weighed.forward_s = max(0.0, timing.forward_s - harness.forward_s)
         weighed.backward_s = max(0.0, timing.backward_s - harness.backward_s)
+    recompute_harness = None
+    if request.recompute:
+        recompute_harness, *recompute_timings = timed[2]
+        for weighed, timing in zip(figures, recompute_timings):
+            weighed.recompute_forward_s = max(0.0, timing.forward_s - recompute_harness.forward_s)
+            weighed.recompute_backward_s = max(0.0, timing.backward_s - recompute_harness.backward_s)
     if request.device.type == "cuda":
         for weighed, runner in zip(figures, runners[1:]):
             weighed.peak_transient_bytes = peak_transient_bytes(runner, request.device, weighed)
-    return figures, step, harness
+    return figures, step, harness, recompute_harness
 
 
 def _distinct(params: Any) -> list[torch.Tensor]:
@@ -173,7 +194,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _document(model: LayeredModel, request: ProfileRequest, sizes: list[int],
               per_size: list[list[LayerFigures]], steps: list[Timing], harnesses: list[Timing],
-              input_bytes: list[int],
+              recompute_harnesses: list[Timing], input_bytes: list[int],
               optimizer_s: list[float], link: dict[str, Any] | None) -> dict[str, Any]:
     layers = []
     for i, (name, layer) in enumerate(model.layers):
@@ -193,6 +214,9 @@ def _document(model: LayeredModel, request: ProfileRequest, sizes: list[int],
         }
         if request.device.type == "cuda":
             entry["peak_transient_bytes"] = [f.peak_transient_bytes for f in at]
+        if request.recompute:
+            entry["recompute_forward_s"] = [f.recompute_forward_s for f in at]
+            entry["recompute_backward_s"] = [f.recompute_backward_s for f in at]
         layers.append(entry)
 
     layer_sum = [sum(f.forward_s + f.backward_s for f in figures) for figures in per_size]
@@ -222,6 +246,12 @@ def _document(model: LayeredModel, request: ProfileRequest, sizes: list[int],
                         "harness_backward_s": [t.backward_s for t in harnesses]},
         "tool": {"name": "gpipe-plan", "version": __version__, "torch": torch.__version__},
     }
+    if recompute_harnesses:
+        # The checkpoint wrapper's own cost, forward + backward, beyond the plain harness's.
+        doc["recompute_call_s"] = [max(0.0, r.forward_s + r.backward_s - h.forward_s - h.backward_s)
+                                   for r, h in zip(recompute_harnesses, harnesses)]
+        doc["measurement"]["recompute_harness_forward_s"] = [t.forward_s for t in recompute_harnesses]
+        doc["measurement"]["recompute_harness_backward_s"] = [t.backward_s for t in recompute_harnesses]
     if link is not None:
         doc["link"] = link
     return doc

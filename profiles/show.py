@@ -59,10 +59,29 @@ def render_profile(doc: dict[str, Any], console: Console) -> None:
                       f"{contention.get('slowdown', 1.0):.2f}x its time alone (measured "
                       f"{', '.join(f'{r:.2f}' for r in contention.get('cycle_ratios', []))}); plans with K > 1 "
                       "charge it", highlight=False)
+    recompute = _recompute_line(doc, layers, sizes)
+    if recompute:
+        console.print(recompute, highlight=False)
     link = doc.get("link")
     if link:
         console.print(f"link ({link.get('backend', '?')}): latency {format_seconds(link.get('latency_s'))}, "
                       f"bandwidth {format_rate(link.get('bandwidth_bytes_per_s'))}")
+
+
+def _recompute_line(doc: dict[str, Any], layers: list[dict[str, Any]], sizes: list[int]) -> str | None:
+    """What recomputation costs over the plain passes, whole model, at each size (None: not timed)."""
+    calls = doc.get("recompute_call_s")
+    if not calls or any(layer.get("recompute_backward_s") is None for layer in layers):
+        return None
+    parts = []
+    for i, size in enumerate(sizes):
+        plain = sum((_at(l.get("forward_s"), i) or 0.0) + (_at(l.get("backward_s"), i) or 0.0) for l in layers)
+        checkpointed = sum((_at(l.get("recompute_forward_s"), i) or 0.0) + (_at(l.get("recompute_backward_s"), i) or 0.0)
+                           for l in layers) + (_at(calls, i) or 0.0)
+        if plain > 0:
+            parts.append(f"{checkpointed / plain:.2f}x at {size}")
+    return (f"recomputation: the whole model under checkpointing takes {', '.join(parts)} its plain forward+backward "
+            f"(one checkpoint call: {format_seconds(_at(calls, len(sizes) - 1))}); plans that recompute charge it")
 
 
 def _header(doc: dict[str, Any]) -> str:

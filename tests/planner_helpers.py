@@ -45,6 +45,8 @@ def make_figures(
     optimizer: Sequence[float] | None = None,
     input_bytes: float = 0.0,
     size: float = 1.0,
+    recompute_backward: Sequence[float] | None = None,
+    recompute_call: float = 0.0,
 ) -> LayerFigures:
     L = len(forward)
     zeros = (0.0,) * L
@@ -60,6 +62,8 @@ def make_figures(
         buffer_bytes=tuple(map(float, buffers)) if buffers is not None else zeros,
         optimizer_s=tuple(map(float, optimizer)) if optimizer is not None else zeros,
         input_bytes=float(input_bytes),
+        recompute_backward_s=tuple(map(float, recompute_backward)) if recompute_backward is not None else None,
+        recompute_call_s=float(recompute_call),
     )
 
 
@@ -92,8 +96,16 @@ def instances(draw, schedule: str | None = None, max_layers: int = 8, max_stages
     buffers = draw(st.lists(st.integers(0, 100).map(float), min_size=L, max_size=L)) if use() else None
     optimizer = draw(st.lists(st.floats(0.0, 0.003), min_size=L, max_size=L)) if use() else None
     input_bytes = float(draw(st.integers(0, 1000)))
+    # Measured recomputation: a rerun of 0.5-2x the forward (now and then below the plain
+    # backward, which the planner must clamp) and a fixed cost per checkpoint call.
+    recompute_backward, recompute_call = None, 0.0
+    if use():
+        factors = draw(st.lists(st.sampled_from([-0.5, 0.5, 1.0, 1.5, 2.0]), min_size=L, max_size=L))
+        recompute_backward = [max(0.0, b + x * f) for b, f, x in zip(bwd, fwd, factors)]
+        recompute_call = draw(st.sampled_from([0.0, 2e-4, 1e-3]))
     fig = make_figures(fwd, bwd, act, out, par, transient=transient, buffers=buffers,
-                       optimizer=optimizer, input_bytes=input_bytes)
+                       optimizer=optimizer, input_bytes=input_bytes,
+                       recompute_backward=recompute_backward, recompute_call=recompute_call)
     sched = schedule or draw(st.sampled_from(["gpipe", "1f1b"]))
     recompute = draw(st.sampled_from(["never", "always", "auto"]))
     opt_name = draw(st.sampled_from(["adam", "momentum", "sgd"]))
@@ -146,7 +158,13 @@ def ref_stage(fig: LayerFigures, setting: Setting, bounds: Sequence[int], k: int
     s, e = bounds[k], bounds[k + 1]
     fwd = math.fsum(fig.forward_s[s:e])
     f = fwd + setting.overhead_s
-    b = math.fsum(fig.backward_s[s:e]) + setting.overhead_s + (fwd if recompute else 0.0)
+    if not recompute:
+        b = math.fsum(fig.backward_s[s:e]) + setting.overhead_s
+    elif fig.recompute_backward_s is None:      # the textbook figure: one more forward
+        b = math.fsum(fig.backward_s[s:e]) + setting.overhead_s + fwd
+    else:                                       # measured, never below the plain backward
+        b = (math.fsum(max(r, g) for r, g in zip(fig.recompute_backward_s[s:e], fig.backward_s[s:e]))
+             + setting.overhead_s + fig.recompute_call_s)
     comm_on = math.isfinite(setting.link_bandwidth_bytes_per_s)
     c = setting.link_latency_s + fig.output_bytes[e - 1] / setting.link_bandwidth_bytes_per_s \
         if (comm_on and e < L) else 0.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from gpipe_plan.artifacts import BadInput
+from gpipe_plan.artifacts import FORMAT_VERSIONS, PROFILE_FORMAT, BadInput
 from gpipe_plan.cli import main
 from gpipe_plan.models import model_spec
 from gpipe_plan.planner.costmodel import CostModel, Setting, neighbour_scale
@@ -85,7 +85,7 @@ def test_profile_records_contention_only_when_asked() -> None:
     assert "contention" not in profile_model(request)
     doc = profile_model(ProfileRequest(spec=TINY_GPT, micro_batch_sizes=[1, 2], warmup=0, repeats=1,
                                        contention_processes=2))
-    assert doc["version"] == 2
+    assert doc["version"] == FORMAT_VERSIONS[PROFILE_FORMAT] == 3
     assert doc["contention"]["processes"] == 2 and doc["contention"]["micro_batch_size"] == 2
     Profile(doc)   # the planner reads what the profiler wrote
 

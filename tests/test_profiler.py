@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-from gpipe_plan.artifacts import PROFILE_FORMAT, BadInput
+from gpipe_plan.artifacts import FORMAT_VERSIONS, PROFILE_FORMAT, BadInput
 from gpipe_plan.cli import main
 from gpipe_plan.models import AsTuple, model_spec
 from gpipe_plan.profiles.command import parse_sizes
@@ -92,7 +92,7 @@ def test_user_model_profiles_through_the_import_path(user_module: Callable[[str]
                                        "--micro-batch-sizes", "1,2,4", "--out", str(out), *FAST])
     assert result.exit_code == 0, result.output
     doc = json.loads(out.read_text())
-    assert doc["format"] == PROFILE_FORMAT and doc["version"] == 2
+    assert doc["format"] == PROFILE_FORMAT and doc["version"] == FORMAT_VERSIONS[PROFILE_FORMAT]
     assert doc["model"] == {"source": "import", "factory": f"{name}:make", "input_shape": [i],
                             "input_dtype": "float32", "num_classes": 3, "vocab_size": None}
     assert doc["device"]["type"] == "cpu" and doc["device"]["threads"] == 1
