@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from gpipe_plan.artifacts import write_json_atomic
-from gpipe_plan.planner.costmodel import CostModel, Setting
+from gpipe_plan.planner.costmodel import CostModel, Setting, neighbour_scale
 from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.profile import Profile
 from gpipe_plan.runtime.handplan import hand_plan
@@ -61,7 +61,12 @@ def describe(plan: dict[str, Any]) -> dict[str, Any]:
 
 
 def predict(profile_doc: dict[str, Any], balance: list[int], M: int, B: int, schedule: str = "gpipe") -> float:
-    cm = CostModel(Profile(profile_doc).at(B / M), Setting(len(balance), M, schedule, "never"))
+    """The planner's prediction for a hand-made plan, with what `solve` charges too (neighbours)."""
+    profile = Profile(profile_doc)
+    K = len(balance)
+    setting = Setting(K, M, schedule, "never", overhead_s=profile.per_microbatch_overhead_s if K > 1 else 0.0,
+                      compute_scale=neighbour_scale(profile.contention_slowdown, profile.contention_processes, K, M))
+    cm = CostModel(profile.at(B / M), setting)
     bounds = [0]
     for n in balance:
         bounds.append(bounds[-1] + n)
