@@ -65,7 +65,7 @@ def predict(profile_doc: dict[str, Any], balance: list[int], M: int, B: int, sch
     profile = Profile(profile_doc)
     K = len(balance)
     setting = Setting(K, M, schedule, "never", overhead_s=profile.per_microbatch_overhead_s if K > 1 else 0.0,
-                      compute_scale=neighbour_scale(profile.contention_slowdown, profile.contention_processes, K, M))
+                      compute_scale=neighbour_scale(profile.contention_slowdown, profile.contention_processes, K))
     cm = CostModel(profile.at(B / M), setting)
     bounds = [0]
     for n in balance:

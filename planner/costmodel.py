@@ -25,9 +25,8 @@ on one CPU host compute at the same time and share caches, memory bandwidth and,
 machine, whatever the host shares between its virtual cores. A CPU profile measures how much
 slower the model computes with neighbours (``contention.slowdown``, at ``processes`` at once);
 every forward, backward and optimizer time is then multiplied by :func:`neighbour_scale`: the
-slowdown, weighted by how many other stages there are and by the share of a stage's work that
-runs while the others compute too, (M - 1) / M in a filled pipeline (with one micro-batch the
-stages take turns). Scaling the layer times by one factor per setting keeps every solver exact.
+slowdown, weighted by how many other stages there are. Scaling the layer times by one factor per
+setting keeps every solver exact.
 
 Memory of stage k, in bytes::
 
@@ -83,19 +82,21 @@ class Setting:
         return math.isfinite(self.link_bandwidth_bytes_per_s)
 
 
-def neighbour_scale(slowdown: float, processes: int, stages: int, micro_batches: int) -> float:
+def neighbour_scale(slowdown: float, processes: int, stages: int) -> float:
     """The factor on every layer time of a K-stage plan, from a profile's measured slowdown.
 
     ``slowdown`` was measured with ``processes`` copies computing at once. With K stages a
-    stage has K - 1 busy neighbours at most; we take the interference as growing in proportion
-    to them (capped at what was measured), and present only while the pipeline is full:
-    stage k's M operations overlap the others' for all but one micro-batch's worth, so the
-    share is (M - 1) / M. One stage, or one micro-batch, computes as profiled.
+    stage has K - 1 neighbours; we take the interference as growing in proportion to them
+    (capped at what was measured). It does not depend on how much the stages overlap in time:
+    on the development VM two stages that take turns (M = 1) ran each operation about as much
+    slower than one stage as two that overlap (M >= 2), in two accuracy runs (docs/planner.md,
+    "Neighbours"): the penalty comes with the neighbour process, not only with its computing at
+    the same moment. One stage computes as profiled.
     """
-    if stages <= 1 or micro_batches <= 1 or slowdown <= 1.0:
+    if stages <= 1 or slowdown <= 1.0:
         return 1.0
     neighbours = min(stages - 1, processes - 1) / max(1, processes - 1)
-    return 1.0 + (slowdown - 1.0) * neighbours * (micro_batches - 1) / micro_batches
+    return 1.0 + (slowdown - 1.0) * neighbours
 
 
 @dataclass(frozen=True)

@@ -102,8 +102,7 @@ def explore(profile: Profile, stages: Sequence[int], micro_batches: Sequence[int
                        memory_limit_bytes=limit, link_bandwidth_bytes_per_s=bandwidth,
                        link_latency_s=latency if math.isfinite(bandwidth) else 0.0, optimizer=optimizer,
                        overhead_s=profile.per_microbatch_overhead_s if K > 1 else 0.0,
-                       compute_scale=neighbour_scale(profile.contention_slowdown, profile.contention_processes,
-                                                     K, M))
+                       compute_scale=neighbour_scale(profile.contention_slowdown, profile.contention_processes, K))
 
     reference = GPipeSolver(CostModel(profile.at(batch), setting(1, 1, "gpipe", "never", None))).solve()
     assert reference is not None

@@ -136,7 +136,7 @@ def settings_for(profile: Profile, options: SolveOptions, batch: int) -> list[tu
                 optimizer=options.optimizer,
                 overhead_s=profile.per_microbatch_overhead_s if options.stages > 1 else 0.0,
                 compute_scale=neighbour_scale(profile.contention_slowdown, profile.contention_processes,
-                                              options.stages, m),
+                                              options.stages),
             )
             out.append((setting, batch // m))
     return out
