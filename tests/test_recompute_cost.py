@@ -139,14 +139,14 @@ def test_checkpointed_backward_includes_the_rerun(user_module) -> None:
         class Wide(nn.Module):
             def __init__(self):
                 super().__init__()
-                self.fc = nn.Linear(256, 256)
+                self.fc = nn.Linear(512, 512)
             def forward(self, x):
                 return torch.tanh(self.fc(x))
         def make():
-            return nn.Sequential(Wide(), Wide(), nn.Linear(256, 4))
+            return nn.Sequential(Wide(), Wide(), nn.Linear(512, 4))
     """)
-    spec = model_spec(f"{name}:make", input_shape="256", num_classes=4)
-    doc = profile_model(ProfileRequest(spec=spec, micro_batch_sizes=[64], warmup=2, repeats=7))
+    spec = model_spec(f"{name}:make", input_shape="512", num_classes=4)
+    doc = profile_model(ProfileRequest(spec=spec, micro_batch_sizes=[128], warmup=2, repeats=7))
     for layer in doc["layers"][:2]:
         assert layer["recompute_backward_s"][0] > layer["backward_s"][0] + 0.5 * layer["forward_s"][0], layer
 
