@@ -149,7 +149,7 @@ def _measure_size(model: LayeredModel, inputs: Tensors, targets: torch.Tensor, r
     # The first runner times the harness itself around a trivial layer; see harness_runner.
     runners: list[Runner] = [harness_runner(request.device)]
     # The same layers under checkpointing, as a third group of every round (same drift).
-    recomputing: list[Runner] = [recompute_harness_runner(request.device)]
+    recomputing: list[Runner] = [recompute_harness_runner(request.device)] if request.recompute else []
     for i, (name, layer) in enumerate(model.layers):
         loss = (lambda outputs: model.loss(outputs, targets)) if i == last else None
         weighed, runner = prepare_layer(name, layer, layer_inputs[i], first=(i == 0), loss=loss)

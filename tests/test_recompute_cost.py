@@ -13,7 +13,6 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from gpipe_plan.artifacts import BadInput
