@@ -18,6 +18,13 @@ the median over rounds, each round re-profiles the models first and walks the ce
 rotated order, and each run reports both the raw ratio (measured / predicted) and the ratio
 at the speed the run's probe measured (``speed.step_time_ratio_at_run_speed``).
 
+A generic probe does not track the model's own speed well, so the bench also keeps a *model
+clock*: in its own process, one thread, it times the whole model's forward+backward at the
+cell's micro-batch size for about a second right before and right after each run, and the
+same around each profile. ``model_speed_ratio`` (run's reference / profile's reference) is
+how much slower the machine ran this model during the run than during its profile; "at the
+model's speed" divides it out. That separates the host's drift from the model's own error.
+
 To say *where* an error comes from, each run's step is also re-predicted from the per-stage
 forward, backward and optimizer times the run itself measured, through the same schedule
 model (``ops`` column): if that matches the measured step, the schedule model is right and the
@@ -34,6 +41,7 @@ import argparse
 import dataclasses
 import statistics
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -92,12 +100,45 @@ def resimulated_step(plan: dict[str, Any], profile_doc: dict[str, Any], report: 
     return makespan_of(plan["schedule"], measured, M) + optimizer_tail(measured)
 
 
-def one_run(cell: Cell, profile: Path, folder: Path, tag: str, B: int, steps: int, ledger: Ledger) -> dict[str, Any]:
+class ModelClock:
+    """The model's own speed now: median whole-model forward+backward at one size, one thread."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        import torch
+
+        from gpipe_plan.models import build_model
+
+        torch.set_num_threads(1)
+        self.torch = torch
+        self.model = build_model(spec, seed=0)
+
+    def step_s(self, size: int, seconds: float = 1.0) -> float:
+        model = self.model
+        inputs, targets = model.synthetic_batch(size, self.torch.Generator().manual_seed(0))
+        times: list[float] = []
+        for _ in range(2):   # warm-up: this size's buffers
+            model.loss(model.forward(*inputs), targets).backward()
+        end = time.monotonic() + seconds
+        while time.monotonic() < end or len(times) < 5:
+            start = time.perf_counter()
+            model.loss(model.forward(*inputs), targets).backward()
+            times.append(time.perf_counter() - start)
+        model.module.zero_grad(set_to_none=True)
+        return statistics.median(times)
+
+
+def one_run(cell: Cell, profile: Path, folder: Path, tag: str, B: int, steps: int, ledger: Ledger,
+            clock: ModelClock | None = None, reference_s: dict[int, float] | None = None) -> dict[str, Any]:
     plan = folder / f"{cell.slug}.{tag}.plan.json"
     cli("solve", profile, "-k", cell.K, "--micro-batches", cell.M, "--schedule", cell.schedule,
         "--recompute", cell.recompute, "-b", B, "--out", plan, "-q")
     rep_path = folder / f"{cell.slug}.{tag}.report.json"
+    size = B // cell.M
+    around = [clock.step_s(size)] if clock is not None else []
     report = run_plan(plan, steps, report=rep_path, ledger=ledger)
+    if clock is not None:
+        around.append(clock.step_s(size))
+    model_speed = (statistics.mean(around) / reference_s[size]) if around and reference_s else None
     plan_doc = read_json(plan)
     prof_doc = read_json(profile)
     speed = report.get("speed") or {}
@@ -116,6 +157,8 @@ def one_run(cell: Cell, profile: Path, folder: Path, tag: str, B: int, steps: in
         "speed_ratio": speed.get("ratio"),
         "ratio_at_speed": speed.get("step_time_ratio_at_run_speed"),
         "ops_step_s": ops,
+        "model_speed_ratio": model_speed,
+        "ratio_at_model_speed": report["step_time_ratio"] / model_speed if model_speed else None,
         "memory_ratio": max((s["measured_peak_memory_bytes"] or 0) / s["predicted_memory_bytes"]
                             for s in stages if s["predicted_memory_bytes"]),
         "peak_predicted_bytes": max(s["predicted_memory_bytes"] or 0 for s in stages),
@@ -140,20 +183,27 @@ def measure(cells: list[Cell], rounds: int, B: int, steps: int, calibrate: bool,
                 # Profile right before the runs that use it; walk the cells from a different
                 # start each round so that a slow spell does not always hit the same cells.
                 profile = folder / f"{model}.profile.json"
+                clock = ModelClock({"source": "builtin", "name": model, "options": {}})
+                sizes = sorted({B // c.M for c in mine})
+                around = [[clock.step_s(b) for b in sizes]]
                 cli("profile", model, "--batch-size", B, "--out", profile, "-q")
+                around.append([clock.step_s(b) for b in sizes])
+                reference_s = {b: statistics.mean(x) for b, x in zip(sizes, zip(*around))}
                 doc = read_json(profile)
                 profiles_meta.append({"round": r, "model": model, "speed_probe_s": doc["device"].get("speed_probe_s"),
                                       "probes_s": doc.get("measurement", {}).get("speed_probe_s"),
                                       "sizes": doc["micro_batch_sizes"],
                                       "model_step_s": doc.get("consistency", {}).get("model_step_s"),
                                       "consistency": doc.get("consistency", {}).get("ratio"),
-                                      "contention": (doc.get("contention") or {}).get("slowdown")})
+                                      "contention": (doc.get("contention") or {}).get("slowdown"),
+                                      "reference_s": {str(b): [x[i] for x in around] for i, b in enumerate(sizes)}})
                 shift = (r * len(mine)) // max(rounds, 1)
                 for cell in mine[shift:] + mine[:shift]:
-                    before = one_run(cell, profile, folder, "before", B, steps, ledger)
+                    before = one_run(cell, profile, folder, "before", B, steps, ledger, clock, reference_s)
                     results[cell.key]["before"].append(before)
                     print(f"round {r + 1} {cell.key:36s} before {before['ratio']:.3f} "
-                          f"(at run speed {before['ratio_at_speed'] or float('nan'):.3f})", flush=True)
+                          f"(at run speed {before['ratio_at_speed'] or float('nan'):.3f}, "
+                          f"at model speed {before['ratio_at_model_speed'] or float('nan'):.3f})", flush=True)
                     if calibrate:
                         report = folder / f"{cell.slug}.before.report.json"
                         calibrated = folder / f"{cell.slug}.calibrated.json"
@@ -177,10 +227,11 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return c, my - c * mx
 
 
-def op_points(runs: list[dict[str, Any]], at_speed: bool) -> list[tuple[float, float]]:
+def op_points(runs: list[dict[str, Any]], speed_key: str | None) -> list[tuple[float, float]]:
+    """(predicted, measured) per operation; the prediction scaled by ``run[speed_key]`` if given."""
     pts = []
     for run in runs:
-        scale = (run["speed_ratio"] or 1.0) if at_speed else 1.0
+        scale = (run.get(speed_key) or 1.0) if speed_key else 1.0
         for st in run["stages"]:
             for kind in ("forward", "backward"):
                 p, m = st[f"predicted_{kind}_s"], st[f"measured_{kind}_s"]
@@ -208,6 +259,8 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
             "predicted": med(x["predicted_step_s"] for x in b), "measured": med(x["measured_step_s"] for x in b),
             "after_predicted": med(x["predicted_step_s"] for x in a), "after_measured": med(x["measured_step_s"] for x in a),
             "speed": med(x["speed_ratio"] for x in b),
+            "model_speed": med(x.get("model_speed_ratio") for x in b),
+            "ratio_at_model_speed": med(x.get("ratio_at_model_speed") for x in b),
         }
         rows.append(per_cell[c["key"]])
     return per_cell
@@ -235,6 +288,10 @@ def render(data: dict[str, Any]) -> str:
 
     summary = [stat_row("step, raw (before calibration)", "ratio", "ratio", all_before),
                stat_row("step, at the run's speed (before)", "ratio_at_speed", "ratio_at_speed", all_before)]
+    model_clocked = any(c["ratio_at_model_speed"] is not None for c in cells)
+    if model_clocked:
+        summary.append(stat_row("step, at the model's speed (before)", "ratio_at_model_speed", "ratio_at_model_speed",
+                                all_before))
     if calibrated:
         summary += [stat_row("step, raw (after one calibration round)", "after", "ratio", all_after),
                     stat_row("step, at the run's speed (after)", "after_at_speed", "ratio_at_speed", all_after),
@@ -242,13 +299,16 @@ def render(data: dict[str, Any]) -> str:
                              "after_nocorr", "ratio", [])]
     # One stage runs no pipeline at all: its error is the profile against the machine of the moment
     # (the floor the host's drift sets); what K = 2 adds on top of it is the pipeline's.
-    for K in sorted({c["cell"]["K"] for c in cells}):
-        s = err_stats([c["ratio"] for c in cells if c["cell"]["K"] == K])
-        single = err_stats([x["ratio"] for key, res in data["results"].items() for x in res["before"]
-                            if int(key.split()[1][1:]) == K])
-        if s:
-            summary.append([f"step, raw (before), K = {K} only", f"{s[0]:.1%}", f"{s[1]:.1%}",
-                            f"{single[1]:.1%}" if single else "-"])
+    for label, key in (("raw", "ratio"), ("at the model's speed", "ratio_at_model_speed")):
+        if key == "ratio_at_model_speed" and not model_clocked:
+            continue
+        for K in sorted({c["cell"]["K"] for c in cells}):
+            s = err_stats([c[key] for c in cells if c["cell"]["K"] == K])
+            single = err_stats([x.get(key) for k, res in data["results"].items() for x in res["before"]
+                                if int(k.split()[1][1:]) == K])
+            if s:
+                summary.append([f"step, {label} (before), K = {K} only", f"{s[0]:.1%}", f"{s[1]:.1%}",
+                                f"{single[1]:.1%}" if single else "-"])
     summary.append(stat_row("peak memory per stage (worst stage)", "memory", "memory_ratio", all_before))
 
     # Where the error comes from.
@@ -258,24 +318,28 @@ def render(data: dict[str, Any]) -> str:
         by_k.setdefault(K, []).extend(res["before"])
     fits = []
     for K, runs in sorted(by_k.items()):
-        for at_speed in (False, True):
-            pts = op_points(runs, at_speed)
+        for label, speed_key in (("raw", None), ("at run speed", "speed_ratio"),
+                                 ("at the model's speed", "model_speed_ratio")):
+            if speed_key == "model_speed_ratio" and not model_clocked:
+                continue
+            pts = op_points(runs, speed_key)
             if len(pts) < 3:
                 continue
             c, a = fit_line(pts)
             ratios = [m / p for p, m in pts]
-            fits.append([K, "at run speed" if at_speed else "raw", len(pts), f"{statistics.median(ratios):.3f}",
-                         f"{c:.3f}", f"{a * 1e3:+.2f}"])
+            fits.append([K, label, len(pts), f"{statistics.median(ratios):.3f}", f"{c:.3f}", f"{a * 1e3:+.2f}"])
     # Two ranks at once: K = 2, M = 1 (the stages take turns) against M > 1 (they overlap).
     overlap = []
     for label, pick in (("K = 1", lambda k, m: k == 1), ("K = 2, M = 1 (stages take turns)", lambda k, m: k == 2 and m == 1),
                         ("K = 2, M >= 2 (stages overlap)", lambda k, m: k == 2 and m >= 2)):
         runs = [x for key, res in data["results"].items() for x in res["before"]
                 if pick(int(key.split()[1][1:]), int(key.split()[2][1:]))]
-        pts = op_points(runs, True)
+        pts = op_points(runs, "speed_ratio")
+        model_pts = op_points(runs, "model_speed_ratio") if model_clocked else []
         if pts:
             overlap.append([label, len(pts), f"{statistics.median(m / p for p, m in pts):.3f}",
-                            f"{statistics.median(x['speed_ratio'] or float('nan') for x in runs):.3f}"])
+                            f"{statistics.median(x['speed_ratio'] or float('nan') for x in runs):.3f}",
+                            f"{statistics.median(m / p for p, m in model_pts):.3f}" if model_pts else "-"])
     # The profiles themselves: the whole-model step per sample at each size, and the probes.
     prof_rows = []
     for pm in data.get("profiles", []):
@@ -303,6 +367,9 @@ def render(data: dict[str, Any]) -> str:
                        f"{c['ratio']:.3f} [{rng([x['ratio'] for x in b])}]",
                        f"{c['speed']:.2f}" if c["speed"] else "-",
                        f"{c['ratio_at_speed']:.3f} [{rng([x['ratio_at_speed'] for x in b])}]" if c["ratio_at_speed"] else "-",
+                       f"{c['model_speed']:.2f}" if c["model_speed"] else "-",
+                       f"{c['ratio_at_model_speed']:.3f} [{rng([x.get('ratio_at_model_speed') for x in b])}]"
+                       if c["ratio_at_model_speed"] else "-",
                        f"{c['ops']:.3f}" if c["ops"] else "-", f"{c['left']:.3f}" if c["left"] else "-",
                        f"{c['memory']:.3f}",
                        f"{c['after']:.3f} [{rng([x['ratio'] for x in res['after']])}]" if c["after"] else "-",
@@ -340,6 +407,7 @@ def render(data: dict[str, Any]) -> str:
 
     before = err_stats([c["ratio"] for c in cells])
     before_s = err_stats([c["ratio_at_speed"] for c in cells])
+    before_m = err_stats([c["ratio_at_model_speed"] for c in cells])
     text = [
         "## Cost-model accuracy on this CPU: measured against predicted",
         "",
@@ -352,7 +420,10 @@ def render(data: dict[str, Any]) -> str:
         f"(`gpipe-plan calibrate`, the same `solve` on the calibrated profile, a second run). {args.rounds} "
         f"round(s); each round re-profiles both models just before their cells and walks the cells in a "
         f"rotated order. Figures are medians over rounds, [min..max] over rounds in brackets. "
-        f"'At run speed': the prediction scaled by the run's speed probe (`speed.step_time_ratio_at_run_speed`).",
+        f"'At run speed': the prediction scaled by the run's speed probe (`speed.step_time_ratio_at_run_speed`). "
+        f"'At the model's speed': scaled instead by the model clock, the whole model's forward+backward at the "
+        f"cell's micro-batch size timed by the bench for a second right before and after the run, over the same "
+        f"around the profile (the host's drift, measured on the model itself).",
         "",
         "![step: measured vs predicted](benchmarks/accuracy-step.svg) "
         "![step at the run's speed](benchmarks/accuracy-step-speed.svg) "
@@ -364,7 +435,8 @@ def render(data: dict[str, Any]) -> str:
         table(["figure", "median error", "worst error (cells)", "worst single run"], summary),
         "",
         f"Target: median within 10%, worst within 25%. Before calibration the raw step error is "
-        f"{before[0]:.1%} median, {before[1]:.1%} worst; at the run's speed {before_s[0]:.1%} / {before_s[1]:.1%}."
+        f"{before[0]:.1%} median, {before[1]:.1%} worst; at the run's speed {before_s[0]:.1%} / {before_s[1]:.1%}"
+        + (f"; at the model's speed {before_m[0]:.1%} / {before_m[1]:.1%}." if before_m else ".")
         if before and before_s else "",
         "",
         "### Where the error comes from",
@@ -384,7 +456,8 @@ def render(data: dict[str, Any]) -> str:
         "Two ranks computing at once: per-operation measured / predicted at the run's speed, where the stages "
         "take turns and where they overlap (and the speed probe's ratio, which each rank measures alone):",
         "",
-        table(["runs", "operations", "median op ratio at run speed", "median speed ratio"], overlap),
+        table(["runs", "operations", "median op ratio at run speed", "median speed ratio",
+               "median op ratio at the model's speed"], overlap),
         "",
         "The profiles (taken right before their cells): the whole-model forward+backward at each micro-batch "
         "size as the profiler measured it (`consistency.model_step_s`), per sample, the step at b = 2 over the "
@@ -398,12 +471,13 @@ def render(data: dict[str, Any]) -> str:
         "",
         "<details><summary>Every cell</summary>",
         "",
-        "Times in ms. `speed`: the run's speed probe / the profile's (> 1: the machine was slower). `ops`: the "
+        "Times in ms. `speed`: the run's speed probe / the profile's (> 1: the machine was slower); `model "
+        "speed`: the same with the model clock. `ops`: the "
         "step re-predicted from the run's measured per-stage times / the prediction; `measured/ops`: what the "
         "schedule model misses. `memory`: worst stage's measured / predicted peak.",
         "",
         table(["model", "K", "M", "schedule", "recompute", "balance", "predicted", "measured", "measured/predicted",
-               "speed", "at run speed", "ops", "measured/ops", "memory", "after calibration", "after, at run speed",
+               "speed", "at run speed", "model speed", "at model speed", "ops", "measured/ops", "memory", "after calibration", "after, at run speed",
                "after, no speed correction"],
               detail),
         "",

@@ -12,8 +12,17 @@ We start ``processes`` worker processes with the profile's threads each, all bui
 model from its spec, and time whole training steps (forward, loss, backward) at one
 micro-batch size, in cycles: worker 0 alone for a moment, then all of them at once. The
 machine's speed drifts over seconds, so each cycle compares a shared phase with the alone
-phase right before it, and ``slowdown`` is the median of the cycles' ratios. The planner
-scales stage times by it for the share of a step in which stages compute together
+phase right before it, and ``slowdown`` is the median of the cycles' ratios. Short phases
+and many cycles (9 of 0.4 s each way) keep a slow spell inside one cycle's pair and leave
+the median to outvote it; with 5 cycles of 0.6 s, single profiles measured anything from
+1.00 to 1.26 on one model.
+
+Each cycle's ratio is the *slowest* process's step over the step alone, not a typical
+one's. A pipeline goes at the pace of its slowest stage, and on the development VM the
+processes do not slow down alike: worker 0 ran as fast beside a neighbour as alone (ratio
+1.00-1.03) while the other ran up to 1.20x slower, the two virtual cores being unequal at
+times. The median process (the mean of two) halved that, and two-stage runs then measured
+each operation 15-25% slower than planned. The planner scales stage times by ``slowdown``
 (planner/costmodel.py, ``neighbour_scale``).
 
 On a GPU each stage owns its device, so this is measured on CPU only.
@@ -40,7 +49,7 @@ def default_processes(threads: int) -> int:
 
 
 def measure_contention(spec: dict[str, Any], micro_batch_size: int, threads: int = 1, processes: int = 2,
-                       seconds: float = 0.6, cycles: int = 5, seed: int = 0,
+                       seconds: float = 0.4, cycles: int = 9, seed: int = 0,
                        timeout_s: float = 300.0) -> dict[str, Any]:
     """The profile's ``contention`` object: steps alone and with ``processes - 1`` neighbours."""
     barrier = SPAWN.Barrier(processes)
@@ -50,8 +59,7 @@ def measure_contention(spec: dict[str, Any], micro_batch_size: int, threads: int
     if len(phases) != processes:
         raise RuntimeError(f"{processes - len(phases)} of the {processes} processes timing the model side by "
                            "side returned nothing")
-    ratios = [statistics.median(phases[r]["together"][c] for r in phases) / phases[0]["alone"][c]
-              for c in range(cycles)]
+    ratios = cycle_ratios(phases)
     ratio = statistics.median(ratios)
     return {
         "processes": processes,
@@ -59,9 +67,16 @@ def measure_contention(spec: dict[str, Any], micro_batch_size: int, threads: int
         "micro_batch_size": micro_batch_size,
         "alone_step_s": statistics.median(phases[0]["alone"]),
         "together_step_s": statistics.median(statistics.median(phases[r]["together"]) for r in phases),
+        "slowest_step_s": max(statistics.median(phases[r]["together"]) for r in phases),
         "cycle_ratios": ratios,
         "slowdown": ratio if ratio >= NOISE else 1.0,
     }
+
+
+def cycle_ratios(phases: dict[int, dict[str, list[float]]]) -> list[float]:
+    """Per cycle: the slowest process's step together over process 0's step alone just before."""
+    alone = phases[0]["alone"]
+    return [max(phases[r]["together"][c] for r in phases) / alone[c] for c in range(len(alone))]
 
 
 def _worker(rank: int, spec: dict[str, Any], seed: int, size: int, threads: int, seconds: float, cycles: int,

@@ -8,7 +8,7 @@ computes the loss, forward and backward, because the last stage does.
 
 Timing goes in rounds, and a round runs the layers the way the unsplit model does: every
 layer's forward in order, keeping what each saves for backward, then every backward in
-reverse order; then the whole model once. Each figure is the median over ``repeats`` rounds
+reverse order; then the whole model once; and that for every micro-batch size in turn. Each figure is the median over ``repeats`` rounds
 after ``warmup`` rounds. Three reasons:
 
 - memory: at the end of the forwards all layers' activations are alive at once, as in
@@ -18,7 +18,8 @@ after ``warmup`` rounds. Three reasons:
 - caches: a layer runs after the layer before it, as in a pipeline stage, not hot from its
   own previous run;
 - noise: a slow spell of a shared machine lands on all figures alike instead of on whichever
-  layer was being repeated, so the per-layer sum stays comparable with the whole-model step.
+  layer (or micro-batch size) was being repeated, so the per-layer sum stays comparable with
+  the whole-model step and one size with the next.
 
 Parameter gradients accumulate across rounds, as across the micro-batches of one step. The
 garbage collector is off while timing so that a collection does not land in one figure.
@@ -153,14 +154,12 @@ def checkpointed(layer: nn.Module) -> Callable[..., Tensors]:
 
 
 def prepare_layer(name: str, layer: nn.Module, xs: Tensors, *, first: bool,
-                  loss: Callable[[Tensors], torch.Tensor] | None,
-                  recompute: bool = False) -> tuple[LayerFigures, Runner]:
+                  loss: Callable[[Tensors], torch.Tensor] | None) -> tuple[LayerFigures, Runner]:
     """Weigh ``layer`` on inputs ``xs`` (one micro-batch) and make the runner that times it.
 
     The figures are complete but for the times, which :func:`time_rounds` measures.
     ``loss``: for the last layer, the loss of its outputs, computed inside its forward and
     differentiated in its backward (outside the checkpoint, as in a stage).
-    ``recompute``: the runner calls the layer under activation checkpointing.
     """
     state = [*layer.parameters(), *layer.buffers()]
 
@@ -181,15 +180,26 @@ def prepare_layer(name: str, layer: nn.Module, xs: Tensors, *, first: bool,
     grads = [torch.ones_like(o) if o.requires_grad else None for o in outputs]
     del outputs, tail, leaves
 
-    call = checkpointed(layer) if recompute else layer
-    if loss is not None:
-        def forward() -> object:
-            return loss(call(*as_leaves(xs, requires_grad=not first)))
-        return figures, Runner(name, forward, _loss_backward)
+    backward = _loss_backward if loss is not None else _backward_from(grads)
+    return figures, Runner(name, _forward(layer, xs, first, loss), backward)
 
-    def forward_only() -> object:
+
+def recomputing_runner(name: str, plain: Runner, layer: nn.Module, xs: Tensors, *, first: bool,
+                       loss: Callable[[Tensors], torch.Tensor] | None) -> Runner:
+    """``plain``'s twin with the layer under activation checkpointing (same inputs, same gradients)."""
+    return Runner(name, _forward(checkpointed(layer), xs, first, loss), plain.backward)
+
+
+def _forward(call: Callable[..., Tensors], xs: Tensors, first: bool,
+             loss: Callable[[Tensors], torch.Tensor] | None) -> Callable[[], object]:
+    if loss is not None:
+        def forward_and_loss() -> object:
+            return loss(call(*as_leaves(xs, requires_grad=not first)))
+        return forward_and_loss
+
+    def forward() -> object:
         return call(*as_leaves(xs, requires_grad=not first))
-    return figures, Runner(name, forward_only, _backward_from(grads))
+    return forward
 
 
 def peak_transient_bytes(runner: Runner, device: torch.device, figures: LayerFigures) -> int:
@@ -234,9 +244,9 @@ def recompute_harness_runner(device: torch.device) -> Runner:
     one call, so the profiler subtracts this runner from every checkpointed layer and records
     it once (``recompute_call_s``), for the planner to charge once per stage.
     """
-    _, runner = prepare_layer("recompute harness", _Touch(), (torch.zeros(1, device=device),), first=False,
-                              loss=None, recompute=True)
-    return runner
+    layer, xs = _Touch(), (torch.zeros(1, device=device),)
+    _, plain = prepare_layer("recompute harness", layer, xs, first=False, loss=None)
+    return recomputing_runner("recompute harness", plain, layer, xs, first=False, loss=None)
 
 
 def harness_runner(device: torch.device) -> Runner:

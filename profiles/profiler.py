@@ -21,7 +21,8 @@ from ..speedprobe import speed_probe_s
 from .clock import clock_for
 from .device import describe
 from .measure import (LayerFigures, Runner, Timing, harness_runner, model_step_runner, optimizer_step_s,
-                      peak_transient_bytes, prepare_layer, recompute_harness_runner, time_rounds)
+                      peak_transient_bytes, prepare_layer, recompute_harness_runner, recomputing_runner,
+                      time_rounds)
 from .memory import tensor_bytes, unique_bytes
 
 Tensors = tuple[torch.Tensor, ...]
@@ -90,20 +91,14 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
     runs_per_round = len(model.layers) + 2 + (len(model.layers) + 1 if request.recompute else 0)
     progress.begin(len(sizes) * rounds * 2 * runs_per_round + 1 + (1 if request.measure_link else 0)
                    + (1 if contention else 0))
-    per_size: list[list[LayerFigures]] = []
-    steps: list[Timing] = []
-    harnesses: list[Timing] = []
-    recompute_harnesses: list[Timing] = []
-    input_bytes: list[int] = []
-    for b in sizes:
-        inputs, targets = _batch(model, b, request.seed, device)
-        input_bytes.append(tensor_bytes(inputs))
-        figures, step, harness, recompute_harness = _measure_size(model, inputs, targets, request, progress, b)
-        per_size.append(figures)
-        steps.append(step)
-        harnesses.append(harness)
-        if recompute_harness is not None:
-            recompute_harnesses.append(recompute_harness)
+    # Every size is prepared first and all are timed in the same rounds (see _time_sizes).
+    prepared = [_prepare_size(model, *_batch(model, b, request.seed, device), request, b) for b in sizes]
+    input_bytes = [p.input_bytes for p in prepared]
+    _time_sizes(prepared, request, progress)
+    per_size = [p.figures for p in prepared]
+    steps = [p.step for p in prepared]
+    harnesses = [p.harness for p in prepared]
+    recompute_harnesses = [p.recompute_harness for p in prepared if p.recompute_harness is not None]
 
     progress.step("optimizer steps")
     clock = clock_for(device, request.threads)
@@ -135,8 +130,28 @@ def _batch(model: LayeredModel, size: int, seed: int, device: torch.device) -> t
     return tuple(x.to(device) for x in inputs), targets.to(device)
 
 
-def _measure_size(model: LayeredModel, inputs: Tensors, targets: torch.Tensor, request: ProfileRequest,
-                  progress: Progress, b: int) -> tuple[list[LayerFigures], Timing, Timing, Timing | None]:
+@dataclass
+class _Size:
+    """One micro-batch size: its layers' figures, the runners that time them, and the results."""
+
+    size: int
+    input_bytes: int
+    figures: list[LayerFigures]
+    runners: list[Runner]                     # the plain harness, then every layer
+    whole: Runner                             # the unsplit model
+    recomputing: list[Runner]                 # the checkpointed harness, then every layer; or none
+    step: Timing = field(default_factory=lambda: Timing(0.0, 0.0))
+    harness: Timing = field(default_factory=lambda: Timing(0.0, 0.0))
+    recompute_harness: Timing | None = None
+
+    @property
+    def groups(self) -> list[list[Runner]]:
+        return [self.runners, [self.whole]] + ([self.recomputing] if self.recomputing else [])
+
+
+def _prepare_size(model: LayeredModel, inputs: Tensors, targets: torch.Tensor, request: ProfileRequest,
+                  b: int) -> _Size:
+    """Weigh every layer at micro-batch size ``b`` and make the runners that will time them."""
     # Every layer's inputs at this size: run the layers once, without autograd.
     layer_inputs: list[Tensors] = []
     with torch.no_grad():
@@ -147,38 +162,53 @@ def _measure_size(model: LayeredModel, inputs: Tensors, targets: torch.Tensor, r
     last = len(model.layers) - 1
     figures: list[LayerFigures] = []
     # The first runner times the harness itself around a trivial layer; see harness_runner.
+    # Runner names carry the size: they are what the progress bar shows.
     runners: list[Runner] = [harness_runner(request.device)]
     # The same layers under checkpointing, as a third group of every round (same drift).
     recomputing: list[Runner] = [recompute_harness_runner(request.device)] if request.recompute else []
     for i, (name, layer) in enumerate(model.layers):
         loss = (lambda outputs: model.loss(outputs, targets)) if i == last else None
-        weighed, runner = prepare_layer(name, layer, layer_inputs[i], first=(i == 0), loss=loss)
+        weighed, runner = prepare_layer(f"b={b} {name}", layer, layer_inputs[i], first=(i == 0), loss=loss)
         figures.append(weighed)
         runners.append(runner)
         if request.recompute:
-            _, rerun = prepare_layer(f"{name} (recompute)", layer, layer_inputs[i], first=(i == 0), loss=loss,
-                                     recompute=True)
-            recomputing.append(rerun)
+            recomputing.append(recomputing_runner(f"b={b} {name} (recompute)", runner, layer, layer_inputs[i],
+                                                  first=(i == 0), loss=loss))
     whole = model_step_runner(lambda: model.loss(model.forward(*inputs), targets))
+    whole.name = f"b={b} {whole.name}"
+    return _Size(b, tensor_bytes(inputs), figures, runners, whole, recomputing)
 
+
+def _time_sizes(prepared: list[_Size], request: ProfileRequest, progress: Progress) -> None:
+    """Time every size's runners in the same rounds; fill in the figures' times.
+
+    One round runs every size in turn, smallest first. The machine's speed drifts over
+    seconds (docs/benchmarks.md, "The machine's speed over time"): timed one after the
+    other, a slow spell could land on one size only and make it look as slow as the next
+    (the planner would then pick its micro-batch count from noise). Timed in the same rounds,
+    a slow spell lands on every size alike. The cost: the inputs of every size are alive at
+    once (about twice the largest size's), not only the largest's.
+    """
     clock = clock_for(request.device, request.threads)
-    groups = [runners, [whole]] + ([recomputing] if request.recompute else [])
-    timed = time_rounds(groups, clock, request.warmup, request.repeats,
-                        after_run=lambda name: progress.step(f"b={b} {name}"))
-    (harness, *layer_timings), (step,) = timed[0], timed[1]
-    for weighed, timing in zip(figures, layer_timings):
-        weighed.forward_s = max(0.0, timing.forward_s - harness.forward_s)
-        weighed.backward_s = max(0.0, timing.backward_s - harness.backward_s)
-    recompute_harness = None
-    if request.recompute:
-        recompute_harness, *recompute_timings = timed[2]
-        for weighed, timing in zip(figures, recompute_timings):
-            weighed.recompute_forward_s = max(0.0, timing.forward_s - recompute_harness.forward_s)
-            weighed.recompute_backward_s = max(0.0, timing.backward_s - recompute_harness.backward_s)
-    if request.device.type == "cuda":
-        for weighed, runner in zip(figures, runners[1:]):
-            weighed.peak_transient_bytes = peak_transient_bytes(runner, request.device, weighed)
-    return figures, step, harness, recompute_harness
+    groups = [group for p in prepared for group in p.groups]
+    timed = iter(time_rounds(groups, clock, request.warmup, request.repeats,
+                             after_run=lambda name: progress.step(name)))
+    for p in prepared:
+        harness, *layer_timings = next(timed)
+        (p.step,) = next(timed)
+        p.harness = harness
+        for weighed, timing in zip(p.figures, layer_timings):
+            weighed.forward_s = max(0.0, timing.forward_s - harness.forward_s)
+            weighed.backward_s = max(0.0, timing.backward_s - harness.backward_s)
+        if p.recomputing:
+            recompute_harness, *recompute_timings = next(timed)
+            p.recompute_harness = recompute_harness
+            for weighed, timing in zip(p.figures, recompute_timings):
+                weighed.recompute_forward_s = max(0.0, timing.forward_s - recompute_harness.forward_s)
+                weighed.recompute_backward_s = max(0.0, timing.backward_s - recompute_harness.backward_s)
+        if request.device.type == "cuda":
+            for weighed, runner in zip(p.figures, p.runners[1:]):
+                weighed.peak_transient_bytes = peak_transient_bytes(runner, request.device, weighed)
 
 
 def _distinct(params: Any) -> list[torch.Tensor]:

@@ -12,7 +12,7 @@ from gpipe_plan.planner.costmodel import CostModel, Setting, neighbour_scale
 from gpipe_plan.planner.explore import explore
 from gpipe_plan.planner.profile import Profile
 from gpipe_plan.planner.search import SolveOptions, search
-from gpipe_plan.profiles.contention import measure_contention
+from gpipe_plan.profiles.contention import cycle_ratios, measure_contention
 from gpipe_plan.profiles.profiler import ProfileRequest, profile_model
 
 from planner_helpers import profile_doc
@@ -76,7 +76,15 @@ def test_contention_is_measured_on_the_model() -> None:
     assert out["processes"] == 2 and len(out["cycle_ratios"]) == 2
     assert all(r > 0 for r in out["cycle_ratios"])
     assert out["slowdown"] >= 1.0
-    assert out["alone_step_s"] > 0 and out["together_step_s"] > 0
+    assert out["alone_step_s"] > 0 and 0 < out["together_step_s"] <= out["slowest_step_s"]
+
+
+def test_the_slowest_neighbour_sets_the_slowdown() -> None:
+    # Process 0 runs as fast beside its neighbour as alone; process 1 runs 1.2x slower: a
+    # pipeline goes at its slowest stage's pace, so the cycle's ratio is 1.2, not the mean 1.1.
+    phases = {0: {"alone": [10.0, 20.0], "together": [10.0, 20.0]},
+              1: {"alone": [], "together": [12.0, 24.0]}}
+    assert cycle_ratios(phases) == pytest.approx([1.2, 1.2])
 
 
 def test_profile_records_contention_only_when_asked() -> None:
@@ -84,7 +92,7 @@ def test_profile_records_contention_only_when_asked() -> None:
     assert "contention" not in profile_model(request)
     doc = profile_model(ProfileRequest(spec=TINY_GPT, micro_batch_sizes=[1, 2], warmup=0, repeats=1,
                                        contention_processes=2))
-    assert doc["version"] == FORMAT_VERSIONS[PROFILE_FORMAT] == 3
+    assert doc["version"] == FORMAT_VERSIONS[PROFILE_FORMAT] == 4
     assert doc["contention"]["processes"] == 2 and doc["contention"]["micro_batch_size"] == 2
     Profile(doc)   # the planner reads what the profiler wrote
 

@@ -194,7 +194,7 @@ BAD_PROFILES = {
     "malformed JSON": ('{"format": "gpipe-plan.profile", "version": 1, "layers": [', r"not valid JSON \(line 1"),
     "missing field": (_drop_field, r"layer 3 \('layer3'\) has no 'backward_s'"),
     "wrong format": (lambda d: {**d, "format": "gpipe-plan.plan"}, r"not a gpipe-plan profile.*it is a plan"),
-    "wrong version": (lambda d: {**d, "version": 4}, r"version 4.*reads versions 1, 2 or 3"),
+    "wrong version": (lambda d: {**d, "version": 5}, r"version 5.*reads versions 1, 2, 3 or 4"),
     "wrong list length": (lambda d: (d["layers"][1].update(forward_s=[1.0]), d)[1],
                           r"layer 1 \('layer1'\) field 'forward_s' must be a list of 3 numbers"),
 }

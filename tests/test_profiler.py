@@ -133,6 +133,31 @@ def test_sizes() -> None:
             parse_sizes(text, batch)
 
 
+class _Steps:
+    def __init__(self) -> None:
+        self.total, self.names = 0, []
+
+    def begin(self, total: int) -> None:
+        self.total = total
+
+    def step(self, description: str) -> None:
+        self.names.append(description)
+
+
+def test_every_size_is_timed_in_the_same_rounds() -> None:
+    """A slow spell must land on all sizes alike: round 1 runs every size before round 2 starts."""
+    spec = model_spec("gpt", layers=1, width=16, heads=2, seq_len=8, vocab_size=32)
+    steps = _Steps()
+    doc = profile_model(ProfileRequest(spec=spec, micro_batch_sizes=[1, 2], warmup=1, repeats=2), steps)
+    whole = [name for name in steps.names if name.endswith("whole model")]
+    # Forward and backward of the whole model, per size and round: b=1, b=2, then again.
+    assert whole == ["b=1 whole model"] * 2 + ["b=2 whole model"] * 2 + ["b=1 whole model"] * 2 \
+        + ["b=2 whole model"] * 2 + ["b=1 whole model"] * 2 + ["b=2 whole model"] * 2
+    assert len(steps.names) == steps.total   # the progress bar ends full
+    for layer in doc["layers"]:
+        assert all(t > 0 for t in layer["forward_s"] + layer["recompute_backward_s"])
+
+
 # --------------------------------------------------------------------------- bad input
 BAD_FACTORIES = {
     "raises": "def make():\n    raise ValueError('no such layer size')\n",

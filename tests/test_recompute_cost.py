@@ -118,7 +118,7 @@ def test_calibration_scales_the_checkpointed_passes_with_the_plain_ones(tmp_path
 # --------------------------------------------------------------------------- the profiler
 def test_profiler_times_every_layer_under_checkpointing() -> None:
     doc = profile_model(ProfileRequest(spec=TINY_GPT, micro_batch_sizes=[1, 2], warmup=1, repeats=3))
-    assert doc["version"] == 3
+    assert doc["version"] >= 3   # recompute timings came with version 3
     assert len(doc["recompute_call_s"]) == 2 and all(t > 0 for t in doc["recompute_call_s"])
     for layer in doc["layers"]:
         for key in ("recompute_forward_s", "recompute_backward_s"):
