@@ -169,16 +169,18 @@ def explore(**options: Any) -> None:
               help="The profile the run's plan was made from.")
 @click.option("--out", "-o", type=click.Path(dir_okay=False), default=None,
               help="Where to write the calibrated profile. Default: PROFILE with .calibrated.json.")
-@click.option("--no-speed-correction", is_flag=True,
-              help="Keep the machine's speed drift during the run in the times (by default it is divided out).")
-def calibrate(report: str, profile_path: str, out: str | None, no_speed_correction: bool) -> None:
+@click.option("--speed-correction/--no-speed-correction", default=False, show_default=True,
+              help="Divide the machine's speed drift during the run (the report's speed probe) out of the "
+                   "measured times. Off by default: on the development VM the generic probe tracked the "
+                   "model's own drift too poorly for it to help (docs/runtime.md, 'Calibration').")
+def calibrate(report: str, profile_path: str, out: str | None, speed_correction: bool) -> None:
     """Fold a run's measured per-stage times (REPORT from `run --report`) into its profile.
 
     A second `solve` with the calibrated profile plans with what the pipeline really costs.
     """
     from .profiles.command_calibrate import calibrate_command
 
-    calibrate_command(report, profile_path, out, speed_correction=not no_speed_correction)
+    calibrate_command(report, profile_path, out, speed_correction=speed_correction)
 
 
 # --------------------------------------------------------------------------- import-pipedream

@@ -209,6 +209,7 @@ def measure(cells: list[Cell], rounds: int, B: int, steps: int, calibrate: bool,
                         calibrated = folder / f"{cell.slug}.calibrated.json"
                         cli("calibrate", report, "--profile", profile, "--out", calibrated)
                         after = one_run(cell, calibrated, folder, "after", B, steps, ledger)
+                        after["speed_divided"] = read_json(calibrated)["calibration"][-1]["speed_ratio_divided_out"] != 1.0
                         results[cell.key]["after"].append(after)
                         print(f"round {r + 1} {cell.key:36s} after  {after['ratio']:.3f} "
                               f"(at run speed {after['ratio_at_speed'] or float('nan'):.3f})", flush=True)
@@ -252,9 +253,9 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
             "left": med(x["measured_step_s"] / x["ops_step_s"] for x in b if x["ops_step_s"]),
             "memory": med(x["memory_ratio"] for x in b),
             "after": med(x["ratio"] for x in a), "after_at_speed": med(x["ratio_at_speed"] for x in a),
-            # The calibration divided the before-run's speed ratio out of the times; without that the
-            # calibrated prediction is the same plan with every time scaled by that ratio.
-            "after_nocorr": med(y["ratio"] / (x["speed_ratio"] or 1.0) for x, y in zip(b, a)),
+            # The other choice of `calibrate --speed-correction`: the same plan with every calibrated
+            # time scaled by the before-run's speed ratio (divided out) or not (kept in).
+            "after_other": med(_other_correction(x, y) for x, y in zip(b, a)),
             "after_memory": med(x["memory_ratio"] for x in a),
             "predicted": med(x["predicted_step_s"] for x in b), "measured": med(x["measured_step_s"] for x in b),
             "after_predicted": med(x["predicted_step_s"] for x in a), "after_measured": med(x["measured_step_s"] for x in a),
@@ -264,6 +265,17 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
         }
         rows.append(per_cell[c["key"]])
     return per_cell
+
+
+def _other_correction(before: dict[str, Any], after: dict[str, Any]) -> float:
+    """The after-run's ratio had calibration made the other ``--speed-correction`` choice."""
+    speed = before["speed_ratio"] or 1.0
+    divided = after.get("speed_divided", True)   # runs before 8b4292b always divided it out
+    return after["ratio"] / speed if divided else after["ratio"] * speed
+
+
+def _divided(data: dict[str, Any]) -> bool:
+    return any(y.get("speed_divided", True) for res in data["results"].values() for y in res["after"])
 
 
 def err_stats(values: list[float | None]) -> tuple[float, float] | None:
@@ -295,8 +307,8 @@ def render(data: dict[str, Any]) -> str:
     if calibrated:
         summary += [stat_row("step, raw (after one calibration round)", "after", "ratio", all_after),
                     stat_row("step, at the run's speed (after)", "after_at_speed", "ratio_at_speed", all_after),
-                    stat_row("step, raw, after calibrating *without* dividing out the speed probe (derived)",
-                             "after_nocorr", "ratio", [])]
+                    stat_row(f"step, raw, after calibrating {'*without*' if _divided(data) else '*with*'} the "
+                             f"speed correction (derived: the other `--speed-correction`)", "after_other", "ratio", [])]
     # One stage runs no pipeline at all: its error is the profile against the machine of the moment
     # (the floor the host's drift sets); what K = 2 adds on top of it is the pipeline's.
     for label, key in (("raw", "ratio"), ("at the model's speed", "ratio_at_model_speed")):
@@ -374,7 +386,7 @@ def render(data: dict[str, Any]) -> str:
                        f"{c['memory']:.3f}",
                        f"{c['after']:.3f} [{rng([x['ratio'] for x in res['after']])}]" if c["after"] else "-",
                        f"{c['after_at_speed']:.3f}" if c["after_at_speed"] else "-",
-                       f"{c['after_nocorr']:.3f}" if c["after_nocorr"] else "-"])
+                       f"{c['after_other']:.3f}" if c["after_other"] else "-"])
 
     # Pictures.
     step_series: dict[str, list[tuple[float, float]]] = {}
@@ -478,7 +490,7 @@ def render(data: dict[str, Any]) -> str:
         "",
         table(["model", "K", "M", "schedule", "recompute", "balance", "predicted", "measured", "measured/predicted",
                "speed", "at run speed", "model speed", "at model speed", "ops", "measured/ops", "memory", "after calibration", "after, at run speed",
-               "after, no speed correction"],
+               "after, other speed correction"],
               detail),
         "",
         "</details>",

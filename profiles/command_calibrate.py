@@ -11,7 +11,7 @@ from ..artifacts import write_json_atomic
 from .calibrate import calibrate
 
 
-def calibrate_command(report: str, profile: str, out: str | None, speed_correction: bool = True) -> None:
+def calibrate_command(report: str, profile: str, out: str | None, speed_correction: bool = False) -> None:
     doc = calibrate(profile, report, use_speed_probe=speed_correction)
     target = out or str(Path(profile).with_suffix("")) + ".calibrated.json"
     write_json_atomic(target, doc)

@@ -54,7 +54,9 @@ def render_profile(doc: dict[str, Any], console: Console) -> None:
         console.print(_consistency(consistency, sizes))
     contention = doc.get("contention")
     if contention:
-        console.print(f"neighbours: with {contention.get('processes')} processes computing at once, a step at "
+        # Version 4 profiles take the slowest process (a pipeline goes at its slowest stage's pace).
+        who = "the slowest one's step" if "slowest_step_s" in contention else "a step"
+        console.print(f"neighbours: with {contention.get('processes')} processes computing at once, {who} at "
                       f"micro-batch {contention.get('micro_batch_size')} takes "
                       f"{contention.get('slowdown', 1.0):.2f}x its time alone (measured "
                       f"{', '.join(f'{r:.2f}' for r in contention.get('cycle_ratios', []))}); plans with K > 1 "

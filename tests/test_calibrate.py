@@ -52,7 +52,7 @@ def test_calibrated_profile_predicts_what_was_measured(files):
     tmp, profile, plan = files
     report = tmp / "report.json"
     report.write_text(json.dumps(report_doc(plan, [1.3, 1.1], [1.2, 1.5], speed_ratio=1.25)))
-    result = CliRunner().invoke(main, ["calibrate", str(report), "--profile", str(profile)])
+    result = CliRunner().invoke(main, ["calibrate", str(report), "--profile", str(profile), "--speed-correction"])
     assert result.exit_code == 0, result.output
     calibrated = json.loads((tmp / "profile.calibrated.json").read_text())
     # Re-plan the same partition with the calibrated profile: each stage now predicts what the
@@ -76,6 +76,21 @@ def test_calibrated_profile_predicts_what_was_measured(files):
     layer = next(layer for layer in twice["layers"] if layer["name"] == first)
     assert layer["forward_s"] == pytest.approx([2.6e-3 * b for b in SIZES])
     assert len(twice["calibration"]) == 2
+
+
+def test_by_default_calibration_keeps_the_runs_speed(files):
+    """Without --speed-correction the times are taken as measured, drift and all."""
+    tmp, profile, plan = files
+    report = tmp / "report.json"
+    report.write_text(json.dumps(report_doc(plan, [1.3, 1.1], [1.2, 1.5], speed_ratio=1.25)))
+    result = CliRunner().invoke(main, ["calibrate", str(report), "--profile", str(profile)])
+    assert result.exit_code == 0, result.output
+    assert "divided out" not in result.output
+    again = solve_file(str(tmp / "profile.calibrated.json"), None, stages=2, micro_batches=4, schedule="gpipe")
+    for before, after, ff in zip(plan["stages"], again["stages"], [1.3, 1.1]):
+        assert after["forward_s"] == pytest.approx(before["forward_s"] * ff * 1.25)
+    calibrated = json.loads((tmp / "profile.calibrated.json").read_text())
+    assert calibrated["calibration"][-1]["speed_ratio_divided_out"] == 1.0
 
 
 def test_calibrate_refuses_a_report_of_another_model_or_a_broken_run(files):
