@@ -25,7 +25,8 @@ The CPU parts (hand-tuning, accuracy, runtime, efficiency) run on a 2-core VM wh
 drifts by 15-40% from one minute to the next. They interleave configurations in rounds, report
 medians over rounds with the spread, record the cores other processes used during every timed
 run, and give errors both raw and at the speed a reference workload measured during the run
-(docs/runtime.md, "The machine's speed").
+(docs/runtime.md, "The machine's speed"); the accuracy part also at the model's own speed,
+which the bench times around every run and every profile.
 """
 
 
