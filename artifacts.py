@@ -28,8 +28,10 @@ PLAN_FORMAT = "gpipe-plan.plan"
 REPORT_FORMAT = "gpipe-plan.report"
 
 # The version each format is written with, and the versions this code can read. Profile 2
-# added ``contention`` and plan 2 ``options.compute_scale``; both only add optional keys, so
-# version 1 files still read (a version 1 profile plans as if neighbours cost nothing).
+# added ``contention`` and plan 2 ``options.compute_scale``; profile 3 the recompute timings;
+# profile 4 takes ``contention.slowdown`` from the slowest process (and adds
+# ``slowest_step_s``). Each only adds optional keys or refines a measurement, so older files
+# still read (a version 1 profile plans as if neighbours cost nothing).
 FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 4, PLAN_FORMAT: 2, REPORT_FORMAT: 1}
 READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4), PLAN_FORMAT: (1, 2), REPORT_FORMAT: (1,)}
 

@@ -24,6 +24,7 @@ spell), and our plan is compared with it within each round.
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -34,8 +35,8 @@ from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.profile import Profile
 from gpipe_plan.runtime.handplan import hand_plan
 
-from .common import (COLOURS, Ledger, bars_svg, cli, divisors, measured_or_saved, med, publish, read_json, rng,
-                     run_plan, table, write_svg)
+from .common import (COLOURS, RESULTS, Ledger, bars_svg, cli, divisors, git_revision, machine, measured_or_saved,
+                     med, publish, read_json, rng, run_plan, table, write_svg)
 
 MODELS = {
     "resnet": ("resnet", []),
@@ -121,6 +122,47 @@ def measure(args: argparse.Namespace, ledger: Ledger) -> dict[str, Any]:
     return out
 
 
+def best_grid_point(entry: dict[str, Any]) -> str:
+    runs = entry["runs"]
+    grid = [k for k in runs if k not in (OURS, OURS_CAL)]
+    return max(grid, key=lambda k: med(x["samples_per_s"] for x in runs[k]))
+
+
+def confirm(data: dict[str, Any], pairs: int, ledger: Ledger) -> dict[str, Any]:
+    """Our plan against the best grid point of the saved rounds, in fresh paired runs.
+
+    The best of ~20 grid points by median is partly the luckiest (the winner's curse): its
+    median over the rounds that chose it is biased up. Runs made after the choice are not.
+    Each model is profiled and planned afresh, then ours and that grid point alternate.
+    """
+    args = argparse.Namespace(**data["args"])
+    B = args.batch
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for model, entry in data["results"].items():
+            best = best_grid_point(entry)
+            name, flags = MODELS[model]
+            folder = Path(tmp) / model
+            folder.mkdir(parents=True)
+            profile = folder / "profile.json"
+            cli("profile", name, *flags, "--batch-size", B, "--out", profile, "-q")
+            plan = folder / "ours.json"
+            cli("solve", profile, "-k", 2, "-b", B, "--out", plan, "-q")
+            split, M = best.split(", M = ")
+            balance = [int(n) for n in split.split("+")]
+            hand = folder / "best.json"
+            write_json_atomic(hand, hand_plan(read_json(profile)["model"], balance, int(M), B // int(M), "gpipe"))
+            ratios = []
+            for i in range(pairs):
+                order = [(OURS, plan), (best, hand)]
+                measured = {label: run_plan(path, args.steps, ledger=ledger)["samples_per_s"]
+                            for label, path in (order if i % 2 == 0 else order[::-1])}
+                ratios.append(measured[OURS] / measured[best])
+                print(f"confirm {model} pair {i + 1}: ours / {best} = {ratios[-1]:.3f}", flush=True)
+            out[model] = {"best": best, "ours": describe(read_json(plan)), "ratios": ratios}
+    return out
+
+
 def _row(rep: dict[str, Any]) -> dict[str, Any]:
     return {"samples_per_s": rep["samples_per_s"], "measured_step_s": rep["measured_step_s"],
             "predicted_step_s": rep.get("predicted_step_s"), "run_probe_s": (rep.get("speed") or {}).get("run_probe_s"),
@@ -200,6 +242,20 @@ def render(data: dict[str, Any]) -> str:
         "(biased) bar: the maximum of many noisy runs.",
         "",
     ]
+    check = data.get("confirm")
+    if check:
+        rows = [[model, c["best"], _plan_text([{OURS: c["ours"]}], OURS), len(c["ratios"]),
+                 f"{med(c['ratios']):.3f} [{rng(c['ratios'], '{:.3f}')}]"] for model, c in check["models"].items()]
+        summary += [
+            "Out of sample: the best grid point above is partly the luckiest of the grid (chosen by the same runs "
+            "that measure it). `python -m bench handtuning --confirm N` then profiles and plans each model afresh "
+            "and runs our plan and that grid point alternately, N pairs, after the choice "
+            f"(revision {check['revision']}; {check['machine']}; {check['ledger']}):",
+            "",
+            table(["model", "best grid point (chosen above)", "our plan (fresh profile)", "pairs",
+                   "ours / best grid point, median [min..max]"], rows),
+            "",
+        ]
     return "\n".join(intro + summary + text) + "\n"
 
 
@@ -223,6 +279,17 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--keep", default=None, help="keep profiles, plans and reports in this folder")
     parser.add_argument("--from-json", type=Path, default=None)
+    parser.add_argument("--confirm", type=int, default=0, metavar="N",
+                        help="instead: N fresh paired runs of our plan against the saved best grid point")
     args = parser.parse_args(argv)
-    data = measured_or_saved("handtuning", args, lambda ledger: {"results": measure(args, ledger)})
+    if args.confirm:
+        saved = RESULTS / "data" / "handtuning.json"
+        data = read_json(args.from_json or saved)
+        ledger = Ledger()
+        started = machine()
+        models = confirm(data, args.confirm, ledger)
+        data["confirm"] = {"models": models, "revision": git_revision(), "machine": started, "ledger": ledger.line()}
+        saved.write_text(json.dumps(data, indent=1))
+    else:
+        data = measured_or_saved("handtuning", args, lambda ledger: {"results": measure(args, ledger)})
     publish("handtuning", render(data))

@@ -8,8 +8,8 @@ computes the loss, forward and backward, because the last stage does.
 
 Timing goes in rounds, and a round runs the layers the way the unsplit model does: every
 layer's forward in order, keeping what each saves for backward, then every backward in
-reverse order; then the whole model once; and that for every micro-batch size in turn. Each figure is the median over ``repeats`` rounds
-after ``warmup`` rounds. Three reasons:
+reverse order; then the whole model once; and that for every micro-batch size in turn. Each
+figure is the median over ``repeats`` rounds after ``warmup`` rounds. Three reasons:
 
 - memory: at the end of the forwards all layers' activations are alive at once, as in
   training. On a CPU that matters: fresh memory costs page faults that the allocator hides
