@@ -62,7 +62,9 @@ def main() -> None:
         started = time.monotonic()
         module = __import__(PARTS[name][0], fromlist=["main"])
         try:
-            module.main(sys.argv[2:] if part != "all" else ALL_OPTIONS.get(name, []))
+            # A part may name a side job it ran instead (handtuning --confirm): its time is kept
+            # apart from the part's own.
+            side = module.main(sys.argv[2:] if part != "all" else ALL_OPTIONS.get(name, []))
         except Exception:  # in 'all', one broken part must not lose the others' hours
             if part != "all":
                 raise
@@ -76,7 +78,8 @@ def main() -> None:
         took[name] = time.monotonic() - started
         from .assemble import record_time
 
-        record_time(name, took[name], sys.argv[2:] if part != "all" else ALL_OPTIONS.get(name, []))
+        record_time(f"{name} {side}" if side else name, took[name],
+                    sys.argv[2:] if part != "all" else ALL_OPTIONS.get(name, []))
     if part == "all":
         from .assemble import assemble
 

@@ -52,13 +52,17 @@ def assemble() -> Path:
         t = timings.get(name)
         took = f"{t['seconds'] / 60:.0f} min" if t else "?"
         opts = " ".join(t["options"]) if t and t["options"] else "(defaults)"
+        for side, st in timings.items():   # side jobs of the part (handtuning --confirm)
+            if side.startswith(f"{name} "):
+                took += f" + {st['seconds'] / 60:.0f} min"
+                opts += f"`, then `{' '.join(st['options'])}"
         rows.append(f"| [{name}](#{_anchor(path)}) | {what} | {took} | `{opts}` |")
         text = path.read_text()
         # Pictures are linked relative to docs/benchmarks/ in the section's own file.
         text = re.sub(r"\]\((?!https?:|benchmarks/|#)([^)/]+\.svg)\)", r"](benchmarks/\1)", text)
         sections.append(text.rstrip() + "\n")
     out += ["| part | what | took | options |", "|---|---|---|---|", *rows, ""]
-    total = sum(t["seconds"] for n, t in timings.items() if n in PARTS)
+    total = sum(t["seconds"] for n, t in timings.items() if n.split()[0] in PARTS)
     if total:
         out += [f"The parts took {total / 3600:.1f} hours together when last run (on their own machine line).", ""]
     out += sections

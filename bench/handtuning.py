@@ -270,7 +270,7 @@ def _plan_text(plans: list[dict], key: str) -> str:
     return "; ".join(seen)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> str | None:
     parser = argparse.ArgumentParser(prog="python -m bench handtuning", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="resnet,gpt-8k", help=f"from {', '.join(MODELS)}")
     parser.add_argument("--batch", type=int, default=32)
@@ -293,3 +293,4 @@ def main(argv=None) -> None:
     else:
         data = measured_or_saved("handtuning", args, lambda ledger: {"results": measure(args, ledger)})
     publish("handtuning", render(data))
+    return "confirm" if args.confirm else None
