@@ -23,7 +23,9 @@ clock*: in its own process, one thread, it times the whole model's forward+backw
 cell's micro-batch size for about a second right before and right after each run, and the
 same around each profile. ``model_speed_ratio`` (run's reference / profile's reference) is
 how much slower the machine ran this model during the run than during its profile; "at the
-model's speed" divides it out. That separates the host's drift from the model's own error.
+model's speed" divides it out, to tell the host's drift from the model's own error (over two
+runs it did not do so reliably: a second of timing misses spells the run catches, and the
+other way round).
 
 To say *where* an error comes from, each run's step is also re-predicted from the per-stage
 forward, backward and optimizer times the run itself measured, through the same schedule
