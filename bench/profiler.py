@@ -91,7 +91,7 @@ def main(argv=None) -> None:
         "Consistency is the sum of per-layer forward + backward over the whole model's step (every size of "
         "every run). Spread is (max - min) / median across the runs of each per-layer median over 1 ms; "
         "'as share' divides each by its own run's whole-model step first. The last column is each profile's "
-        "`contention.slowdown` (two processes training at once against one alone; 1.00: within noise).", "",
+        "`contention.slowdown` (the slower of two processes training at once against one alone; 1.00: within noise).", "",
         table(["model", "wall time, median [min..max]", "consistency (all sizes, all runs)", "figures over 1 ms",
                "spread median / max", "spread as share median / max", "contention slowdown per run"], summary), "",
         "The widest spreads:", "",
