@@ -43,7 +43,6 @@ import argparse
 import dataclasses
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -109,24 +108,25 @@ class ModelClock:
         import torch
 
         from gpipe_plan.models import build_model
+        from gpipe_plan.profiles.contention import median_time_s
 
         torch.set_num_threads(1)
         self.torch = torch
+        self.median_time_s = median_time_s
         self.model = build_model(spec, seed=0)
 
     def step_s(self, size: int, seconds: float = 1.0) -> float:
         model = self.model
         inputs, targets = model.synthetic_batch(size, self.torch.Generator().manual_seed(0))
-        times: list[float] = []
+
+        def step() -> None:
+            model.loss(model.forward(*inputs), targets).backward()
+
         for _ in range(2):   # warm-up: this size's buffers
-            model.loss(model.forward(*inputs), targets).backward()
-        end = time.monotonic() + seconds
-        while time.monotonic() < end or len(times) < 5:
-            start = time.perf_counter()
-            model.loss(model.forward(*inputs), targets).backward()
-            times.append(time.perf_counter() - start)
+            step()
+        median = self.median_time_s(step, seconds, 5)
         model.module.zero_grad(set_to_none=True)
-        return statistics.median(times)
+        return median
 
 
 def one_run(cell: Cell, profile: Path, folder: Path, tag: str, B: int, steps: int, ledger: Ledger,

@@ -190,7 +190,7 @@ def render(data: dict[str, Any]) -> str:
     for model, entry in data["results"].items():
         runs = entry["runs"]
         grid = [k for k in runs if k not in (OURS, OURS_CAL)]
-        best = max(grid, key=lambda k: med(x["samples_per_s"] for x in runs[k]))
+        best = best_grid_point(entry)
         ours = runs[OURS]
 
         def paired(label: str) -> list[float]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -79,6 +80,17 @@ def cycle_ratios(phases: dict[int, dict[str, list[float]]]) -> list[float]:
     return [max(phases[r]["together"][c] for r in phases) / alone[c] for c in range(len(alone))]
 
 
+def median_time_s(run: Callable[[], object], seconds: float, at_least: int) -> float:
+    """Median wall time of ``run()``, called back to back for ``seconds`` and ``at_least`` times."""
+    times: list[float] = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end or len(times) < at_least:
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def _worker(rank: int, spec: dict[str, Any], seed: int, size: int, threads: int, seconds: float, cycles: int,
             barrier: Any, results: Any) -> None:
     from ..models import build_model
@@ -88,14 +100,9 @@ def _worker(rank: int, spec: dict[str, Any], seed: int, size: int, threads: int,
     inputs, targets = model.synthetic_batch(size, torch.Generator().manual_seed(seed))
 
     def median_step(duration: float) -> float:
-        times: list[float] = []
-        end = time.monotonic() + duration
-        while time.monotonic() < end or len(times) < 3:
-            start = time.perf_counter()
-            model.loss(model.forward_layers(*inputs), targets).backward()
-            times.append(time.perf_counter() - start)
+        step = median_time_s(lambda: model.loss(model.forward_layers(*inputs), targets).backward(), duration, 3)
         model.module.zero_grad(set_to_none=True)
-        return statistics.median(times)
+        return step
 
     median_step(min(0.5, seconds))          # warm-up: allocator, caches, lazy initialisation
     mine: dict[str, list[float]] = {"alone": [], "together": []}
