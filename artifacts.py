@@ -30,10 +30,22 @@ REPORT_FORMAT = "gpipe-plan.report"
 # The version each format is written with, and the versions this code can read. Profile 2
 # added ``contention`` and plan 2 ``options.compute_scale``; profile 3 the recompute timings;
 # profile 4 takes ``contention.slowdown`` from the slowest process (and adds
-# ``slowest_step_s``). Each only adds optional keys or refines a measurement, so older files
-# still read (a version 1 profile plans as if neighbours cost nothing).
-FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 4, PLAN_FORMAT: 2, REPORT_FORMAT: 1}
-READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4), PLAN_FORMAT: (1, 2), REPORT_FORMAT: (1,)}
+# ``slowest_step_s``); profile 5 and plan 3 record the precision (``precision``,
+# ``param_dtype``), and CUDA profiles the memory the CUDA context takes; report 2 adds the
+# run's precision and, on CUDA, the allocator's reserved memory and what lies outside it.
+# Each only adds keys or refines a measurement, so older files still read (a version 1
+# profile plans as if neighbours cost nothing; anything before profile 5 / plan 3 ran fp32).
+FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 5, PLAN_FORMAT: 3, REPORT_FORMAT: 2}
+READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5), PLAN_FORMAT: (1, 2, 3),
+                                                 REPORT_FORMAT: (1, 2)}
+
+# Precision (docs/runtime.md, "Precision"): ``precision`` is the dtype the layers compute in
+# (fp32, or bf16/fp16 under autocast), ``param_dtype`` the dtype the parameters, their
+# gradients and the optimizer's state are kept in. Every pair but these is refused: fp32
+# compute on low-precision weights gains nothing, and fp16 weights cannot be trained safely
+# (Adam's epsilon underflows to zero in fp16; loss scaling needs fp32 master weights).
+PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISION_PAIRS = {("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16"), ("fp16", "fp32")}
 
 
 class BadInput(Exception):
@@ -90,6 +102,30 @@ def check_format(doc: Any, fmt: str, where: str) -> None:
             f"'{where}' is {what} format version {version!r}; this gpipe-plan reads {_versions(readable)}: "
             "re-create it with this version of gpipe-plan"
         )
+
+
+def check_precision(precision: str, param_dtype: str, where: str = "") -> tuple[str, str]:
+    """``(precision, param_dtype)`` if it is a pair gpipe-plan trains with, else :class:`BadInput`."""
+    prefix = f"{where}: " if where else ""
+    for name, value in (("precision", precision), ("param dtype", param_dtype)):
+        if value not in PRECISIONS:
+            raise BadInput(f"{prefix}{name} {value!r} is not one of {', '.join(PRECISIONS)}")
+    if (precision, param_dtype) not in PRECISION_PAIRS:
+        if param_dtype == "fp16":
+            why = "fp16 parameters cannot be trained safely (Adam's epsilon underflows); keep --param-dtype fp32"
+        else:
+            why = f"parameters in {param_dtype} need --precision {param_dtype} (autocast in that dtype)"
+        raise BadInput(f"{prefix}--precision {precision} with --param-dtype {param_dtype}: {why}")
+    return precision, param_dtype
+
+
+def precision_of(doc: dict[str, Any], where: str) -> tuple[str, str]:
+    """A profile's or plan's ``(precision, param_dtype)``; files written before they existed ran fp32."""
+    precision = doc.get("precision", "fp32")
+    param_dtype = doc.get("param_dtype", "fp32")
+    if not isinstance(precision, str) or not isinstance(param_dtype, str):
+        raise BadInput(f"{where}: 'precision' and 'param_dtype' must be strings such as \"bf16\"")
+    return check_precision(precision, param_dtype, where)
 
 
 def _versions(readable: tuple[int, ...]) -> str:

@@ -56,6 +56,10 @@ def main() -> None:
 @click.option("--micro-batch-sizes", default=None, metavar="1,2,4",
               help="Micro-batch sizes to measure. Default: 1, 2, 4, ... doubling up to --batch-size.")
 @click.option("--device", default="cpu", show_default=True, metavar="cpu|cuda|cuda:N", help="Device to profile on.")
+@click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
+              help="Compute dtype: bf16/fp16 run every forward under torch.autocast, as `run --precision` will.")
+@click.option("--param-dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+              help="Dtype of the parameters, gradients and optimizer state (bf16 needs --precision bf16).")
 @click.option("--input-shape", default=None, metavar="S",
               help="Your model: the shape of one input sample, e.g. 64 or 3,32,32.")
 @click.option("--num-classes", type=int, default=None,
@@ -255,6 +259,11 @@ def show(file: str, timeline: str | None) -> None:
 @click.option("--keep-checkpoints", type=int, default=2, show_default=True, help="Newest checkpoints to keep.")
 @click.option("--resume", is_flag=True,
               help="Continue from the newest checkpoint in --checkpoint-dir (start fresh if there is none).")
+@click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
+              help="Compute dtype (fp16 adds loss scaling). Default: the plan's; a different one is refused, "
+                   "since the plan's times and memory were measured in its own.")
+@click.option("--param-dtype", type=click.Choice(["fp32", "bf16"]), default=None,
+              help="Dtype of the parameters, gradients and optimizer state. Default: the plan's.")
 @click.option("--executor", type=click.Choice(["auto", "native", "torch"]), default="auto", show_default=True,
               help="native: gpipe-plan's executor (gloo/CPU); torch: torch.distributed.pipelining; "
                    "auto: native on CPU, torch on CUDA.")

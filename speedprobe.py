@@ -10,7 +10,9 @@ to the profile's: `run` warns when it is far from 1, and the report shows the pr
 scaled by it next to the raw one, so that a user can tell a wrong model from a slow machine.
 
 The work is a small slice of a transformer layer (a matrix product, GELU, layer norm), sized
-to take a few milliseconds per repeat on one CPU core. Only ``profile`` and ``run`` use it.
+to take a few milliseconds per repeat on one CPU core. On a GPU the same slice that small
+would time kernel launches, not the device, so there it is wide enough (2048) for each matrix
+product to keep the GPU busy for tens of microseconds. Only ``profile`` and ``run`` use it.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ def speed_probe_s(device: str = "cpu", repeats: int = REPEATS) -> float:
 
     dev = torch.device(device)
     gen = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(64, 256, generator=gen).to(dev)
-    w = torch.randn(256, 256, generator=gen).to(dev) / 16
-    norm = torch.nn.LayerNorm(256).to(dev)
+    rows, width = (64, 256) if dev.type == "cpu" else (4096, 2048)
+    x = torch.randn(rows, width, generator=gen).to(dev)
+    w = torch.randn(width, width, generator=gen).to(dev) / width ** 0.5
+    norm = torch.nn.LayerNorm(width).to(dev)
 
     def once() -> None:
         y = x

@@ -10,6 +10,8 @@ from pathlib import Path
 from .common import RESULTS, ROOT, git_revision, machine
 
 TIMINGS = RESULTS / "data" / "timings.json"
+# Sections written by hand from scripts that run where `python -m bench` does not (a GPU machine).
+ELSEWHERE = {"gpu": "bench/gpu_smoke.sh and bench/gpu.sh on the GPU machine: CUDA paths, bf16 against fp32"}
 
 INTRO = """\
 # Benchmarks
@@ -61,6 +63,11 @@ def assemble() -> Path:
         # Pictures are linked relative to docs/benchmarks/ in the section's own file.
         text = re.sub(r"\]\((?!https?:|benchmarks/|#)([^)/]+\.svg)\)", r"](benchmarks/\1)", text)
         sections.append(text.rstrip() + "\n")
+    for name, what in ELSEWHERE.items():   # sections measured by scripts, not by a part
+        path = RESULTS / f"{name}.md"
+        if path.exists():
+            rows.append(f"| [{name}](#{_anchor(path)}) | {what} | | |")
+            sections.append(path.read_text().rstrip() + "\n")
     out += ["| part | what | took | options |", "|---|---|---|---|", *rows, ""]
     total = sum(t["seconds"] for n, t in timings.items() if n.split()[0] in PARTS)
     if total:

@@ -22,10 +22,11 @@ from ..artifacts import BadInput
 from . import gpt, resnet, user
 from .data import Classification, NextToken, SyntheticData
 from .layered import AsTuple, LayeredModel, as_tuple
+from .precision import Precision
 from .spec import BUILTINS, IMPORT_OPTIONS, model_spec
 
 __all__ = [
-    "BUILTINS", "AsTuple", "Classification", "LayeredModel", "NextToken", "SyntheticData",
+    "BUILTINS", "AsTuple", "Classification", "LayeredModel", "NextToken", "Precision", "SyntheticData",
     "as_tuple", "build_model", "model_spec",
 ]
 

@@ -15,7 +15,7 @@ from ..artifacts import PLAN_FORMAT, PROFILE_FORMAT, BadInput, file_sha256, read
 from .plan import build_plan
 from .profile import Profile
 from .render import plan_timeline_svg, render_plan
-from .search import SolveOptions, search
+from .search import SolveOptions, device_memory_limit, search
 from .units import format_seconds, parse_bandwidth, parse_size
 
 
@@ -78,7 +78,7 @@ def solve_file(profile_path: str, plan_path: str | None = None, *, stages: int, 
     ``micro_batches="auto"``, ``memory_limit="16GiB"``). Returns the plan document.
     """
     profile = load_profile(profile_path)
-    opts = solve_options(stages, **options)
+    opts = device_memory_limit(profile, solve_options(stages, **options))
     if progress:
         with _progress() as bar:
             task = bar.add_task("solving", total=None)
@@ -141,7 +141,7 @@ def explore_command(profile: str, stages: str, micro_batches: str, global_batch_
     ms: list[int] | str = "auto" if micro_batches.strip().lower() == "auto" else _int_list(micro_batches, "--micro-batches")
     schedules = ["gpipe", "1f1b"] if schedule == "auto" else _choices(schedule, ("gpipe", "1f1b"), "--schedule")
     recomputes = _choices(recompute, ("never", "always", "auto"), "--recompute")
-    limit = parse_size(memory_limit) if memory_limit else None
+    limit = parse_size(memory_limit) if memory_limit else device_memory_limit(prof, SolveOptions(1)).memory_limit_bytes
     bandwidth = parse_bandwidth(link_bandwidth) if link_bandwidth else None
     with _progress() as bar:
         task = bar.add_task("exploring", total=None)

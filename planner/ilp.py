@@ -27,8 +27,12 @@ from __future__ import annotations
 import math
 import warnings
 
-import pulp
+try:  # only --solver ilp needs pulp; the exact solvers and every other command run without it
+    import pulp
+except ImportError:  # pragma: no cover - pulp is a dependency; a GPU image may lack it
+    pulp = None
 
+from ..artifacts import BadInput
 from .costmodel import CostModel
 from .dp import Solution
 from .objective import evaluate
@@ -36,6 +40,9 @@ from .schedule import operation_order
 
 
 def solve_ilp(cm: CostModel, time_limit_s: float = 60.0) -> Solution | None:
+    if pulp is None:
+        raise BadInput("--solver ilp needs the pulp package, which is not installed here: pip install pulp, "
+                       "or use --solver dp (exact too)")
     L, K, M = cm.L, cm.K, cm.M
     fig = cm.figures
     # Scale to keep CBC's tolerances meaningful: time in units of the mean layer's work.

@@ -1,4 +1,4 @@
-"""The plan document (format ``gpipe-plan.plan``, version 1; see docs/plan-format.md).
+"""The plan document (format ``gpipe-plan.plan``; see docs/plan-format.md).
 
 Everything in it is a function of the profile and the options, with no timestamp and with
 ties broken by a fixed order, so the same inputs give the same bytes: plans can be diffed,
@@ -53,7 +53,9 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
             "busy_s": busy[k],
             "idle_fraction": max(0.0, 1.0 - busy[k] / ev.step_s) if ev.step_s > 0 else 0.0,
         }
-        if k < len(ev.stages) - 1 and last.get("output_shapes") is not None:
+        # Every stage's outputs, the last one's too: the torch executor checks the logits'
+        # dtype, which mixed precision changes and which only the profiled device can say.
+        if last.get("output_shapes") is not None:
             stage["output_shapes"] = last["output_shapes"]
             if last.get("output_dtypes") is not None:
                 stage["output_dtypes"] = last["output_dtypes"]
@@ -75,6 +77,8 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
         "format": PLAN_FORMAT,
         "version": FORMAT_VERSIONS[PLAN_FORMAT],
         "model": profile.model,
+        "precision": profile.precision,
+        "param_dtype": profile.param_dtype,
         "profile": {
             "path": profile_path,
             "sha256": profile_sha256,
@@ -88,6 +92,7 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
             "schedule": options.schedule,
             "recompute": options.recompute,
             "memory_limit_bytes": options.memory_limit_bytes,
+            "memory_limit_source": options.memory_limit_source,
             "link_bandwidth_bytes_per_s": setting.link_bandwidth_bytes_per_s if setting.comm_on else None,
             "link_latency_s": setting.link_latency_s,
             "per_microbatch_overhead_s": setting.overhead_s,

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
-from ..artifacts import PROFILE_FORMAT, BadInput, check_format
+from ..artifacts import PROFILE_FORMAT, BadInput, check_format, precision_of
 
 PER_SIZE_FIELDS = ("forward_s", "backward_s", "activation_bytes", "output_bytes")
 OPTIONAL_PER_SIZE_FIELDS = ("peak_transient_bytes", "recompute_forward_s", "recompute_backward_s")
@@ -83,6 +83,8 @@ class Profile:
         self.per_microbatch_overhead_s: float = float(overhead.get("per_microbatch_s") or 0.0)
         self.contention_slowdown, self.contention_processes = _contention(doc, where)
         self.recompute_call_s = _recompute_call(doc, where, len(self.sizes), self.layers)
+        self.precision, self.param_dtype = precision_of(doc, where)
+        self.usable_memory_bytes = usable_memory_bytes(self.device, where)
         self._cache: dict[float, LayerFigures] = {}
 
     @property
@@ -140,6 +142,27 @@ class Profile:
 
     def measured_range(self) -> tuple[int, int]:
         return self.sizes[0], self.sizes[-1]
+
+
+# The share of a GPU's memory left free for the allocator's fragmentation and for what the
+# profile does not see (NCCL's buffers, the data): PyTorch's caching allocator reserves more
+# than it hands out, by up to a few percent of a busy card, and a stage that fills the card to
+# the last byte fails with "out of memory" on the first odd-sized request.
+DEVICE_MEMORY_HEADROOM = 0.10
+
+
+def usable_memory_bytes(device: Any, where: str) -> float | None:
+    """What a plan may fill on a device of this profile: its memory less the CUDA context
+    (``device.context_bytes``, measured by the profiler) and :data:`DEVICE_MEMORY_HEADROOM`.
+    None when the profile does not say how much memory the device has (CPU and imported
+    profiles): then only ``--memory-limit`` bounds a plan."""
+    if not isinstance(device, dict) or device.get("type") != "cuda" or device.get("memory_bytes") is None:
+        return None
+    total, context = device.get("memory_bytes"), device.get("context_bytes", 0)
+    for key, value in (("memory_bytes", total), ("context_bytes", context)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+            raise BadInput(f"{where}: 'device.{key}' must be a non-negative number of bytes, found {value!r}")
+    return max(0.0, (float(total) - float(context)) * (1.0 - DEVICE_MEMORY_HEADROOM))
 
 
 def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:

@@ -48,7 +48,7 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
     device = plan.get("profile", {}).get("device", {})
     console.print(
         f"[bold]{name}[/bold] on {K} stage{'s' if K > 1 else ''} "
-        f"(profile: {device.get('type', '?')}, {device.get('name', '?')})")
+        f"(profile: {device.get('type', '?')}, {device.get('name', '?')}; {_precision(plan)})")
     table = Table(title=None, show_lines=False, header_style="bold")
     for col, justify in [("stage", "right"), ("layers", "left"), ("#", "right"), ("forward", "right"),
                          ("backward", "right"), ("rc", "center"), ("send", "right"),
@@ -74,7 +74,8 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
     console.print(
         f"micro-batches [bold]{plan['micro_batches']}[/bold] x {plan['micro_batch_size']} samples, "
         f"schedule [bold]{plan['schedule']}[/bold]; times are per micro-batch; rc: recomputes"
-        + (f"; memory limit {format_bytes(limit)}" if limit else ""))
+        + (f"; memory limit {format_bytes(limit)}" if limit else "")
+        + (" (the card's usable memory)" if limit and options.get("memory_limit_source") == "device" else ""))
     scale = options.get("compute_scale") or 1.0
     if scale != 1.0:
         console.print(f"layer times x{scale:.3f}: stages computing side by side are slower than the profile's "
@@ -111,3 +112,9 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
         console.print(rt)
     for w in plan.get("warnings") or []:
         console.print(f"[yellow]warning:[/yellow] {w}")
+
+
+def _precision(plan: dict[str, Any]) -> str:
+    """``fp32``, or e.g. ``bf16 autocast, fp32 parameters`` (plans before version 3 ran fp32)."""
+    precision, params = plan.get("precision", "fp32"), plan.get("param_dtype", "fp32")
+    return "fp32" if precision == "fp32" else f"{precision} autocast, {params} parameters"

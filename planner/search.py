@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..artifacts import BadInput
 from .costmodel import CostModel, Setting, neighbour_scale
@@ -33,6 +33,9 @@ class SolveOptions:
     schedule: str = "auto"
     recompute: str = "auto"
     memory_limit_bytes: int | None = None
+    # Where the limit came from: "option" (--memory-limit), "device" (a CUDA profile's card,
+    # see device_memory_limit), or None (no limit).
+    memory_limit_source: str | None = None
     link_bandwidth_bytes_per_s: float | None = None   # None: the profile's link, else free
     link_latency_s: float | None = None
     optimizer: str = "adam"
@@ -80,6 +83,20 @@ class SearchResult:
     def proven(self) -> bool:
         """The best plan is optimal over every setting searched, not just its own."""
         return self.lower_bound_s >= self.best.step_s * (1 - 1e-12)
+
+
+def device_memory_limit(profile: Profile, options: SolveOptions) -> SolveOptions:
+    """The options with the card's usable memory as the limit when none was given.
+
+    A plan from a CUDA profile must fit the card it was measured on, with room for the CUDA
+    context and the allocator (planner/profile.py, ``usable_memory_bytes``); ``--memory-limit``
+    overrides it. CPU and imported profiles give no default.
+    """
+    if options.memory_limit_bytes is not None:
+        return replace(options, memory_limit_source="option")
+    if profile.usable_memory_bytes is None:
+        return options
+    return replace(options, memory_limit_bytes=int(profile.usable_memory_bytes), memory_limit_source="device")
 
 
 def divisors(n: int) -> list[int]:
@@ -269,8 +286,12 @@ def explain_infeasible(profile: Profile, options: SolveOptions, batch: int) -> s
     """One line: the limit is too small; the least that works; which option would help."""
     limit = options.memory_limit_bytes or 0
     need = min(least_memory(profile, s, size) for s, size in settings_for(profile, options, batch))
-    line = (f"no plan fits --memory-limit {format_bytes(limit)} per device with these options: "
-            f"the smallest limit that works is {format_bytes(need)}")
+    if options.memory_limit_source == "device":
+        what = (f"the usable memory of the profiled {profile.device.get('name') or 'GPU'}, {format_bytes(limit)} "
+                f"(its memory less the CUDA context and headroom; --memory-limit overrides it),")
+    else:
+        what = f"--memory-limit {format_bytes(limit)} per device"
+    line = f"no plan fits {what} with these options: the smallest limit that works is {format_bytes(need)}"
     relaxations = []
     if options.recompute != "auto":
         relaxations.append(("--recompute auto", {"recompute": "auto"}))

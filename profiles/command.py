@@ -14,8 +14,8 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..artifacts import BadInput, RunFailure, write_json_atomic
-from ..models import model_spec
+from ..artifacts import BadInput, RunFailure, check_precision, write_json_atomic
+from ..models import Precision, model_spec
 from .device import resolve_device
 from .contention import default_processes
 from .profiler import ProfileRequest, default_sizes, profile_model
@@ -32,8 +32,9 @@ def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes
                     device: str = "cpu", threads: int = 1, warmup: int = 3, repeats: int = 10,
                     seed: int = 0, measure_link: bool = False, out: str = "profile.json",
                     quiet: bool = False, contention_processes: int | None = None, recompute_timing: bool = True,
-                    **options: Any) -> None:
+                    precision: str = "fp32", param_dtype: str = "fp32", **options: Any) -> None:
     """Profile MODEL and write the profile JSON to ``out``. Raises BadInput / RunFailure."""
+    mixed = Precision(*check_precision(precision, param_dtype))
     spec = model_spec(model, **{k: options.get(k) for k in _MODEL_OPTIONS})
     unknown = set(options) - set(_MODEL_OPTIONS)
     if unknown:
@@ -55,7 +56,8 @@ def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes
         raise BadInput(f"--contention-processes must be 0 (do not measure) or at least 2, got {contention_processes}")
     request = ProfileRequest(spec=spec, micro_batch_sizes=sizes, device=dev, threads=threads, warmup=warmup,
                              repeats=repeats, seed=seed, measure_link=measure_link, batch_size=batch,
-                             contention_processes=contention_processes, recompute=recompute_timing)
+                             contention_processes=contention_processes, recompute=recompute_timing,
+                             precision=mixed)
 
     err = Console(stderr=True)
     try:

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ..models.precision import Precision
 from .spawn import SPAWN, run_workers
 
 # Ratios this close to 1 (or below: the machine sped up) are noise: no slowdown is recorded.
@@ -51,11 +52,12 @@ def default_processes(threads: int) -> int:
 
 def measure_contention(spec: dict[str, Any], micro_batch_size: int, threads: int = 1, processes: int = 2,
                        seconds: float = 0.4, cycles: int = 9, seed: int = 0,
-                       timeout_s: float = 300.0) -> dict[str, Any]:
+                       timeout_s: float = 300.0, precision: Precision | None = None) -> dict[str, Any]:
     """The profile's ``contention`` object: steps alone and with ``processes - 1`` neighbours."""
     barrier = SPAWN.Barrier(processes)
+    setting = (precision or Precision()).compute, (precision or Precision()).params
     phases: dict[int, dict[str, list[float]]] = dict(run_workers(
-        _worker, processes, (spec, seed, micro_batch_size, threads, seconds, cycles, barrier), timeout_s,
+        _worker, processes, (spec, seed, micro_batch_size, threads, seconds, cycles, barrier, setting), timeout_s,
         "timing the model side by side"))
     if len(phases) != processes:
         raise RuntimeError(f"{processes - len(phases)} of the {processes} processes timing the model side by "
@@ -92,15 +94,22 @@ def median_time_s(run: Callable[[], object], seconds: float, at_least: int) -> f
 
 
 def _worker(rank: int, spec: dict[str, Any], seed: int, size: int, threads: int, seconds: float, cycles: int,
-            barrier: Any, results: Any) -> None:
+            barrier: Any, setting: tuple[str, str], results: Any) -> None:
     from ..models import build_model
 
     torch.set_num_threads(threads)
+    precision = Precision(*setting)
     model = build_model(spec, seed=seed)
+    precision.cast(model)
     inputs, targets = model.synthetic_batch(size, torch.Generator().manual_seed(seed))
 
+    def train_step() -> None:
+        with precision.autocast("cpu"):
+            loss = model.loss(model.forward_layers(*inputs), targets)
+        loss.backward()
+
     def median_step(duration: float) -> float:
-        step = median_time_s(lambda: model.loss(model.forward_layers(*inputs), targets).backward(), duration, 3)
+        step = median_time_s(train_step, duration, 3)
         model.module.zero_grad(set_to_none=True)
         return step
 

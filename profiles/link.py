@@ -21,23 +21,35 @@ import torch.distributed as dist
 
 from .spawn import run_workers
 
-# Message sizes in bytes: from latency-bound (4 B) to bandwidth-bound (16 MiB).
+# Message sizes in bytes: from latency-bound (4 B) to bandwidth-bound. Between GPUs (NVLink
+# moves hundreds of GB/s) a 16 MiB message is still partly latency, so CUDA goes to 256 MiB,
+# the size of a large model's activations at a cut.
 DEFAULT_SIZES = (4, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24)
+CUDA_SIZES = DEFAULT_SIZES + (1 << 26, 1 << 28)
 
 
-def measure_link(device: torch.device, sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int = 20,
+def measure_link(device: torch.device, sizes: tuple[int, ...] | None = None, repeats: int = 20,
                  warmup: int = 3, timeout_s: float = 120.0) -> dict[str, Any]:
-    """Latency and bandwidth between two processes on ``device``'s type: the profile's ``link``."""
+    """Latency and bandwidth between two processes on ``device``'s type: the profile's ``link``.
+
+    On CUDA the two processes use the profiled GPU and the next one (``cuda:i``, ``cuda:i+1``).
+    """
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if sizes is None:
+        sizes = CUDA_SIZES if device.type == "cuda" else DEFAULT_SIZES
+    first_gpu = (device.index or 0) if device.type == "cuda" else 0
     port = _free_port()
-    measured = run_workers(_worker, 2, (port, backend, sizes, repeats, warmup), timeout_s,
+    measured = run_workers(_worker, 2, (port, backend, sizes, repeats, warmup, first_gpu), timeout_s,
                            f"measuring the link ({backend})")
     if not measured:
         raise RuntimeError(f"the two {backend} processes measuring the link returned nothing")
     one_way = measured[0]
     latency, bandwidth = fit_line(list(sizes), one_way)
-    return {"backend": backend, "bandwidth_bytes_per_s": bandwidth, "latency_s": latency,
-            "message_bytes": list(sizes), "one_way_s": one_way}
+    link: dict[str, Any] = {"backend": backend, "bandwidth_bytes_per_s": bandwidth, "latency_s": latency,
+                            "message_bytes": list(sizes), "one_way_s": one_way}
+    if device.type == "cuda":
+        link["devices"] = [first_gpu, (first_gpu + 1) % torch.cuda.device_count()]
+    return link
 
 
 def fit_line(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
@@ -67,13 +79,14 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, port: int, backend: str, sizes: tuple[int, ...], repeats: int, warmup: int,
-            results: Any) -> None:
+            first_gpu: int, results: Any) -> None:
     torch.set_num_threads(1)
     if backend == "gloo" and "lo" in {name for _, name in socket.if_nameindex()}:
         # Both processes are on this machine: talk over loopback, whatever the hostname says.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    device = (torch.device("cuda", (first_gpu + rank) % torch.cuda.device_count()) if backend == "nccl"
+              else torch.device("cpu"))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     one_way = []

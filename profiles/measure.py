@@ -23,11 +23,20 @@ figure is the median over ``repeats`` rounds after ``warmup`` rounds. Three reas
 
 Parameter gradients accumulate across rounds, as across the micro-batches of one step. The
 garbage collector is off while timing so that a collection does not land in one figure.
+
+Warm-up is counted in rounds and, where asked, in seconds too: an idle GPU runs at a fraction
+of its clock (an H200 idles at 345 MHz against 1980 under load) and needs about a second of
+work before its figures mean anything; a few short rounds on a small model are milliseconds.
+
+Every forward runs in ``autocast``, the precision's context (:mod:`..models.precision`): a
+no-op in fp32, ``torch.autocast`` in bf16 or fp16, as the stage will run it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,9 +47,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .clock import Clock, median
-from .memory import SavedTensors, tensor_bytes
+from .memory import SavedTensors, storage_key, tensor_bytes
 
 Tensors = tuple[torch.Tensor, ...]
+Autocast = Callable[[], contextlib.AbstractContextManager[object]]
+
+
+def no_autocast() -> contextlib.AbstractContextManager[object]:
+    """fp32: forwards run as they are."""
+    return contextlib.nullcontext()
 
 
 @dataclass
@@ -60,6 +75,9 @@ class LayerFigures:
     output_shapes: list[list[int]]
     output_dtypes: list[str]
     peak_transient_bytes: int | None = None
+    # What the layer holds after its forward beyond its inputs: the saved tensors that are not
+    # its inputs, and its outputs (the baseline of the transient peak; not in the profile).
+    held_bytes: int = 0
     # Timed again under activation checkpointing, as a recomputing stage runs it.
     recompute_forward_s: float | None = None
     recompute_backward_s: float | None = None
@@ -87,36 +105,48 @@ class Runner:
 
 
 def time_rounds(groups: list[list[Runner]], clock: Clock, warmup: int, repeats: int,
-                after_run: Callable[[str], None] | None = None) -> list[list[Timing]]:
-    """Median forward and backward time of every runner, over ``repeats`` rounds after ``warmup``.
+                after_run: Callable[[str], None] | None = None, warmup_s: float = 0.0) -> list[list[Timing]]:
+    """Median forward and backward time of every runner, over ``repeats`` rounds after the warm-up.
 
-    Each round runs each group in turn: the group's forwards in order (results kept), then
-    its backwards in reverse order. ``after_run(name)`` is called after each forward and
-    each backward, outside the timed spans (it drives a progress bar).
+    The warm-up is ``warmup`` rounds, and more until ``warmup_s`` seconds have passed. Each
+    round runs each group in turn: the group's forwards in order (results kept), then its
+    backwards in reverse order. ``after_run(name)`` is called after each forward and each
+    backward of the counted rounds, outside the timed spans (it drives a progress bar).
     """
     forward_spans: list[list[list[tuple[object, object]]]] = [[[] for _ in group] for group in groups]
     backward_spans: list[list[list[tuple[object, object]]]] = [[[] for _ in group] for group in groups]
+
+    def one_round(timed: bool, report: Callable[[str], None] | None) -> None:
+        for g, group in enumerate(groups):
+            results: list[object] = []
+            for k, runner in enumerate(group):
+                start = clock.mark()
+                results.append(runner.forward())
+                end = clock.mark()
+                if timed:
+                    forward_spans[g][k].append((start, end))
+                if report is not None:
+                    report(runner.name)
+            for k in reversed(range(len(group))):
+                start = clock.mark()
+                group[k].backward(results[k])
+                end = clock.mark()
+                results[k] = None  # free the graph now, as the backward of training does
+                if timed:
+                    backward_spans[g][k].append((start, end))
+                if report is not None:
+                    report(group[k].name)
+
     with no_gc():
-        for r in range(warmup + repeats):
-            for g, group in enumerate(groups):
-                results: list[object] = []
-                for k, runner in enumerate(group):
-                    start = clock.mark()
-                    results.append(runner.forward())
-                    end = clock.mark()
-                    if r >= warmup:
-                        forward_spans[g][k].append((start, end))
-                    if after_run is not None:
-                        after_run(runner.name)
-                for k in reversed(range(len(group))):
-                    start = clock.mark()
-                    group[k].backward(results[k])
-                    end = clock.mark()
-                    results[k] = None  # free the graph now, as the backward of training does
-                    if r >= warmup:
-                        backward_spans[g][k].append((start, end))
-                    if after_run is not None:
-                        after_run(group[k].name)
+        started = time.perf_counter()
+        for _ in range(warmup):
+            one_round(timed=False, report=after_run)
+        clock.sync()
+        while time.perf_counter() - started < warmup_s:
+            one_round(timed=False, report=None)
+            clock.sync()
+        for _ in range(repeats):
+            one_round(timed=True, report=after_run)
         clock.sync()
     return [[Timing(forward_s=median([clock.seconds(a, b) for a, b in fwd]),
                     backward_s=median([clock.seconds(a, b) for a, b in bwd]))
@@ -154,7 +184,8 @@ def checkpointed(layer: nn.Module) -> Callable[..., Tensors]:
 
 
 def prepare_layer(name: str, layer: nn.Module, xs: Tensors, *, first: bool,
-                  loss: Callable[[Tensors], torch.Tensor] | None) -> tuple[LayerFigures, Runner]:
+                  loss: Callable[[Tensors], torch.Tensor] | None,
+                  autocast: Autocast = no_autocast) -> tuple[LayerFigures, Runner]:
     """Weigh ``layer`` on inputs ``xs`` (one micro-batch) and make the runner that times it.
 
     The figures are complete but for the times, which :func:`time_rounds` measures.
@@ -162,52 +193,58 @@ def prepare_layer(name: str, layer: nn.Module, xs: Tensors, *, first: bool,
     differentiated in its backward (outside the checkpoint, as in a stage).
     """
     state = [*layer.parameters(), *layer.buffers()]
+    device = xs[0].device if xs else None
 
     # One untimed pass to see what the layer keeps for backward and what it sends on.
-    saved = SavedTensors(exclude=state)
+    saved = SavedTensors(exclude=state, device=device)
     leaves = as_leaves(xs, requires_grad=not first)
-    with saved.recording():
+    with saved.recording(), autocast():
         outputs = layer(*leaves)
         tail = loss(outputs) if loss is not None else None
+    outputs_kept = {storage_key(o): tensor_bytes([o]) for o in outputs}
     figures = LayerFigures(
         forward_s=0.0, backward_s=0.0,
         activation_bytes=saved.nbytes,
         output_bytes=tensor_bytes(outputs),
         output_shapes=[list(o.shape[1:]) for o in outputs],
         output_dtypes=[str(o.dtype).replace("torch.", "") for o in outputs],
+        held_bytes=saved.nbytes_except([*leaves, *outputs]) + sum(outputs_kept.values()),
     )
     # Gradients like the ones the next stage would send: same shape, arbitrary values.
     grads = [torch.ones_like(o) if o.requires_grad else None for o in outputs]
     del outputs, tail, leaves
 
     backward = _loss_backward if loss is not None else _backward_from(grads)
-    return figures, Runner(name, _forward(layer, xs, first, loss), backward)
+    return figures, Runner(name, _forward(layer, xs, first, loss, autocast), backward)
 
 
 def recomputing_runner(name: str, plain: Runner, layer: nn.Module, xs: Tensors, *, first: bool,
-                       loss: Callable[[Tensors], torch.Tensor] | None) -> Runner:
+                       loss: Callable[[Tensors], torch.Tensor] | None, autocast: Autocast = no_autocast) -> Runner:
     """``plain``'s twin with the layer under activation checkpointing (same inputs, same gradients)."""
-    return Runner(name, _forward(checkpointed(layer), xs, first, loss), plain.backward)
+    return Runner(name, _forward(checkpointed(layer), xs, first, loss, autocast), plain.backward)
 
 
 def _forward(call: Callable[..., Tensors], xs: Tensors, first: bool,
-             loss: Callable[[Tensors], torch.Tensor] | None) -> Callable[[], object]:
+             loss: Callable[[Tensors], torch.Tensor] | None, autocast: Autocast) -> Callable[[], object]:
     if loss is not None:
         def forward_and_loss() -> object:
-            return loss(call(*as_leaves(xs, requires_grad=not first)))
+            with autocast():
+                return loss(call(*as_leaves(xs, requires_grad=not first)))
         return forward_and_loss
 
     def forward() -> object:
-        return call(*as_leaves(xs, requires_grad=not first))
+        with autocast():
+            return call(*as_leaves(xs, requires_grad=not first))
     return forward
 
 
 def peak_transient_bytes(runner: Runner, device: torch.device, figures: LayerFigures) -> int:
     """CUDA: the peak of one forward+backward above what the layer holds by design.
 
-    What is allocated before (inputs, parameters, gradients) is the baseline; outputs and
-    saved activations are accounted elsewhere; the rest of the peak is workspace and
-    temporaries the planner must leave room for.
+    The baseline is what is allocated before (inputs, parameters, gradients) plus what the
+    layer holds after its forward by design (``held_bytes``: the saved tensors other than its
+    inputs, which the baseline has already, and its outputs, counted once even when saved
+    too). The rest of the peak is workspace and temporaries the planner must leave room for.
     """
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
@@ -215,7 +252,7 @@ def peak_transient_bytes(runner: Runner, device: torch.device, figures: LayerFig
     runner.backward(runner.forward())
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
-    return max(0, peak - base - figures.activation_bytes - figures.output_bytes)
+    return max(0, peak - base - figures.held_bytes)
 
 
 class _PassThrough(nn.Module):
@@ -236,7 +273,7 @@ class _Touch(nn.Module):
         return (x * 1.0,)
 
 
-def recompute_harness_runner(device: torch.device) -> Runner:
+def recompute_harness_runner(device: torch.device, autocast: Autocast = no_autocast) -> Runner:
     """A checkpointed one-multiply layer: what checkpointing costs per call, whatever it wraps.
 
     Saving the RNG state, setting up the saved-tensor hooks and, in the backward, starting the
@@ -245,11 +282,11 @@ def recompute_harness_runner(device: torch.device) -> Runner:
     it once (``recompute_call_s``), for the planner to charge once per stage.
     """
     layer, xs = _Touch(), (torch.zeros(1, device=device),)
-    _, plain = prepare_layer("recompute harness", layer, xs, first=False, loss=None)
-    return recomputing_runner("recompute harness", plain, layer, xs, first=False, loss=None)
+    _, plain = prepare_layer("recompute harness", layer, xs, first=False, loss=None, autocast=autocast)
+    return recomputing_runner("recompute harness", plain, layer, xs, first=False, loss=None, autocast=autocast)
 
 
-def harness_runner(device: torch.device) -> Runner:
+def harness_runner(device: torch.device, autocast: Autocast = no_autocast) -> Runner:
     """A runner for an empty layer: what timing a layer costs beyond the layer's own work.
 
     Making leaves, calling the layer, and above all starting autograd's engine for a backward
@@ -258,13 +295,17 @@ def harness_runner(device: torch.device) -> Runner:
     profiler subtracts this runner's median from every layer's, so that per-layer figures
     add up to the whole (and a model cut into many small layers is not overcharged).
     """
-    _, runner = prepare_layer("harness", _PassThrough(), (torch.zeros(1, device=device),), first=False, loss=None)
+    _, runner = prepare_layer("harness", _PassThrough(), (torch.zeros(1, device=device),), first=False, loss=None,
+                              autocast=autocast)
     return runner
 
 
-def model_step_runner(run: Callable[[], torch.Tensor]) -> Runner:
+def model_step_runner(run: Callable[[], torch.Tensor], autocast: Autocast = no_autocast) -> Runner:
     """The whole, unsplit model: forward including the loss, then backward."""
-    return Runner("whole model", run, _loss_backward)
+    def forward() -> torch.Tensor:
+        with autocast():
+            return run()
+    return Runner("whole model", forward, _loss_backward)
 
 
 def optimizer_step_s(params: list[torch.Tensor], clock: Clock, warmup: int, repeats: int) -> float:

@@ -14,6 +14,9 @@ Two rules make the count mean memory:
   model counts them separately.
 
 A layer's input, when saved, counts: it is memory the layer keeps alive for its backward.
+Only storages on the profiled device count: on CUDA the attention kernels save two 8-byte
+CPU tensors (their random seed and offset), which are not the GPU's memory and do not grow
+with the micro-batch.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ import torch
 class SavedTensors:
     """Collects the storages autograd saves inside :meth:`recording`; :attr:`nbytes` totals them."""
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
-        self._excluded = {_storage_key(t) for t in exclude}
+    def __init__(self, exclude: Iterable[torch.Tensor] = (), device: torch.device | None = None) -> None:
+        self._excluded = {storage_key(t) for t in exclude}
+        self._device = device
         self._storages: dict[tuple[str, int], int] = {}
 
     @contextmanager
@@ -37,8 +41,9 @@ class SavedTensors:
             yield self
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(tensor)
-        if key not in self._excluded:
+        key = storage_key(tensor)
+        on_device = self._device is None or tensor.device.type == self._device.type
+        if key not in self._excluded and on_device:
             self._storages[key] = tensor.untyped_storage().nbytes()
         return tensor  # keep autograd's own reference: we count, we do not move anything
 
@@ -46,12 +51,17 @@ class SavedTensors:
     def nbytes(self) -> int:
         return sum(self._storages.values())
 
+    def nbytes_except(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Bytes of the saved storages other than those of ``tensors`` (e.g. the layer's inputs)."""
+        others = {storage_key(t) for t in tensors}
+        return sum(n for key, n in self._storages.items() if key not in others)
+
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
     storage = tensor.untyped_storage()
     return (str(storage.device), storage.data_ptr())
 

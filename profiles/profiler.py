@@ -9,18 +9,18 @@ this profile will be off by about as much.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
 
 from .. import __version__
 from ..artifacts import FORMAT_VERSIONS, PROFILE_FORMAT
-from ..models import LayeredModel, build_model
+from ..models import LayeredModel, Precision, build_model
 from ..speedprobe import speed_probe_s
 from .clock import clock_for
-from .device import describe
-from .measure import (LayerFigures, Runner, Timing, harness_runner, model_step_runner, optimizer_step_s,
+from .device import cuda_context_bytes, describe
+from .measure import (Autocast, LayerFigures, Runner, Timing, harness_runner, model_step_runner, optimizer_step_s,
                       peak_transient_bytes, prepare_layer, recompute_harness_runner, recomputing_runner,
                       time_rounds)
 from .memory import tensor_bytes, unique_bytes
@@ -45,6 +45,19 @@ class ProfileRequest:
     contention_processes: int = 0
     # Also time every layer under activation checkpointing (what recomputation really costs).
     recompute: bool = True
+    precision: Precision = field(default_factory=Precision)
+    # Warm up for at least this long (None: 1 s on a GPU, whose clock ramps up under load; 0 on a CPU).
+    warmup_s: float | None = None
+
+    @property
+    def warmup_seconds(self) -> float:
+        if self.warmup_s is not None:
+            return self.warmup_s
+        return 1.0 if self.device.type == "cuda" else 0.0
+
+    def autocast(self) -> Any:
+        """The context every forward runs in (see models.precision)."""
+        return self.precision.autocast(self.device.type)
 
 
 class Progress(Protocol):
@@ -78,12 +91,19 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
     """Measure the model ``request.spec`` describes; return the profile document."""
     progress = progress or _Silent()
     torch.set_num_threads(request.threads)
+    if request.device.type == "cuda" and request.device.index is None:   # "cuda": the current GPU
+        request = replace(request, device=torch.device("cuda", torch.cuda.current_device()))
     device = request.device
+    context_bytes = None
     if device.type == "cuda":
         torch.cuda.set_device(device)  # events and allocations go to this GPU's current stream
-    model = build_model(request.spec, seed=request.seed).to(device)
+        context_bytes = cuda_context_bytes(device)
+    model = build_model(request.spec, seed=request.seed)
+    request.precision.cast(model)
+    model.to(device)
     sizes = sorted(request.micro_batch_sizes)
-    model.check(batch_size=sizes[0], device=device)  # a bad --input-shape fails here, in one line
+    with request.autocast():
+        model.check(batch_size=sizes[0], device=device)  # a bad --input-shape fails here, in one line
 
     probe_before = speed_probe_s(device.type)   # see speedprobe: the speed this profile saw
     rounds = request.warmup + request.repeats
@@ -119,7 +139,10 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
 
         progress.step(f"{request.contention_processes} processes computing side by side")
         doc["contention"] = measure_contention(request.spec, sizes[len(sizes) // 2], request.threads,
-                                               request.contention_processes, seed=request.seed)
+                                               request.contention_processes, seed=request.seed,
+                                               precision=request.precision)
+    if context_bytes is not None:
+        doc["device"]["context_bytes"] = context_bytes
     doc["device"]["speed_probe_s"] = sum(probes) / len(probes)
     doc["measurement"]["speed_probe_s"] = probes
     return doc
@@ -152,9 +175,11 @@ class _Size:
 def _prepare_size(model: LayeredModel, inputs: Tensors, targets: torch.Tensor, request: ProfileRequest,
                   b: int) -> _Size:
     """Weigh every layer at micro-batch size ``b`` and make the runners that will time them."""
-    # Every layer's inputs at this size: run the layers once, without autograd.
+    # Every layer's inputs at this size: run the layers once, without autograd (in the
+    # precision's autocast, so that each layer receives the dtypes it will in training).
     layer_inputs: list[Tensors] = []
-    with torch.no_grad():
+    autocast: Autocast = request.autocast
+    with torch.no_grad(), autocast():
         xs = inputs
         for _, layer in model.layers:
             layer_inputs.append(xs)
@@ -163,18 +188,19 @@ def _prepare_size(model: LayeredModel, inputs: Tensors, targets: torch.Tensor, r
     figures: list[LayerFigures] = []
     # The first runner times the harness itself around a trivial layer; see harness_runner.
     # Runner names carry the size: they are what the progress bar shows.
-    runners: list[Runner] = [harness_runner(request.device)]
+    runners: list[Runner] = [harness_runner(request.device, autocast)]
     # The same layers under checkpointing, as a third group of every round (same drift).
-    recomputing: list[Runner] = [recompute_harness_runner(request.device)] if request.recompute else []
+    recomputing: list[Runner] = [recompute_harness_runner(request.device, autocast)] if request.recompute else []
     for i, (name, layer) in enumerate(model.layers):
         loss = (lambda outputs: model.loss(outputs, targets)) if i == last else None
-        weighed, runner = prepare_layer(f"b={b} {name}", layer, layer_inputs[i], first=(i == 0), loss=loss)
+        weighed, runner = prepare_layer(f"b={b} {name}", layer, layer_inputs[i], first=(i == 0), loss=loss,
+                                        autocast=autocast)
         figures.append(weighed)
         runners.append(runner)
         if request.recompute:
             recomputing.append(recomputing_runner(f"b={b} {name} (recompute)", runner, layer, layer_inputs[i],
-                                                  first=(i == 0), loss=loss))
-    whole = model_step_runner(lambda: model.loss(model.forward(*inputs), targets))
+                                                  first=(i == 0), loss=loss, autocast=autocast))
+    whole = model_step_runner(lambda: model.loss(model.forward(*inputs), targets), autocast)
     whole.name = f"b={b} {whole.name}"
     return _Size(b, tensor_bytes(inputs), figures, runners, whole, recomputing)
 
@@ -192,7 +218,7 @@ def _time_sizes(prepared: list[_Size], request: ProfileRequest, progress: Progre
     clock = clock_for(request.device, request.threads)
     groups = [group for p in prepared for group in p.groups]
     timed = iter(time_rounds(groups, clock, request.warmup, request.repeats,
-                             after_run=lambda name: progress.step(name)))
+                             after_run=lambda name: progress.step(name), warmup_s=request.warmup_seconds))
     for p in prepared:
         harness, *layer_timings = next(timed)
         (p.step,) = next(timed)
@@ -251,7 +277,6 @@ def _document(model: LayeredModel, request: ProfileRequest, sizes: list[int],
 
     layer_sum = [sum(f.forward_s + f.backward_s for f in figures) for figures in per_size]
     model_step = [t.forward_s + t.backward_s for t in steps]
-    params = list(model.module.parameters())
     doc: dict[str, Any] = {
         "format": PROFILE_FORMAT,
         "version": FORMAT_VERSIONS[PROFILE_FORMAT],
@@ -259,7 +284,8 @@ def _document(model: LayeredModel, request: ProfileRequest, sizes: list[int],
         "device": describe(request.device, request.threads),
         "micro_batch_sizes": sizes,
         "batch_size": request.batch_size or sizes[-1],
-        "dtype": _dtype_name(params[0].dtype) if params else "float32",
+        "precision": request.precision.compute,
+        "param_dtype": request.precision.params,
         "input": {"shapes": model.input_shapes, "dtypes": [_dtype_name(d) for d in model.input_dtypes]},
         "input_bytes": input_bytes,
         "layers": layers,

@@ -97,7 +97,9 @@ def _header(doc: dict[str, Any]) -> str:
     if device.get("threads"):
         where += f", {device['threads']} thread{'s' if device['threads'] != 1 else ''}"
     sizes = ", ".join(str(s) for s in doc.get("micro_batch_sizes") or [])
-    lines = [f"[bold]profile[/] of {what}", f"  device          {where}", f"  micro-batches   {sizes}"]
+    precision, params = doc.get("precision", "fp32"), doc.get("param_dtype", "fp32")
+    lines = [f"[bold]profile[/] of {what}", f"  device          {where}", f"  micro-batches   {sizes}",
+             f"  precision       {precision}" + (f" autocast, {params} parameters" if precision != "fp32" else "")]
     measurement = doc.get("measurement")
     if measurement:
         lines.append(f"  timing          {measurement.get('statistic', 'median')} of {measurement.get('repeats')} "

@@ -10,8 +10,9 @@ Layout (one folder per saved step, one file per stage)::
         ...
 
 A stage's file holds what that rank needs to go on as if never stopped: its parameters and
-buffers (under the whole model's ``state_dict`` keys), its optimizer's state, the number of
-steps done, and the RNG state. The data needs no state: step s's batch is a function of the
+buffers (under the whole model's ``state_dict`` keys), its optimizer's state, the fp16 loss
+scale, the number of steps done, and the RNG state of the CPU and of this rank's own GPU
+(restoring every GPU's would initialise a CUDA context on each of them, on every rank). The data needs no state: step s's batch is a function of the
 seed and s (:mod:`.data`).
 
 Each file is written to a temporary name and renamed, so a file that exists is complete. A
@@ -33,25 +34,30 @@ import torch
 import torch.distributed as dist
 
 from ..artifacts import BadInput, write_bytes_atomic
+from .loss_scale import LossScaler
 from .objects import all_gather_objects
 from .stage import Stage
 
 FORMAT = "gpipe-plan.checkpoint"
 VERSION = 1
 _STEP_DIR = re.compile(r"step-(\d{8})")
+# Identity keys added after checkpoints existed, with the value every older checkpoint had.
+_BEFORE_KEY: dict[str, Any] = {"param_dtype": "fp32"}
 
 
 def stage_file(folder: Path, step: int, stage: int, stages: int) -> Path:
     return folder / f"step-{step:08d}" / f"stage-{stage}-of-{stages}.pt"
 
 
-def save(folder: Path, step: int, stage: Stage, optimizer: torch.optim.Optimizer, identity: dict[str, Any]) -> None:
+def save(folder: Path, step: int, stage: Stage, optimizer: torch.optim.Optimizer, identity: dict[str, Any],
+         scaler: LossScaler | None = None) -> None:
     """Write this stage's checkpoint after ``step`` completed steps (atomically)."""
     path = stage_file(folder, step, stage.index, stage.num_stages)
     path.parent.mkdir(parents=True, exist_ok=True)
     rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
+    device = next((p.device for p in stage.parameters()), torch.device("cpu"))
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
     state = {
         "format": FORMAT,
         "version": VERSION,
@@ -62,6 +68,7 @@ def save(folder: Path, step: int, stage: Stage, optimizer: torch.optim.Optimizer
         "model": {k: v.detach().cpu() for k, v in stage.state_dict().items()},
         "optimizer": optimizer.state_dict(),
         "rng": rng,
+        "loss_scale": scaler.state_dict() if scaler is not None and scaler.enabled else None,
     }
     buffer = io.BytesIO()
     torch.save(state, buffer)
@@ -88,24 +95,30 @@ def newest_common_step(folder: Path, stage: int, stages: int, group: dist.Proces
     return max(common) if common else None
 
 
-def load(folder: Path, step: int, stage: Stage, optimizer: torch.optim.Optimizer, identity: dict[str, Any]) -> None:
-    """Restore this stage's parameters, optimizer state and RNG from step ``step``."""
+def load(folder: Path, step: int, stage: Stage, optimizer: torch.optim.Optimizer, identity: dict[str, Any],
+         scaler: LossScaler | None = None, device: torch.device | None = None) -> None:
+    """Restore this stage's parameters, optimizer state, loss scale and RNG from step ``step``."""
     path = stage_file(folder, step, stage.index, stage.num_stages)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        # weights_only: a checkpoint is data; unpickling anything else could run code.
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # a file we did not write, or a torch that cannot read it
         raise BadInput(f"cannot read checkpoint '{path}': {type(exc).__name__}: {exc}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT or state.get("version") != VERSION:
         raise BadInput(f"'{path}' is not a gpipe-plan checkpoint of version {VERSION}")
     for key, value in identity.items():
-        if state["identity"].get(key) != value:
-            raise BadInput(f"checkpoint '{path}' was made with {key} = {state['identity'].get(key)!r}, this run has "
+        saved = state["identity"].get(key, _BEFORE_KEY.get(key))
+        if saved != value:
+            raise BadInput(f"checkpoint '{path}' was made with {key} = {saved!r}, this run has "
                            f"{value!r}: resume with the same plan split and options, or use a new --checkpoint-dir")
     stage.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
+    if scaler is not None and scaler.enabled and state.get("loss_scale"):
+        scaler.load_state_dict(state["loss_scale"])
     torch.set_rng_state(state["rng"]["cpu"])
-    if "cuda" in state["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    cuda_state = state["rng"].get("cuda")
+    if device is not None and device.type == "cuda" and isinstance(cuda_state, torch.Tensor):
+        torch.cuda.set_rng_state(cuda_state, device)
 
 
 def prune(folder: Path, keep: int, stage: int, stages: int) -> None:

@@ -9,13 +9,14 @@ from typing import Any
 
 from .conditions import threads_per_rank
 from .options import RunOptions, check_options
-from .plan import load_plan
+from .plan import check_precision_matches, load_plan
 
 
 def run_command(plan: str, **options: Any) -> None:
     """Train with PLAN. Raises BadInput (exit 2) or RunFailure (exit 1)."""
     opts = check_options(RunOptions(plan=plan, **options))
     run_plan = load_plan(opts.plan)  # a bad plan fails here, before any process starts
+    check_precision_matches(run_plan, opts.precision, opts.param_dtype)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         # Started by torchrun: this process is one rank. Say failures ourselves and exit at
         # once (a rank whose peers are gone must not wait for them at shutdown).

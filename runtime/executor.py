@@ -43,6 +43,7 @@ LossFn = Callable[[Tensors, torch.Tensor], torch.Tensor]
 
 class Executor(Protocol):
     meters_activations: bool  # whether step() measures activation memory with a meter
+    loss_scale: float         # the last stage backpropagates loss x loss_scale (fp16; see .loss_scale)
 
     def step(self, step: int, inputs: Tensors | None, targets: torch.Tensor | None,
              meter: ActivationMeter | None = None) -> list[torch.Tensor]:
@@ -54,6 +55,7 @@ class NativeExecutor:
     """Runs a stage's operations with asynchronous sends and receives posted one ahead."""
 
     meters_activations = True
+    loss_scale = 1.0
 
     def __init__(self, stage: Stage, schedule: str, micro_batches: int, loss_fn: LossFn,
                  neighbours: Neighbours, recorder: SpanRecorder, fault: Fault | None = None) -> None:
@@ -122,15 +124,15 @@ class NativeExecutor:
 
     # ------------------------------------------------------------------ operations
     def _wait(self, m: int, queue: "ReceiveQueue") -> Tensors:
-        start = self.recorder.now()
+        start = self.recorder.mark()
         tensors = queue.take(m)
-        self.recorder.add("wait", m, start, self.recorder.now())
+        self.recorder.add("wait", m, start, self.recorder.mark())
         return tensors
 
     def _forward(self, step: int, m: int, xs: Tensors, target: torch.Tensor | None,
                  meter: ActivationMeter | None) -> tuple[Tensors, Tensors | torch.Tensor]:
         stage = self.stage
-        start = self.recorder.now()
+        start = self.recorder.mark()
         if self.fault is not None and m == 0 and self.fault.due(stage.index, step):
             self.fault.fire(stage.index, step)
         if not stage.is_first:
@@ -148,16 +150,16 @@ class NativeExecutor:
         else:
             self.links.send(ACTIVATION, m, outputs)
             result = (xs, outputs)
-        self.recorder.add("forward", m, start, self.recorder.now())
+        self.recorder.add("forward", m, start, self.recorder.mark())
         return result
 
     def _backward(self, m: int, xs: Tensors, out: Tensors | torch.Tensor, grads: Tensors | None) -> None:
         stage = self.stage
-        start = self.recorder.now()
+        start = self.recorder.mark()
         if stage.is_last:
             assert isinstance(out, torch.Tensor)
-            # d(mean over the batch)/d(loss of micro-batch m) = 1/M.
-            (out / self.micro_batches).backward()
+            # d(mean over the batch)/d(loss of micro-batch m) = 1/M (times the fp16 loss scale).
+            (out * (self.loss_scale / self.micro_batches)).backward()
         else:
             assert grads is not None and isinstance(out, tuple)
             carrying = [o for o, g in zip(out, self.grad_outputs) if g]
@@ -169,7 +171,7 @@ class NativeExecutor:
             input_grads = tuple(x.grad if x.grad is not None else torch.zeros_like(x)
                                 for x, g in zip(xs, self.grad_inputs) if g)
             self.links.send(GRADIENT, m, input_grads)
-        self.recorder.add("backward", m, start, self.recorder.now())
+        self.recorder.add("backward", m, start, self.recorder.mark())
 
     def _metering(self, meter: ActivationMeter | None, m: int, xs: Tensors) -> contextlib.AbstractContextManager[None]:
         if meter is None:

@@ -11,6 +11,12 @@ so we measure each part directly:
   own definition; parameters excluded), summed over the micro-batches whose backward has not
   run yet, at its largest. A stage that recomputes keeps only its inputs per micro-batch,
   plus one micro-batch's activations while it recomputes; we measure that one once.
+
+On CUDA the allocated peak is not all a stage costs the card: the caching allocator reserves
+more than it hands out (``max_memory_reserved``), and the CUDA context, NCCL's buffers and
+the libraries' workspaces lie outside the allocator altogether. :func:`cuda_memory` reports
+each, so a plan's headroom (planner/profile.py, ``DEVICE_MEMORY_HEADROOM``) can be checked
+against what a run really took.
 """
 
 from __future__ import annotations
@@ -103,3 +109,27 @@ def peak_rss_bytes() -> int:
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
     except (ImportError, OSError):  # pragma: no cover - not Linux
         return 0
+
+
+def cuda_outside_allocator_bytes(device: torch.device) -> int:
+    """Memory in use on the GPU that PyTorch's caching allocator does not hold.
+
+    At the start of a process that is the CUDA context (and any other process on the card);
+    later also NCCL's buffers and library workspaces.
+    """
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, int(total - free - torch.cuda.memory_reserved(device)))
+
+
+def cuda_memory(device: torch.device, context_bytes: int) -> dict[str, int]:
+    """The report's CUDA memory beyond the allocated peak; ``context_bytes`` as read at the start."""
+    free, total = torch.cuda.mem_get_info(device)
+    outside = cuda_outside_allocator_bytes(device)
+    return {
+        "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+        "context_bytes": int(context_bytes),
+        # NCCL's buffers and library workspaces: outside the allocator, beyond the context.
+        "outside_allocator_bytes": max(0, outside - int(context_bytes)),
+        "device_used_bytes": int(total - free),
+        "device_total_bytes": int(total),
+    }

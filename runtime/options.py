@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import BadInput
+from ..artifacts import PRECISIONS, BadInput
 
 OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
 DEFAULT_LR = {"adam": 1e-3, "adamw": 1e-3, "sgd": 1e-2, "momentum": 1e-2}
@@ -44,6 +44,8 @@ class RunOptions:
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
     resume: bool = False
+    precision: str | None = None          # None: the plan's (a different one is refused)
+    param_dtype: str | None = None
     executor: str = "auto"
     device: str = "auto"
     threads: int | None = None
@@ -87,6 +89,10 @@ def check_options(options: RunOptions) -> RunOptions:
         raise BadInput("--checkpoint-every and --keep-checkpoints must be at least 1")
     if options.resume and not options.checkpoint_dir:
         raise BadInput("--resume needs --checkpoint-dir: the folder the run saved its checkpoints in")
+    if options.precision is not None and options.precision not in PRECISIONS:
+        raise BadInput(f"--precision '{options.precision}' is not one of {', '.join(PRECISIONS)}")
+    if options.param_dtype is not None and options.param_dtype not in PRECISIONS:
+        raise BadInput(f"--param-dtype '{options.param_dtype}' is not one of {', '.join(PRECISIONS)}")
     if options.executor not in EXECUTORS:
         raise BadInput(f"--executor '{options.executor}' is not one of {', '.join(EXECUTORS)}")
     if options.device not in DEVICES:

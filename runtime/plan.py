@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..artifacts import PLAN_FORMAT, BadInput, file_sha256, read_artifact
+from ..artifacts import PLAN_FORMAT, BadInput, file_sha256, precision_of, read_artifact
 from .schedule import SCHEDULES
 
 
@@ -55,6 +55,8 @@ class RunPlan:
     predicted_samples_per_s: float | None
     profile_device: dict[str, Any]
     optimizer: str | None            # the optimizer the plan's memory model counted
+    precision: str = "fp32"          # the compute dtype the profile measured (artifacts.PRECISIONS)
+    param_dtype: str = "fp32"        # the dtype the parameters were kept in
 
     @property
     def num_stages(self) -> int:
@@ -84,6 +86,7 @@ def load_plan(path: str | os.PathLike[str]) -> RunPlan:
         return value
 
     model = need(doc, "model", dict)
+    precision, param_dtype = precision_of(doc, where)
     if model.get("source") == "pipedream":
         raise BadInput(f"{where} was made from an imported PipeDream profile ('{model.get('name')}'): "
                        f"it can be planned and shown, but there is no PyTorch model to run")
@@ -156,7 +159,24 @@ def load_plan(path: str | os.PathLike[str]) -> RunPlan:
         predicted_samples_per_s=_number(predicted.get("samples_per_s")),
         profile_device=device,
         optimizer=optimizer,
+        precision=precision,
+        param_dtype=param_dtype,
     )
+
+
+def check_precision_matches(plan: RunPlan, precision: str | None, param_dtype: str | None) -> tuple[str, str]:
+    """The precision to run with: the plan's, unless asked for another, which is refused.
+
+    A plan's times and memory were measured in its profile's precision; run in another, the
+    prediction is off by up to an order of magnitude in time and 2x in memory, and the
+    shapes it sends between stages have other dtypes.
+    """
+    for flag, asked, planned in (("--precision", precision, plan.precision),
+                                 ("--param-dtype", param_dtype, plan.param_dtype)):
+        if asked is not None and asked != planned:
+            raise BadInput(f"{flag} {asked} differs from plan '{plan.path}', made from a profile measured with "
+                           f"{flag} {planned}: re-profile with {flag} {asked} and solve again, or drop {flag}")
+    return plan.precision, plan.param_dtype
 
 
 def _number(value: Any) -> float | None:

@@ -15,6 +15,8 @@ what ``torch.distributed.pipelining`` needs to avoid deadlocks on gloo.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,10 +24,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..artifacts import BadInput
-from ..models import LayeredModel
+from ..models import LayeredModel, Precision
 from .plan import RunPlan
 
 Tensors = tuple[torch.Tensor, ...]
+Autocast = Callable[[], contextlib.AbstractContextManager[object]]
+
+
+def no_autocast() -> contextlib.AbstractContextManager[object]:
+    return contextlib.nullcontext()
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -55,19 +62,25 @@ class StageModule(nn.Module):
     backward to rebuild the activations it needs (``torch.utils.checkpoint``): memory for
     one micro-batch's activations instead of every in-flight one's, paid for with one more
     forward per micro-batch.
+
+    The layers run in ``autocast``, the plan's precision (models.precision; a no-op in fp32):
+    inside the checkpoint too, so that the rerun computes in the same dtypes.
     """
 
-    def __init__(self, layers: list[tuple[str, nn.Module]], recompute: bool = False) -> None:
+    def __init__(self, layers: list[tuple[str, nn.Module]], recompute: bool = False,
+                 autocast: Autocast = no_autocast) -> None:
         super().__init__()
         self.names = [name for name, _ in layers]
         # A ModuleList registers the layers as submodules: parameters(), to() and
         # state_dict() of the stage see exactly the stage's layers.
         self.layers = nn.ModuleList(layer for _, layer in layers)
         self.recompute = recompute
+        self.autocast = autocast
 
     def run_layers(self, *xs: torch.Tensor) -> Tensors:
-        for layer in self.layers:
-            xs = layer(*xs)
+        with self.autocast():
+            for layer in self.layers:
+                xs = layer(*xs)
         return xs
 
     def forward(self, *xs: torch.Tensor) -> Tensors:
@@ -136,14 +149,22 @@ def check_layer_names(model: LayeredModel, plan: RunPlan) -> None:
                    f"rebuilt model {len(have)}; re-run `gpipe-plan profile` and `solve`")
 
 
-def build_stage(model: LayeredModel, plan: RunPlan, index: int) -> Stage:
-    """Cut stage ``index`` out of ``model``, on the CPU (``stage.module.to(device)`` moves it)."""
+def build_stage(model: LayeredModel, plan: RunPlan, index: int, precision: Precision | None = None,
+                device_type: str = "cpu") -> Stage:
+    """Cut stage ``index`` out of ``model``, on the CPU (``stage.module.to(device)`` moves it).
+
+    The stage's layers run in ``precision``'s autocast for ``device_type`` (default: fp32).
+    """
     check_layer_names(model, plan)
+    precision = precision or Precision()
     sp = plan.stages[index]
     layers = model.layers[sp.first_layer:sp.first_layer + len(sp.layers)]
-    module = StageModule(layers, recompute=sp.recompute)
+    module = StageModule(layers, recompute=sp.recompute, autocast=lambda: precision.autocast(device_type))
     _refuse_shared_state(model, plan)
-    input_meta, output_meta = _cut_metas(model, plan, index)
+    # Without shapes in the plan they are read off a run on the CPU, in the CPU's autocast of
+    # the same dtype (the model is still there). Its rules can differ from CUDA's (a CUDA
+    # layer norm returns fp32, a CPU one bf16): plans from `solve` carry the profiled ones.
+    input_meta, output_meta = _cut_metas(model, plan, index, lambda: precision.autocast("cpu"))
     whole = model.module.state_dict(keep_vars=True)
     local_name = {id(t): name for name, t in module.state_dict(keep_vars=True).items()}
     global_to_local = {key: local_name[id(t)] for key, t in whole.items() if id(t) in local_name}
@@ -182,7 +203,8 @@ def _release_other_layers(model: LayeredModel, keep: nn.Module) -> None:
                 p.data = torch.empty(0, dtype=p.dtype)
 
 
-def _cut_metas(model: LayeredModel, plan: RunPlan, index: int) -> tuple[tuple[TensorMeta, ...], tuple[TensorMeta, ...]]:
+def _cut_metas(model: LayeredModel, plan: RunPlan, index: int,
+               autocast: Autocast) -> tuple[tuple[TensorMeta, ...], tuple[TensorMeta, ...]]:
     """Shapes and dtypes entering and leaving stage ``index``, micro-batch dimension included."""
     b = plan.micro_batch_size
     first = tuple(TensorMeta((b, *shape), dtype) for shape, dtype in zip(model.input_shapes, model.input_dtypes))
@@ -191,15 +213,16 @@ def _cut_metas(model: LayeredModel, plan: RunPlan, index: int) -> tuple[tuple[Te
         metas = [tuple(TensorMeta((b, *s), _dtype(d, plan)) for s, d in zip(sp.output_shapes or (), sp.output_dtypes or ()))
                  for sp in plan.stages]
     else:
-        metas = _measure_cut_metas(model, plan, index)
+        metas = _measure_cut_metas(model, plan, index, autocast)
     inputs = first if index == 0 else metas[index - 1]
     return inputs, metas[index]
 
 
-def _measure_cut_metas(model: LayeredModel, plan: RunPlan, index: int) -> list[tuple[TensorMeta, ...]]:
+def _measure_cut_metas(model: LayeredModel, plan: RunPlan, index: int,
+                       autocast: Autocast) -> list[tuple[TensorMeta, ...]]:
     """Run one micro-batch through stages 0..index (no gradients) and record what crosses."""
     metas: list[tuple[TensorMeta, ...]] = []
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), autocast():
         xs, _ = model.synthetic_batch(plan.micro_batch_size, torch.Generator().manual_seed(0))
         for sp in plan.stages[:index + 1]:
             for _, layer in model.layers[sp.first_layer:sp.first_layer + len(sp.layers)]:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from rich.console import Console
 
 from ..artifacts import BadInput, RunFailure, write_bytes_atomic, write_json_atomic
-from ..models import build_model
+from ..models import Precision, build_model
 from ..speedprobe import speed_probe_s, speed_ratio
 from . import checkpoint
 from .conditions import condition_warnings, cpu_cores, threads_per_rank
@@ -29,11 +29,12 @@ from .distributed import World, check_world, choose_device, init
 from .executor import Executor, NativeExecutor
 from .faults import Fault
 from .objects import gather_objects
-from .memory import ActivationMeter, peak_rss_bytes, static_bytes
+from .loss_scale import LossScaler
+from .memory import ActivationMeter, cuda_memory, cuda_outside_allocator_bytes, peak_rss_bytes, static_bytes
 from .optim import clip_gradients, learning_rate, make_optimizer, set_learning_rate, squared_grad_norm
 from .options import RunOptions
 from .p2p import Neighbours
-from .plan import RunPlan, load_plan
+from .plan import RunPlan, check_precision_matches, load_plan
 from .progress import TrainingProgress
 from .report import RankResult, build_report, print_summary
 from .stage import Stage, build_stage
@@ -50,9 +51,12 @@ def train(options: RunOptions, world: World) -> None:
     # ------------------------------------------------------------------ where we stand
     plan = load_plan(options.plan)
     check_world(world, plan)
+    precision = Precision(*check_precision_matches(plan, options.precision, options.param_dtype))
     threads = threads_per_rank(options.threads, plan, world.local_world_size)
     torch.set_num_threads(threads)
     device = choose_device(options.device, plan, world.local_rank)
+    # On CUDA: what the context takes before we allocate or start NCCL (the report's baseline).
+    context_bytes = cuda_outside_allocator_bytes(device) if device.type == "cuda" else None
     executor_name = _executor_name(options.executor, device)
     # Join the ranks, unless the caller already did (tests run several trainings in one group).
     joined_here = not dist.is_initialized()
@@ -78,27 +82,33 @@ def train(options: RunOptions, world: World) -> None:
 
     # ------------------------------------------------------------------ model, data, optimizer
     # Every rank builds the whole model from the seed (identical parameters everywhere, no
-    # weights sent), then keeps its stage's layers and frees the rest.
+    # weights sent), stores it in the plan's parameter dtype, then keeps its stage's layers
+    # and frees the rest. Forwards and the loss run in the plan's precision (models.precision).
     model = build_model(plan.model, seed=options.seed)
-    stage = build_stage(model, plan, world.rank)
+    precision.cast(model)
+    stage = build_stage(model, plan, world.rank, precision, device.type)
     stage.module.to(device)
+    loss_fn = precision.with_autocast(model.loss, device.type)
+    scaler = LossScaler(enabled=precision.loss_scaling)
     data = batch_source(model, options.data, plan.global_batch_size, options.seed)
     tokens_per_sample = _tokens_per_sample(plan)
     optimizer_name = options.optimizer_name(plan.optimizer)
     optimizer = make_optimizer(stage.parameters(), optimizer_name, options)
     base_lr = options.learning_rate(optimizer_name)
     recorder = SpanRecorder(stage.index, device)
-    executor = _make_executor(executor_name, stage, plan, model.loss, device, recorder, options, world)
-    sync = StepSync(world.rank, world.world_size, device, clip=options.grad_clip is not None, timeout_s=options.timeout)
+    executor = _make_executor(executor_name, stage, plan, loss_fn, device, recorder, options, world)
+    # The global gradient norm is needed to clip by it, and under fp16 to see an overflow.
+    needs_norm = options.grad_clip is not None or scaler.enabled
+    sync = StepSync(world.rank, world.world_size, device, clip=needs_norm, timeout_s=options.timeout)
 
     # ------------------------------------------------------------------ resume
-    identity = _identity(plan, stage, options)
+    identity = _identity(plan, stage, options, precision)
     start = 0
     folder = Path(options.checkpoint_dir) if options.checkpoint_dir else None
     if options.resume and folder is not None:
         found = checkpoint.newest_common_step(folder, stage.index, stage.num_stages, objects)
         if found is not None:
-            checkpoint.load(folder, found, stage, optimizer, identity)
+            checkpoint.load(folder, found, stage, optimizer, identity, scaler, device)
             start = found
     if start >= options.steps:
         raise BadInput(f"the checkpoint in '{folder}' is at step {start}: --steps {options.steps} leaves nothing to do")
@@ -115,7 +125,6 @@ def train(options: RunOptions, world: World) -> None:
     meter = ActivationMeter.for_module(stage.module)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    memory: dict[str, Any] = {}
     losses: dict[int, float] = {}
     step_s: dict[int, float] = {}
     cpu_s: dict[int, float] = {}   # CPU time of the whole process (all its threads) per step
@@ -137,35 +146,40 @@ def train(options: RunOptions, world: World) -> None:
             # last stage its targets, the stages between neither.
             inputs = targets = None
             if stage.is_first or stage.is_last:
-                t_data = recorder.now()
+                t_data = recorder.mark()
                 batch_inputs, batch_targets = data.batch(step)
                 inputs = tuple(x.to(device) for x in batch_inputs) if stage.is_first else None
                 targets = batch_targets.to(device) if stage.is_last else None
-                recorder.add("data", -1, t_data, recorder.now())
+                recorder.add("data", -1, t_data, recorder.mark())
 
             # Our share of the pipeline: forwards and backwards of the M micro-batches.
+            scale = executor.loss_scale = scaler.scale
             micro_losses = executor.step(step, inputs, targets, meter if step == start else None)
 
-            # Every rank learns the loss (the last stage has it) and, for clipping, the global
-            # gradient norm; so every rank stops here, together, when the loss is NaN.
+            # Every rank learns the loss (the last stage has it) and, for clipping or fp16, the
+            # global gradient norm; so every rank stops here, together, when the loss is NaN.
             local_loss = float(sum(float(v) for v in micro_losses) / plan.micro_batches) if stage.is_last else 0.0
-            t_sync = recorder.now()
+            t_sync = recorder.mark()
             loss, grad_norm = sync.finish_step(local_loss, squared_grad_norm(stage.parameters())
-                                               if options.grad_clip else 0.0)
-            recorder.add("sync", -1, t_sync, recorder.now())
+                                               if needs_norm else 0.0)
+            recorder.add("sync", -1, t_sync, recorder.mark())
             if not math.isfinite(loss):
                 raise RunFailure(f"the loss is {loss} at step {step + 1}: training diverged; lower --lr "
                                  f"(it is {lr:g}) or set --grad-clip")
-            if options.grad_clip:
-                clip_gradients(stage.parameters(), grad_norm, options.grad_clip)
+            # fp16: an overflow anywhere skips this step on every stage (the norm is global).
+            take_step = scaler.step_is_finite(grad_norm)
+            if take_step:
+                scaler.unscale_(stage.parameters(), scale)
+                if options.grad_clip:
+                    clip_gradients(stage.parameters(), grad_norm / scale, options.grad_clip)
 
-            t_opt = recorder.now()
-            optimizer.step()
+            t_opt = recorder.mark()
+            if take_step:
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            recorder.add("optimizer", -1, t_opt, recorder.mark())
             t1 = recorder.now()
-            recorder.add("optimizer", -1, t_opt, t1)
-            if step == start:
-                memory = _memory(stage, optimizer, meter if executor.meters_activations else None, device)
+            recorder.end_step()
 
             step_s[step] = t1 - t0
             cpu_s[step] = time.process_time() - c0
@@ -173,10 +187,13 @@ def train(options: RunOptions, world: World) -> None:
             progress.update(step, loss, t1 - t0)
 
             if folder is not None and ((step + 1) % options.checkpoint_every == 0 or step + 1 == options.steps):
-                checkpoint.save(folder, step + 1, stage, optimizer, identity)
+                checkpoint.save(folder, step + 1, stage, optimizer, identity, scaler)
                 dist.barrier(group=objects)  # every stage has saved step+1: older ones may go
                 checkpoint.prune(folder, options.keep_checkpoints, stage.index, stage.num_stages)
         sync.close()
+        # After the last step: the optimizer's state exists (the first step creates it) and
+        # CUDA's peak is over every step, not only the first.
+        memory = _memory(stage, optimizer, meter if executor.meters_activations else None, device, context_bytes)
     finally:
         progress.close()
 
@@ -191,6 +208,9 @@ def train(options: RunOptions, world: World) -> None:
         if options.save:
             _save_model(options.save, model.module.state_dict().keys(), pieces)
         run = _run_facts(options, optimizer_name, base_lr, threads, device, executor_name, data.samples_text(), world)
+        run["precision"], run["param_dtype"] = precision.compute, precision.params
+        if scaler.enabled:
+            run["loss_scale"] = scaler.state_dict()
         run["warnings"] = warnings
         report = build_report(plan, results, losses=losses, run=run, tokens_per_sample=tokens_per_sample)
         if options.report:
@@ -247,13 +267,14 @@ def _make_executor(name: str, stage: Stage, plan: RunPlan, loss_fn: Any, device:
 
 
 def _memory(stage: Stage, optimizer: torch.optim.Optimizer, meter: ActivationMeter | None,
-            device: torch.device) -> dict[str, Any]:
+            device: torch.device, context_bytes: int | None) -> dict[str, Any]:
     parts: dict[str, Any] = static_bytes(stage.module, optimizer)
     parts["activations_bytes"] = meter.total_bytes if meter is not None else None
     parts["peak_rss_bytes"] = peak_rss_bytes()
     if device.type == "cuda":
         parts["peak_bytes"] = int(torch.cuda.max_memory_allocated(device))
         parts["method"] = "torch.cuda.max_memory_allocated"
+        parts.update(cuda_memory(device, context_bytes or 0))
     elif meter is None:
         parts["peak_bytes"] = None
         parts["method"] = "activations not measured by this executor"
@@ -292,10 +313,11 @@ def _tokens_per_sample(plan: RunPlan) -> int | None:
     return None
 
 
-def _identity(plan: RunPlan, stage: Stage, options: RunOptions) -> dict[str, Any]:
+def _identity(plan: RunPlan, stage: Stage, options: RunOptions, precision: Precision) -> dict[str, Any]:
     """What a checkpoint must agree with to be resumed by this run."""
     return {"model": plan.model, "stages": plan.num_stages, "layers": list(plan.stages[stage.index].layers),
-            "seed": options.seed, "global_batch_size": plan.global_batch_size, "data": options.data}
+            "seed": options.seed, "global_batch_size": plan.global_batch_size, "data": options.data,
+            "param_dtype": precision.params}
 
 
 def _run_facts(options: RunOptions, optimizer: str, lr: float, threads: int, device: torch.device, executor: str,
@@ -312,6 +334,8 @@ def _banner(plan: RunPlan, options: RunOptions, optimizer: str, lr: float, threa
             executor: str, data: str, start: int) -> str:
     name = plan.model.get("name") or plan.model.get("factory")
     where = f"{device.type}, {threads} thread(s) per rank" if device.type == "cpu" else str(device)
+    if plan.precision != "fp32":
+        where += f", {plan.precision} autocast" + (f", {plan.param_dtype} parameters" if plan.param_dtype != "fp32" else "")
     text = (f"training {name} on {plan.num_stages} stage(s) ({where}), {plan.schedule}, "
             f"{plan.micro_batches} x {plan.micro_batch_size} samples per step, {optimizer} lr {lr:g}, "
             f"{data}, {executor} executor")

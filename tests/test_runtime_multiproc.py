@@ -169,7 +169,7 @@ def test_two_stages_train_exactly_like_the_unsplit_model(group_runs: dict[str, A
 def test_report_compares_measured_with_predicted(group_runs: dict[str, Any]) -> None:
     jobs = group_runs["jobs"]
     gpipe, one_f_one_b = (json.loads(Path(jobs[i]["report"]).read_text()) for i in (0, 1))
-    assert gpipe["format"] == REPORT_FORMAT and gpipe["version"] == 1
+    assert gpipe["format"] == REPORT_FORMAT and gpipe["version"] == 2
     assert gpipe["steps_measured"] == STEPS - 1 and gpipe["measured_step_s"] > 0
     for stage in gpipe["stages"]:
         for key in ("measured_forward_s", "measured_backward_s", "measured_peak_memory_bytes", "measured_idle_fraction"):

@@ -1,0 +1,304 @@
+"""Mixed precision end to end on the CPU (bf16 and fp16 autocast run there too), and the CUDA
+measurement rules that can be checked without a GPU.
+
+GPU users train in bf16; a plan from an fp32 profile would be off in time and memory, so the
+precision is measured, recorded in the profile and the plan, and enforced by ``run``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from gpipe_plan.artifacts import BadInput, check_precision, write_json_atomic
+from gpipe_plan.models import AsTuple, Precision, model_spec
+from gpipe_plan.planner.command import solve_file
+from gpipe_plan.profiles.measure import Runner, prepare_layer, time_rounds
+from gpipe_plan.profiles.clock import CpuClock
+from gpipe_plan.profiles.memory import SavedTensors
+from gpipe_plan.profiles.profiler import ProfileRequest, profile_model
+from gpipe_plan.runtime.handplan import hand_plan
+from gpipe_plan.runtime.loss_scale import LossScaler
+
+from planner_helpers import profile_doc
+
+BIN = Path(sys.executable).parent
+TINY = model_spec("gpt", layers=2, width=32, heads=2, seq_len=16, vocab_size=256)
+TEXT = "the quick brown fox jumps over the lazy dog; " * 400
+
+
+def profile(spec: dict, precision: Precision, sizes: list[int] = [1, 2]) -> dict:  # noqa: B006
+    return profile_model(ProfileRequest(spec=spec, micro_batch_sizes=sizes, warmup=0, repeats=1,
+                                        recompute=False, precision=precision))
+
+
+def gpipe_plan(*args: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run([str(BIN / "gpipe-plan"), *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+# --------------------------------------------------------------------------- the pairs
+@pytest.mark.parametrize("pair", [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16"), ("fp16", "fp32")])
+def test_pairs_that_train(pair: tuple[str, str]) -> None:
+    assert check_precision(*pair) == pair
+
+
+@pytest.mark.parametrize("pair, message", [
+    (("fp32", "bf16"), "parameters in bf16 need --precision bf16"),
+    (("fp16", "fp16"), "fp16 parameters cannot be trained safely"),
+    (("bf16", "fp16"), "fp16 parameters"),
+    (("fp64", "fp32"), "is not one of fp32, bf16, fp16"),
+])
+def test_pairs_that_do_not(pair: tuple[str, str], message: str) -> None:
+    with pytest.raises(BadInput, match=message):
+        check_precision(*pair)
+
+
+# --------------------------------------------------------------------------- the profile
+def test_bf16_profile_counts_each_tensor_at_its_dtype() -> None:
+    fp32 = profile(TINY, Precision())
+    bf16 = profile(TINY, Precision("bf16"))
+    pure = profile(TINY, Precision("bf16", "bf16"))
+    assert (fp32["precision"], fp32["param_dtype"]) == ("fp32", "fp32")
+    assert (bf16["precision"], bf16["param_dtype"]) == ("bf16", "fp32")
+    assert (pure["precision"], pure["param_dtype"]) == ("bf16", "bf16")
+    for l32, l16, lpure in zip(fp32["layers"], bf16["layers"], pure["layers"]):
+        # Parameters: fp32 master weights are fp32; bf16 parameters half the bytes.
+        assert l16["param_bytes"] == l32["param_bytes"]
+        assert lpure["param_bytes"] * 2 == l32["param_bytes"]
+    block32, block16 = fp32["layers"][1], bf16["layers"][1]
+    assert block32["name"] == "block0"
+    # Saved activations per sample: the matrix products save bf16 inputs (about half)...
+    slope32 = block32["activation_bytes"][1] - block32["activation_bytes"][0]
+    slope16 = block16["activation_bytes"][1] - block16["activation_bytes"][0]
+    assert 0.4 * slope32 <= slope16 <= 0.7 * slope32
+    # ...and each micro-batch also keeps autocast's bf16 copy of the weights it used: the
+    # constant part of the line, at most half the fp32 weights' bytes.
+    intercept16 = block16["activation_bytes"][0] - slope16
+    assert 0 < intercept16 <= block32["param_bytes"] / 2
+    assert block32["activation_bytes"][0] - slope32 == 0
+    # The logits leave the head in bf16; the loss still trains (finite times measured).
+    assert bf16["layers"][-1]["output_dtypes"] == ["bfloat16"]
+    assert fp32["layers"][-1]["output_dtypes"] == ["float32"]
+    assert all(t >= 0 for layer in bf16["layers"] for t in layer["forward_s"] + layer["backward_s"])
+
+
+def test_the_plan_records_the_profiles_precision(tmp_path: Path) -> None:
+    doc = profile(TINY, Precision("bf16"))
+    write_json_atomic(tmp_path / "profile.json", doc)
+    plan = solve_file(str(tmp_path / "profile.json"), str(tmp_path / "plan.json"), stages=2, global_batch_size=4)
+    assert (plan["precision"], plan["param_dtype"]) == ("bf16", "fp32")
+    shown = gpipe_plan("show", "plan.json", cwd=tmp_path)
+    assert shown.returncode == 0 and "bf16 autocast, fp32 parameters" in " ".join(shown.stdout.split())
+
+
+def test_run_refuses_a_precision_other_than_the_plans(tmp_path: Path) -> None:
+    plan = hand_plan(TINY, [2, 2], micro_batches=2, micro_batch_size=2, with_shapes=False)
+    write_json_atomic(tmp_path / "plan.json", {**plan, "precision": "bf16"})
+    result = gpipe_plan("run", "plan.json", "--precision", "fp32", "--steps", "1", "--report", "r.json",
+                        cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: --precision fp32 differs from plan '{tmp_path / 'plan.json'}', made from a profile measured with "
+        "--precision bf16: re-profile with --precision fp32 and solve again, or drop --precision"]
+    assert not (tmp_path / "r.json").exists()
+    # A plan older than precision ran fp32, and says so.
+    write_json_atomic(tmp_path / "old.json", {**plan, "version": 2})
+    result = gpipe_plan("run", "old.json", "--precision", "bf16", "--steps", "1", cwd=tmp_path)
+    assert result.returncode == 2 and "measured with --precision fp32" in result.stderr
+
+
+# --------------------------------------------------------------------------- training
+def _train(tmp_path: Path, name: str, balance: list[int], precision: str, steps: int, executor: str = "native",
+           lr: str = "3e-3") -> dict[str, Any]:
+    plan = hand_plan(TINY, balance, micro_batches=2, micro_batch_size=4, with_shapes=False)
+    write_json_atomic(tmp_path / f"{name}.json", {**plan, "precision": precision})
+    result = gpipe_plan("run", f"{name}.json", "--steps", str(steps), "--lr", lr, "--data", "text.txt",
+                        "--executor", executor, "--save", f"{name}.pt", "--report", f"{name}-report.json", "-q",
+                        cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    return {"params": torch.load(tmp_path / f"{name}.pt"),
+            "report": json.loads((tmp_path / f"{name}-report.json").read_text())}
+
+
+def _largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert list(a) == list(b)
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+@pytest.mark.slow
+def test_bf16_pipeline_learns_and_matches_one_stage(tmp_path: Path) -> None:
+    (tmp_path / "text.txt").write_text(TEXT)
+    two = _train(tmp_path, "k2", [2, 2], "bf16", steps=30)
+    one = _train(tmp_path, "k1", [4], "bf16", steps=30)
+    # The same operations in the same dtypes, only on two processes: bf16 tolerance (one
+    # bf16 ulp of the largest weights is ~4e-3); on this CPU they agree bit for bit.
+    assert _largest_difference(two["params"], one["params"]) <= 1e-2
+    report = two["report"]
+    assert report["run"]["precision"] == "bf16" and report["version"] == 2
+    first, last = report["loss"]["first"], report["loss"]["last"]
+    assert first > math.log(256) - 0.3 and last < first - 1.0, (first, last)
+    # A matching fp32 run learns about as well: bf16 is not training something else.
+    fp32 = _train(tmp_path, "k2-fp32", [2, 2], "fp32", steps=30)
+    assert abs(fp32["report"]["loss"]["last"] - last) < 0.25
+
+
+@pytest.mark.slow
+def test_fp16_pipeline_scales_the_loss_and_matches_one_stage(tmp_path: Path) -> None:
+    (tmp_path / "text.txt").write_text(TEXT)
+    two = _train(tmp_path, "k2", [2, 2], "fp16", steps=6)
+    one = _train(tmp_path, "k1", [4], "fp16", steps=6)
+    assert _largest_difference(two["params"], one["params"]) <= 1e-2
+    scale = two["report"]["run"]["loss_scale"]
+    assert scale["scale"] == 2.0 ** 16 and scale["skipped_steps"] == 0
+    assert two["report"]["loss"]["last"] < two["report"]["loss"]["first"]
+
+
+def test_loss_scaler_skips_overflowing_steps_and_grows_after_clean_ones() -> None:
+    scaler = LossScaler(enabled=True, init_scale=1024.0, growth_interval=3)
+    assert scaler.step_is_finite(5.0) and scaler.scale == 1024.0
+    assert not scaler.step_is_finite(math.inf) and scaler.scale == 512.0
+    assert not scaler.step_is_finite(math.nan) and scaler.scale == 256.0
+    assert [scaler.step_is_finite(1.0) for _ in range(3)] == [True] * 3 and scaler.scale == 512.0
+    assert scaler.skipped_steps == 2
+    p = nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 512.0)
+    scaler.unscale_([p], 512.0)
+    assert torch.equal(p.grad, torch.ones(3))
+    off = LossScaler(enabled=False)
+    assert off.scale == 1.0 and off.step_is_finite(math.inf)
+
+
+# --------------------------------------------------------------------------- measurement rules
+def test_held_bytes_count_saved_inputs_and_outputs_once() -> None:
+    """Transient memory is the peak above what a layer holds by design; what it holds must
+    count neither its saved inputs (already allocated before) nor its saved outputs twice."""
+    layer = AsTuple(nn.Sequential(nn.Linear(8, 16), nn.ReLU()))   # saves its input, and its output (ReLU)
+    x = torch.randn(4, 8)
+    figures, _ = prepare_layer("layer", layer, (x,), first=False, loss=None)
+    out_bytes = 4 * 16 * 4
+    assert figures.activation_bytes == x.numel() * 4 + out_bytes
+    assert figures.output_bytes == out_bytes
+    assert figures.held_bytes == out_bytes
+
+
+def test_saved_tensors_off_the_profiled_device_do_not_count() -> None:
+    """On CUDA the attention kernels save two 8-byte CPU tensors: not GPU memory, not counted."""
+    x = torch.randn(3, 5, requires_grad=True)
+    on_gpu = SavedTensors(device=torch.device("cuda"))
+    with on_gpu.recording():
+        (x * x).sum()
+    on_cpu = SavedTensors(device=torch.device("cpu"))
+    with on_cpu.recording():
+        (x * x).sum()
+    assert on_gpu.nbytes == 0 and on_cpu.nbytes == 60
+
+
+def test_warm_up_runs_for_its_seconds_as_well_as_its_rounds() -> None:
+    calls = {"forward": 0}
+
+    def forward() -> None:
+        calls["forward"] += 1
+        time.sleep(0.005)
+
+    runner = Runner("sleep", forward, lambda _: None)
+    time_rounds([[runner]], CpuClock(), warmup=1, repeats=2)
+    assert calls["forward"] == 3
+    calls["forward"] = 0
+    started = time.perf_counter()
+    time_rounds([[runner]], CpuClock(), warmup=1, repeats=2, warmup_s=0.1)
+    assert time.perf_counter() - started >= 0.1
+    assert calls["forward"] >= 1 + 2 + 5
+
+
+# --------------------------------------------------------------------------- the GPU's memory
+def _cuda_profile(tmp_path: Path, **device: Any) -> Path:
+    doc = profile_doc(6, batch_size=8, activation_per_sample=[2 << 20] * 6, param_bytes=[4 << 20] * 6)
+    doc["device"] = {"type": "cuda", "name": "NVIDIA H200", "index": 0, "threads": 1, **device}
+    path = tmp_path / "cuda.json"
+    write_json_atomic(path, doc)
+    return path
+
+
+def test_a_cuda_plan_fits_the_card_less_context_and_headroom(tmp_path: Path) -> None:
+    path = _cuda_profile(tmp_path, memory_bytes=200 << 20, context_bytes=20 << 20)
+    plan = solve_file(str(path), None, stages=2)
+    usable = (180 << 20) * 0.9
+    assert plan["options"]["memory_limit_source"] == "device"
+    assert plan["options"]["memory_limit_bytes"] == int(usable)
+    assert all(stage["memory_bytes"] <= usable for stage in plan["stages"])
+    # --memory-limit overrides the card.
+    plan = solve_file(str(path), None, stages=2, memory_limit="1GiB")
+    assert plan["options"]["memory_limit_bytes"] == 1 << 30 and plan["options"]["memory_limit_source"] == "option"
+
+
+def test_a_card_too_small_says_so_in_one_line(tmp_path: Path) -> None:
+    _cuda_profile(tmp_path, memory_bytes=40 << 20, context_bytes=10 << 20)
+    result = gpipe_plan("solve", "cuda.json", "-k", "1", "--recompute", "never", cwd=tmp_path)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "usable memory of the profiled NVIDIA H200" in result.stderr and not (tmp_path / "plan.json").exists()
+
+
+# --------------------------------------------------------------------------- what checkpoints run
+class _Planted:
+    """Unpickling this creates a file: what a crafted checkpoint would do."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (self.path, "w"))
+
+
+def test_a_crafted_checkpoint_runs_no_code(tmp_path: Path) -> None:
+    from gpipe_plan.runtime import checkpoint
+    from gpipe_plan.runtime.stage import build_stage
+    from gpipe_plan.runtime.plan import load_plan
+    from gpipe_plan.models import build_model
+
+    write_json_atomic(tmp_path / "plan.json", hand_plan(TINY, [4], micro_batches=1, micro_batch_size=1))
+    plan = load_plan(tmp_path / "plan.json")
+    stage = build_stage(build_model(TINY), plan, 0)
+    planted = tmp_path / "planted"
+    path = checkpoint.stage_file(tmp_path / "ckpt", 2, 0, 1)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(pickle.dumps({"format": _Planted(str(planted))}))
+    with pytest.raises(BadInput, match="cannot read checkpoint"):
+        checkpoint.load(tmp_path / "ckpt", 2, stage, torch.optim.Adam(stage.parameters()), {})
+    assert not planted.exists()
+
+
+# --------------------------------------------------------------------------- the GPU machine's image
+def test_gpu_tests_collect_without_pulp(tmp_path: Path) -> None:
+    """The GPU machine's image has no pulp: `pytest -m gpu` must still collect every module."""
+    tests = Path(__file__).parent
+    code = ("import sys; sys.modules['pulp'] = None; import pytest; "
+            f"sys.exit(pytest.main(['--collect-only', '-q', '-m', 'gpu', '-p', 'no:cacheprovider', {str(tests)!r}]))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONWARNINGS="ignore"), timeout=120)
+    assert result.returncode == 0, result.stdout[-2000:]
+    assert "test_profile_gpt_on_cuda" in result.stdout and "error" not in result.stdout.lower()
+
+
+def test_ilp_without_pulp_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "profile.json"
+    write_json_atomic(path, profile_doc(4))
+    code = ("import sys; sys.modules['pulp'] = None; from gpipe_plan.cli import main; "
+            f"sys.argv = ['gpipe-plan', 'solve', {str(path)!r}, '-k', '2', '--solver', 'ilp']; main()")
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("error: --solver ilp needs the pulp package, which is not installed here: "
+                                     "pip install pulp, or use --solver dp (exact too)")
