@@ -45,6 +45,7 @@ READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5)
 # compute on low-precision weights gains nothing, and fp16 weights cannot be trained safely
 # (Adam's epsilon underflows to zero in fp16; loss scaling needs fp32 master weights).
 PRECISIONS = ("fp32", "bf16", "fp16")
+PARAM_DTYPES = ("fp32", "bf16")
 PRECISION_PAIRS = {("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16"), ("fp16", "fp32")}
 
 
@@ -104,28 +105,34 @@ def check_format(doc: Any, fmt: str, where: str) -> None:
         )
 
 
-def check_precision(precision: str, param_dtype: str, where: str = "") -> tuple[str, str]:
-    """``(precision, param_dtype)`` if it is a pair gpipe-plan trains with, else :class:`BadInput`."""
-    prefix = f"{where}: " if where else ""
-    for name, value in (("precision", precision), ("param dtype", param_dtype)):
-        if value not in PRECISIONS:
-            raise BadInput(f"{prefix}{name} {value!r} is not one of {', '.join(PRECISIONS)}")
+def check_precision(precision: Any, param_dtype: Any, where: str = "") -> tuple[str, str]:
+    """``(precision, param_dtype)`` if it is a pair gpipe-plan trains with, else :class:`BadInput`.
+
+    ``where``: the file the pair comes from (the message then names its keys, not the flags).
+    """
+    prefix, (precision_name, param_name) = (f"{where}: ", ("'precision'", "'param_dtype'")) if where else \
+        ("", ("--precision", "--param-dtype"))
+    if precision not in PRECISIONS:
+        raise BadInput(f"{prefix}{precision_name} {precision!r} is not one of {', '.join(PRECISIONS)}")
+    if param_dtype not in PRECISIONS:
+        raise BadInput(f"{prefix}{param_name} {param_dtype!r} is not one of {', '.join(PARAM_DTYPES)}")
     if (precision, param_dtype) not in PRECISION_PAIRS:
         if param_dtype == "fp16":
-            why = "fp16 parameters cannot be trained safely (Adam's epsilon underflows); keep --param-dtype fp32"
+            why = "fp16 parameters cannot be trained safely (Adam's epsilon underflows); keep them fp32"
         else:
-            why = f"parameters in {param_dtype} need --precision {param_dtype} (autocast in that dtype)"
-        raise BadInput(f"{prefix}--precision {precision} with --param-dtype {param_dtype}: {why}")
+            why = f"parameters in {param_dtype} need {param_dtype} compute (autocast in that dtype)"
+        raise BadInput(f"{prefix}{precision_name} {precision} with {param_name} {param_dtype}: {why}")
     return precision, param_dtype
+
+
+def precision_label(precision: str, param_dtype: str) -> str:
+    """``fp32``, or e.g. ``bf16 autocast, fp32 parameters``: how a profile, plan or run computes."""
+    return "fp32" if precision == "fp32" else f"{precision} autocast, {param_dtype} parameters"
 
 
 def precision_of(doc: dict[str, Any], where: str) -> tuple[str, str]:
     """A profile's or plan's ``(precision, param_dtype)``; files written before they existed ran fp32."""
-    precision = doc.get("precision", "fp32")
-    param_dtype = doc.get("param_dtype", "fp32")
-    if not isinstance(precision, str) or not isinstance(param_dtype, str):
-        raise BadInput(f"{where}: 'precision' and 'param_dtype' must be strings such as \"bf16\"")
-    return check_precision(precision, param_dtype, where)
+    return check_precision(doc.get("precision", "fp32"), doc.get("param_dtype", "fp32"), where)
 
 
 def _versions(readable: tuple[int, ...]) -> str:

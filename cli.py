@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from . import __version__
-from .artifacts import BadInput, RunFailure
+from .artifacts import PARAM_DTYPES, PRECISIONS, BadInput, RunFailure
 
 
 class _Group(click.Group):
@@ -56,9 +56,9 @@ def main() -> None:
 @click.option("--micro-batch-sizes", default=None, metavar="1,2,4",
               help="Micro-batch sizes to measure. Default: 1, 2, 4, ... doubling up to --batch-size.")
 @click.option("--device", default="cpu", show_default=True, metavar="cpu|cuda|cuda:N", help="Device to profile on.")
-@click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
+@click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True,
               help="Compute dtype: bf16/fp16 run every forward under torch.autocast, as `run --precision` will.")
-@click.option("--param-dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+@click.option("--param-dtype", type=click.Choice(PARAM_DTYPES), default="fp32", show_default=True,
               help="Dtype of the parameters, gradients and optimizer state (bf16 needs --precision bf16).")
 @click.option("--input-shape", default=None, metavar="S",
               help="Your model: the shape of one input sample, e.g. 64 or 3,32,32.")
@@ -208,7 +208,7 @@ def import_pipedream(graph: str, batch_size: int | None, out: str | None) -> Non
               help="For a plan: also draw its predicted schedule as an SVG timeline.")
 def show(file: str, timeline: str | None) -> None:
     """Pretty-print a profile or a plan (neither needs torch)."""
-    from .artifacts import PLAN_FORMAT, PROFILE_FORMAT, check_format, read_json
+    from .artifacts import PLAN_FORMAT, PROFILE_FORMAT, check_format, precision_of, read_json
 
     doc = read_json(file, "file")
     if isinstance(doc, dict) and doc.get("format") == PROFILE_FORMAT:
@@ -217,6 +217,7 @@ def show(file: str, timeline: str | None) -> None:
         from .profiles.show import render_profile
 
         check_format(doc, PROFILE_FORMAT, file)
+        precision_of(doc, f"profile '{file}'")
         render_profile(doc, Console())
         return
     from .planner.command import show_plan
@@ -259,10 +260,10 @@ def show(file: str, timeline: str | None) -> None:
 @click.option("--keep-checkpoints", type=int, default=2, show_default=True, help="Newest checkpoints to keep.")
 @click.option("--resume", is_flag=True,
               help="Continue from the newest checkpoint in --checkpoint-dir (start fresh if there is none).")
-@click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
+@click.option("--precision", type=click.Choice(PRECISIONS), default=None,
               help="Compute dtype (fp16 adds loss scaling). Default: the plan's; a different one is refused, "
                    "since the plan's times and memory were measured in its own.")
-@click.option("--param-dtype", type=click.Choice(["fp32", "bf16"]), default=None,
+@click.option("--param-dtype", type=click.Choice(PARAM_DTYPES), default=None,
               help="Dtype of the parameters, gradients and optimizer state. Default: the plan's.")
 @click.option("--executor", type=click.Choice(["auto", "native", "torch"]), default="auto", show_default=True,
               help="native: gpipe-plan's executor (gloo/CPU); torch: torch.distributed.pipelining; "

@@ -19,8 +19,30 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 REPEATS = 9
+
+
+def workload(device_type: str) -> tuple[int, int]:
+    """The probe's (rows, width) on a device type; profiles record it next to the probe's time."""
+    return (64, 256) if device_type == "cpu" else (4096, 2048)
+
+
+def profile_probe_s(device: dict[str, Any]) -> float | None:
+    """A profile's probe time, if it timed the workload this code times; else None.
+
+    Profiles before version 5 did not record the workload: on a CPU it has not changed; on a
+    GPU it was the CPU's, too small to measure the device, so there is nothing to compare with.
+    """
+    probe = device.get("speed_probe_s")
+    if not isinstance(probe, (int, float)) or isinstance(probe, bool) or not probe > 0:
+        return None
+    kind = "cpu" if device.get("type") == "cpu" else "cuda"
+    recorded = device.get("speed_probe_workload")
+    if recorded is None:
+        return float(probe) if kind == "cpu" else None
+    return float(probe) if list(recorded) == list(workload(kind)) else None
 
 
 def speed_probe_s(device: str = "cpu", repeats: int = REPEATS) -> float:
@@ -29,7 +51,7 @@ def speed_probe_s(device: str = "cpu", repeats: int = REPEATS) -> float:
 
     dev = torch.device(device)
     gen = torch.Generator(device="cpu").manual_seed(0)
-    rows, width = (64, 256) if dev.type == "cpu" else (4096, 2048)
+    rows, width = workload(dev.type)
     x = torch.randn(rows, width, generator=gen).to(dev)
     w = torch.randn(width, width, generator=gen).to(dev) / width ** 0.5
     norm = torch.nn.LayerNorm(width).to(dev)

@@ -59,8 +59,9 @@ def versions() -> None:
             facts["gpus"].append({"index": i, "name": p.name, "memory_bytes": p.total_memory,
                                   "capability": f"{p.major}.{p.minor}"})
         facts["bf16_supported"] = torch.cuda.is_bf16_supported()
-        free, total = torch.cuda.mem_get_info(0)
-        facts["context_bytes_at_start"] = int(total - free)
+        from gpipe_plan.cudamemory import outside_allocator_bytes
+
+        facts["context_bytes_at_start"] = outside_allocator_bytes(torch.device("cuda", 0))
         facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     for key, value in facts.items():
         print(f"  {key:22s} {value}")

@@ -1,7 +1,8 @@
 # Shared by bench/gpu_smoke.sh and bench/gpu.sh (sourced, not run): options, logging, steps,
 # and the offline install on the GPU machine.
 #
-# The GPU machine has no network and its own Python and torch (docs/benchmarks.md, "GPU"):
+# The GPU machine has no network and its own Python and torch (docs/benchmarks.md, "GPU: the
+# CUDA paths"):
 # the project installs there with --no-index --no-deps --no-build-isolation, against the
 # image's torch, click, rich and networkx; packages the image lacks (pulp) travel as wheels in
 # .whl/ (bench/gpu_wheels.sh fetches them here) and go to a folder of their own on PYTHONPATH.
@@ -16,7 +17,7 @@ DRY=0
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
-        -h|--help) sed -n '2,/^set -/p' "$0" | sed 's/^# \{0,1\}//' | grep -v '^set -'; exit 0 ;;
+        -h|--help) sed -n '2,/^[^#]/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "unknown option $arg (use --dry-run or --help)" >&2; exit 2 ;;
     esac
 done

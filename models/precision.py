@@ -1,10 +1,10 @@
 """Mixed precision: the dtype the layers compute in, and the dtype the parameters are kept in.
 
-On a GPU, matrix products in bf16 or fp16 run an order of magnitude faster than in fp32 (an
-H200's tensor cores: about 790 TFLOP/s in bf16 against about 60 in fp32), and the tensors a
-layer saves for backward and sends to the next stage take half the bytes. So a plan made from
-an fp32 profile is wrong for a bf16 run in time *and* in memory, and ``profile`` and ``run``
-take the same two settings and record them (docs/runtime.md, "Precision"):
+On a GPU, matrix products in bf16 or fp16 run on tensor cores, many times faster than in fp32,
+and the tensors a layer saves for backward and sends to the next stage take half the bytes. So
+a plan made from an fp32 profile is wrong for a bf16 run in time *and* in memory, and
+``profile`` and ``run`` take the same two settings and record them (docs/runtime.md,
+"Precision"; docs/benchmarks.md, "GPU", has the figures):
 
 - ``precision`` (``fp32``, ``bf16``, ``fp16``): the layers' forward runs under
   ``torch.autocast`` in that dtype, which computes matrix products and convolutions in it and
@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from .layered import LayeredModel
 
 Tensors = tuple[torch.Tensor, ...]
+# A context factory every forward runs in: ``with autocast(): ...``.
+Autocast = Callable[[], contextlib.AbstractContextManager[object]]
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -94,7 +96,8 @@ class Precision:
                 return fn(*args)
         return under_autocast
 
-    def describe(self) -> str:
-        if not self.mixed:
-            return "fp32"
-        return f"{self.compute} autocast, {self.params} parameters" + (", loss scaling" if self.loss_scaling else "")
+
+
+def no_autocast() -> contextlib.AbstractContextManager[object]:
+    """fp32: forwards run as they are."""
+    return contextlib.nullcontext()

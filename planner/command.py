@@ -10,7 +10,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..artifacts import PLAN_FORMAT, PROFILE_FORMAT, BadInput, file_sha256, read_artifact, write_json_atomic, \
+from ..artifacts import PLAN_FORMAT, PROFILE_FORMAT, BadInput, file_sha256, precision_of, read_artifact, \
+    write_json_atomic, \
     write_text_atomic
 from .plan import build_plan
 from .profile import Profile
@@ -113,6 +114,7 @@ def solve_command(profile: str, stages: int, micro_batches: str, global_batch_si
 
 def show_plan(path: str, timeline: str | None = None) -> None:
     plan = read_artifact(path, PLAN_FORMAT)
+    precision_of(plan, f"plan '{path}'")
     render_plan(plan, Console())
     if timeline:
         write_text_atomic(timeline, plan_timeline_svg(plan))

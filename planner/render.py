@@ -7,6 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from ..artifacts import precision_label
 from .schedule import Timeline, simulate_times
 from .timeline import timeline_svg
 from .units import format_bytes, format_seconds
@@ -48,7 +49,8 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
     device = plan.get("profile", {}).get("device", {})
     console.print(
         f"[bold]{name}[/bold] on {K} stage{'s' if K > 1 else ''} "
-        f"(profile: {device.get('type', '?')}, {device.get('name', '?')}; {_precision(plan)})")
+        f"(profile: {device.get('type', '?')}, {device.get('name', '?')}; "
+        f"{precision_label(plan.get('precision', 'fp32'), plan.get('param_dtype', 'fp32'))})")
     table = Table(title=None, show_lines=False, header_style="bold")
     for col, justify in [("stage", "right"), ("layers", "left"), ("#", "right"), ("forward", "right"),
                          ("backward", "right"), ("rc", "center"), ("send", "right"),
@@ -112,9 +114,3 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
         console.print(rt)
     for w in plan.get("warnings") or []:
         console.print(f"[yellow]warning:[/yellow] {w}")
-
-
-def _precision(plan: dict[str, Any]) -> str:
-    """``fp32``, or e.g. ``bf16 autocast, fp32 parameters`` (plans before version 3 ran fp32)."""
-    precision, params = plan.get("precision", "fp32"), plan.get("param_dtype", "fp32")
-    return "fp32" if precision == "fp32" else f"{precision} autocast, {params} parameters"

@@ -25,7 +25,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from ..artifacts import PROFILE_FORMAT, REPORT_FORMAT, BadInput, file_sha256, read_artifact
+from ..artifacts import (PROFILE_FORMAT, REPORT_FORMAT, BadInput, file_sha256, precision_label, precision_of,
+                         read_artifact)
 
 # A stage measured this far from its prediction is more likely a broken run than a slowdown.
 PLAUSIBLE = (0.2, 5.0)
@@ -38,6 +39,12 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
     if report.get("model") != profile.get("model"):
         raise BadInput(f"'{report_path}' is a run of another model than '{profile_path}' profiles: "
                        "calibrate with the profile the run's plan was made from")
+    profiled = precision_of(profile, f"profile '{profile_path}'")
+    run = report.get("run") if isinstance(report.get("run"), dict) else {}
+    ran = precision_of(run, f"report '{report_path}' run")
+    if ran != profiled:
+        raise BadInput(f"'{report_path}' ran {precision_label(*ran)} but '{profile_path}' was measured "
+                       f"{precision_label(*profiled)}: calibrate with the profile the run's plan was made from")
     index = {layer["name"]: i for i, layer in enumerate(profile["layers"])}
     speed = (report.get("speed") or {}).get("ratio") if use_speed_probe else None
     drift = speed if speed and speed > 0 else 1.0

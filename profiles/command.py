@@ -34,7 +34,7 @@ def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes
                     quiet: bool = False, contention_processes: int | None = None, recompute_timing: bool = True,
                     precision: str = "fp32", param_dtype: str = "fp32", **options: Any) -> None:
     """Profile MODEL and write the profile JSON to ``out``. Raises BadInput / RunFailure."""
-    mixed = Precision(*check_precision(precision, param_dtype))
+    chosen = Precision(*check_precision(precision, param_dtype))
     spec = model_spec(model, **{k: options.get(k) for k in _MODEL_OPTIONS})
     unknown = set(options) - set(_MODEL_OPTIONS)
     if unknown:
@@ -57,7 +57,7 @@ def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes
     request = ProfileRequest(spec=spec, micro_batch_sizes=sizes, device=dev, threads=threads, warmup=warmup,
                              repeats=repeats, seed=seed, measure_link=measure_link, batch_size=batch,
                              contention_processes=contention_processes, recompute=recompute_timing,
-                             precision=mixed)
+                             precision=chosen)
 
     err = Console(stderr=True)
     try:

@@ -55,9 +55,9 @@ def measure_contention(spec: dict[str, Any], micro_batch_size: int, threads: int
                        timeout_s: float = 300.0, precision: Precision | None = None) -> dict[str, Any]:
     """The profile's ``contention`` object: steps alone and with ``processes - 1`` neighbours."""
     barrier = SPAWN.Barrier(processes)
-    setting = (precision or Precision()).compute, (precision or Precision()).params
     phases: dict[int, dict[str, list[float]]] = dict(run_workers(
-        _worker, processes, (spec, seed, micro_batch_size, threads, seconds, cycles, barrier, setting), timeout_s,
+        _worker, processes, (spec, seed, micro_batch_size, threads, seconds, cycles, barrier,
+                             precision or Precision()), timeout_s,
         "timing the model side by side"))
     if len(phases) != processes:
         raise RuntimeError(f"{processes - len(phases)} of the {processes} processes timing the model side by "
@@ -94,11 +94,10 @@ def median_time_s(run: Callable[[], object], seconds: float, at_least: int) -> f
 
 
 def _worker(rank: int, spec: dict[str, Any], seed: int, size: int, threads: int, seconds: float, cycles: int,
-            barrier: Any, setting: tuple[str, str], results: Any) -> None:
+            barrier: Any, precision: Precision, results: Any) -> None:
     from ..models import build_model
 
     torch.set_num_threads(threads)
-    precision = Precision(*setting)
     model = build_model(spec, seed=seed)
     precision.cast(model)
     inputs, targets = model.synthetic_batch(size, torch.Generator().manual_seed(seed))

@@ -28,17 +28,6 @@ def resolve_device(text: str) -> torch.device:
     return device
 
 
-def cuda_context_bytes(device: torch.device) -> int:
-    """GPU memory in use that PyTorch's allocator does not hold: the CUDA context and libraries.
-
-    Read when the process starts on the GPU, before the model is built. It includes whatever
-    other processes hold on the card, which is just as unavailable to a stage. The planner
-    takes it off the card's memory (planner/profile.py, ``usable_memory_bytes``).
-    """
-    free, total = torch.cuda.mem_get_info(device)
-    return max(0, int(total - free - torch.cuda.memory_reserved(device)))
-
-
 def describe(device: torch.device, threads: int) -> dict[str, Any]:
     """The profile's ``device`` object: what the numbers were measured on."""
     if device.type == "cuda":

@@ -25,8 +25,8 @@ Parameter gradients accumulate across rounds, as across the micro-batches of one
 garbage collector is off while timing so that a collection does not land in one figure.
 
 Warm-up is counted in rounds and, where asked, in seconds too: an idle GPU runs at a fraction
-of its clock (an H200 idles at 345 MHz against 1980 under load) and needs about a second of
-work before its figures mean anything; a few short rounds on a small model are milliseconds.
+of its clock and needs about a second of work before its figures mean anything, while a few
+short rounds on a small model take milliseconds.
 
 Every forward runs in ``autocast``, the precision's context (:mod:`..models.precision`): a
 no-op in fp32, ``torch.autocast`` in bf16 or fp16, as the stage will run it.
@@ -34,7 +34,6 @@ no-op in fp32, ``torch.autocast`` in bf16 or fp16, as the stage will run it.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import time
 from collections.abc import Callable, Iterator
@@ -47,15 +46,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .clock import Clock, median
+from ..models.precision import Autocast, no_autocast
 from .memory import SavedTensors, storage_key, tensor_bytes
 
 Tensors = tuple[torch.Tensor, ...]
-Autocast = Callable[[], contextlib.AbstractContextManager[object]]
-
-
-def no_autocast() -> contextlib.AbstractContextManager[object]:
-    """fp32: forwards run as they are."""
-    return contextlib.nullcontext()
 
 
 @dataclass

@@ -17,9 +17,10 @@ import torch
 from .. import __version__
 from ..artifacts import FORMAT_VERSIONS, PROFILE_FORMAT
 from ..models import LayeredModel, Precision, build_model
-from ..speedprobe import speed_probe_s
+from ..speedprobe import speed_probe_s, workload
 from .clock import clock_for
-from .device import cuda_context_bytes, describe
+from ..cudamemory import outside_allocator_bytes
+from .device import describe
 from .measure import (Autocast, LayerFigures, Runner, Timing, harness_runner, model_step_runner, optimizer_step_s,
                       peak_transient_bytes, prepare_layer, recompute_harness_runner, recomputing_runner,
                       time_rounds)
@@ -50,7 +51,7 @@ class ProfileRequest:
     warmup_s: float | None = None
 
     @property
-    def warmup_seconds(self) -> float:
+    def warmup_duration_s(self) -> float:
         if self.warmup_s is not None:
             return self.warmup_s
         return 1.0 if self.device.type == "cuda" else 0.0
@@ -97,7 +98,9 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
     context_bytes = None
     if device.type == "cuda":
         torch.cuda.set_device(device)  # events and allocations go to this GPU's current stream
-        context_bytes = cuda_context_bytes(device)
+        # Before the model is built: the CUDA context (and other processes), which the planner
+        # takes off the card's memory (planner/profile.py, usable_memory_bytes).
+        context_bytes = outside_allocator_bytes(device)
     model = build_model(request.spec, seed=request.seed)
     request.precision.cast(model)
     model.to(device)
@@ -144,6 +147,7 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
     if context_bytes is not None:
         doc["device"]["context_bytes"] = context_bytes
     doc["device"]["speed_probe_s"] = sum(probes) / len(probes)
+    doc["device"]["speed_probe_workload"] = list(workload(device.type))
     doc["measurement"]["speed_probe_s"] = probes
     return doc
 
@@ -218,7 +222,7 @@ def _time_sizes(prepared: list[_Size], request: ProfileRequest, progress: Progre
     clock = clock_for(request.device, request.threads)
     groups = [group for p in prepared for group in p.groups]
     timed = iter(time_rounds(groups, clock, request.warmup, request.repeats,
-                             after_run=lambda name: progress.step(name), warmup_s=request.warmup_seconds))
+                             after_run=lambda name: progress.step(name), warmup_s=request.warmup_duration_s))
     for p in prepared:
         harness, *layer_timings = next(timed)
         (p.step,) = next(timed)

@@ -13,6 +13,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from ..artifacts import precision_label
+
 
 def render_profile(doc: dict[str, Any], console: Console) -> None:
     """Print ``doc`` (a profile JSON object) on ``console``: a header, a layer table, checks."""
@@ -97,9 +99,9 @@ def _header(doc: dict[str, Any]) -> str:
     if device.get("threads"):
         where += f", {device['threads']} thread{'s' if device['threads'] != 1 else ''}"
     sizes = ", ".join(str(s) for s in doc.get("micro_batch_sizes") or [])
-    precision, params = doc.get("precision", "fp32"), doc.get("param_dtype", "fp32")
+    precision = precision_label(doc.get("precision", "fp32"), doc.get("param_dtype", "fp32"))
     lines = [f"[bold]profile[/] of {what}", f"  device          {where}", f"  micro-batches   {sizes}",
-             f"  precision       {precision}" + (f" autocast, {params} parameters" if precision != "fp32" else "")]
+             f"  precision       {precision}"]
     measurement = doc.get("measurement")
     if measurement:
         lines.append(f"  timing          {measurement.get('statistic', 'median')} of {measurement.get('repeats')} "

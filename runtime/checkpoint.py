@@ -42,7 +42,7 @@ FORMAT = "gpipe-plan.checkpoint"
 VERSION = 1
 _STEP_DIR = re.compile(r"step-(\d{8})")
 # Identity keys added after checkpoints existed, with the value every older checkpoint had.
-_BEFORE_KEY: dict[str, Any] = {"param_dtype": "fp32"}
+_BEFORE_KEY: dict[str, Any] = {"precision": "fp32", "param_dtype": "fp32"}
 
 
 def stage_file(folder: Path, step: int, stage: int, stages: int) -> Path:
@@ -50,13 +50,12 @@ def stage_file(folder: Path, step: int, stage: int, stages: int) -> Path:
 
 
 def save(folder: Path, step: int, stage: Stage, optimizer: torch.optim.Optimizer, identity: dict[str, Any],
-         scaler: LossScaler | None = None) -> None:
+         scaler: LossScaler | None = None, device: torch.device | None = None) -> None:
     """Write this stage's checkpoint after ``step`` completed steps (atomically)."""
     path = stage_file(folder, step, stage.index, stage.num_stages)
     path.parent.mkdir(parents=True, exist_ok=True)
     rng = {"cpu": torch.get_rng_state()}
-    device = next((p.device for p in stage.parameters()), torch.device("cpu"))
-    if device.type == "cuda":
+    if device is not None and device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(device)
     state = {
         "format": FORMAT,
@@ -117,6 +116,9 @@ def load(folder: Path, step: int, stage: Stage, optimizer: torch.optim.Optimizer
         scaler.load_state_dict(state["loss_scale"])
     torch.set_rng_state(state["rng"]["cpu"])
     cuda_state = state["rng"].get("cuda")
+    if isinstance(cuda_state, list):   # older checkpoints held every GPU's state
+        index = device.index if device is not None and device.index is not None else 0
+        cuda_state = cuda_state[index] if index < len(cuda_state) else None
     if device is not None and device.type == "cuda" and isinstance(cuda_state, torch.Tensor):
         torch.cuda.set_rng_state(cuda_state, device)
 

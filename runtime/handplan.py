@@ -11,19 +11,29 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ..artifacts import PLAN_FORMAT, FORMAT_VERSIONS
-from ..models import build_model
+from ..models import Precision, build_model
 
 
 def hand_plan(spec: dict[str, Any], balance: Sequence[int], micro_batches: int, micro_batch_size: int,
               schedule: str = "gpipe", recompute: bool | Sequence[bool] = False, threads: int = 1,
-              with_shapes: bool = True) -> dict[str, Any]:
-    """A runnable plan for ``spec`` cut by ``balance`` (layers per stage)."""
+              with_shapes: bool = True, precision: str = "fp32", param_dtype: str = "fp32") -> dict[str, Any]:
+    """A runnable plan for ``spec`` cut by ``balance`` (layers per stage), in ``precision``.
+
+    ``with_shapes``: the tensors crossing each cut, as this CPU computes them in that precision
+    (a CUDA run in bf16 may differ: leave them out there and the ranks derive them).
+    """
     model = build_model(spec, seed=0)
+    chosen = Precision(precision, param_dtype)
+    chosen.cast(model)
     names = [name for name, _ in model.layers]
     if sum(balance) != len(names):
         raise ValueError(f"balance {list(balance)} covers {sum(balance)} layers; the model has {len(names)}")
     flags = [recompute] * len(balance) if isinstance(recompute, bool) else list(recompute)
-    outputs = model.check(batch_size=1) if with_shapes else None
+    if with_shapes:
+        with chosen.autocast("cpu"):
+            outputs = model.check(batch_size=1)
+    else:
+        outputs = None
     stages = []
     first = 0
     for k, count in enumerate(balance):
@@ -39,6 +49,8 @@ def hand_plan(spec: dict[str, Any], balance: Sequence[int], micro_batches: int, 
         "format": PLAN_FORMAT,
         "version": FORMAT_VERSIONS[PLAN_FORMAT],
         "model": model.spec,
+        "precision": precision,
+        "param_dtype": param_dtype,
         "profile": {"path": None, "sha256": None, "device": {"type": "cpu", "name": "hand-written", "threads": threads}},
         "options": {"stages": len(balance)},
         "balance": list(balance),

@@ -35,7 +35,7 @@ class LossScaler:
         self.clean_steps = 0
         self.skipped_steps = 0
 
-    def step_is_finite(self, grad_norm: float) -> bool:
+    def update(self, grad_norm: float) -> bool:
         """Update S from this step's global gradient norm (of the scaled gradients).
 
         Returns whether the optimizer may step: False when some gradient overflowed, which

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..cudamemory import outside_allocator_bytes
+
 
 def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
@@ -111,20 +113,10 @@ def peak_rss_bytes() -> int:
         return 0
 
 
-def cuda_outside_allocator_bytes(device: torch.device) -> int:
-    """Memory in use on the GPU that PyTorch's caching allocator does not hold.
-
-    At the start of a process that is the CUDA context (and any other process on the card);
-    later also NCCL's buffers and library workspaces.
-    """
-    free, total = torch.cuda.mem_get_info(device)
-    return max(0, int(total - free - torch.cuda.memory_reserved(device)))
-
-
 def cuda_memory(device: torch.device, context_bytes: int) -> dict[str, int]:
     """The report's CUDA memory beyond the allocated peak; ``context_bytes`` as read at the start."""
     free, total = torch.cuda.mem_get_info(device)
-    outside = cuda_outside_allocator_bytes(device)
+    outside = outside_allocator_bytes(device)
     return {
         "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
         "context_bytes": int(context_bytes),

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import PRECISIONS, BadInput
+from ..artifacts import PARAM_DTYPES, PRECISIONS, BadInput
 
 OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
 DEFAULT_LR = {"adam": 1e-3, "adamw": 1e-3, "sgd": 1e-2, "momentum": 1e-2}
@@ -91,8 +91,8 @@ def check_options(options: RunOptions) -> RunOptions:
         raise BadInput("--resume needs --checkpoint-dir: the folder the run saved its checkpoints in")
     if options.precision is not None and options.precision not in PRECISIONS:
         raise BadInput(f"--precision '{options.precision}' is not one of {', '.join(PRECISIONS)}")
-    if options.param_dtype is not None and options.param_dtype not in PRECISIONS:
-        raise BadInput(f"--param-dtype '{options.param_dtype}' is not one of {', '.join(PRECISIONS)}")
+    if options.param_dtype is not None and options.param_dtype not in PARAM_DTYPES:
+        raise BadInput(f"--param-dtype '{options.param_dtype}' is not one of {', '.join(PARAM_DTYPES)}")
     if options.executor not in EXECUTORS:
         raise BadInput(f"--executor '{options.executor}' is not one of {', '.join(EXECUTORS)}")
     if options.device not in DEVICES:

@@ -174,8 +174,10 @@ def check_precision_matches(plan: RunPlan, precision: str | None, param_dtype: s
     for flag, asked, planned in (("--precision", precision, plan.precision),
                                  ("--param-dtype", param_dtype, plan.param_dtype)):
         if asked is not None and asked != planned:
+            wanted = (precision or plan.precision, param_dtype or plan.param_dtype)
             raise BadInput(f"{flag} {asked} differs from plan '{plan.path}', made from a profile measured with "
-                           f"{flag} {planned}: re-profile with {flag} {asked} and solve again, or drop {flag}")
+                           f"{flag} {planned}: re-profile with --precision {wanted[0]} --param-dtype {wanted[1]} "
+                           f"and solve again, or drop {flag}")
     return plan.precision, plan.param_dtype
 
 

@@ -15,8 +15,6 @@ what ``torch.distributed.pipelining`` needs to avoid deadlocks on gloo.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,14 +23,10 @@ from torch.utils.checkpoint import checkpoint
 
 from ..artifacts import BadInput
 from ..models import LayeredModel, Precision
+from ..models.precision import Autocast, no_autocast
 from .plan import RunPlan
 
 Tensors = tuple[torch.Tensor, ...]
-Autocast = Callable[[], contextlib.AbstractContextManager[object]]
-
-
-def no_autocast() -> contextlib.AbstractContextManager[object]:
-    return contextlib.nullcontext()
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -76,6 +70,9 @@ class StageModule(nn.Module):
         self.layers = nn.ModuleList(layer for _, layer in layers)
         self.recompute = recompute
         self.autocast = autocast
+        # What the first forward must return (set by build_stage; see check_outputs).
+        self.expected_outputs: tuple[TensorMeta, ...] | None = None
+        self.label = "the stage"
 
     def run_layers(self, *xs: torch.Tensor) -> Tensors:
         with self.autocast():
@@ -87,8 +84,31 @@ class StageModule(nn.Module):
         if self.recompute and torch.is_grad_enabled():
             # Non-reentrant checkpointing: works when some inputs need no gradient (token ids)
             # and restores the RNG state for the rerun, so the rerun computes the same values.
-            return checkpoint(self.run_layers, *xs, use_reentrant=False)
-        return self.run_layers(*xs)
+            outputs = checkpoint(self.run_layers, *xs, use_reentrant=False)
+        else:
+            outputs = self.run_layers(*xs)
+        if self.expected_outputs is not None:
+            self.check_outputs(outputs)
+        return outputs
+
+    def check_outputs(self, outputs: Tensors) -> None:
+        """Refuse, in one line, a first forward whose outputs are not what the plan declared.
+
+        The plan's shapes and dtypes were measured by the profile, in its precision and on its
+        device; run elsewhere (another precision, a CPU's autocast rules for a CUDA plan) the
+        stage computes others, and the next stage would receive bytes it cannot read (gloo
+        aborts the process). Checked once: shapes do not change from step to step.
+        """
+        expected, self.expected_outputs = self.expected_outputs or (), None
+        got = tuple(TensorMeta(tuple(o.shape), o.dtype) for o in outputs)
+        for i, (have, want) in enumerate(zip(got, expected)):
+            if have != want:
+                raise BadInput(f"{self.label}'s output {i} is {_describe(have)} but the plan declares "
+                               f"{_describe(want)}: the plan was profiled in another precision or on another device; "
+                               f"profile here, in the precision of the run, and solve again")
+        if len(got) != len(expected):
+            raise BadInput(f"{self.label} returns {len(got)} tensors but the plan declares {len(expected)}: "
+                           f"profile the model again and solve again")
 
 
 @dataclass
@@ -135,6 +155,10 @@ class Stage:
             tensor.data.copy_(state[key])
 
 
+def _describe(meta: TensorMeta) -> str:
+    return f"{str(meta.dtype).replace('torch.', '')} {list(meta.shape)}"
+
+
 def check_layer_names(model: LayeredModel, plan: RunPlan) -> None:
     """Refuse a plan whose layers are not the rebuilt model's, in order."""
     have = [name for name, _ in model.layers]
@@ -165,6 +189,7 @@ def build_stage(model: LayeredModel, plan: RunPlan, index: int, precision: Preci
     # the same dtype (the model is still there). Its rules can differ from CUDA's (a CUDA
     # layer norm returns fp32, a CPU one bf16): plans from `solve` carry the profiled ones.
     input_meta, output_meta = _cut_metas(model, plan, index, lambda: precision.autocast("cpu"))
+    module.expected_outputs, module.label = output_meta, f"stage {index}"
     whole = model.module.state_dict(keep_vars=True)
     local_name = {id(t): name for name, t in module.state_dict(keep_vars=True).items()}
     global_to_local = {key: local_name[id(t)] for key, t in whole.items() if id(t) in local_name}

@@ -4,7 +4,8 @@ Only the last stage computes the loss, but every rank needs it: to show progress
 to stop together, before any optimizer step, when it is NaN. Clipping by the global gradient
 norm also needs every stage's share of it.
 
-With clipping, one all-reduce of (loss, squared norm) does both. Without it, the last stage
+With clipping, and in fp16 (an overflow shows as a non-finite norm, and every stage must skip
+the same steps: .loss_scale), one all-reduce of (loss, squared norm) does both. Otherwise the last stage
 just sends its loss to the others, and each of them posts that receive when the step starts,
 so the message is waiting for them when they finish: a gloo all-reduce of two numbers costs
 a few round trips (milliseconds on a busy machine), a pre-posted receive nothing. On NCCL a

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from ..artifacts import BadInput, RunFailure, write_bytes_atomic, write_json_atomic
+from ..artifacts import BadInput, RunFailure, precision_label, write_bytes_atomic, write_json_atomic
 from ..models import Precision, build_model
-from ..speedprobe import speed_probe_s, speed_ratio
+from ..speedprobe import profile_probe_s, speed_probe_s, speed_ratio
 from . import checkpoint
 from .conditions import condition_warnings, cpu_cores, threads_per_rank
 from .data import batch_source
@@ -30,7 +30,8 @@ from .executor import Executor, NativeExecutor
 from .faults import Fault
 from .objects import gather_objects
 from .loss_scale import LossScaler
-from .memory import ActivationMeter, cuda_memory, cuda_outside_allocator_bytes, peak_rss_bytes, static_bytes
+from ..cudamemory import outside_allocator_bytes
+from .memory import ActivationMeter, cuda_memory, peak_rss_bytes, static_bytes
 from .optim import clip_gradients, learning_rate, make_optimizer, set_learning_rate, squared_grad_norm
 from .options import RunOptions
 from .p2p import Neighbours
@@ -56,7 +57,7 @@ def train(options: RunOptions, world: World) -> None:
     torch.set_num_threads(threads)
     device = choose_device(options.device, plan, world.local_rank)
     # On CUDA: what the context takes before we allocate or start NCCL (the report's baseline).
-    context_bytes = cuda_outside_allocator_bytes(device) if device.type == "cuda" else None
+    context_bytes = outside_allocator_bytes(device) if device.type == "cuda" else None
     executor_name = _executor_name(options.executor, device)
     # Join the ranks, unless the caller already did (tests run several trainings in one group).
     joined_here = not dist.is_initialized()
@@ -72,7 +73,7 @@ def train(options: RunOptions, world: World) -> None:
     # rank in turn, alone like the profile's probe, so that the ratio is the machine's drift and
     # not the ranks slowing each other (that belongs to the run, and calibration keeps it).
     probes = [_probe_in_turn(world, device, objects)]
-    profile_probe = plan.profile_device.get("speed_probe_s")
+    profile_probe = profile_probe_s(plan.profile_device)
     ratio = speed_ratio(probes[0], profile_probe)
     if reporter and ratio and not 1 / SPEED_TOLERANCE <= ratio <= SPEED_TOLERANCE:
         err.print(f"[yellow]warning:[/] this machine runs {abs(ratio - 1):.0%} {'slower' if ratio > 1 else 'faster'} "
@@ -167,7 +168,7 @@ def train(options: RunOptions, world: World) -> None:
                 raise RunFailure(f"the loss is {loss} at step {step + 1}: training diverged; lower --lr "
                                  f"(it is {lr:g}) or set --grad-clip")
             # fp16: an overflow anywhere skips this step on every stage (the norm is global).
-            take_step = scaler.step_is_finite(grad_norm)
+            take_step = scaler.update(grad_norm)
             if take_step:
                 scaler.unscale_(stage.parameters(), scale)
                 if options.grad_clip:
@@ -187,7 +188,7 @@ def train(options: RunOptions, world: World) -> None:
             progress.update(step, loss, t1 - t0)
 
             if folder is not None and ((step + 1) % options.checkpoint_every == 0 or step + 1 == options.steps):
-                checkpoint.save(folder, step + 1, stage, optimizer, identity, scaler)
+                checkpoint.save(folder, step + 1, stage, optimizer, identity, scaler, device)
                 dist.barrier(group=objects)  # every stage has saved step+1: older ones may go
                 checkpoint.prune(folder, options.keep_checkpoints, stage.index, stage.num_stages)
         sync.close()
@@ -317,7 +318,7 @@ def _identity(plan: RunPlan, stage: Stage, options: RunOptions, precision: Preci
     """What a checkpoint must agree with to be resumed by this run."""
     return {"model": plan.model, "stages": plan.num_stages, "layers": list(plan.stages[stage.index].layers),
             "seed": options.seed, "global_batch_size": plan.global_batch_size, "data": options.data,
-            "param_dtype": precision.params}
+            "precision": precision.compute, "param_dtype": precision.params}
 
 
 def _run_facts(options: RunOptions, optimizer: str, lr: float, threads: int, device: torch.device, executor: str,
@@ -335,7 +336,7 @@ def _banner(plan: RunPlan, options: RunOptions, optimizer: str, lr: float, threa
     name = plan.model.get("name") or plan.model.get("factory")
     where = f"{device.type}, {threads} thread(s) per rank" if device.type == "cpu" else str(device)
     if plan.precision != "fp32":
-        where += f", {plan.precision} autocast" + (f", {plan.param_dtype} parameters" if plan.param_dtype != "fp32" else "")
+        where += f", {precision_label(plan.precision, plan.param_dtype)}"
     text = (f"training {name} on {plan.num_stages} stage(s) ({where}), {plan.schedule}, "
             f"{plan.micro_batches} x {plan.micro_batch_size} samples per step, {optimizer} lr {lr:g}, "
             f"{data}, {executor} executor")

@@ -63,12 +63,33 @@ def test_span_marks_are_cuda_events_read_once_per_step() -> None:
     assert all(a.end_s <= b.start_s + 1e-6 for a, b in zip(spans, spans[1:]))
 
 
+def gpipe_plan(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(BIN / "gpipe-plan"), *args], cwd=cwd, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"), timeout=300)
+
+
+def test_a_solved_bf16_plan_runs_with_the_profiled_dtypes(tmp_path: Path) -> None:
+    """profile -> solve -> run in bf16: every stage's outputs come from the CUDA profile (a
+    CPU-derived dtype once made the last stage declare fp32 logits)."""
+    for args in (("profile", "gpt", "--layers", "2", "--width", "256", "--heads", "4", "--seq-len", "128",
+                  "--vocab-size", "1024", "--device", "cuda", "--precision", "bf16", "--batch-size", "4",
+                  "--repeats", "3", "-o", "profile.json", "-q"),
+                 ("solve", "profile.json", "-k", "1", "-o", "plan.json", "-q"),
+                 ("run", "plan.json", "--steps", "3", "--report", "report.json", "-q")):
+        result = gpipe_plan(*args, cwd=tmp_path)
+        assert result.returncode == 0, (args[0], result.stderr)
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["precision"] == "bf16" and plan["stages"][-1]["output_dtypes"] == ["bfloat16"]
+    assert plan["options"]["memory_limit_source"] == "device"
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["run"]["device"] == "cuda" and report["run"]["precision"] == "bf16"
+
+
 def test_bf16_single_stage_run_reports_reserved_and_outside_memory(tmp_path: Path) -> None:
-    plan = hand_plan(GPT, [4], micro_batches=2, micro_batch_size=2, with_shapes=False)
-    write_json_atomic(tmp_path / "plan.json", {**plan, "precision": "bf16"})
-    result = subprocess.run([str(BIN / "gpipe-plan"), "run", "plan.json", "--steps", "4", "--device", "cuda",
-                             "--report", "report.json", "-q"], cwd=tmp_path, capture_output=True, text=True,
-                            env=dict(os.environ, PYTHONWARNINGS="ignore"), timeout=300)
+    plan = hand_plan(GPT, [4], micro_batches=2, micro_batch_size=2, with_shapes=False, precision="bf16")
+    write_json_atomic(tmp_path / "plan.json", plan)
+    result = gpipe_plan("run", "plan.json", "--steps", "4", "--device", "cuda", "--report", "report.json", "-q",
+                        cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["run"]["precision"] == "bf16" and report["run"]["backend"] == "nccl"

@@ -57,7 +57,7 @@ def test_pairs_that_train(pair: tuple[str, str]) -> None:
 
 
 @pytest.mark.parametrize("pair, message", [
-    (("fp32", "bf16"), "parameters in bf16 need --precision bf16"),
+    (("fp32", "bf16"), "parameters in bf16 need bf16 compute"),
     (("fp16", "fp16"), "fp16 parameters cannot be trained safely"),
     (("bf16", "fp16"), "fp16 parameters"),
     (("fp64", "fp32"), "is not one of fp32, bf16, fp16"),
@@ -106,17 +106,17 @@ def test_the_plan_records_the_profiles_precision(tmp_path: Path) -> None:
 
 
 def test_run_refuses_a_precision_other_than_the_plans(tmp_path: Path) -> None:
-    plan = hand_plan(TINY, [2, 2], micro_batches=2, micro_batch_size=2, with_shapes=False)
-    write_json_atomic(tmp_path / "plan.json", {**plan, "precision": "bf16"})
+    plan = hand_plan(TINY, [2, 2], micro_batches=2, micro_batch_size=2, precision="bf16")
+    write_json_atomic(tmp_path / "plan.json", plan)
     result = gpipe_plan("run", "plan.json", "--precision", "fp32", "--steps", "1", "--report", "r.json",
                         cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"error: --precision fp32 differs from plan '{tmp_path / 'plan.json'}', made from a profile measured with "
-        "--precision bf16: re-profile with --precision fp32 and solve again, or drop --precision"]
+        "--precision bf16: re-profile with --precision fp32 --param-dtype fp32 and solve again, or drop --precision"]
     assert not (tmp_path / "r.json").exists()
     # A plan older than precision ran fp32, and says so.
-    write_json_atomic(tmp_path / "old.json", {**plan, "version": 2})
+    write_json_atomic(tmp_path / "old.json", {**plan, "version": 2, "precision": "fp32"})
     result = gpipe_plan("run", "old.json", "--precision", "bf16", "--steps", "1", cwd=tmp_path)
     assert result.returncode == 2 and "measured with --precision fp32" in result.stderr
 
@@ -124,8 +124,8 @@ def test_run_refuses_a_precision_other_than_the_plans(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- training
 def _train(tmp_path: Path, name: str, balance: list[int], precision: str, steps: int, executor: str = "native",
            lr: str = "3e-3") -> dict[str, Any]:
-    plan = hand_plan(TINY, balance, micro_batches=2, micro_batch_size=4, with_shapes=False)
-    write_json_atomic(tmp_path / f"{name}.json", {**plan, "precision": precision})
+    write_json_atomic(tmp_path / f"{name}.json",
+                      hand_plan(TINY, balance, micro_batches=2, micro_batch_size=4, precision=precision))
     result = gpipe_plan("run", f"{name}.json", "--steps", str(steps), "--lr", lr, "--data", "text.txt",
                         "--executor", executor, "--save", f"{name}.pt", "--report", f"{name}-report.json", "-q",
                         cwd=tmp_path)
@@ -134,52 +134,137 @@ def _train(tmp_path: Path, name: str, balance: list[int], precision: str, steps:
             "report": json.loads((tmp_path / f"{name}-report.json").read_text())}
 
 
-def _largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert list(a) == list(b)
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+def _two_stages_and_one(tmp_path: Path, precision: str, steps: int) -> dict[str, Any]:
+    """K = 2 and K = 1 trained alike in ``precision``; asserts they end within bf16 tolerance.
+
+    The same operations in the same dtypes, only on two processes (one bf16 ulp of the largest
+    weights is ~4e-3); on this CPU they agree bit for bit. Returns the K = 2 run.
+    """
+    (tmp_path / "text.txt").write_text(TEXT)
+    two = _train(tmp_path, "k2", [2, 2], precision, steps)
+    one = _train(tmp_path, "k1", [4], precision, steps)
+    assert list(two["params"]) == list(one["params"])
+    worst = max(float((two["params"][k].float() - one["params"][k].float()).abs().max()) for k in one["params"])
+    assert worst <= 1e-2, worst
+    return two
 
 
 @pytest.mark.slow
 def test_bf16_pipeline_learns_and_matches_one_stage(tmp_path: Path) -> None:
-    (tmp_path / "text.txt").write_text(TEXT)
-    two = _train(tmp_path, "k2", [2, 2], "bf16", steps=30)
-    one = _train(tmp_path, "k1", [4], "bf16", steps=30)
-    # The same operations in the same dtypes, only on two processes: bf16 tolerance (one
-    # bf16 ulp of the largest weights is ~4e-3); on this CPU they agree bit for bit.
-    assert _largest_difference(two["params"], one["params"]) <= 1e-2
-    report = two["report"]
+    report = _two_stages_and_one(tmp_path, "bf16", steps=30)["report"]
     assert report["run"]["precision"] == "bf16" and report["version"] == 2
     first, last = report["loss"]["first"], report["loss"]["last"]
     assert first > math.log(256) - 0.3 and last < first - 1.0, (first, last)
     # A matching fp32 run learns about as well: bf16 is not training something else.
     fp32 = _train(tmp_path, "k2-fp32", [2, 2], "fp32", steps=30)
     assert abs(fp32["report"]["loss"]["last"] - last) < 0.25
+    # torch.distributed.pipelining runs the same bf16 stages (it scales the summed gradients
+    # by 1/M where the native executor scales each loss: bf16 tolerance, not bit for bit).
+    torch_run = _train(tmp_path, "k2-torch", [2, 2], "bf16", steps=30, executor="torch")
+    assert torch_run["report"]["run"]["executor"] == "torch"
+    assert abs(torch_run["report"]["loss"]["last"] - last) < 0.05
+
+
+def test_a_stage_computing_other_dtypes_than_the_plan_declares_is_refused(tmp_path: Path) -> None:
+    """A plan's cut dtypes come from its profile; a run that computes others (another precision
+    or device) stops at the first forward in one line, instead of gloo aborting the next rank."""
+    plan = hand_plan(TINY, [2, 2], micro_batches=2, micro_batch_size=2, precision="bf16")
+    assert plan["stages"][0]["output_dtypes"] == ["float32"]      # the residual stream stays fp32
+    plan["stages"][0]["output_dtypes"] = ["bfloat16"]              # as if profiled elsewhere
+    write_json_atomic(tmp_path / "plan.json", plan)
+    result = gpipe_plan("run", "plan.json", "--steps", "1", "--report", "r.json", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "stage 0's output 0 is float32 [2, 16, 32] but the plan declares bfloat16 [2, 16, 32]" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "r.json").exists()
+
+
+def test_a_checkpoint_resumes_only_in_its_own_precision(tmp_path: Path) -> None:
+    (tmp_path / "text.txt").write_text(TEXT)
+    for precision in ("fp16", "bf16"):
+        write_json_atomic(tmp_path / f"{precision}.json",
+                          hand_plan(TINY, [4], micro_batches=2, micro_batch_size=2, precision=precision))
+    saved = gpipe_plan("run", "fp16.json", "--steps", "2", "--checkpoint-dir", "ckpt", "-q", cwd=tmp_path)
+    assert saved.returncode == 0, saved.stderr
+    resumed = gpipe_plan("run", "bf16.json", "--steps", "3", "--checkpoint-dir", "ckpt", "--resume", cwd=tmp_path)
+    assert resumed.returncode == 2
+    assert "was made with precision = 'fp16', this run has 'bf16'" in resumed.stderr
 
 
 @pytest.mark.slow
 def test_fp16_pipeline_scales_the_loss_and_matches_one_stage(tmp_path: Path) -> None:
-    (tmp_path / "text.txt").write_text(TEXT)
-    two = _train(tmp_path, "k2", [2, 2], "fp16", steps=6)
-    one = _train(tmp_path, "k1", [4], "fp16", steps=6)
-    assert _largest_difference(two["params"], one["params"]) <= 1e-2
-    scale = two["report"]["run"]["loss_scale"]
+    report = _two_stages_and_one(tmp_path, "fp16", steps=6)["report"]
+    scale = report["run"]["loss_scale"]
     assert scale["scale"] == 2.0 ** 16 and scale["skipped_steps"] == 0
-    assert two["report"]["loss"]["last"] < two["report"]["loss"]["first"]
+    assert report["loss"]["last"] < report["loss"]["first"]
+
+
+def test_the_last_stage_backpropagates_the_scaled_loss() -> None:
+    """fp16: the gradients a backward leaves are the loss scale times the unscaled ones (the
+    optimizer then divides them back); Adam would hide a missing scale, so check it here."""
+    from gpipe_plan.models import build_model
+    from gpipe_plan.runtime.executor import NativeExecutor
+    from gpipe_plan.runtime.plan import load_plan
+    from gpipe_plan.runtime.stage import build_stage
+    from gpipe_plan.runtime.timing import SpanRecorder
+
+    class NoNeighbours:   # one stage: nothing to send or receive
+        def finish_sends(self) -> None: ...
+
+    def gradients(loss_scale: float) -> list[torch.Tensor]:
+        model = build_model(TINY)
+        stage = build_stage(model, load_plan(plan_path), 0)
+        executor = NativeExecutor(stage, "gpipe", 2, model.loss, NoNeighbours(),  # type: ignore[arg-type]
+                                  SpanRecorder(0, torch.device("cpu")))
+        executor.loss_scale = loss_scale
+        inputs, targets = model.synthetic_batch(4, torch.Generator().manual_seed(0))
+        executor.step(0, inputs, targets)
+        return [p.grad.clone() for p in stage.parameters()]
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        plan_path = Path(folder) / "plan.json"
+        write_json_atomic(plan_path, hand_plan(TINY, [4], micro_batches=2, micro_batch_size=2))
+        plain, scaled = gradients(1.0), gradients(1024.0)
+    for g, s in zip(plain, scaled):
+        torch.testing.assert_close(s, g * 1024.0, rtol=1e-5, atol=1e-6)
+
+
+def test_a_probe_of_another_workload_is_not_compared() -> None:
+    from gpipe_plan.speedprobe import profile_probe_s, workload
+
+    assert profile_probe_s({"type": "cpu", "speed_probe_s": 0.01}) == 0.01              # unchanged on a CPU
+    assert profile_probe_s({"type": "cuda", "speed_probe_s": 0.001}) is None           # before version 5
+    assert profile_probe_s({"type": "cuda", "speed_probe_s": 0.05,
+                            "speed_probe_workload": list(workload("cuda"))}) == 0.05
+    assert profile_probe_s({"type": "cuda", "speed_probe_s": 0.05, "speed_probe_workload": [64, 256]}) is None
+
+
+def test_calibrate_refuses_a_run_in_another_precision(tmp_path: Path) -> None:
+    doc = profile(TINY, Precision())
+    write_json_atomic(tmp_path / "profile.json", doc)
+    report = {"format": "gpipe-plan.report", "version": 2, "model": doc["model"], "stages": [],
+              "run": {"precision": "bf16", "param_dtype": "fp32"}}
+    write_json_atomic(tmp_path / "report.json", report)
+    result = gpipe_plan("calibrate", "report.json", "--profile", "profile.json", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("error: 'report.json' ran bf16 autocast, fp32 parameters but 'profile.json' "
+                                     "was measured fp32: calibrate with the profile the run's plan was made from")
 
 
 def test_loss_scaler_skips_overflowing_steps_and_grows_after_clean_ones() -> None:
     scaler = LossScaler(enabled=True, init_scale=1024.0, growth_interval=3)
-    assert scaler.step_is_finite(5.0) and scaler.scale == 1024.0
-    assert not scaler.step_is_finite(math.inf) and scaler.scale == 512.0
-    assert not scaler.step_is_finite(math.nan) and scaler.scale == 256.0
-    assert [scaler.step_is_finite(1.0) for _ in range(3)] == [True] * 3 and scaler.scale == 512.0
+    assert scaler.update(5.0) and scaler.scale == 1024.0
+    assert not scaler.update(math.inf) and scaler.scale == 512.0
+    assert not scaler.update(math.nan) and scaler.scale == 256.0
+    assert [scaler.update(1.0) for _ in range(3)] == [True] * 3 and scaler.scale == 512.0
     assert scaler.skipped_steps == 2
     p = nn.Parameter(torch.ones(3))
     p.grad = torch.full((3,), 512.0)
     scaler.unscale_([p], 512.0)
     assert torch.equal(p.grad, torch.ones(3))
     off = LossScaler(enabled=False)
-    assert off.scale == 1.0 and off.step_is_finite(math.inf)
+    assert off.scale == 1.0 and off.update(math.inf)
 
 
 # --------------------------------------------------------------------------- measurement rules

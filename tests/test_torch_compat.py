@@ -48,38 +48,46 @@ class Schedule24:
 
 
 @pytest.fixture
-def middle_stages(tmp_path):  # noqa: ANN001, ANN201
-    """Both stages of a 2-stage gpt plan (the first receives no gradients' metadata, the last sends none)."""
+def two_stages(tmp_path):  # noqa: ANN001, ANN201
+    """Both stages of a 2-stage gpt plan: the first receives activations from no one, the last
+    receives no gradients."""
     write_json_atomic(tmp_path / "plan.json", hand_plan(GPT, [2, 2], micro_batches=2, micro_batch_size=2))
     plan = load_plan(tmp_path / "plan.json")
     return [build_stage(build_model(GPT), plan, k) for k in range(2)]
 
 
-def test_the_installed_torch_takes_the_gradient_metadata(middle_stages) -> None:  # noqa: ANN001
+def test_the_installed_torch_is_read_as_it_is(two_stages) -> None:  # noqa: ANN001
+    """2.13 takes the gradients' metadata and gets it for the cuts that have one; 2.11 (the GPU
+    image's) takes none and gets none; both have what every run needs."""
     features = pipelining_features()
     assert features.static_shapes and features.scale_grads and features.losses
-    if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 13):
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if version >= (2, 13):
         assert features.grad_metas
-        first, last = (stage_arguments(s, torch.device("cpu"), features) for s in middle_stages)
+        first, last = (stage_arguments(s, torch.device("cpu"), features) for s in two_stages)
         assert first["output_grads"] is not None and first["input_grads"] is None
         assert last["output_grads"] is None and last["input_grads"] is not None
+    elif version <= (2, 11):
+        assert not features.grad_metas
+        assert all(set(stage_arguments(s, torch.device("cpu"), features)) == {"input_args", "output_args"}
+                   for s in two_stages)
 
 
-def test_torch_2_11_gets_no_gradient_metadata(middle_stages) -> None:  # noqa: ANN001
+def test_torch_2_11_gets_no_gradient_metadata(two_stages) -> None:  # noqa: ANN001
     features = pipelining_features(Stage211, Schedule211)
     assert features.static_shapes and not features.grad_metas and features.scale_grads and features.losses
-    for stage in middle_stages:
+    for stage in two_stages:
         arguments = stage_arguments(stage, torch.device("cpu"), features)
         assert set(arguments) == {"input_args", "output_args"}
         Stage211(stage.module, stage.index, 2, torch.device("cpu"), **arguments)  # what the executor will call
-    first_inputs = stage_arguments(middle_stages[1], torch.device("cpu"), features)["input_args"]
-    assert all(x.requires_grad for x in first_inputs)   # received activations are leaves needing gradients
+    received = stage_arguments(two_stages[1], torch.device("cpu"), features)["input_args"]
+    assert all(x.requires_grad for x in received)   # the last stage's inputs are leaves needing gradients
 
 
-def test_a_torch_without_scale_grads_is_refused_in_one_line(middle_stages) -> None:  # noqa: ANN001
+def test_a_torch_without_scale_grads_is_refused_in_one_line(two_stages) -> None:  # noqa: ANN001
     features = pipelining_features(Stage211, Schedule24)
     assert not features.scale_grads and not features.losses
     with pytest.raises(BadInput) as caught:
-        stage_arguments(middle_stages[0], torch.device("cpu"), features)
+        stage_arguments(two_stages[0], torch.device("cpu"), features)
     message = str(caught.value)
     assert "\n" not in message and "lacks Schedule1F1B(scale_grads=)" in message and "--executor native" in message
