@@ -14,7 +14,6 @@ import pickle
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -360,7 +359,7 @@ def test_a_crafted_checkpoint_runs_no_code(tmp_path: Path) -> None:
     planted = tmp_path / "planted"
     path = checkpoint.stage_file(tmp_path / "ckpt", 2, 0, 1)
     path.parent.mkdir(parents=True)
-    path.write_bytes(pickle.dumps({"format": _Planted(str(planted))}))
+    path.write_bytes(pickle.dumps({"format": _Planted(str(planted))}, protocol=2))
     with pytest.raises(BadInput, match="cannot read checkpoint"):
         checkpoint.load(tmp_path / "ckpt", 2, stage, torch.optim.Adam(stage.parameters()), {})
     assert not planted.exists()
