@@ -38,7 +38,6 @@ from ..artifacts import check_precision
 if TYPE_CHECKING:
     from .layered import LayeredModel
 
-Tensors = tuple[torch.Tensor, ...]
 # A context factory every forward runs in: ``with autocast(): ...``.
 Autocast = Callable[[], contextlib.AbstractContextManager[object]]
 
@@ -95,7 +94,6 @@ class Precision:
             with self.autocast(device_type):
                 return fn(*args)
         return under_autocast
-
 
 
 def no_autocast() -> contextlib.AbstractContextManager[object]:

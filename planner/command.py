@@ -10,9 +10,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..artifacts import PLAN_FORMAT, PROFILE_FORMAT, BadInput, file_sha256, precision_of, read_artifact, \
-    write_json_atomic, \
-    write_text_atomic
+from ..artifacts import (PLAN_FORMAT, PROFILE_FORMAT, BadInput, file_sha256, precision_of, read_artifact,
+                         write_json_atomic, write_text_atomic)
 from .plan import build_plan
 from .profile import Profile
 from .render import plan_timeline_svg, render_plan
@@ -143,7 +142,7 @@ def explore_command(profile: str, stages: str, micro_batches: str, global_batch_
     ms: list[int] | str = "auto" if micro_batches.strip().lower() == "auto" else _int_list(micro_batches, "--micro-batches")
     schedules = ["gpipe", "1f1b"] if schedule == "auto" else _choices(schedule, ("gpipe", "1f1b"), "--schedule")
     recomputes = _choices(recompute, ("never", "always", "auto"), "--recompute")
-    limit = parse_size(memory_limit) if memory_limit else device_memory_limit(prof, SolveOptions(1)).memory_limit_bytes
+    limit = parse_size(memory_limit) if memory_limit else prof.usable_memory_bytes   # see device_memory_limit
     bandwidth = parse_bandwidth(link_bandwidth) if link_bandwidth else None
     with _progress() as bar:
         task = bar.add_task("exploring", total=None)

@@ -151,7 +151,7 @@ class Profile:
 DEVICE_MEMORY_HEADROOM = 0.10
 
 
-def usable_memory_bytes(device: Any, where: str) -> float | None:
+def usable_memory_bytes(device: Any, where: str) -> int | None:
     """What a plan may fill on a device of this profile: its memory less the CUDA context
     (``device.context_bytes``, measured by the profiler) and :data:`DEVICE_MEMORY_HEADROOM`.
     None when the profile does not say how much memory the device has (CPU and imported
@@ -162,7 +162,7 @@ def usable_memory_bytes(device: Any, where: str) -> float | None:
     for key, value in (("memory_bytes", total), ("context_bytes", context)):
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
             raise BadInput(f"{where}: 'device.{key}' must be a non-negative number of bytes, found {value!r}")
-    return max(0.0, (float(total) - float(context)) * (1.0 - DEVICE_MEMORY_HEADROOM))
+    return int(max(0.0, (float(total) - float(context)) * (1.0 - DEVICE_MEMORY_HEADROOM)))
 
 
 def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:

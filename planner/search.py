@@ -96,7 +96,7 @@ def device_memory_limit(profile: Profile, options: SolveOptions) -> SolveOptions
         return replace(options, memory_limit_source="option")
     if profile.usable_memory_bytes is None:
         return options
-    return replace(options, memory_limit_bytes=int(profile.usable_memory_bytes), memory_limit_source="device")
+    return replace(options, memory_limit_bytes=profile.usable_memory_bytes, memory_limit_source="device")
 
 
 def divisors(n: int) -> list[int]:

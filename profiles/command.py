@@ -14,7 +14,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..artifacts import BadInput, RunFailure, check_precision, write_json_atomic
+from ..artifacts import BadInput, RunFailure, write_json_atomic
 from ..models import Precision, model_spec
 from .device import resolve_device
 from .contention import default_processes
@@ -34,7 +34,7 @@ def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes
                     quiet: bool = False, contention_processes: int | None = None, recompute_timing: bool = True,
                     precision: str = "fp32", param_dtype: str = "fp32", **options: Any) -> None:
     """Profile MODEL and write the profile JSON to ``out``. Raises BadInput / RunFailure."""
-    chosen = Precision(*check_precision(precision, param_dtype))
+    chosen = Precision(precision, param_dtype)   # checks the pair (BadInput)
     spec = model_spec(model, **{k: options.get(k) for k in _MODEL_OPTIONS})
     unknown = set(options) - set(_MODEL_OPTIONS)
     if unknown:

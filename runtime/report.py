@@ -132,10 +132,11 @@ def _speed(plan: RunPlan, results: list[RankResult], measured_step: float | None
     """The machine's speed during the run against the profile's (see gpipe_plan.speedprobe)."""
     probes = [p for r in results for p in r.speed_probe_s]
     run_probe = statistics.mean(probes) if probes else None
-    ratio = speed_ratio(run_probe, profile_probe_s(plan.profile_device))
+    profile_probe = profile_probe_s(plan.profile_device)
+    ratio = speed_ratio(run_probe, profile_probe)
     at_speed = plan.predicted_step_s * ratio if ratio and plan.predicted_step_s else None
     return {
-        "profile_probe_s": profile_probe_s(plan.profile_device),
+        "profile_probe_s": profile_probe,
         "run_probe_s": run_probe,
         "per_rank_probe_s": {str(r.rank): r.speed_probe_s for r in results},
         "ratio": ratio,

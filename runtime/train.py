@@ -20,6 +20,7 @@ import torch.distributed as dist
 from rich.console import Console
 
 from ..artifacts import BadInput, RunFailure, precision_label, write_bytes_atomic, write_json_atomic
+from ..cudamemory import outside_allocator_bytes
 from ..models import Precision, build_model
 from ..speedprobe import profile_probe_s, speed_probe_s, speed_ratio
 from . import checkpoint
@@ -30,7 +31,6 @@ from .executor import Executor, NativeExecutor
 from .faults import Fault
 from .objects import gather_objects
 from .loss_scale import LossScaler
-from ..cudamemory import outside_allocator_bytes
 from .memory import ActivationMeter, cuda_memory, peak_rss_bytes, static_bytes
 from .optim import clip_gradients, learning_rate, make_optimizer, set_learning_rate, squared_grad_norm
 from .options import RunOptions
