@@ -32,11 +32,15 @@ REPORT_FORMAT = "gpipe-plan.report"
 # profile 4 takes ``contention.slowdown`` from the slowest process (and adds
 # ``slowest_step_s``); profile 5 and plan 3 record the precision (``precision``,
 # ``param_dtype``), and CUDA profiles the memory the CUDA context takes; report 2 adds the
-# run's precision and, on CUDA, the allocator's reserved memory and what lies outside it.
+# run's precision and, on CUDA, the allocator's reserved memory and what lies outside it;
+# profile 6 measures each kind of layer once (``measured_as``), times one layer for
+# ``contention`` and may leave ``consistency`` out (a model too large to step whole).
+# Plan 4 compares the plan with the best one-device plan of the same global batch
+# (``predicted.one_stage_step_s``, ``speedup_over_one_stage``) and gives its noise band.
 # Each only adds keys or refines a measurement, so older files still read (a version 1
 # profile plans as if neighbours cost nothing; anything before profile 5 / plan 3 ran fp32).
-FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 5, PLAN_FORMAT: 3, REPORT_FORMAT: 2}
-READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5), PLAN_FORMAT: (1, 2, 3),
+FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 6, PLAN_FORMAT: 4, REPORT_FORMAT: 2}
+READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6), PLAN_FORMAT: (1, 2, 3, 4),
                                                  REPORT_FORMAT: (1, 2)}
 
 # Precision (docs/runtime.md, "Precision"): ``precision`` is the dtype the layers compute in
@@ -47,6 +51,10 @@ READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5)
 PRECISIONS = ("fp32", "bf16", "fp16")
 PARAM_DTYPES = ("fp32", "bf16")
 PRECISION_PAIRS = {("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16"), ("fp16", "fp32")}
+# Training objectives of a model (`--loss`): what its first output is and which targets it meets.
+#   classify: logits (batch, num_classes) against one class id per sample;
+#   lm: logits (batch, seq, vocab) against the input ids shifted by one token (next token).
+LOSSES: tuple[str, ...] = ("classify", "lm")
 
 
 class BadInput(Exception):

@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from . import __version__
-from .artifacts import PARAM_DTYPES, PRECISIONS, BadInput, RunFailure
+from .artifacts import LOSSES, PARAM_DTYPES, PRECISIONS, BadInput, RunFailure
 
 
 class _Group(click.Group):
@@ -55,6 +55,9 @@ def main() -> None:
               help="Largest micro-batch size to measure. Default: 8, or the largest of --micro-batch-sizes.")
 @click.option("--micro-batch-sizes", default=None, metavar="1,2,4",
               help="Micro-batch sizes to measure. Default: 1, 2, 4, ... doubling up to --batch-size.")
+@click.option("--global-batch-size", type=int, default=None,
+              help="Samples per training step you mean to train with, recorded in the profile: solve and explore "
+                   "plan for it unless told otherwise. Default: the largest micro-batch size measured.")
 @click.option("--device", default="cpu", show_default=True, metavar="cpu|cuda|cuda:N", help="Device to profile on.")
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True,
               help="Compute dtype: bf16/fp16 run every forward under torch.autocast, as `run --precision` will.")
@@ -68,6 +71,16 @@ def main() -> None:
               help="Your model: input dtype, float32 (default) or int64 for token ids.")
 @click.option("--vocab-size", type=int, default=None,
               help="gpt's vocabulary; for your model with --input-dtype int64, the token id range.")
+@click.option("--loss", default=None, metavar="|".join(LOSSES) + "|pkg.module:fn",
+              help="Your model's objective: classify (default; logits (batch, classes) against class ids), "
+                   "lm (logits (batch, seq, vocab) against the next token of the input ids; needs --vocab-size), "
+                   "or your own fn(outputs, targets) -> mean loss (with --data).")
+@click.option("--data", default=None, metavar="pkg.module:factory",
+              help="Your model's data: factory(batch_size) yields (inputs, targets) mini-batches; the inputs' "
+                   "shapes come from them. The profile times your loss on them; `run` trains on them.")
+@click.option("--cut-at", default=None, metavar="REGEX",
+              help="Your model: module paths that become the layers, e.g. 'model\\.layers\\.\\d+'. "
+                   "Default: each block of the model's repeated block list, and each other module with weights.")
 @click.option("--layers", type=int, default=None, help="gpt: transformer blocks (default 4).")
 @click.option("--width", type=int, default=None, help="gpt: model width (default 128); resnet: base channels (16).")
 @click.option("--heads", type=int, default=None, help="gpt: attention heads (default 4).")
@@ -87,6 +100,18 @@ def main() -> None:
 @click.option("--recompute-timing/--no-recompute-timing", default=True, show_default=True,
               help="Also time every layer under activation checkpointing, so that plans price recomputation "
                    "as measured (about a third more profiling time).")
+@click.option("--layer-by-layer/--whole-model", default=None,
+              help="Layer by layer: only the layer being measured is in memory, and layers that are alike (same "
+                   "code, parameter shapes, input and output shapes: a transformer's blocks) are measured once. "
+                   "Whole model: every layer measured in the same rounds, next to the model's own step (their "
+                   "sum matches it; layers timed alone run a few percent faster). Default: whole model up to "
+                   "1 GiB of parameters, layer by layer above.")
+@click.option("--measure-every-layer", is_flag=True,
+              help="Layer by layer: measure every layer, not each kind once.")
+@click.option("--whole-model-check/--no-whole-model-check", default=None,
+              help="Layer by layer: also time the whole model's training step, to check that the layers add up "
+                   "to it (the profile's consistency); it needs the whole model in memory. Default: only for "
+                   "models whose parameters take at most 1 GiB.")
 @click.option("--out", "-o", type=click.Path(dir_okay=False), default="profile.json", show_default=True,
               help="Where to write the profile JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary; print only the profile's path.")
@@ -128,7 +153,7 @@ def profile(**options: Any) -> None:
               help="Where to write the plan JSON.")
 @click.option("--timeline", type=click.Path(dir_okay=False), default=None,
               help="Also draw the predicted schedule as an SVG timeline.")
-@click.option("--quiet", "-q", is_flag=True, help="Print only the plan's path and predicted step time.")
+@click.option("--quiet", "-q", is_flag=True, help="Print only the plan's path, predicted step time and batch.")
 def solve(**options: Any) -> None:
     """Compute the best plan for PROFILE: stages, micro-batches, schedule, recomputation."""
     from .planner.command import solve_command
@@ -169,15 +194,15 @@ def explore(**options: Any) -> None:
 # --------------------------------------------------------------------------- calibrate
 @main.command()
 @click.argument("report", type=click.Path(dir_okay=False))
-@click.option("--profile", "-p", "profile_path", type=click.Path(dir_okay=False), required=True,
-              help="The profile the run's plan was made from.")
+@click.option("--profile", "-p", "profile_path", type=click.Path(dir_okay=False), default=None,
+              help="The profile the run's plan was made from. Default: the one the report's plan names.")
 @click.option("--out", "-o", type=click.Path(dir_okay=False), default=None,
               help="Where to write the calibrated profile. Default: PROFILE with .calibrated.json.")
 @click.option("--speed-correction/--no-speed-correction", default=False, show_default=True,
               help="Divide the machine's speed drift during the run (the report's speed probe) out of the "
                    "measured times. Off by default: on the development VM the generic probe tracked the "
                    "model's own drift too poorly for it to help (docs/runtime.md, 'Calibration').")
-def calibrate(report: str, profile_path: str, out: str | None, speed_correction: bool) -> None:
+def calibrate(report: str, profile_path: str | None, out: str | None, speed_correction: bool) -> None:
     """Fold a run's measured per-stage times (REPORT from `run --report`) into its profile.
 
     A second `solve` with the calibrated profile plans with what the pipeline really costs.
@@ -207,8 +232,8 @@ def import_pipedream(graph: str, batch_size: int | None, out: str | None) -> Non
 @click.option("--timeline", type=click.Path(dir_okay=False), default=None,
               help="For a plan: also draw its predicted schedule as an SVG timeline.")
 def show(file: str, timeline: str | None) -> None:
-    """Pretty-print a profile or a plan (neither needs torch)."""
-    from .artifacts import PLAN_FORMAT, PROFILE_FORMAT, check_format, precision_of, read_json
+    """Pretty-print a profile, a plan or a run's report (none needs torch)."""
+    from .artifacts import PLAN_FORMAT, PROFILE_FORMAT, REPORT_FORMAT, check_format, precision_of, read_json
 
     doc = read_json(file, "file")
     if isinstance(doc, dict) and doc.get("format") == PROFILE_FORMAT:
@@ -220,10 +245,16 @@ def show(file: str, timeline: str | None) -> None:
         precision_of(doc, f"profile '{file}'")
         render_profile(doc, Console())
         return
+    if isinstance(doc, dict) and doc.get("format") == REPORT_FORMAT:
+        from .runtime.report import show_report
+
+        check_format(doc, REPORT_FORMAT, file)
+        show_report(doc, file)
+        return
     from .planner.command import show_plan
 
     if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
-        raise BadInput(f"'{file}' is neither a gpipe-plan profile nor a plan (its \"format\" is "
+        raise BadInput(f"'{file}' is not a gpipe-plan profile, plan or report (its \"format\" is "
                        f"{doc.get('format') if isinstance(doc, dict) else None!r})")
     show_plan(file, timeline=timeline)
 
@@ -246,8 +277,10 @@ def show(file: str, timeline: str | None) -> None:
 @click.option("--lr-schedule", type=click.Choice(["constant", "cosine"]), default="constant", show_default=True,
               help="Learning-rate schedule after the warm-up; cosine decays to lr/10 at the last step.")
 @click.option("--warmup-steps", type=int, default=0, show_default=True, help="Linear learning-rate warm-up steps.")
-@click.option("--data", type=click.Path(dir_okay=False), default=None, metavar="FILE.txt",
-              help="gpt: train on this text, byte-level (needs vocab_size >= 256). Default: synthetic data.")
+@click.option("--data", default=None, metavar="FILE.txt|pkg.module:factory",
+              help="A language model (gpt, or yours with --loss lm): train on this text, byte-level (vocabulary "
+                   ">= 256). Your model: factory(batch_size) yields (inputs, targets) mini-batches. "
+                   "Default: the profile's --data factory, else synthetic data.")
 @click.option("--save", type=click.Path(dir_okay=False), default=None, metavar="model.pt",
               help="Write the trained model's full state_dict (the unsplit model's keys), for torch.load.")
 @click.option("--report", type=click.Path(dir_okay=False), default=None, metavar="report.json",
@@ -255,11 +288,17 @@ def show(file: str, timeline: str | None) -> None:
 @click.option("--trace", type=click.Path(dir_okay=False), default=None, metavar="trace.json",
               help="Write a Chrome trace of every stage's forwards and backwards (open in ui.perfetto.dev).")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None,
-              help="Save checkpoints here (one file per stage), every --checkpoint-every steps and at the end.")
+              help="Save checkpoints here, every --checkpoint-every steps and at the end: one "
+                   "torch.distributed.checkpoint per step, keyed like the unsplit model (all ranks must see it).")
 @click.option("--checkpoint-every", type=int, default=100, show_default=True, help="Steps between checkpoints.")
 @click.option("--keep-checkpoints", type=int, default=2, show_default=True, help="Newest checkpoints to keep.")
 @click.option("--resume", is_flag=True,
-              help="Continue from the newest checkpoint in --checkpoint-dir (start fresh if there is none).")
+              help="Continue from the newest complete checkpoint in --checkpoint-dir (start fresh if there is "
+                   "none), under this plan or any other split of the same model (other stages, balance, batch).")
+@click.option("--init-from", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="Start from these weights of the unsplit model: a torch.save'd state_dict (.pt, .bin) or a "
+                   ".safetensors file, keyed like model.state_dict() (as --save writes it); each rank reads only its "
+                   "stage's tensors. The optimizer starts fresh, at step 0. With --resume, an existing checkpoint wins.")
 @click.option("--precision", type=click.Choice(PRECISIONS), default=None,
               help="Compute dtype (fp16 adds loss scaling). Default: the plan's; a different one is refused, "
                    "since the plan's times and memory were measured in its own.")
@@ -293,15 +332,15 @@ def run(**options: Any) -> None:
 
 # --------------------------------------------------------------------------- demo
 @main.command()
-@click.option("--steps", type=int, default=30, show_default=True, help="Training steps.")
+@click.option("--steps", type=int, default=100, show_default=True, help="Training steps.")
 @click.option("--stages", "-k", type=int, default=2, show_default=True, help="Pipeline stages.")
 @click.option("--out-dir", type=click.Path(file_okay=False), default=None,
               help="Keep the profile, plan, report and trace here. Default: a temporary folder.")
 def demo(**options: Any) -> None:
     """Profile the built-in gpt on this CPU, plan 2 stages, train with the plan, compare.
 
-    The whole loop in about two minutes: profile -> solve -> run, then the plan, its
-    timeline, and measured against predicted.
+    The whole loop in a few minutes: profile -> solve -> run on a public-domain text the
+    package ships, then the plan, its timeline, measured against predicted, and the loss.
     """
     from .runtime.demo import demo_command
 

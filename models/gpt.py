@@ -5,9 +5,10 @@ causal self-attention and MLP, each with a residual), ``head`` (final LayerNorm 
 to the vocabulary). Every block costs the same, which is the case where a uniform split is
 already good; compare ``resnet``.
 
-Deliberately absent, because a pipeline must compute exactly what the unsplit model does:
-dropout (its random masks would depend on how the batch is split into micro-batches) and
-weight tying between the embedding and the head (one parameter in two stages).
+Deliberately absent: dropout, because a pipeline must compute exactly what the unsplit model
+does and its random masks would depend on how the batch is split into micro-batches. No weight
+tying between the embedding and the head either, which keeps the layers' figures independent
+(tied models such as GPT-2 are supported: runtime/tied.py).
 """
 
 from __future__ import annotations
@@ -99,10 +100,19 @@ class GPT(nn.Module):
             x = block(x)
         return self.head(x)
 
+    def _init_weights(self, module: nn.Module) -> None:
+        """Initialise ``module``'s own parameters as this model does (Hugging Face's convention).
+
+        ``build_model`` builds the model on the meta device and calls this per module, seeded
+        from the module's path, to give each layer its values (models/materialize.py).
+        """
+        _init_weights(module)
+
 
 def _init_weights(module: nn.Module) -> None:
     # GPT-2's initialisation: small normal weights, zero biases. PyTorch's default (Kaiming
-    # uniform) also works; this one keeps the initial loss near ln(vocab_size).
+    # uniform) also works; this one keeps the initial loss near ln(vocab_size). LayerNorms keep
+    # their reset_parameters() (ones and zeros).
     if isinstance(module, (nn.Linear, nn.Embedding)):
         nn.init.normal_(module.weight, mean=0.0, std=0.02)
     if isinstance(module, nn.Linear) and module.bias is not None:

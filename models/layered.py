@@ -16,7 +16,7 @@ The contract every layer keeps, whatever model it came from:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -61,12 +61,46 @@ def _first_line(exc: BaseException) -> str:
 
 
 def as_tuple(out: Any) -> Tensors:
-    """A model's or layer's output as a tuple of tensors (a bare tensor becomes a 1-tuple)."""
+    """A model's or layer's output as a tuple of tensors (a bare tensor becomes a 1-tuple).
+
+    A ``ModelOutput`` or dict becomes its tensors, ``logits`` first.
+    """
     if isinstance(out, torch.Tensor):
         return (out,)
     if isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in out):
         return tuple(out)
+    if isinstance(out, Mapping):  # a ModelOutput or a dict: its logits first, as the captured layers give
+        tensors = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+        if tensors:
+            first = "logits" if "logits" in tensors else next(iter(tensors))
+            return (tensors.pop(first), *tensors.values())
     raise TypeError(f"expected a tensor or a tuple of tensors, got {type(out).__name__}")
+
+
+def batch_dimensions(layer: str, small: Sequence[Sequence[int]], small_size: int,
+                     large: Sequence[Sequence[int]], large_size: int) -> list[bool]:
+    """Which of a layer's outputs carry the batch, from their shapes at two micro-batch sizes.
+
+    An output whose first dimension follows the micro-batch size is made per sample; one whose
+    shape does not change with it is the same for every micro-batch (a rotary table of shape
+    ``(1, T, d)`` handed along an ``nn.Sequential``) and crosses a cut whole, in its own shape.
+    An output whose batch is another dimension cannot be cut into micro-batches: refused in
+    one line. With one size only (``small_size == large_size``), a first dimension equal to
+    the size is taken for the batch.
+    """
+    flags = []
+    for a, b in zip(map(list, small), map(list, large)):
+        if small_size == large_size:
+            flags.append(len(a) > 0 and a[0] == small_size)
+        elif a == b:
+            flags.append(False)
+        elif len(a) > 0 and (a[0], b[0]) == (small_size, large_size) and a[1:] == b[1:]:
+            flags.append(True)
+        else:
+            raise BadInput(f"layer {layer!r} passes on a tensor of shape {a} at micro-batch {small_size} and {b} "
+                           f"at {large_size}: a pipeline cuts batches along the first dimension, so put the "
+                           f"batch first (transpose a sequence-first layout)")
+    return flags
 
 
 class LayeredModel:
@@ -81,8 +115,8 @@ class LayeredModel:
         data: how inputs and targets look, and how synthetic ones are drawn.
     """
 
-    def __init__(self, spec: dict[str, Any], module: nn.Module,
-                 layers: Sequence[tuple[str, nn.Module]], data: SyntheticData) -> None:
+    def __init__(self, spec: dict[str, Any], module: nn.Module, layers: Sequence[tuple[str, nn.Module]],
+                 data: SyntheticData, loss_fn: Callable[[Tensors, torch.Tensor], torch.Tensor] | None = None) -> None:
         names = [name for name, _ in layers]
         if len(set(names)) != len(names):
             raise ValueError(f"layer names are not unique: {names}")
@@ -92,6 +126,7 @@ class LayeredModel:
         self.module = module
         self.layers: list[tuple[str, nn.Module]] = list(layers)
         self.data = data
+        self.loss_fn = loss_fn  # the user's loss (models.hooks); None: cross-entropy
 
     # ----------------------------------------------------------------- inputs and targets
     @property
@@ -112,12 +147,15 @@ class LayeredModel:
         return self.data.batch(batch_size, generator)
 
     def loss(self, outputs: Tensors, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of the first output (logits, classes last) against ``targets``.
+        """The user's loss if the spec names one (models.hooks), else the mean cross-entropy of
+        the first output (logits, classes last) against ``targets``.
 
         Logits of shape (batch, ..., classes) pair with integer targets of shape (batch, ...):
         a classifier's (batch, classes) with (batch,), a language model's (batch, seq, vocab)
         with (batch, seq).
         """
+        if self.loss_fn is not None:
+            return self.loss_fn(outputs, targets)
         logits = outputs[0]
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
@@ -153,6 +191,7 @@ class LayeredModel:
                         kinds = [type(x).__name__ for x in (xs if isinstance(xs, tuple) else [xs])]
                         raise BadInput(f"layer {name!r} of {self._title()} passes {kinds} to the next layer; "
                                        f"only tensors can cross a cut between pipeline stages")
+                self._check_logits(xs[0], batch_size)
                 name = "the loss"
                 self.loss(xs, targets.to(device))
             except BadInput:
@@ -160,11 +199,18 @@ class LayeredModel:
             except Exception as exc:
                 raise BadInput(f"{self._inputs_text()} does not fit {self._title()}: {name!r} raised "
                                f"{type(exc).__name__}: {_first_line(exc)}") from None
-        classes = getattr(self.data, "num_classes", None)
-        if classes is not None and xs[0].shape != (batch_size, classes):
-            raise BadInput(f"{self._title()} returns shape {list(xs[0].shape[1:])} per sample; "
-                           f"expected logits [{classes}] (--num-classes {classes})")
         return outputs
+
+    def _check_logits(self, logits: torch.Tensor, batch_size: int) -> None:
+        """The first output is what the objective needs: (batch, classes) or (batch, seq, vocab)."""
+        classes = getattr(self.data, "num_classes", None)
+        if classes is not None and logits.shape != (batch_size, classes):
+            raise BadInput(f"{self._title()} returns shape {list(logits.shape[1:])} per sample; "
+                           f"expected logits [{classes}] (--num-classes {classes})")
+        vocab, seq = getattr(self.data, "vocab_size", None), getattr(self.data, "seq_len", None)
+        if vocab is not None and logits.shape != (batch_size, seq, vocab):
+            raise BadInput(f"{self._title()} returns shape {list(logits.shape[1:])} per sample; --loss lm "
+                           f"needs logits [seq, vocab] = [{seq}, {vocab}] (batch, seq, vocab)")
 
     def _title(self) -> str:
         return f"model '{self.spec.get('name') or self.spec.get('factory')}'"
@@ -194,6 +240,25 @@ class LayeredModel:
         """The ``module.state_dict()`` keys of the parameters that layer ``index`` uses."""
         keys = self.param_keys()
         return [keys[id(p)] for p in self.layers[index][1].parameters()]
+
+    def tied_parameters(self) -> list[dict[str, Any]]:
+        """Parameters that several layers use (tied weights), as a profile records them.
+
+        ``[{"key": state_dict key, "layers": [layer names], "bytes": size}]``: a plan that puts
+        those layers in different stages keeps a copy on each and sums their gradients every
+        step (runtime.tied); the planner charges that exchange.
+        """
+        uses: dict[int, list[int]] = {}
+        params: dict[int, torch.Tensor] = {}
+        for index, (_, layer) in enumerate(self.layers):
+            for p in layer.parameters():
+                if index not in uses.setdefault(id(p), []):
+                    uses[id(p)].append(index)
+                params[id(p)] = p
+        keys = self.param_keys()
+        return [{"key": keys[pid], "layers": [self.layers[i][0] for i in where],
+                 "bytes": params[pid].numel() * params[pid].element_size()}
+                for pid, where in uses.items() if len(where) > 1]
 
     def __repr__(self) -> str:
         names = ", ".join(name for name, _ in self.layers)

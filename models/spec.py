@@ -8,15 +8,17 @@ can get wrong, so that a bad option is one line at the start, not a traceback la
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-from ..artifacts import BadInput
+from ..artifacts import LOSSES, BadInput
 from . import gpt, resnet
 from .user import INPUT_DTYPES, find_factory
 
 BUILTINS: dict[str, dict[str, Any]] = {"gpt": gpt.DEFAULTS, "resnet": resnet.DEFAULTS}
 _CHECKS = {"gpt": gpt.check_options, "resnet": resnet.check_options}
-IMPORT_OPTIONS = ("input_shape", "num_classes", "input_dtype", "vocab_size")
+IMPORT_OPTIONS = ("input_shape", "num_classes", "input_dtype", "vocab_size", "loss", "cut_at", "data")
+_BUILTIN_LOSS = {"gpt": "lm", "resnet": "classify"}
 
 
 def _flag(key: str) -> str:
@@ -31,7 +33,17 @@ def model_spec(model: str, **options: Any) -> dict[str, Any]:
     not import.
     """
     given = {k: v for k, v in options.items() if v is not None}
+    loss = given.get("loss")
+    if loss is not None and loss not in LOSSES and ":" not in str(loss):
+        raise BadInput(f"--loss '{loss}' is not one of {', '.join(LOSSES)}, nor your own as pkg.module:fn")
     if model in BUILTINS:
+        if loss is not None and loss != _BUILTIN_LOSS[model]:
+            raise BadInput(f"the built-in '{model}' trains with --loss {_BUILTIN_LOSS[model]}, not {loss}")
+        if given.get("data") is not None:
+            raise BadInput(f"--data pkg.module:factory feeds a model of your own; the built-in '{model}' has its "
+                           f"own data (gpt: `run --data FILE.txt` for text)")
+        given.pop("loss", None)
+        given.pop("data", None)
         return _builtin_spec(model, given)
     if ":" not in model:
         raise BadInput(f"unknown model '{model}': the built-ins are {', '.join(BUILTINS)}; "
@@ -60,13 +72,34 @@ def _import_spec(path: str, given: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise BadInput(f"{_flag(unknown[0])} applies to the built-ins only; a model of your own takes "
                        f"{', '.join(_flag(k) for k in IMPORT_OPTIONS)}")
-    for key in ("input_shape", "num_classes"):
-        if key not in given:
-            raise BadInput(f"a model of your own ('{path}') needs {_flag(key)}")
+    loss = given.get("loss", "classify")
+    data = given.get("data")
+    if data is not None:
+        return _data_spec(path, given, loss, data)
+    if "input_shape" not in given:
+        raise BadInput(f"a model of your own ('{path}') needs --input-shape (or --data pkg.module:factory)")
     shape = _int_list(given["input_shape"], "--input-shape")
-    num_classes = given["num_classes"]
-    if not isinstance(num_classes, int) or num_classes < 2:
+    num_classes = given.get("num_classes")
+    if ":" in loss:
+        raise BadInput(f"--loss {loss} needs --data pkg.module:factory: your loss's targets come from your data")
+    if loss == "lm":
+        if num_classes is not None:
+            raise BadInput("--num-classes does not apply to --loss lm: the classes are the vocabulary (--vocab-size)")
+        if len(shape) != 1 or given.get("input_dtype", "int64") not in ("int64", "int32"):
+            raise BadInput("--loss lm takes token ids: --input-shape SEQ_LEN (one number) and --input-dtype int64")
+        given.setdefault("input_dtype", "int64")
+        if given.get("vocab_size") is None:
+            raise BadInput("--loss lm needs --vocab-size: the range of the token ids, and the logits' last dimension")
+    elif num_classes is None:
+        raise BadInput(f"a model of your own ('{path}') needs --num-classes (or --loss lm for a language model)")
+    elif not isinstance(num_classes, int) or num_classes < 2:
         raise BadInput(f"--num-classes must be an integer of at least 2, got {num_classes!r}")
+    cut_at = given.get("cut_at")
+    if cut_at is not None:
+        try:
+            re.compile(cut_at)
+        except re.error as exc:
+            raise BadInput(f"--cut-at '{cut_at}' is not a regular expression: {exc}") from None
     dtype = given.get("input_dtype", "float32")
     if dtype not in INPUT_DTYPES:
         raise BadInput(f"--input-dtype '{dtype}' is not one of {', '.join(INPUT_DTYPES)}")
@@ -79,8 +112,27 @@ def _import_spec(path: str, given: dict[str, Any]) -> dict[str, Any]:
     if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size < 1):
         raise BadInput(f"--vocab-size must be a positive integer, got {vocab_size!r}")
     find_factory(path)  # fail now, in one line, if it does not import
-    return {"source": "import", "factory": path, "input_shape": shape, "input_dtype": dtype,
-            "num_classes": num_classes, "vocab_size": vocab_size}
+    spec = {"source": "import", "factory": path, "input_shape": shape, "input_dtype": dtype,
+            "num_classes": num_classes, "vocab_size": vocab_size, "loss": loss}
+    if cut_at is not None:
+        spec["cut_at"] = cut_at  # absent by default: specs written before it existed stay equal
+    return spec
+
+
+def _data_spec(path: str, given: dict[str, Any], loss: str, data: str) -> dict[str, Any]:
+    """A model fed by the user's data factory: the inputs' shapes come from its batches."""
+    if ":" not in loss:
+        raise BadInput(f"--data {data} comes with your own loss: --loss pkg.module:fn(outputs, targets)")
+    for key in ("input_shape", "input_dtype", "num_classes", "vocab_size"):
+        if given.get(key) is not None:
+            raise BadInput(f"{_flag(key)} does not apply with --data: the data factory's batches say it")
+    find_factory(data, "data factory")
+    find_factory(loss, "loss")
+    find_factory(path)
+    spec = {"source": "import", "factory": path, "data": data, "loss": loss}
+    if given.get("cut_at") is not None:
+        spec["cut_at"] = given["cut_at"]
+    return spec
 
 
 def _int_list(value: Any, flag: str) -> list[int]:

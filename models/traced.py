@@ -23,11 +23,17 @@ profile's ``output_bytes`` of a layer counts it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import networkx as nx
 import torch
 from torch import fx, nn
+
+
+# (value of the whole graph, the layer's graph, the layer's inputs: whole-graph node -> its
+# placeholder) -> a node of the layer's graph that stands for the value, or None.
+Substitute = Callable[[fx.Node, fx.Graph, dict[fx.Node, fx.Node]], fx.Node | None]
 
 
 class NotTraceable(Exception):
@@ -167,9 +173,18 @@ def _merge_shared(groups: list[_Group], traced: fx.GraphModule) -> list[_Group]:
     return _unique_names(merged)
 
 
-def _layers(groups: list[_Group], nodes: list[fx.Node], graph: nx.DiGraph,
-            traced: fx.GraphModule) -> list[tuple[str, nn.Module]]:
-    """Build one GraphModule per group, its inputs and outputs the values live at its cuts."""
+def _layers(groups: list[_Group], nodes: list[fx.Node], graph: nx.DiGraph, traced: fx.GraphModule,
+            recomputed: frozenset[fx.Node] = frozenset(), outputs: list[fx.Node] | None = None,
+            substitute: Substitute | None = None) -> list[tuple[str, nn.Module]]:
+    """Build one GraphModule per group, its inputs and outputs the values live at its cuts.
+
+    ``recomputed``: values that depend on no model input (position ids, rotary tables, a
+    causal mask of fixed size). They belong to no layer and never cross a cut: each layer that
+    uses one computes it again. ``outputs``: the model's outputs, in the order the loss wants
+    them (default: as the graph returns them). ``substitute(value, graph, inputs)``: a node of
+    the layer's graph standing for ``value`` (e.g. the batch size, read off the layer's own
+    inputs), or None to copy ``value`` as usual.
+    """
     # Where each value is made: -1 for the model inputs, i for layer i. get_attr nodes have
     # no position: every layer that needs a parameter fetches it itself.
     position: dict[str, int] = {}
@@ -185,7 +200,7 @@ def _layers(groups: list[_Group], nodes: list[fx.Node], graph: nx.DiGraph,
     def live_after(cut: int) -> list[fx.Node]:
         """Values made at or before layer ``cut`` and used after it, in graph order."""
         if cut == len(groups) - 1:
-            return _flat_outputs(output)
+            return outputs if outputs is not None else _flat_outputs(output)
         return [n for n in nodes if n.name in position and position[n.name] <= cut
                 and any(position.get(user, -2) > cut for user in graph.successors(n.name))]
 
@@ -193,7 +208,7 @@ def _layers(groups: list[_Group], nodes: list[fx.Node], graph: nx.DiGraph,
     crossing = inputs  # the model inputs cross the cut before layer 0
     for i, group in enumerate(groups):
         after = live_after(i)
-        layers.append((group.name, _subgraph(traced, group, crossing, after)))
+        layers.append((group.name, _subgraph(traced, group, crossing, after, recomputed, substitute)))
         crossing = after
     return layers
 
@@ -215,18 +230,32 @@ def _flat_outputs(output: fx.Node) -> list[fx.Node]:
     return flat
 
 
-def _subgraph(traced: fx.GraphModule, group: _Group, inputs: list[fx.Node],
-              outputs: list[fx.Node]) -> fx.GraphModule:
+def _subgraph(traced: fx.GraphModule, group: _Group, inputs: list[fx.Node], outputs: list[fx.Node],
+              recomputed: frozenset[fx.Node] = frozenset(), substitute: Substitute | None = None) -> fx.GraphModule:
     """A GraphModule computing ``group``'s operations: ``inputs`` in, ``outputs`` out, as a tuple."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for value in inputs:
         env[value] = graph.placeholder(value.name)
+
+    def fetch(arg: fx.Node) -> None:
+        """Copy an attribute, or a value computed from attributes and constants only, once."""
+        if arg in env or not (arg.op == "get_attr" or arg in recomputed):
+            return
+        replacement = substitute(arg, graph, {v: env[v] for v in inputs}) if substitute else None
+        if replacement is not None:
+            env[arg] = replacement
+            return
+        for source in arg.all_input_nodes:
+            fetch(source)
+        env[arg] = graph.node_copy(arg, lambda n: env[n])
+
     for node in group.nodes:
         for arg in node.all_input_nodes:
-            if arg.op == "get_attr" and arg not in env:
-                env[arg] = graph.node_copy(arg)
+            fetch(arg)
         env[node] = graph.node_copy(node, lambda n: env[n])
+    for value in outputs:  # an output may be a recomputed value (a model returning a constant)
+        fetch(value)
     graph.output(tuple(env[v] for v in outputs))
     # The traced module is the root: it holds the user's submodules and parameters (the very
     # objects) and the constants tracing made. GraphModule copies references, not tensors.

@@ -1,9 +1,13 @@
 """A user's own model, named ``pkg.module:factory``, cut into layers.
 
 ``factory()`` returns an ``nn.Module``. An ``nn.Sequential`` is already a sequence: it splits
-at its children. Anything else is traced with torch.fx and cut along its dataflow graph
-(:mod:`.traced`). The user says what one sample looks like (``input_shape``, ``input_dtype``)
-and how many classes the output scores; the model must return logits (batch, num_classes).
+at its children. Anything else (a Hugging Face causal LM, a tower of blocks) is captured with
+``torch.export`` and cut along its dataflow graph at module boundaries (:mod:`.exported`);
+``torch.fx`` (:mod:`.traced`) is the fallback for what export cannot capture. The user says
+what one sample looks like (``input_shape``, ``input_dtype``) and the objective: with
+``loss="classify"`` the model returns logits (batch, num_classes), with ``loss="lm"`` logits
+(batch, seq, vocab) trained on next-token targets. A model returning a ``ModelOutput`` or a
+dict is trained on its ``logits``.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import torch
 from torch import nn
 
 from ..artifacts import BadInput
-from .data import Classification
+from .data import Classification, NextToken, SyntheticData
+from .exported import NotCapturable, split_exported
+from .hooks import FactoryData, user_loss
 from .layered import AsTuple, LayeredModel
 from .traced import NotTraceable, split_traced
 
@@ -29,11 +35,16 @@ INPUT_DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def find_factory(path: str) -> Callable[[], Any]:
-    """Import ``pkg.module:factory`` from ``sys.path`` and the current directory."""
+def find_factory(path: str, what: str = "model") -> Callable[..., Any]:
+    """Import ``pkg.module:factory`` from ``sys.path`` and the current directory.
+
+    ``what`` names it in errors: the model, the data factory, the loss.
+    """
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
-        raise BadInput(f"model '{path}' is not a built-in (gpt, resnet) nor of the form pkg.module:factory")
+        if what == "model":
+            raise BadInput(f"model '{path}' is not a built-in (gpt, resnet) nor of the form pkg.module:factory")
+        raise BadInput(f"{what} '{path}' is not of the form pkg.module:function")
     # The current directory first-class, as `python -m` does: users run from their project.
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
@@ -49,7 +60,7 @@ def find_factory(path: str) -> Callable[[], Any]:
     except AttributeError:
         raise BadInput(f"module '{module_name}' has no '{attr}' (from '{path}')") from None
     if not callable(factory):
-        raise BadInput(f"'{path}' is not callable: it must be a function that returns an nn.Module")
+        raise BadInput(f"'{path}' is not callable: the {what} must be a function")
     return factory
 
 
@@ -73,20 +84,42 @@ def build(spec: dict[str, Any]) -> LayeredModel:
         raise BadInput(f"factory '{path}' raised {type(exc).__name__}: {_first_line(exc)}") from None
     if not isinstance(module, nn.Module):
         raise BadInput(f"factory '{path}' returned a {type(module).__name__}, not a torch.nn.Module")
-    layers = split(module, path)
-    data = Classification(shape=tuple(spec["input_shape"]), dtype=INPUT_DTYPES[spec["input_dtype"]],
-                          num_classes=spec["num_classes"], token_range=spec.get("vocab_size"))
-    return LayeredModel(spec, module, layers, data)
+    loss = spec.get("loss") or "classify"
+    data: SyntheticData | FactoryData
+    if spec.get("data"):
+        data = FactoryData(find_factory(spec["data"], "data factory"), spec["data"])
+    elif loss == "lm":
+        data = NextToken(seq_len=spec["input_shape"][0], vocab_size=spec["vocab_size"])
+    else:
+        data = Classification(shape=tuple(spec["input_shape"]), dtype=INPUT_DTYPES[spec["input_dtype"]],
+                              num_classes=spec["num_classes"], token_range=spec.get("vocab_size"))
+    loss_fn = user_loss(find_factory(loss, "loss"), loss) if ":" in loss else None
+    with torch.random.fork_rng(devices=[]):  # capturing must not move the seeded stream
+        example, _ = data.batch(2, torch.Generator().manual_seed(0))
+        layers = split(module, path, example, spec.get("cut_at"))
+    return LayeredModel(spec, module, layers, data, loss_fn)
 
 
-def split(module: nn.Module, path: str = "the model") -> list[tuple[str, nn.Module]]:
-    """Cut a module into layers: a Sequential at its children, anything else by tracing."""
+def split(module: nn.Module, path: str = "the model", example_inputs: tuple[torch.Tensor, ...] = (),
+          cut_at: str | None = None) -> list[tuple[str, nn.Module]]:
+    """Cut a module into layers: a Sequential at its children, anything else by graph capture.
+
+    ``example_inputs`` (a batch of at least 2 samples) are what torch.export runs the model
+    on; without them only torch.fx is tried.
+    """
     if isinstance(module, nn.Sequential):
         if len(module) == 0:
             raise BadInput(f"'{path}' returned an empty nn.Sequential")
         return [(name, AsTuple(child)) for name, child in module.named_children()]
+    export_error = None
+    if example_inputs:
+        try:
+            return split_exported(module, example_inputs, cut_at)
+        except NotCapturable as exc:
+            export_error = str(exc)
     try:
         return split_traced(module)
     except NotTraceable as exc:
-        raise BadInput(f"torch.fx cannot trace '{path}' ({exc}): wrap it as an nn.Sequential of "
-                       f"its parts, and gpipe-plan will split it at the children") from None
+        reason = f"torch.export cannot capture it ({export_error})" if export_error else f"torch.fx cannot trace it ({exc})"
+        raise BadInput(f"cannot cut '{path}' into layers: {reason}; change that code, or wrap the model as "
+                       f"an nn.Sequential of its parts and gpipe-plan will split it at the children") from None

@@ -8,14 +8,15 @@ import time
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Task, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 from ..artifacts import (PLAN_FORMAT, PROFILE_FORMAT, BadInput, file_sha256, precision_of, read_artifact,
                          write_json_atomic, write_text_atomic)
 from .plan import build_plan
 from .profile import Profile
-from .render import plan_timeline_svg, render_plan
-from .search import SolveOptions, device_memory_limit, search
+from .render import batch_line, plan_timeline_svg, render_plan
+from .search import SolveOptions, device_memory_limit, one_stage_baseline, search
 from .units import format_seconds, parse_bandwidth, parse_size
 
 
@@ -86,7 +87,9 @@ def solve_file(profile_path: str, plan_path: str | None = None, *, stages: int, 
                 task, completed=done, total=total, description=f"solving {what}"))
     else:
         result = search(profile, opts)
-    plan = build_plan(profile, profile_path, file_sha256(profile_path), result)
+    # What the pipeline must beat: the best plan of the same batch on one device.
+    baseline = one_stage_baseline(profile, opts) if opts.stages > 1 else None
+    plan = build_plan(profile, profile_path, file_sha256(profile_path), result, one_stage=baseline)
     if plan_path is not None:
         write_json_atomic(plan_path, plan)
     return plan
@@ -104,7 +107,8 @@ def solve_command(profile: str, stages: int, micro_batches: str, global_batch_si
         write_text_atomic(timeline, plan_timeline_svg(plan))
     console = Console()
     if quiet:
-        console.print(f"{out}: predicted step {format_seconds(plan['predicted']['step_s'])}", highlight=False)
+        console.print(f"{out}: predicted step {format_seconds(plan['predicted']['step_s'])}, {batch_line(plan)}",
+                      highlight=False)
         return
     render_plan(plan, console)
     console.print(f"wrote {out}" + (f" and {timeline}" if timeline else "")
@@ -179,8 +183,22 @@ def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
     return values
 
 
+class CountColumn(ProgressColumn):
+    """``3/8`` once the number of settings is known; before that, a spinner instead of ``0/None``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._spinner = SpinnerColumn()
+
+    def render(self, task: Task) -> Text:
+        if task.total is None:
+            return self._spinner.render(task)
+        return Text(f"{int(task.completed)}/{int(task.total)}")
+
+
 def _progress() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+    # The bar pulses while the total is unknown (BarColumn does that for total=None).
+    return Progress(TextColumn("{task.description}"), BarColumn(), CountColumn(),
                     TimeElapsedColumn(), console=Console(stderr=True), transient=True)
 
 

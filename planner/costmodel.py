@@ -190,7 +190,31 @@ class CostModel:
         return self.overhead_recompute if recompute else self.overhead
 
     def optimizer(self, s: int, e: int) -> float:
-        return self.popt[e] - self.popt[s]
+        """The step after the backward: the optimizer on layers [s, e), and tied-gradient exchanges."""
+        return self.popt[e] - self.popt[s] + self.tied_exchange(s, e)
+
+    def least_first_optimizer(self) -> float:
+        """A lower bound on stage 0's optimizer step over every partition: the least over its
+        possible ends (the optimizer time alone grows with the stage; a tie's exchange need not)."""
+        if not self.figures.tied:
+            return self.optimizer(0, 1)
+        return min(self.optimizer(0, e) for e in range(1, self.L - self.K + 2))
+
+    def tied_exchange(self, s: int, e: int) -> float:
+        """Summing tied copies' gradients: a stage holding some, not all, of a tie's layers sends
+        and receives the parameter's gradient once a step (runtime.tied). Free without a link."""
+        total = 0.0
+        for t, (layers, _) in enumerate(self.figures.tied):
+            inside = sum(1 for i in layers if s <= i < e)
+            if 0 < inside < len(layers):
+                total += self.tied_exchange_s(t)
+        return total
+
+    def tied_exchange_s(self, tie: int) -> float:
+        """One exchange of tie ``tie``'s gradient over the link (0 when communication is free)."""
+        if not self.setting.comm_on:
+            return 0.0
+        return self.setting.link_latency_s + self.figures.tied[tie][1] / self.setting.link_bandwidth_bytes_per_s
 
     def static_memory(self, s: int, e: int) -> float:
         return (self.pp[e] - self.pp[s]) * self.static_per_param + (self.pbuf[e] - self.pbuf[s])

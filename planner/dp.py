@@ -527,7 +527,7 @@ class GPipeSolver:
         cm, L, K, M = self.cm, self.L, self.K, self.M
         e_star = best_front[1]
         constant = self._additive(best_front) - cm.optimizer(0, e_star)
-        cheapest_optimizer = cm.optimizer(0, 1)
+        cheapest_optimizer = cm.least_first_optimizer()
         cap = e_star - 1
         while cap >= 1 and K > 1:
             rest = K - 1

@@ -27,7 +27,7 @@ from .costmodel import OPTIMIZER_STATE_MULTIPLIER, CostModel, Setting, neighbour
 from .dp import GPipeSolver, Solution
 from .onefoneb import OneFOneBSolver
 from .profile import LayerFigures, Profile
-from .search import divisors
+from .search import divisors, profile_global_batch
 
 
 @dataclass
@@ -79,7 +79,8 @@ def explore(profile: Profile, stages: Sequence[int], micro_batches: Sequence[int
             link_bandwidth_bytes_per_s: float | None = None, link_latency_s: float | None = None,
             optimizer: str = "adam", capacity: bool = True, time_budget_s: float = 5.0,
             progress=None) -> Exploration:
-    batch = global_batch_size or int(profile.doc.get("batch_size") or profile.sizes[-1])
+    # The profile's own global batch unless told (older profiles: their largest micro-batch).
+    batch = global_batch_size if global_batch_size is not None else profile_global_batch(profile)[0]
     if batch < 1:
         raise BadInput(f"--global-batch-size must be at least 1, got {batch}")
     for K in stages:

@@ -8,10 +8,52 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .explore import Exploration
-from .units import format_bytes
+from .explore import Cell, Exploration
+from .units import format_bytes, format_percent
 
 PALETTE = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#FF9DA6", "#9D755D"]
+
+
+def distinct_colours(n: int) -> list[str]:
+    """``n`` colours, no two alike: the palette while it lasts, else hues evenly round the wheel.
+
+    Cycling a short palette gave two lines of one chart the same colour, and a reader took
+    them for one setting.
+    """
+    if n <= len(PALETTE):
+        return PALETTE[:n]
+    return [f"hsl({round(360 * i / n)}, 65%, 42%)" for i in range(n)]
+
+
+def series_label(c: Cell) -> str:
+    """One line of the chart: a K, schedule and recompute setting across M."""
+    return f"K={c.stages} {c.schedule} rc={c.recompute}"
+
+
+def never_fitting(ex: Exploration) -> dict[str, str]:
+    """The settings (chart lines) that fit at no M, each with why: the chart has no point for them.
+
+    Without saying so a chart silently drops them, and a reader cannot tell a setting that
+    never fits from one that was not asked for.
+    """
+    by_label: dict[str, list[Cell]] = {}
+    for c in ex.cells:
+        by_label.setdefault(series_label(c), []).append(c)
+    out = {}
+    for label, cells in by_label.items():
+        if any(c.fits and c.normalized_throughput is not None for c in cells):
+            continue
+        over = any(c.step_s is not None for c in cells)   # a plan exists, only not within the limit
+        out[label] = "over the memory limit at every M" if over else (cells[0].note or "no plan")
+    return out
+
+
+def never_fitting_line(never: dict[str, str]) -> str:
+    """``over the memory limit at every M: K=1 gpipe rc=never, K=2 ...; ...``: grouped by why."""
+    groups: dict[str, list[str]] = {}
+    for label, why in never.items():
+        groups.setdefault(why, []).append(label)
+    return "; ".join(f"{why}: {', '.join(labels)}" for why, labels in groups.items())
 
 
 def render_exploration(ex: Exploration, console: Console, memory_limit_bytes: int | None) -> None:
@@ -39,7 +81,7 @@ def render_exploration(ex: Exploration, console: Console, memory_limit_bytes: in
                     row.append("[dim]-[/dim]")
                     continue
                 text = (f"{c.normalized_throughput:.2f}{'' if c.proven else '*'}\n"
-                        f"{c.bubble_fraction:.0%}, {format_bytes(c.peak_memory_bytes)}")
+                        f"{format_percent(c.bubble_fraction)}, {format_bytes(c.peak_memory_bytes)}")
                 row.append(text if c.fits else f"[red]{text}\ndoes not fit[/red]")
             table.add_row(*row)
         console.print(table)
@@ -48,6 +90,9 @@ def render_exploration(ex: Exploration, console: Console, memory_limit_bytes: in
     if memory_limit_bytes:
         console.print(f"red cells exceed the memory limit of {format_bytes(memory_limit_bytes)} per device "
                       "(shown: their best plan without the limit)")
+    never = never_fitting(ex)
+    if never:
+        console.print(f"settings with no line in the chart, {never_fitting_line(never)}", highlight=False)
     if ex.block is None:
         console.print("capacity: no repeated block found in this profile")
     elif ex.capacity:
@@ -85,11 +130,15 @@ def exploration_chart(ex: Exploration, width: int = 720, height: int = 420) -> s
     series: dict[str, list[tuple[int, float]]] = {}
     for c in ex.cells:
         if c.normalized_throughput is not None and c.fits:
-            label = f"K={c.stages} {c.schedule} rc={c.recompute}"
-            series.setdefault(label, []).append((c.micro_batches, c.normalized_throughput))
+            series.setdefault(series_label(c), []).append((c.micro_batches, c.normalized_throughput))
+    never = never_fitting(ex)
     top = max((y for pts in series.values() for _, y in pts), default=1.0) * 1.1
     left, right, up, down = 60, 190, 30, 50
-    plot_w, plot_h = width - left - right, height - up - down
+    plot_h = height - up - down
+    # Room for every legend entry beside the plot, and a line per setting that never fits below both.
+    below = max(height, up + 14 * len(series) + 10)
+    height = below + (14 * (len(never) + 1) + 10 if never else 0)
+    plot_w = width - left - right
     span = math.log2(max(ms)) - math.log2(min(ms)) or 1.0
 
     def x(m: int) -> float:
@@ -106,13 +155,14 @@ def exploration_chart(ex: Exploration, width: int = 720, height: int = 420) -> s
            f'<line x1="{left}" y1="{up}" x2="{left}" y2="{up + plot_h}" stroke="#333"/>']
     for m in ms:
         out.append(f'<text x="{x(m):.1f}" y="{up + plot_h + 16}" text-anchor="middle">{m}</text>')
-    out.append(f'<text x="{left + plot_w / 2}" y="{height - 12}" text-anchor="middle">micro-batches M</text>')
+    out.append(f'<text x="{left + plot_w / 2}" y="{up + plot_h + 36}" text-anchor="middle">micro-batches M</text>')
     for i in range(6):
         v = top * i / 5
         out.append(f'<text x="{left - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{v:.1f}</text>')
         out.append(f'<line x1="{left}" y1="{y(v):.1f}" x2="{left + plot_w}" y2="{y(v):.1f}" stroke="#eee"/>')
+    colours = distinct_colours(len(series))
     for i, (label, pts) in enumerate(sorted(series.items())):
-        colour = PALETTE[i % len(PALETTE)]
+        colour = colours[i]
         dash = "" if "never" in label else ' stroke-dasharray="5,3"'
         path = " ".join(f"{'M' if j == 0 else 'L'}{x(m):.1f},{y(v):.1f}" for j, (m, v) in enumerate(sorted(pts)))
         out.append(f'<path d="{path}" fill="none" stroke="{colour}" stroke-width="2"{dash}/>')
@@ -120,5 +170,10 @@ def exploration_chart(ex: Exploration, width: int = 720, height: int = 420) -> s
         out.append(f'<line x1="{left + plot_w + 10}" y1="{ly}" x2="{left + plot_w + 30}" y2="{ly}" '
                    f'stroke="{colour}" stroke-width="2"{dash}/>')
         out.append(f'<text x="{left + plot_w + 34}" y="{ly + 4}">{escape(label)}</text>')
+    if never:
+        y0 = below + 4
+        out.append(f'<text x="{left}" y="{y0}" font-weight="bold">not drawn: these settings fit at no M</text>')
+        for j, (label, why) in enumerate(never.items()):
+            out.append(f'<text x="{left}" y="{y0 + 14 * (j + 1)}" class="never">{escape(label)}: {escape(why)}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"

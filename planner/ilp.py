@@ -103,7 +103,8 @@ def solve_ilp(cm: CostModel, time_limit_s: float = 60.0) -> Solution | None:
     optimizer_tail = _var(prob, "optimizer_tail", 0)
     before = 0
     for k in range(K):
-        prob += optimizer_tail >= pulp.lpSum(opt[i] * member(i, k) for i in range(L)) - before
+        prob += optimizer_tail >= (pulp.lpSum(opt[i] * member(i, k) for i in range(L))
+                                   + _tied_exchange(prob, cm, member, k, time_unit) - before)
         before = before + forward[k] + (send[k] if k < K - 1 else 0)
 
     if cm.setting.schedule == "gpipe":
@@ -142,6 +143,27 @@ def solve_ilp(cm: CostModel, time_limit_s: float = 60.0) -> Solution | None:
     lower = ev.step_s if proven else 0.0     # CBC stopped early: no bound we can vouch for
     return Solution(ev, proven, lower, f"integer linear programme (pulp/CBC), {cm.setting.schedule}",
                     {"variables": len(prob.variables()), "constraints": len(prob.constraints)})
+
+
+def _tied_exchange(prob, cm: CostModel, member, k: int, time_unit: float):
+    """Stage k's tied-gradient exchanges (CostModel.tied_exchange), linearised.
+
+    ``split`` is 1 when stage k holds some but not all of a tie's layers: it is at least
+    member(i) - member(j) for every pair of the tie's layers, and the minimisation keeps it at
+    0 otherwise (its cost only raises the optimizer tail).
+    """
+    terms = []
+    for t, (layers, _) in enumerate(cm.figures.tied):
+        cost = cm.tied_exchange_s(t) / time_unit
+        if cost <= 0:
+            continue
+        split = _var(prob, f"tied_{t}_{k}", 0)
+        for i in layers:
+            for j in layers:
+                if i != j:
+                    prob += split >= member(i, k) - member(j, k)
+        terms.append(cost * split)
+    return pulp.lpSum(terms) if terms else 0
 
 
 def _var(prob, name: str, low: float | None = None, cat: str = "Continuous"):

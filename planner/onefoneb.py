@@ -161,7 +161,7 @@ class OneFOneBSolver:
         cm, L, K = self.cm, self.L, self.K
         started = time.perf_counter()
         rest = self._suffix_bounds()
-        least_optimizer = cm.optimizer(0, 1)
+        least_optimizer = cm.least_first_optimizer()
         global_bound = rest[0][0] + least_optimizer
         if global_bound == INF:
             return None

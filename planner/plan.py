@@ -8,17 +8,25 @@ cached and checked into a repository.
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 from ..artifacts import PLAN_FORMAT, FORMAT_VERSIONS
 from .objective import Evaluation
 from .profile import Profile
-from .search import Candidate, SearchResult
+from .search import Candidate, OneStage, SearchResult, global_batch_source
 
 MAX_RUNNERS_UP = 12
 
 
-def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result: SearchResult) -> dict[str, Any]:
+def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result: SearchResult,
+               one_stage: OneStage | None = None) -> dict[str, Any]:
+    """The plan document for the search's best plan.
+
+    ``one_stage``: the best plan of the same global batch on one device
+    (:func:`.search.one_stage_baseline`), which the plan compares itself with; None leaves the
+    comparison out, except for a one-stage plan, which is its own baseline.
+    """
     options = result.options
     best = result.best
     assert best.solution is not None
@@ -59,6 +67,8 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
             stage["output_shapes"] = last["output_shapes"]
             if last.get("output_dtypes") is not None:
                 stage["output_dtypes"] = last["output_dtypes"]
+            if last.get("output_batched") is not None:  # a tensor the same for every micro-batch
+                stage["output_batched"] = last["output_batched"]
         stages.append(stage)
     sol = best.solution
     lo, hi = profile.measured_range()
@@ -88,6 +98,7 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
         "options": {
             "stages": options.stages,
             "global_batch_size": result.global_batch_size,
+            "global_batch_size_source": global_batch_source(profile, options),
             "micro_batches": options.micro_batches,
             "schedule": options.schedule,
             "recompute": options.recompute,
@@ -106,7 +117,9 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
         "global_batch_size": result.global_batch_size,
         "schedule": setting.schedule,
         "stages": stages,
-        "predicted": predicted(ev, M, result.global_batch_size),
+        "predicted": {**predicted(ev, M, result.global_batch_size),
+                      **versus_one_stage(ev, one_stage, options.stages),
+                      **prediction_noise(profile, options.stages)},
         "optimality": {
             # Over every setting searched (each M, schedule), not only the chosen one.
             "proven": result.proven,
@@ -150,3 +163,60 @@ def runner_up(c: Candidate, global_batch_size: int) -> dict[str, Any]:
             "proven": c.solution.proven,
         })
     return row
+
+
+def versus_one_stage(ev: Evaluation, one_stage: OneStage | None, stages: int) -> dict[str, Any]:
+    """The plan against the best one-device plan of the same global batch.
+
+    ``speedup_over_one_stage`` > 1: the pipeline is faster. A one-stage plan is its own
+    baseline (speedup 1). Without a baseline (``one_stage`` None for K > 1) nothing is said.
+    """
+    if stages == 1:
+        return {"one_stage_step_s": ev.step_s, "one_stage_fits": True,
+                "one_stage_peak_memory_bytes": int(math.ceil(ev.peak_memory_bytes)), "speedup_over_one_stage": 1.0}
+    if one_stage is None:
+        return {}
+    step = one_stage.step_s
+    memory = one_stage.peak_memory_bytes
+    return {
+        "one_stage_step_s": step,
+        "one_stage_fits": one_stage.result is not None,
+        # When one device does not fit: the least memory it would need.
+        "one_stage_peak_memory_bytes": int(math.ceil(memory)) if memory is not None else None,
+        "speedup_over_one_stage": step / ev.step_s if step is not None and ev.step_s > 0 else None,
+    }
+
+
+def prediction_noise(profile: Profile, stages: int) -> dict[str, Any]:
+    """How much a run's step may differ from the prediction by chance alone, as a fraction.
+
+    From what the profile itself measured twice (docs/plan-format.md, ``predicted.noise_fraction``):
+
+    - ``profile_speed_drift``: the reference workload timed before and after the layers
+      (``measurement.speed_probe_s``): half their difference over their mean. The machine's
+      speed moved by that much while the layers were timed, so any layer's time may be off by it;
+    - ``neighbours_spread`` (K > 1, CPU profiles with ``contention``): the neighbours' slowdown
+      changed from one 0.4 s cycle to the next; half the interquartile range of
+      ``contention.cycle_ratios`` over their median, in the share a K-stage plan charges.
+
+    They are independent, so they add in quadrature. This is noise, not the cost model's
+    error: it says how far apart two honest measurements of the same thing fall.
+    """
+    sources: dict[str, float] = {}
+    probes = (profile.doc.get("measurement") or {}).get("speed_probe_s")
+    if isinstance(probes, list) and len(probes) >= 2 and all(_positive(p) for p in probes):
+        sources["profile_speed_drift"] = (max(probes) - min(probes)) / (max(probes) + min(probes))
+    ratios = (profile.doc.get("contention") or {}).get("cycle_ratios")
+    processes = profile.contention_processes
+    if stages > 1 and processes > 1 and isinstance(ratios, list) and len(ratios) >= 2 \
+            and all(_positive(r) for r in ratios):
+        q1, _, q3 = statistics.quantiles(ratios, n=4)
+        share = min(stages - 1, processes - 1) / (processes - 1)   # as costmodel.neighbour_scale charges it
+        sources["neighbours_spread"] = (q3 - q1) / 2 / statistics.median(ratios) * share
+    if not sources:
+        return {}
+    return {"noise_fraction": math.sqrt(sum(v * v for v in sources.values())), "noise_sources": sources}
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0

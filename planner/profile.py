@@ -44,6 +44,9 @@ class LayerFigures:
     # what the checkpoint wrapper itself costs once per stage and micro-batch.
     recompute_backward_s: tuple[float, ...] | None = None
     recompute_call_s: float = 0.0
+    # Tied weights: (the layers that use one parameter, its bytes). A stage holding some but
+    # not all of those layers exchanges the parameter's gradient every step (runtime.tied).
+    tied: tuple[tuple[tuple[int, ...], float], ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -85,6 +88,7 @@ class Profile:
         self.recompute_call_s = _recompute_call(doc, where, len(self.sizes), self.layers)
         self.precision, self.param_dtype = precision_of(doc, where)
         self.usable_memory_bytes = usable_memory_bytes(self.device, where)
+        self.tied = _tied(doc, where, self.names)
         self._cache: dict[float, LayerFigures] = {}
 
     @property
@@ -124,6 +128,7 @@ class Profile:
                 optimizer_s=tuple(float(l.get("optimizer_s") or 0.0) for l in self.layers),
                 input_bytes=series(self.input_bytes) if self.input_bytes is not None else 0.0,
                 **self._recompute_at(series),
+                tied=self.tied,
             )
         return self._cache[b]
 
@@ -276,6 +281,24 @@ def _recompute_call(doc: dict, where: str, n_sizes: int, layers: list[dict]) -> 
                        "delete them all to plan recomputation as one more forward")
     _check_series(call, f"{where}: 'recompute_call_s'", n_sizes)
     return call
+
+
+def _tied(doc: dict, where: str, names: tuple[str, ...]) -> tuple[tuple[tuple[int, ...], float], ...]:
+    """The profile's ``tied_parameters`` as (layer indices, bytes); absent: none."""
+    entries = doc.get("tied_parameters") or []
+    if not isinstance(entries, list):
+        raise BadInput(f"{where}: tied_parameters must be a list")
+    index = {name: i for i, name in enumerate(names)}
+    tied = []
+    for entry in entries:
+        layers = entry.get("layers") if isinstance(entry, dict) else None
+        size = entry.get("bytes") if isinstance(entry, dict) else None
+        if (not isinstance(layers, list) or any(name not in index for name in layers)
+                or not isinstance(size, (int, float)) or isinstance(size, bool) or size < 0):
+            raise BadInput(f"{where}: a tied_parameters entry needs 'layers' (names of this profile's layers) "
+                           f"and 'bytes' (a number): got {entry!r}")
+        tied.append((tuple(sorted(index[name] for name in layers)), float(size)))
+    return tuple(tied)
 
 
 def _positive_or_none(v: Any) -> float | None:

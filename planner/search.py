@@ -103,13 +103,36 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def profile_global_batch(profile: Profile) -> tuple[int, str]:
+    """The global batch a profile was measured for, and where that figure comes from.
+
+    A version-6 profile records the batch its user means to train with (``global_batch_size``,
+    ``profile --global-batch-size``); older ones only say which micro-batch sizes they
+    measured, so the largest of those stands in for it, as it always did.
+    """
+    intended = profile.doc.get("global_batch_size")
+    if _positive_int(intended):
+        return int(intended), "profile"
+    batch = profile.doc.get("batch_size")
+    return (int(batch) if _positive_int(batch) else int(profile.sizes[-1])), "largest micro-batch"
+
+
 def resolve_global_batch(profile: Profile, options: SolveOptions) -> int:
+    """``--global-batch-size`` if given, else the profile's (:func:`profile_global_batch`)."""
     if options.global_batch_size is not None:
         if options.global_batch_size < 1:
             raise BadInput(f"--global-batch-size must be at least 1, got {options.global_batch_size}")
         return options.global_batch_size
-    batch = profile.doc.get("batch_size")
-    return int(batch) if isinstance(batch, int) and batch > 0 else int(profile.sizes[-1])
+    return profile_global_batch(profile)[0]
+
+
+def global_batch_source(profile: Profile, options: SolveOptions) -> str:
+    """Where the plan's global batch came from: "option", "profile" or "largest micro-batch"."""
+    return "option" if options.global_batch_size is not None else profile_global_batch(profile)[1]
 
 
 def check_options(profile: Profile, options: SolveOptions) -> int:
@@ -238,6 +261,49 @@ def search(profile: Profile, options: SolveOptions, progress=None) -> SearchResu
     if result.best.solution is None:
         raise BadInput(explain_infeasible(profile, options, batch))
     return result
+
+
+# --------------------------------------------------------------------------- one device
+@dataclass
+class OneStage:
+    """The best plan on one device for the same global batch: what a pipeline must beat.
+
+    A pipeline pays for its stages with a bubble, sends and, on one host, neighbours that slow
+    each other down; for a small or unbalanced model one device can be as fast. ``result`` is
+    the best one-stage plan (None when no setting fits one device's memory), and then
+    ``least_memory_bytes`` is the smallest memory one device would need.
+    """
+
+    result: SearchResult | None
+    least_memory_bytes: float | None = None
+
+    @property
+    def step_s(self) -> float | None:
+        return self.result.best.step_s if self.result is not None else None
+
+    @property
+    def peak_memory_bytes(self) -> float | None:
+        if self.result is None:
+            return self.least_memory_bytes
+        return self.result.best.solution.evaluation.peak_memory_bytes
+
+
+def one_stage_baseline(profile: Profile, options: SolveOptions) -> OneStage:
+    """Solve the same request on one stage, with the same solver and options.
+
+    Only the micro-batch count is left open ("auto"): a fixed M is a choice made for the
+    pipeline (it is what fills it), while one device should be judged at its own best M;
+    the global batch stays the same, so the two plans train alike.
+    """
+    single = replace(options, stages=1, micro_batches="auto")
+    try:
+        return OneStage(search(profile, single))
+    except BadInput:
+        # Nothing fits one device: say how much memory it would take (search raised only that,
+        # since the other checks passed for the pipeline's own options).
+        batch = check_options(profile, single)
+        need = min(least_memory(profile, s, size) for s, size in settings_for(profile, single, batch))
+        return OneStage(None, need)
 
 
 # --------------------------------------------------------------------------- memory

@@ -23,6 +23,9 @@ COLOURS = {
 ROW_HEIGHT = 34
 LINK_HEIGHT = 8
 LEFT = 90
+# Room right of the time axis: its last label ("33.35 ms") is centred on the axis's end, and
+# half of it would fall outside the picture with less.
+RIGHT = 60
 WIDTH = 1100
 
 
@@ -30,7 +33,7 @@ def timeline_svg(timeline: Timeline, title: str, stage_labels: Sequence[str] | N
     events = timeline.events
     K = 1 + max((e.stage for e in events), default=0)
     span = max(timeline.step_s, max((e.end_s for e in events), default=0.0)) or 1.0
-    scale = (WIDTH - LEFT - 20) / span
+    scale = (WIDTH - LEFT - RIGHT) / span
     top = 48
     height = top + K * (ROW_HEIGHT + LINK_HEIGHT + 6) + 60
     out = [

@@ -66,3 +66,18 @@ def format_seconds(s: float | None, digits: int | None = None) -> str:
             decimals = max(0, digits - len(str(int(abs(value)))))
             return f"{value:.{decimals}f} {unit}"
     return f"{s} s"  # pragma: no cover
+
+
+def format_percent(fraction: float | None, decimals: int = 0, sign: bool = False) -> str:
+    """A fraction as a percentage, never ``-0%``.
+
+    A measured bubble or idle share a hair below zero (busy spans that add up to a little more
+    than the step, from rounding) would print as ``-0%``; a figure that rounds to zero is zero.
+    ``sign``: always show the sign of a non-zero figure (``+5%``), as for an error.
+    """
+    if fraction is None or (isinstance(fraction, float) and math.isnan(fraction)):
+        return "-"
+    value = round(fraction * 100, decimals)
+    if value == 0:
+        value = 0.0     # drops the sign of -0.0
+    return f"{value:{'+' if sign and value else ''}.{decimals}f}%"

@@ -7,12 +7,14 @@ written only once it is complete (atomically): an error leaves no file behind.
 from __future__ import annotations
 
 import os
+import re
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from ..artifacts import BadInput, RunFailure, write_json_atomic
 from ..models import Precision, model_spec
@@ -25,14 +27,17 @@ DEFAULT_BATCH_SIZE = 8
 
 # CLI option -> model_spec option. The model decides which of them apply to it.
 _MODEL_OPTIONS = ("layers", "width", "heads", "seq_len", "vocab_size", "blocks", "image_size",
-                  "input_shape", "num_classes", "input_dtype")
+                  "input_shape", "num_classes", "input_dtype", "loss", "cut_at", "data")
 
 
 def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes: str | None = None,
                     device: str = "cpu", threads: int = 1, warmup: int = 3, repeats: int = 10,
                     seed: int = 0, measure_link: bool = False, out: str = "profile.json",
                     quiet: bool = False, contention_processes: int | None = None, recompute_timing: bool = True,
-                    precision: str = "fp32", param_dtype: str = "fp32", **options: Any) -> None:
+                    precision: str = "fp32", param_dtype: str = "fp32", measure_every_layer: bool = False,
+                    whole_model_check: bool | None = None, layer_by_layer: bool | None = None,
+                    global_batch_size: int | None = None,
+                    **options: Any) -> None:
     """Profile MODEL and write the profile JSON to ``out``. Raises BadInput / RunFailure."""
     chosen = Precision(precision, param_dtype)   # checks the pair (BadInput)
     spec = model_spec(model, **{k: options.get(k) for k in _MODEL_OPTIONS})
@@ -40,6 +45,7 @@ def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes
     if unknown:
         raise TypeError(f"unexpected options: {sorted(unknown)}")  # a CLI wiring bug, not user input
     sizes, batch = parse_sizes(micro_batch_sizes, batch_size)
+    intended_batch = intended_global_batch(global_batch_size, sizes)
     for flag, value, least in (("--threads", threads, 1), ("--warmup", warmup, 0), ("--repeats", repeats, 1)):
         if value < least:
             raise BadInput(f"{flag} must be at least {least}, got {value}")
@@ -57,11 +63,12 @@ def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes
     request = ProfileRequest(spec=spec, micro_batch_sizes=sizes, device=dev, threads=threads, warmup=warmup,
                              repeats=repeats, seed=seed, measure_link=measure_link, batch_size=batch,
                              contention_processes=contention_processes, recompute=recompute_timing,
-                             precision=chosen)
+                             precision=chosen, share_figures=not measure_every_layer,
+                             whole_model_check=whole_model_check, layer_by_layer=layer_by_layer)
 
     err = Console(stderr=True)
     try:
-        with _Bar(err, enabled=not quiet) as bar:
+        with _progress_for(err, quiet) as bar:
             doc = profile_model(request, bar)
     except (BadInput, KeyboardInterrupt):
         raise
@@ -70,6 +77,7 @@ def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes
                          f"({_first_line(exc)})") from None
     except Exception as exc:
         raise RunFailure(f"profiling failed: {type(exc).__name__}: {_first_line(exc)}") from None
+    doc["global_batch_size"] = intended_batch   # what solve and explore plan for by default
     write_json_atomic(out, doc)
     if quiet:
         print(os.fspath(out))
@@ -101,20 +109,109 @@ def parse_sizes(text: str | None, batch_size: int | None) -> tuple[list[int], in
     return sizes, batch_size or sizes[-1]
 
 
+def intended_global_batch(global_batch_size: int | None, sizes: list[int]) -> int:
+    """``--global-batch-size``, else the largest micro-batch size measured (one micro-batch a step).
+
+    The profile records it so that ``solve`` plans for the batch the user trains with instead
+    of silently taking the largest size measured; it need not be one of the measured sizes.
+    """
+    if global_batch_size is None:
+        return sizes[-1]
+    if global_batch_size < 1:
+        raise BadInput(f"--global-batch-size must be a positive integer, got {global_batch_size}")
+    return global_batch_size
+
+
 def _first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return lines[0] if lines else type(exc).__name__
+
+
+def _progress_for(console: Console, quiet: bool) -> "_Bar | PhaseLines":
+    """A live bar on a terminal; one plain line per phase otherwise (a log, a CI job); nothing if quiet."""
+    if quiet or console.is_terminal:
+        return _Bar(console, enabled=not quiet)
+    return PhaseLines(console.file)
+
+
+class PhaseLines:
+    """The profiler's Progress without a terminal: one line on stderr as each phase begins.
+
+    A live bar redraws itself with control codes, which a log file cannot show, so without a
+    terminal the profile used to print nothing until the end. A phase is what a user can tell
+    apart: a layer (all its sizes, plain and checkpointed, and its optimizer step), the whole
+    model, the link, the neighbours; the timing harnesses belong to the layer being measured.
+    Each phase is announced once, the first time it runs: a profiler that times the layers in
+    interleaved rounds would otherwise print a line per layer per round. In a long stretch
+    without a new phase, a line every ``heartbeat_s`` says how far the profile is.
+    """
+
+    def __init__(self, stream: Any, heartbeat_s: float = 30.0, clock: Any = time.monotonic) -> None:
+        self._stream = stream
+        self._heartbeat_s = heartbeat_s
+        self._clock = clock
+        self._total = 0
+        self._done = 0
+        self._seen: set[str] = set()
+        self._phase: str | None = None
+        self._started = self._last = clock()
+
+    def __enter__(self) -> "PhaseLines":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None and self._phase is not None:
+            self._line("done")
+
+    def begin(self, total: int) -> None:
+        self._total = total
+
+    def step(self, description: str) -> None:
+        self._done += 1
+        phase = phase_of(description)
+        if phase is not None and phase not in self._seen:
+            self._seen.add(phase)
+            self._phase = phase
+            self._line(phase)
+        elif self._phase is not None and self._clock() - self._last >= self._heartbeat_s:
+            self._line(f"still {phase or self._phase}")
+
+    def _line(self, what: str) -> None:
+        now = self._clock()
+        self._last = now
+        share = f"{self._done / self._total:4.0%}" if self._total else "   ?"
+        print(f"profiling [{share}, {now - self._started:5.0f} s] {what}", file=self._stream, flush=True)
+
+
+def phase_of(description: str) -> str | None:
+    """The phase a unit of the profiler's work belongs to: ``b=4 block0 (recompute)`` -> ``block0``.
+
+    Units are named by the runner that ran (``b=SIZE NAME``, ``NAME (recompute)``, ``NAME
+    optimizer step``, ``whole model``, ...); the timing harnesses run beside every layer and
+    start no phase of their own (None).
+    """
+    name = re.sub(r"^b=\d+ ", "", description)
+    name = name.removesuffix(" (recompute)").removesuffix(" optimizer step")
+    if name in ("harness", "recompute harness"):
+        return None
+    return name
 
 
 class _Bar:
     """A rich progress bar over (micro-batch size x layer) on stderr; the profiler's Progress."""
 
     def __init__(self, console: Console, enabled: bool) -> None:
-        self._progress = Progress(TextColumn("profiling"), BarColumn(), MofNCompleteColumn(),
-                                  TextColumn("{task.description}"), TimeElapsedColumn(),
+        # Time remaining: rich's estimate from the units done so far (layers of a kind cost alike).
+        # What is being measured goes last, cut to the room left, so that the counts and the
+        # times always show (rich would squeeze them to "0:…" on an 80-column terminal).
+        self._console = console
+        self._bar_width = 20 if console.width >= 100 else 10
+        self._progress = Progress(TextColumn("profiling"), BarColumn(bar_width=self._bar_width), MofNCompleteColumn(),
+                                  TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.description}"),
                                   console=console, transient=True, disable=not enabled,
                                   refresh_per_second=4)  # the bar's thread shares the CPU being measured
         self._task: Any = None
+        self._total = 0
 
     def __enter__(self) -> "_Bar":
         self._progress.__enter__()
@@ -124,7 +221,17 @@ class _Bar:
         self._progress.__exit__(*exc)
 
     def begin(self, total: int) -> None:
+        self._total = total
         self._task = self._progress.add_task("", total=total)
 
     def step(self, description: str) -> None:
-        self._progress.update(self._task, advance=1, description=description)
+        self._progress.update(self._task, advance=1, description=self._fit(description))
+
+    def _fit(self, description: str) -> str:
+        """The description cut to what is left of the line: "profiling", the bar, "done/total",
+        elapsed and remaining (7 characters each) and a space between columns."""
+        counts = 2 * len(str(self._total)) + 1
+        room = self._console.width - (len("profiling") + self._bar_width + counts + 7 + 7 + 5) - 1
+        if len(description) <= room:
+            return description
+        return description[:room - 1] + "…" if room >= 8 else ""

@@ -7,11 +7,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ..artifacts import write_json_atomic
+from ..artifacts import PLAN_FORMAT, REPORT_FORMAT, BadInput, file_sha256, read_artifact, write_json_atomic
 from .calibrate import calibrate
 
 
-def calibrate_command(report: str, profile: str, out: str | None, speed_correction: bool = False) -> None:
+def calibrate_command(report: str, profile: str | None, out: str | None, speed_correction: bool = False) -> None:
+    console = Console()
+    if profile is None:
+        profile = profile_of_report(report)
+        console.print(f"calibrating '{profile}', the profile the run's plan was made from", highlight=False)
     doc = calibrate(profile, report, use_speed_probe=speed_correction)
     target = out or str(Path(profile).with_suffix("")) + ".calibrated.json"
     write_json_atomic(target, doc)
@@ -21,13 +25,64 @@ def calibrate_command(report: str, profile: str, out: str | None, speed_correcti
         table.add_column(col, justify="left" if col == "layers" else "right")
     for st in last["stages"]:
         names = st["layers"][0] if len(st["layers"]) == 1 else f"{st['layers'][0]} .. {st['layers'][-1]}"
-        table.add_row(str(st["stage"]), names,
-                      *(f"{st[k + '_scale']:.2f}x" if k + "_scale" in st else "-" for k in ("forward", "backward",
-                                                                                             "optimizer")))
-    console = Console()
+        table.add_row(str(st["stage"]), names, *(_scale(st, kind) for kind in ("forward", "backward", "optimizer")))
     console.print(table)
+    spread = last.get("run_spread")
+    if spread:
+        console.print(f"the run's steps spread by {spread:.1%}: each ratio is moved toward 1 by that much noise "
+                      "(applied, with the measured ratio in brackets where they differ)", highlight=False)
     drift = last["speed_ratio_divided_out"]
     if drift != 1.0:
         console.print(f"the machine ran at {drift:.2f}x the profile's time during that run (speed probe): divided out",
                       highlight=False)
     console.print(f"wrote {target}: solve with it to plan with the measured costs", highlight=False)
+
+
+def _scale(stage: dict, kind: str) -> str:
+    """``1.18x``, or ``1.02x (1.05x)`` when the run's spread shrank the measured ratio."""
+    applied = stage.get(f"{kind}_scale")
+    if applied is None:
+        return "-"
+    measured = stage.get(f"measured_{kind}_ratio")
+    if measured is None or round(measured, 2) == round(applied, 2):
+        return f"{applied:.2f}x"
+    return f"{applied:.2f}x ({measured:.2f}x)"
+
+
+def profile_of_report(report_path: str) -> str:
+    """The profile a run's plan was made from, as the report and its plan name them.
+
+    The report names its plan (``plan.path``), the plan its profile (``profile.path``), each
+    as given on the command line then: tried as written (relative to here), then beside the
+    file that names it. Refused in one line when a file is gone or has changed since (its
+    SHA-256 is not the one recorded): scales computed against one profile's predictions mean
+    nothing for another's.
+    """
+    report = read_artifact(report_path, REPORT_FORMAT)
+    plan_path = _named_file(report, "plan", f"report '{report_path}'", report_path, "a run of plan")
+    plan = read_artifact(plan_path, PLAN_FORMAT)
+    return _named_file(plan, "profile", f"plan '{plan_path}'", plan_path, "made from profile")
+
+
+def _named_file(doc: dict, key: str, label: str, doc_path: str, relation: str) -> str:
+    """The file ``doc[key]`` names (``path``, ``sha256``), found and unchanged; else one line."""
+    recorded = doc.get(key) if isinstance(doc.get(key), dict) else {}
+    hint = "give --profile PROFILE (the profile the run's plan was made from)"
+    if not recorded.get("path"):
+        raise BadInput(f"{label} does not name its {key}: {hint}")
+    path = _locate(recorded["path"], doc_path)
+    if path is None:
+        raise BadInput(f"{label} is {relation} '{recorded['path']}', which is gone: {hint}")
+    if recorded.get("sha256") and file_sha256(path) != recorded["sha256"]:
+        raise BadInput(f"{key} '{path}' has changed since {label} was made from it: {hint}")
+    return path
+
+
+def _locate(recorded: str, named_by: str) -> str | None:
+    """``recorded`` as written if it exists, else beside the file that names it, else None."""
+    if Path(recorded).is_file():
+        return recorded
+    beside = Path(named_by).parent / recorded
+    if not Path(recorded).is_absolute() and beside.is_file():
+        return str(beside)
+    return None

@@ -9,8 +9,13 @@ of their operations 10-20% slower in the median (in CPU time, so not waiting) th
 compute-bound loop hardly feels it. So it is measured on the model itself.
 
 We start ``processes`` worker processes with the profile's threads each, all building the
-model from its spec, and time whole training steps (forward, loss, backward) at one
+model from its spec, and time training steps (forward, backward) of one layer at one
 micro-batch size, in cycles: worker 0 alone for a moment, then all of them at once. The
+layer is the one that takes longest, which the profiler passes on (without it: the layer with
+the most parameters); each worker builds the model on the meta device and makes only that
+layer real, having run the batch up to it one layer at a time (models/materialize.py), so
+that this measurement, like the profile, needs memory for one layer per process and not the
+whole model. The
 machine's speed drifts over seconds, so each cycle compares a shared phase with the alone
 phase right before it, and ``slowdown`` is the median of the cycles' ratios. Short phases
 and many cycles (9 of 0.4 s each way) keep a slow spell inside one cycle's pair and leave
@@ -52,13 +57,15 @@ def default_processes(threads: int) -> int:
 
 def measure_contention(spec: dict[str, Any], micro_batch_size: int, threads: int = 1, processes: int = 2,
                        seconds: float = 0.4, cycles: int = 9, seed: int = 0,
-                       timeout_s: float = 300.0, precision: Precision | None = None) -> dict[str, Any]:
-    """The profile's ``contention`` object: steps alone and with ``processes - 1`` neighbours."""
+                       timeout_s: float = 300.0, precision: Precision | None = None,
+                       layer: int | None = None) -> dict[str, Any]:
+    """The profile's ``contention`` object: steps of ``layer`` alone and with ``processes - 1`` neighbours."""
     barrier = SPAWN.Barrier(processes)
-    phases: dict[int, dict[str, list[float]]] = dict(run_workers(
-        _worker, processes, (spec, seed, micro_batch_size, threads, seconds, cycles, barrier,
-                             precision or Precision()), timeout_s,
-        "timing the model side by side"))
+    returned = run_workers(_worker, processes, (spec, seed, micro_batch_size, threads, seconds, cycles, barrier,
+                                                precision or Precision(), layer), timeout_s,
+                           "timing the model side by side")
+    phases: dict[int, dict[str, list[float]]] = {rank: mine for rank, mine, _ in returned}
+    timed = next((name for _, _, name in returned), None)
     if len(phases) != processes:
         raise RuntimeError(f"{processes - len(phases)} of the {processes} processes timing the model side by "
                            "side returned nothing")
@@ -68,6 +75,7 @@ def measure_contention(spec: dict[str, Any], micro_batch_size: int, threads: int
         "processes": processes,
         "threads_per_process": threads,
         "micro_batch_size": micro_batch_size,
+        "layer": timed,
         "alone_step_s": statistics.median(phases[0]["alone"]),
         "together_step_s": statistics.median(statistics.median(phases[r]["together"]) for r in phases),
         "slowest_step_s": max(statistics.median(phases[r]["together"]) for r in phases),
@@ -94,33 +102,46 @@ def median_time_s(run: Callable[[], object], seconds: float, at_least: int) -> f
 
 
 def _worker(rank: int, spec: dict[str, Any], seed: int, size: int, threads: int, seconds: float, cycles: int,
-            barrier: Any, precision: Precision, results: Any) -> None:
-    from ..models import build_model
+            barrier: Any, precision: Precision, layer: int | None, results: Any) -> None:
+    from ..models import build_model, forward_streamed, layer_materialized
+    from .measure import prepare_layer
 
     torch.set_num_threads(threads)
-    model = build_model(spec, seed=seed)
+    model = build_model(spec, seed=seed, materialize=())
     precision.cast(model)
+    index = layer if layer is not None else _most_parameters(model)
     inputs, targets = model.synthetic_batch(size, torch.Generator().manual_seed(seed))
+    with torch.no_grad(), precision.autocast("cpu"):
+        xs = forward_streamed(model, inputs, range(index))
+    last = index == len(model.layers) - 1
+    with layer_materialized(model, index) as real:
+        loss = (lambda outputs: model.loss(outputs, targets)) if last else None
+        _, runner = prepare_layer(model.layers[index][0], real, xs, first=index == 0, loss=loss,
+                                  autocast=lambda: precision.autocast("cpu"))
 
-    def train_step() -> None:
-        with precision.autocast("cpu"):
-            loss = model.loss(model.forward_layers(*inputs), targets)
-        loss.backward()
+        def train_step() -> None:
+            runner.backward(runner.forward())
 
-    def median_step(duration: float) -> float:
-        step = median_time_s(train_step, duration, 3)
-        model.module.zero_grad(set_to_none=True)
-        return step
+        def median_step(duration: float) -> float:
+            step = median_time_s(train_step, duration, 3)
+            real.zero_grad(set_to_none=True)
+            return step
 
-    median_step(min(0.5, seconds))          # warm-up: allocator, caches, lazy initialisation
-    mine: dict[str, list[float]] = {"alone": [], "together": []}
-    # If a worker dies, the others give up at the barrier after this wait (and exit with an
-    # error) rather than hanging until the parent's timeout.
-    wait_s = 60 + 3 * seconds
-    for _ in range(cycles):
-        barrier.wait(wait_s)
-        if rank == 0:
-            mine["alone"].append(median_step(seconds))
-        barrier.wait(wait_s)
-        mine["together"].append(median_step(seconds))
-    results.put((rank, mine))
+        median_step(min(0.5, seconds))          # warm-up: allocator, caches, lazy initialisation
+        mine: dict[str, list[float]] = {"alone": [], "together": []}
+        # If a worker dies, the others give up at the barrier after this wait (and exit with an
+        # error) rather than hanging until the parent's timeout.
+        wait_s = 60 + 3 * seconds
+        for _ in range(cycles):
+            barrier.wait(wait_s)
+            if rank == 0:
+                mine["alone"].append(median_step(seconds))
+            barrier.wait(wait_s)
+            mine["together"].append(median_step(seconds))
+    results.put((rank, mine, model.layers[index][0]))
+
+
+def _most_parameters(model: Any) -> int:
+    """The index of the layer with the most parameter elements (their shapes are known on meta)."""
+    sizes = [sum(p.numel() for p in layer.parameters()) for _, layer in model.layers]
+    return sizes.index(max(sizes))

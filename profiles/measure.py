@@ -6,20 +6,18 @@ are data and do not), its forward runs with autograd recording, and its backward
 a gradient of each output, as one arriving from the next stage would. The last layer also
 computes the loss, forward and backward, because the last stage does.
 
-Timing goes in rounds, and a round runs the layers the way the unsplit model does: every
-layer's forward in order, keeping what each saves for backward, then every backward in
-reverse order; then the whole model once; and that for every micro-batch size in turn. Each
-figure is the median over ``repeats`` rounds after ``warmup`` rounds. Three reasons:
+Timing goes in rounds (:func:`time_rounds`): a round runs groups of runners in turn, each
+group's forwards in order, keeping what each saves for backward, then its backwards in
+reverse order, as a model runs its layers; each figure is the median over ``repeats`` rounds
+after ``warmup`` rounds. The profiler times one layer at a time (the model is not all in
+memory: profiles/profiler.py), one group per micro-batch size, so that a slow spell of a
+shared machine lands on all sizes alike instead of on whichever size was being repeated.
 
-- memory: at the end of the forwards all layers' activations are alive at once, as in
-  training. On a CPU that matters: fresh memory costs page faults that the allocator hides
-  when one layer's buffers are freed and reused run after run, which made per-layer sums
-  ~10% faster than the whole model;
-- caches: a layer runs after the layer before it, as in a pipeline stage, not hot from its
-  own previous run;
-- noise: a slow spell of a shared machine lands on all figures alike instead of on whichever
-  layer (or micro-batch size) was being repeated, so the per-layer sum stays comparable with
-  the whole-model step and one size with the next.
+What timing a layer alone cannot see: in the model a layer runs after the one before it, with
+every earlier layer's activations still alive. Alone, its weights stay in the caches and its
+buffers are freed and reused run after run without page faults, so on a CPU the layers add up
+to a little less than the whole model's step (the profile's ``consistency`` says by how much;
+docs/benchmarks.md, "Models larger than one process").
 
 Parameter gradients accumulate across rounds, as across the micro-batches of one step. The
 garbage collector is off while timing so that a collection does not land in one figure.
@@ -66,7 +64,7 @@ class LayerFigures:
     backward_s: float
     activation_bytes: int
     output_bytes: int
-    output_shapes: list[list[int]]
+    output_shapes: list[list[int]]        # whole, the micro-batch dimension included
     output_dtypes: list[str]
     peak_transient_bytes: int | None = None
     # What the layer holds after its forward beyond its inputs: the saved tensors that are not
@@ -200,7 +198,7 @@ def prepare_layer(name: str, layer: nn.Module, xs: Tensors, *, first: bool,
         forward_s=0.0, backward_s=0.0,
         activation_bytes=saved.nbytes,
         output_bytes=tensor_bytes(outputs),
-        output_shapes=[list(o.shape[1:]) for o in outputs],
+        output_shapes=[list(o.shape) for o in outputs],
         output_dtypes=[str(o.dtype).replace("torch.", "") for o in outputs],
         held_bytes=saved.nbytes_except([*leaves, *outputs]) + sum(outputs_kept.values()),
     )

@@ -45,7 +45,11 @@ class SavedTensors:
         on_device = self._device is None or tensor.device.type == self._device.type
         if key not in self._excluded and on_device:
             self._storages[key] = tensor.untyped_storage().nbytes()
-        return tensor  # keep autograd's own reference: we count, we do not move anything
+        # A detached alias: the same storage, nothing moved or copied. Handing autograd the
+        # tensor itself would leak the graph: a saved *output* (attention saves its result)
+        # would hold its own grad_fn, a cycle through C++ that Python's collector cannot see,
+        # and with it the layer's parameters, which then cannot be given back (models/materialize.py).
+        return tensor.detach()
 
     @property
     def nbytes(self) -> int:

@@ -1,14 +1,39 @@
-"""Profile a model: every layer at every micro-batch size, and the whole model to check the sum.
+"""Profile a model: per layer and micro-batch size, time and bytes; the whole model, to check the sum.
+
+Two methods, chosen by the model's size (``ProfileRequest.layer_by_layer``):
+
+- **whole** (parameters up to :data:`WHOLE_MODEL_CHECK_BYTES`): the model in memory, every
+  layer timed in the same rounds, one after the other as in the model, beside the whole
+  model's step (:func:`_profile_in_memory`). Layers see the caches the layer before them
+  left, as in training, and their sum matches the whole step.
+- **layer by layer** (larger models): one layer real at a time, each kind measured once.
+
+Memory, layer by layer: the model is built on the meta device (models/materialize.py) and only
+the layer being measured is real, so profiling needs about the largest layer with its
+activations, not the whole model: a model larger than this machine's memory can be profiled. First a walk runs the
+synthetic batches through the layers, one real at a time, to get every layer's real inputs
+at every micro-batch size (:mod:`.walk`).
+
+Time: layers of one kind (same code, parameter shapes, input and output shapes: :mod:`.kinds`)
+cost the same, so only the first of each kind is measured and the others take its figures
+(``measured_as`` in the profile). A transformer's 32 blocks are measured as one.
+
+Each measured layer is timed in rounds (:mod:`.measure`): every micro-batch size in turn,
+the plain layer, then the layer under checkpointing, each next to an empty layer (the
+harness) whose cost is taken off; a slow spell of the machine lands on all sizes alike.
 
 The planner predicts a pipeline's step time by adding up per-layer figures, so the profile
 checks that adding up works on this machine: it times the unsplit model's forward+backward
 the same way and records ``consistency`` (sum of layers / whole model). A ratio far from 1
-means per-layer timing misses something (per-call overhead, caches) and the plans made from
-this profile will be off by about as much.
+means per-layer timing misses something (per-call overhead, caches, a layer timed alone
+running hotter than in the model) and the plans made from this profile will be off by about
+as much. That needs the whole model in memory, so by default it is done only for models whose
+parameters take at most :data:`WHOLE_MODEL_CHECK_BYTES`.
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -16,17 +41,25 @@ import torch
 
 from .. import __version__
 from ..artifacts import FORMAT_VERSIONS, PROFILE_FORMAT
-from ..models import LayeredModel, Precision, build_model
+from ..models import (LayeredModel, Precision, build_model, built_whole, layer_materialized, materialize_layers,
+                      release_layers)
+from ..models.layered import batch_dimensions
+from ..models.materialize import streamed
 from ..speedprobe import speed_probe_s, workload
-from .clock import clock_for
+from .clock import Clock, clock_for
 from ..cudamemory import outside_allocator_bytes
 from .device import describe
 from .measure import (Autocast, LayerFigures, Runner, Timing, harness_runner, model_step_runner, optimizer_step_s,
                       peak_transient_bytes, prepare_layer, recompute_harness_runner, recomputing_runner,
                       time_rounds)
 from .memory import tensor_bytes, unique_bytes
+from .walk import walk_layers
 
 Tensors = tuple[torch.Tensor, ...]
+
+# Whole-model check by default up to this many bytes of parameters: below it a whole training
+# step is cheap in memory and time next to the layers; above it, profiling stays at one layer.
+WHOLE_MODEL_CHECK_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -42,13 +75,23 @@ class ProfileRequest:
     seed: int = 0
     measure_link: bool = False
     batch_size: int | None = None
-    # CPU only: also time the model with this many processes computing at once (0: do not).
+    # CPU only: also time a layer with this many processes computing at once (0: do not).
     contention_processes: int = 0
     # Also time every layer under activation checkpointing (what recomputation really costs).
     recompute: bool = True
     precision: Precision = field(default_factory=Precision)
     # Warm up for at least this long (None: 1 s on a GPU, whose clock ramps up under load; 0 on a CPU).
     warmup_s: float | None = None
+    # One layer real at a time, each kind measured once (None: when the model's parameters take
+    # more than WHOLE_MODEL_CHECK_BYTES; below that the whole model is timed layer by layer in the
+    # same rounds, the method whose sums match the whole model's step).
+    layer_by_layer: bool | None = None
+    # Layer by layer: measure the first layer of each kind only, the others sharing its figures
+    # (False: every layer).
+    share_figures: bool = True
+    # Time the whole model too, for `consistency` (None: when its parameters take at most
+    # WHOLE_MODEL_CHECK_BYTES).
+    whole_model_check: bool | None = None
 
     @property
     def warmup_duration_s(self) -> float:
@@ -101,32 +144,40 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
         # Before the model is built: the CUDA context (and other processes), which the planner
         # takes off the card's memory (planner/profile.py, usable_memory_bytes).
         context_bytes = outside_allocator_bytes(device)
-    model = build_model(request.spec, seed=request.seed)
+    # Every parameter on meta: a layer is made real while it is walked or measured, then
+    # given back (a model that cannot be built so is built whole, and stays real).
+    model = build_model(request.spec, seed=request.seed, materialize=())
     request.precision.cast(model)
-    model.to(device)
+    whole = built_whole(model)
+    if whole is not None:
+        model.to(device)
+    if not _layer_by_layer(request, model):
+        return _profile_in_memory(model, request, progress, context_bytes, whole)
     sizes = sorted(request.micro_batch_sizes)
     with request.autocast():
-        model.check(batch_size=sizes[0], device=device)  # a bad --input-shape fails here, in one line
+        # A bad --input-shape fails here, in one line, one layer real at a time.
+        streamed(model, device).check(batch_size=sizes[0], device=device)
+    batches = [_batch(model, b, request.seed, device) for b in sizes]
+    walk = walk_layers(model, [inputs for inputs, _ in batches], device, request.autocast, request.share_figures)
 
     probe_before = speed_probe_s(device.type)   # see speedprobe: the speed this profile saw
     rounds = request.warmup + request.repeats
+    check_whole = _checks_whole_model(request, model)
     contention = request.contention_processes > 1 and device.type == "cpu"
-    runs_per_round = len(model.layers) + 2 + (len(model.layers) + 1 if request.recompute else 0)
-    progress.begin(len(sizes) * rounds * 2 * runs_per_round + 1 + (1 if request.measure_link else 0)
-                   + (1 if contention else 0))
-    # Every size is prepared first and all are timed in the same rounds (see _time_sizes).
-    prepared = [_prepare_size(model, *_batch(model, b, request.seed, device), request, b) for b in sizes]
-    input_bytes = [p.input_bytes for p in prepared]
-    _time_sizes(prepared, request, progress)
-    per_size = [p.figures for p in prepared]
-    steps = [p.step for p in prepared]
-    harnesses = [p.harness for p in prepared]
-    recompute_harnesses = [p.recompute_harness for p in prepared if p.recompute_harness is not None]
-
-    progress.step("optimizer steps")
+    runners_per_size = 2 + (2 if request.recompute else 0)     # harness and layer; the same checkpointed
+    progress.begin(len(walk.measured) * (len(sizes) * rounds * 2 * runners_per_size + 1)
+                   + (len(sizes) * rounds * 2 if check_whole else 0)
+                   + (1 if request.measure_link else 0) + (1 if contention else 0))
     clock = clock_for(device, request.threads)
-    optimizer_s = [optimizer_step_s(_distinct(layer.parameters()), clock, request.warmup, request.repeats)
-                   for _, layer in model.layers]
+    measured = {i: _measure_layer(model, i, walk.inputs.pop(i), [t for _, t in batches], sizes, request, clock,
+                                  progress) for i in walk.measured}
+    per_size = [[replace(measured[walk.measured_as[i]].figures[s]) for i in range(len(model.layers))]
+                for s in range(len(sizes))]
+    steps = _time_whole_model(model, batches, sizes, request, clock, progress) if check_whole else None
+    harnesses = [_median_timing([m.harness[s] for m in measured.values()]) for s in range(len(sizes))]
+    recompute_harnesses = ([_median_timing([m.recompute_harness[s] for m in measured.values()])
+                            for s in range(len(sizes))] if request.recompute else [])
+    optimizer_s = [measured[walk.measured_as[i]].optimizer_s for i in range(len(model.layers))]
 
     probes = [probe_before, speed_probe_s(device.type)]
     link = None
@@ -135,26 +186,93 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
 
         progress.step("link between two processes")
         link = measure_link(device)
-    doc = _document(model, request, sizes, per_size, steps, harnesses, recompute_harnesses, input_bytes,
-                    optimizer_s, link)
-    if contention:
+    doc = _document(model, request, sizes, per_size, steps, harnesses, recompute_harnesses,
+                    [tensor_bytes(inputs) for inputs, _ in batches], optimizer_s, link)
+    for entry, rep in zip(doc["layers"], walk.measured_as):
+        entry["measured_as"] = None if model.layers[rep][0] == entry["name"] else model.layers[rep][0]
+    doc["measurement"]["shared_figures"] = request.share_figures
+    middle = len(sizes) // 2
+    # The layer that takes longest stands for the model (see profiles/contention.py).
+    busiest = max(walk.measured, key=lambda i: measured[i].figures[middle].forward_s
+                  + measured[i].figures[middle].backward_s)
+    return _finish(doc, request, progress, probes, context_bytes, whole, True, busiest if contention else None)
+
+
+def _finish(doc: dict[str, Any], request: ProfileRequest, progress: Progress, probes: list[float],
+            context_bytes: int | None, whole: str | None, layer_by_layer: bool, busiest: int | None) -> dict[str, Any]:
+    """What both methods add to the document: how it was measured, contention, the device's figures."""
+    doc["measurement"]["layer_by_layer"] = layer_by_layer
+    doc["measurement"]["built_whole"] = whole
+    if busiest is not None:
         from .contention import measure_contention
 
         progress.step(f"{request.contention_processes} processes computing side by side")
+        sizes = doc["micro_batch_sizes"]
         doc["contention"] = measure_contention(request.spec, sizes[len(sizes) // 2], request.threads,
                                                request.contention_processes, seed=request.seed,
-                                               precision=request.precision)
+                                               precision=request.precision, layer=busiest)
     if context_bytes is not None:
         doc["device"]["context_bytes"] = context_bytes
     doc["device"]["speed_probe_s"] = sum(probes) / len(probes)
-    doc["device"]["speed_probe_workload"] = list(workload(device.type))
+    doc["device"]["speed_probe_workload"] = list(workload(request.device.type))
     doc["measurement"]["speed_probe_s"] = probes
     return doc
 
 
-def _batch(model: LayeredModel, size: int, seed: int, device: torch.device) -> tuple[Tensors, torch.Tensor]:
-    inputs, targets = model.synthetic_batch(size, torch.Generator().manual_seed(seed))
-    return tuple(x.to(device) for x in inputs), targets.to(device)
+def _layer_by_layer(request: ProfileRequest, model: LayeredModel) -> bool:
+    if request.layer_by_layer is not None:
+        return request.layer_by_layer
+    return unique_bytes(model.module.parameters()) > WHOLE_MODEL_CHECK_BYTES
+
+
+# ---------------------------------------------------------------------- the whole model in memory
+def _profile_in_memory(model: LayeredModel, request: ProfileRequest, progress: Progress, context_bytes: int | None,
+                       whole: str | None) -> dict[str, Any]:
+    """Every layer measured, all in the same rounds, with the whole model's step beside them.
+
+    For a model that fits: its layers run one after another in each round, as they do in the
+    model (what a layer leaves in the caches is what the next one finds), so their sum matches
+    the whole model's step (``consistency`` near 1; timed alone, a layer runs a few percent
+    faster than in the model).
+    """
+    device = request.device
+    materialize_layers(model, range(len(model.layers)), unused=True)
+    model.to(device)
+    sizes = sorted(request.micro_batch_sizes)
+    with request.autocast():
+        model.check(batch_size=sizes[0], device=device)  # a bad --input-shape fails here, in one line
+    probe_before = speed_probe_s(device.type)
+    rounds = request.warmup + request.repeats
+    contention = request.contention_processes > 1 and device.type == "cpu"
+    runs_per_round = len(model.layers) + 2 + (len(model.layers) + 1 if request.recompute else 0)
+    progress.begin(len(sizes) * rounds * 2 * runs_per_round + 1 + (1 if request.measure_link else 0)
+                   + (1 if contention else 0))
+    # Every size is prepared first and all are timed in the same rounds (see _time_sizes).
+    prepared = [_prepare_size(model, *_batch(model, b, request.seed, device), request, b) for b in sizes]
+    _time_sizes(prepared, request, progress)
+
+    progress.step("optimizer steps")
+    clock = clock_for(device, request.threads)
+    optimizer_s = [optimizer_step_s(_distinct(layer.parameters()), clock, request.warmup, request.repeats)
+                   for _, layer in model.layers]
+    probes = [probe_before, speed_probe_s(device.type)]
+    link = None
+    if request.measure_link:
+        from .link import measure_link
+
+        progress.step("link between two processes")
+        link = measure_link(device)
+    doc = _document(model, request, sizes, [p.figures for p in prepared], [p.step for p in prepared],
+                    [p.harness for p in prepared],
+                    [p.recompute_harness for p in prepared if p.recompute_harness is not None],
+                    [p.input_bytes for p in prepared], optimizer_s, link)
+    for entry in doc["layers"]:
+        entry["measured_as"] = None
+    doc["measurement"]["shared_figures"] = False
+    middle = len(sizes) // 2
+    busiest = max(range(len(model.layers)), key=lambda i: prepared[middle].figures[i].forward_s
+                  + prepared[middle].figures[i].backward_s)
+    return _finish(doc, request, progress, probes, context_bytes, whole, False, busiest if contention else None)
 
 
 @dataclass
@@ -241,6 +359,98 @@ def _time_sizes(prepared: list[_Size], request: ProfileRequest, progress: Progre
                 weighed.peak_transient_bytes = peak_transient_bytes(runner, request.device, weighed)
 
 
+def _batch(model: LayeredModel, size: int, seed: int, device: torch.device) -> tuple[Tensors, torch.Tensor]:
+    inputs, targets = model.synthetic_batch(size, torch.Generator().manual_seed(seed))
+    return tuple(x.to(device) for x in inputs), targets.to(device)
+
+
+def _checks_whole_model(request: ProfileRequest, model: LayeredModel) -> bool:
+    if request.whole_model_check is not None:
+        return request.whole_model_check
+    return unique_bytes(model.module.parameters()) <= WHOLE_MODEL_CHECK_BYTES
+
+
+@dataclass
+class _Measured:
+    """One measured layer: its figures at every size, the harnesses timed beside it, its optimizer step."""
+
+    figures: list[LayerFigures]
+    harness: list[Timing]
+    recompute_harness: list[Timing]
+    optimizer_s: float
+
+
+def _measure_layer(model: LayeredModel, i: int, inputs: list[Tensors], targets: list[torch.Tensor],
+                   sizes: list[int], request: ProfileRequest, clock: Clock, progress: Progress) -> _Measured:
+    """Time layer ``i`` at every size, real only meanwhile (see :func:`time_rounds` for the rounds).
+
+    Per size, one group runs the harness and the layer (the harness is taken off the layer's
+    times: per-call costs a stage pays once, not per layer); with recompute timing, a second
+    group runs both again under checkpointing.
+    """
+    name = model.layers[i][0]
+    last = i == len(model.layers) - 1
+    autocast: Autocast = request.autocast
+    with layer_materialized(model, i, request.device) as layer:
+        figures: list[LayerFigures] = []
+        groups = []
+        for b, xs, y in zip(sizes, inputs, targets):
+            loss = (lambda outputs, y=y: model.loss(outputs, y)) if last else None
+            weighed, runner = prepare_layer(f"b={b} {name}", layer, xs, first=(i == 0), loss=loss, autocast=autocast)
+            figures.append(weighed)
+            groups.append([harness_runner(request.device, autocast), runner])
+            if request.recompute:
+                groups.append([recompute_harness_runner(request.device, autocast),
+                               recomputing_runner(f"b={b} {name} (recompute)", runner, layer, xs, first=(i == 0),
+                                                  loss=loss, autocast=autocast)])
+        timed = iter(time_rounds(groups, clock, request.warmup, request.repeats,
+                                 after_run=lambda what: progress.step(what), warmup_s=request.warmup_duration_s))
+        harnesses, recompute_harnesses = [], []
+        for s, weighed in enumerate(figures):
+            harness, timing = next(timed)
+            harnesses.append(harness)
+            weighed.forward_s = max(0.0, timing.forward_s - harness.forward_s)
+            weighed.backward_s = max(0.0, timing.backward_s - harness.backward_s)
+            if request.recompute:
+                recompute_harness, recomputed = next(timed)
+                recompute_harnesses.append(recompute_harness)
+                weighed.recompute_forward_s = max(0.0, recomputed.forward_s - recompute_harness.forward_s)
+                weighed.recompute_backward_s = max(0.0, recomputed.backward_s - recompute_harness.backward_s)
+            if request.device.type == "cuda":
+                weighed.peak_transient_bytes = peak_transient_bytes(groups[s * (len(groups) // len(sizes))][1],
+                                                                    request.device, weighed)
+        del groups, timed
+        layer.zero_grad(set_to_none=True)   # gradients of the timing rounds: freed before the next layer
+        progress.step(f"{name} optimizer step")
+        optimizer_s = optimizer_step_s(_distinct(layer.parameters()), clock, request.warmup, request.repeats)
+    return _Measured(figures, harnesses, recompute_harnesses, optimizer_s)
+
+
+def _time_whole_model(model: LayeredModel, batches: list[tuple[Tensors, torch.Tensor]], sizes: list[int],
+                      request: ProfileRequest, clock: Clock, progress: Progress) -> list[Timing]:
+    """The unsplit model's training step at every size, in the same rounds; the model real meanwhile."""
+    everything = range(len(model.layers))
+    was_meta = [i for i in everything if any(p.is_meta for p in model.layers[i][1].parameters())]
+    materialize_layers(model, everything, unused=True)
+    model.to(request.device)
+    groups = []
+    for (inputs, targets), b in zip(batches, sizes):
+        whole = model_step_runner(lambda inputs=inputs, targets=targets: model.loss(model.forward(*inputs), targets),
+                                  request.autocast)
+        whole.name = f"b={b} {whole.name}"
+        groups.append([whole])
+    timed = time_rounds(groups, clock, request.warmup, request.repeats,
+                        after_run=lambda what: progress.step(what), warmup_s=request.warmup_duration_s)
+    del groups
+    model.module.zero_grad(set_to_none=True)
+    release_layers(model, was_meta)
+    return [step for (step,) in timed]
+
+
+def _median_timing(timings: list[Timing]) -> Timing:
+    return Timing(statistics.median(t.forward_s for t in timings), statistics.median(t.backward_s for t in timings))
+
+
 def _distinct(params: Any) -> list[torch.Tensor]:
     seen: dict[int, torch.Tensor] = {}
     for p in params:
@@ -253,7 +463,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _document(model: LayeredModel, request: ProfileRequest, sizes: list[int],
-              per_size: list[list[LayerFigures]], steps: list[Timing], harnesses: list[Timing],
+              per_size: list[list[LayerFigures]], steps: list[Timing] | None, harnesses: list[Timing],
               recompute_harnesses: list[Timing], input_bytes: list[int],
               optimizer_s: list[float], link: dict[str, Any] | None) -> dict[str, Any]:
     layers = []
@@ -269,9 +479,14 @@ def _document(model: LayeredModel, request: ProfileRequest, sizes: list[int],
             "param_bytes": unique_bytes(layer.parameters()),
             "buffer_bytes": unique_bytes(layer.buffers()),
             "optimizer_s": optimizer_s[i],
-            "output_shapes": largest.output_shapes,
             "output_dtypes": largest.output_dtypes,
         }
+        # What crosses the cut after this layer: per sample when it carries the batch, whole
+        # when it is the same for every micro-batch (a table handed along): runtime/stage.py.
+        batched = batch_dimensions(name, at[0].output_shapes, sizes[0], largest.output_shapes, sizes[-1])
+        entry["output_shapes"] = [s[1:] if b else s for s, b in zip(largest.output_shapes, batched)]
+        if not all(batched):
+            entry["output_batched"] = batched
         if request.device.type == "cuda":
             entry["peak_transient_bytes"] = [f.peak_transient_bytes for f in at]
         if request.recompute:
@@ -280,7 +495,6 @@ def _document(model: LayeredModel, request: ProfileRequest, sizes: list[int],
         layers.append(entry)
 
     layer_sum = [sum(f.forward_s + f.backward_s for f in figures) for figures in per_size]
-    model_step = [t.forward_s + t.backward_s for t in steps]
     doc: dict[str, Any] = {
         "format": PROFILE_FORMAT,
         "version": FORMAT_VERSIONS[PROFILE_FORMAT],
@@ -293,19 +507,21 @@ def _document(model: LayeredModel, request: ProfileRequest, sizes: list[int],
         "input": {"shapes": model.input_shapes, "dtypes": [_dtype_name(d) for d in model.input_dtypes]},
         "input_bytes": input_bytes,
         "layers": layers,
-        "consistency": {
-            "layer_sum_s": layer_sum,
-            "model_step_s": model_step,
-            "ratio": [s / m if m > 0 else None for s, m in zip(layer_sum, model_step)],
-            "model_forward_s": [t.forward_s for t in steps],
-            "model_backward_s": [t.backward_s for t in steps],
-        },
         "measurement": {"warmup": request.warmup, "repeats": request.repeats, "statistic": "median",
                         "timer": clock_for(request.device, request.threads).name, "seed": request.seed,
                         "harness_forward_s": [t.forward_s for t in harnesses],
                         "harness_backward_s": [t.backward_s for t in harnesses]},
         "tool": {"name": "gpipe-plan", "version": __version__, "torch": torch.__version__},
     }
+    if steps is not None:
+        model_step = [t.forward_s + t.backward_s for t in steps]
+        doc["consistency"] = {
+            "layer_sum_s": layer_sum,
+            "model_step_s": model_step,
+            "ratio": [s / m if m > 0 else None for s, m in zip(layer_sum, model_step)],
+            "model_forward_s": [t.forward_s for t in steps],
+            "model_backward_s": [t.backward_s for t in steps],
+        }
     if recompute_harnesses:
         # The checkpoint wrapper's own cost, forward + backward, beyond the plain harness's.
         doc["recompute_call_s"] = [max(0.0, r.forward_s + r.backward_s - h.forward_s - h.backward_s)
@@ -314,5 +530,8 @@ def _document(model: LayeredModel, request: ProfileRequest, sizes: list[int],
         doc["measurement"]["recompute_harness_backward_s"] = [t.backward_s for t in recompute_harnesses]
     if link is not None:
         doc["link"] = link
+    tied = model.tied_parameters()
+    if tied:
+        doc["tied_parameters"] = tied
     return doc
 

@@ -51,9 +51,16 @@ def render_profile(doc: dict[str, Any], console: Console) -> None:
     table.add_row("total", format_seconds(total_f), format_seconds(total_b), format_bytes(total_act),
                   "", format_bytes(total_params))
     console.print(table)
+    sharing = _sharing_line(layers)
+    if sharing:
+        console.print(sharing, highlight=False)
+    built_whole = (doc.get("measurement") or {}).get("built_whole")
+    if built_whole:
+        console.print(f"[yellow]built whole[/], every parameter in memory at once: {built_whole}", highlight=False)
     consistency = doc.get("consistency")
     if consistency:
         console.print(_consistency(consistency, sizes))
+        console.print(CONSISTENCY_MEANING, highlight=False)
     contention = doc.get("contention")
     if contention:
         # Version 4 profiles take the slowest process (a pipeline goes at its slowest stage's pace).
@@ -70,6 +77,16 @@ def render_profile(doc: dict[str, Any], console: Console) -> None:
     if link:
         console.print(f"link ({link.get('backend', '?')}): latency {format_seconds(link.get('latency_s'))}, "
                       f"bandwidth {format_rate(link.get('bandwidth_bytes_per_s'))}")
+
+
+def _sharing_line(layers: list[dict[str, Any]]) -> str | None:
+    """How many layers were measured and how many took another's figures (None: not recorded)."""
+    if not layers or any("measured_as" not in layer for layer in layers):
+        return None   # profiles before version 6 measured every layer
+    shared = sum(1 for layer in layers if layer["measured_as"])
+    if not shared:
+        return f"measured all {len(layers)} layers (none alike)"
+    return f"measured {len(layers) - shared} distinct layers of {len(layers)}; {shared} share their figures"
 
 
 def _recompute_line(doc: dict[str, Any], layers: list[dict[str, Any]], sizes: list[int]) -> str | None:
@@ -102,11 +119,18 @@ def _header(doc: dict[str, Any]) -> str:
     precision = precision_label(doc.get("precision", "fp32"), doc.get("param_dtype", "fp32"))
     lines = [f"[bold]profile[/] of {what}", f"  device          {where}", f"  micro-batches   {sizes}",
              f"  precision       {precision}"]
+    if isinstance(doc.get("global_batch_size"), int):
+        lines.append(f"  global batch    {doc['global_batch_size']} (what solve and explore plan for by default)")
     measurement = doc.get("measurement")
     if measurement:
         lines.append(f"  timing          {measurement.get('statistic', 'median')} of {measurement.get('repeats')} "
                      f"after {measurement.get('warmup')} warm-up ({measurement.get('timer')})")
     return "\n".join(lines)
+
+
+# What the ratio says, printed under it: a user meets it in the profile's summary, not the docs.
+CONSISTENCY_MEANING = ("ratio: the sum of the layers timed alone over the whole model's step; near 1 means the "
+                       "per-layer figures add up, and plans from them hold")
 
 
 def _consistency(consistency: dict[str, Any], sizes: list[int]) -> Table:

@@ -3,7 +3,8 @@
 ``gpipe-plan run plan.json`` (:mod:`.command`) starts K ranks (:mod:`.launch`), or is one
 rank under ``torchrun``. Each rank (:mod:`.train`):
 
-1. rebuilds the whole model from the plan's spec and the seed, keeps its stage (:mod:`.stage`);
+1. rebuilds the whole model from the plan's spec and the seed, keeps its stage (:mod:`.stage`),
+   and loads its stage's part of ``--init-from`` weights (:mod:`.init_from`);
 2. runs its share of every step in the schedule's order (:mod:`.schedule`, :mod:`.executor`),
    sending activations forward and gradients back to its neighbours (:mod:`.p2p`);
 3. steps its optimizer, saves checkpoints (:mod:`.checkpoint`), records spans (:mod:`.timing`);

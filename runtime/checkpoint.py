@@ -1,134 +1,397 @@
-"""Checkpoints: each stage saves its own part; a resumed run continues bit for bit.
+"""Checkpoints keyed like the unsplit model, so that a run resumes under another plan.
 
-Layout (one folder per saved step, one file per stage)::
+Each saved step is one ``torch.distributed.checkpoint`` (DCP) checkpoint, written by all ranks
+together::
 
     CHECKPOINT_DIR/
       step-00000040/
-        stage-0-of-2.pt
-        stage-1-of-2.pt
+        checkpoint.json        what was saved, by which plan, with which identity (rank 0)
+        .metadata              DCP's index: every tensor's key, shape, dtype and file (rank 0)
+        __0_0.distcp           rank 0's tensors
+        __1_0.distcp           rank 1's tensors
       step-00000060/
         ...
 
-A stage's file holds what that rank needs to go on as if never stopped: its parameters and
-buffers (under the whole model's ``state_dict`` keys), its optimizer's state, the fp16 loss
-scale, the number of steps done, and the RNG state of the CPU and of this rank's own GPU
-(restoring every GPU's would initialise a CUDA context on each of them, on every rank). The data needs no state: step s's batch is a function of the
-seed and s (:mod:`.data`).
+The tensors are named after the unsplit model, never after a stage:
 
-Each file is written to a temporary name and renamed, so a file that exists is complete. A
-rank killed while saving leaves its stage's file of that step missing, never half-written.
-On ``--resume`` the ranks agree on the newest step for which *every* stage has its file, so
-a checkpoint only some stages finished is skipped. Nothing needs a shared file system: each
-rank reads and writes only its own stage's files (on several machines, each machine keeps
-the files of the stages it runs).
+- ``model/<key>``: a parameter or buffer, ``<key>`` as in the unsplit model's ``state_dict``;
+- ``optim/<key>/<name>``: the optimizer's per-parameter state (``exp_avg``, ``exp_avg_sq``,
+  ``step`` for Adam, ``momentum_buffer`` for momentum), ``<key>`` the parameter's unsplit key;
+  a state kept as a Python number would be saved as a 0-dimensional tensor (Adam's ``step`` is one);
+- ``rng/rank-<r>/cpu`` (and ``.../cuda``): rank r's random number generator states.
+
+So a checkpoint does not know how the model was split. A rank that resumes asks DCP for the
+keys *its* stage holds, under *its* plan, and DCP reads them from whichever rank's file holds
+them: a run saved by 2 stages holding 2 + 2 layers resumes on 1 stage, or on 2 holding 1 + 3.
+Adam, SGD and momentum are per-parameter rules, so per-parameter state moves with its
+parameter and the resumed run steps as the uninterrupted one would.
+
+What is not a tensor sits in ``checkpoint.json``: the number of steps done, the fp16 loss scale
+(the same on every stage), the identity the resuming run must match, and the plan that saved it.
+
+Completeness: DCP writes into ``step-XXXXXXXX.partial/``; when every rank has written its
+tensors (DCP's save returns on all ranks only after rank 0 wrote ``.metadata``), rank 0 writes
+``checkpoint.json`` and renames the folder to ``step-XXXXXXXX``. A rename is atomic, so a step
+folder that exists is complete; a step some rank never finished stays ``.partial`` and is never
+resumed. Rank 0 picks the newest complete step and every rank must see it: resharding means any
+rank may read any rank's file, so on several machines the folder must be on a shared file system.
+
+A checkpoint is data: DCP reads its tensors with ``torch.load(weights_only=True)`` and its
+``.metadata`` with a plain ``pickle.load``, which could run code, so :func:`safe_reader` reads
+``.metadata`` with an unpickler that builds only DCP's own records.
+
+``torch.distributed.checkpoint`` is imported when a checkpoint is saved or loaded, not with this
+module: it costs every rank about 0.6 s at start, and most runs never checkpoint.
 """
 
 from __future__ import annotations
 
-import io
+import collections
+import dataclasses
+import enum
+import hashlib
+import importlib
+import json
+import os
+import pickle
 import re
-from pathlib import Path
+import shutil
+from pathlib import Path, PosixPath, PurePosixPath
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..artifacts import BadInput, write_bytes_atomic
+from ..artifacts import BadInput, write_json_atomic
 from .loss_scale import LossScaler
 from .objects import all_gather_objects
 from .stage import Stage
 
 FORMAT = "gpipe-plan.checkpoint"
-VERSION = 1
+# Version 2: one DCP checkpoint per step, keyed like the unsplit model (resumable under any
+# plan). Version 1 wrote one torch.save file per stage (step-N/stage-k-of-K.pt); it is refused.
+VERSION = 2
+META_FILE = "checkpoint.json"
+PARTIAL = ".partial"
 _STEP_DIR = re.compile(r"step-(\d{8})")
-# Identity keys added after checkpoints existed, with the value every older checkpoint had.
-_BEFORE_KEY: dict[str, Any] = {"precision": "fp32", "param_dtype": "fp32"}
+_V1_FILE = re.compile(r"stage-\d+-of-\d+\.pt")
 
 
-def stage_file(folder: Path, step: int, stage: int, stages: int) -> Path:
-    return folder / f"step-{step:08d}" / f"stage-{stage}-of-{stages}.pt"
+def step_folder(folder: Path, step: int) -> Path:
+    return folder / f"step-{step:08d}"
 
 
+def partial_folder(folder: Path, step: int) -> Path:
+    return folder / f"step-{step:08d}{PARTIAL}"
+
+
+# ---------------------------------------------------------------------- saving
 def save(folder: Path, step: int, stage: Stage, optimizer: torch.optim.Optimizer, identity: dict[str, Any],
-         scaler: LossScaler | None = None, device: torch.device | None = None) -> None:
-    """Write this stage's checkpoint after ``step`` completed steps (atomically)."""
-    path = stage_file(folder, step, stage.index, stage.num_stages)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    rng = {"cpu": torch.get_rng_state()}
+         saved_by: dict[str, Any], scaler: LossScaler | None = None, device: torch.device | None = None,
+         group: dist.ProcessGroup | None = None) -> Path:
+    """Save the state after ``step`` completed steps; every rank calls this, together.
+
+    Returns the complete step folder once every rank has written (on every rank).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    rank = _rank(group)
+    partial, final = partial_folder(folder, step), step_folder(folder, step)
+    if rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # what a killed run left at this step
+    _barrier(group)  # nobody writes into the folder before rank 0 has emptied it
+    tensors = {f"model/{key}": tensor.detach() for key, tensor in stage.state_dict().items()}
+    tensors |= _optimizer_tensors(stage, optimizer)
+    tensors |= _rng_tensors(rank, device)
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(partial), process_group=group, no_dist=not _distributed())
+    if rank == 0:
+        write_json_atomic(partial / META_FILE, {
+            "format": FORMAT, "version": VERSION, "step": step, "identity": identity, "saved_by": saved_by,
+            "loss_scale": scaler.state_dict() if scaler is not None and scaler.enabled else None})
+        _replace_folder(partial, final)
+    _barrier(group)  # every rank returns knowing the step is complete
+    return final
+
+
+def _optimizer_tensors(stage: Stage, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """``optim/<unsplit key>/<name>`` for every per-parameter state; numbers become 0-d tensors."""
+    out: dict[str, torch.Tensor] = {}
+    for key, param in stage.named_parameters():
+        for name, value in optimizer.state.get(param, {}).items():
+            if isinstance(value, torch.Tensor):
+                out[f"optim/{key}/{name}"] = value.detach()
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                out[f"optim/{key}/{name}"] = torch.tensor(value)
+    return out
+
+
+def _rng_tensors(rank: int, device: torch.device | None) -> dict[str, torch.Tensor]:
+    # This rank's own GPU only: reading every GPU's state would open a CUDA context on each.
+    out = {f"rng/rank-{rank}/cpu": torch.get_rng_state()}
     if device is not None and device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(device)
-    state = {
-        "format": FORMAT,
-        "version": VERSION,
-        "step": step,
-        "stage": stage.index,
-        "stages": stage.num_stages,
-        "identity": identity,
-        "model": {k: v.detach().cpu() for k, v in stage.state_dict().items()},
-        "optimizer": optimizer.state_dict(),
-        "rng": rng,
-        "loss_scale": scaler.state_dict() if scaler is not None and scaler.enabled else None,
-    }
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    write_bytes_atomic(path, buffer.getvalue())
+        out[f"rng/rank-{rank}/cuda"] = torch.cuda.get_rng_state(device)
+    return out
 
 
-def complete_steps(folder: Path, stage: int, stages: int) -> set[int]:
-    """Steps for which this stage's file exists."""
+def _replace_folder(partial: Path, final: Path) -> None:
+    """Rename ``partial`` to ``final``; a folder already there (an older run's) is set aside first."""
+    if final.exists():
+        aside = final.with_name(final.name + ".replaced")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(final, aside)
+        os.rename(partial, final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.rename(partial, final)
+    _fsync_folder(final.parent)
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make the rename durable (a crash after it must not bring the old name back)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def prune(folder: Path, keep: int) -> None:
+    """Rank 0: delete complete steps but the newest ``keep``, and ``.partial`` folders older than them."""
+    complete = sorted(step for step, version in complete_steps(folder).items() if version == VERSION)
+    for step in complete[:-keep]:
+        shutil.rmtree(step_folder(folder, step), ignore_errors=True)
+    if complete:
+        for child in folder.iterdir():
+            match = _STEP_DIR.fullmatch(child.name.removesuffix(PARTIAL))
+            if child.name.endswith(PARTIAL) and match and int(match.group(1)) < complete[-1]:
+                shutil.rmtree(child, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- finding
+def complete_steps(folder: Path) -> dict[int, int]:
+    """Complete step folders, ``{step: format version}``: 2 has ``checkpoint.json``, 1 stage files."""
     if not folder.is_dir():
-        return set()
-    steps = set()
+        return {}
+    found: dict[int, int] = {}
     for child in folder.iterdir():
         match = _STEP_DIR.fullmatch(child.name)
-        if match and stage_file(folder, int(match.group(1)), stage, stages).is_file():
-            steps.add(int(match.group(1)))
-    return steps
+        if not match or not child.is_dir():
+            continue
+        if (child / META_FILE).is_file():
+            found[int(match.group(1))] = VERSION
+        elif any(_V1_FILE.fullmatch(f.name) for f in child.iterdir()):
+            found[int(match.group(1))] = 1
+    return found
 
 
-def newest_common_step(folder: Path, stage: int, stages: int, group: dist.ProcessGroup | None) -> int | None:
-    """The newest step every stage has a checkpoint of (ranks agree through ``group``)."""
-    mine = complete_steps(folder, stage, stages)
-    everyone = all_gather_objects(mine, group) if stages > 1 else [mine]
-    common = set.intersection(*everyone) if everyone else set()
-    return max(common) if common else None
+def newest_complete_step(folder: Path, group: dist.ProcessGroup | None = None) -> int | None:
+    """The step to resume from: rank 0's newest complete one, which every rank must see."""
+    mine = complete_steps(folder)
+    everyone = all_gather_objects(mine, group) if _world_size(group) > 1 else [mine]
+    if not everyone[0]:
+        return None
+    newest = max(everyone[0])
+    blind = [rank for rank, seen in enumerate(everyone) if newest not in seen]
+    if blind:
+        raise BadInput(f"rank(s) {', '.join(map(str, blind))} cannot see checkpoint '{step_folder(folder, newest)}': "
+                       f"every rank reads the whole checkpoint folder, so across machines put --checkpoint-dir on "
+                       f"a shared file system")
+    if everyone[0][newest] != VERSION:
+        raise BadInput(f"checkpoint '{step_folder(folder, newest)}' is of version 1 (one file per stage), which this "
+                       f"gpipe-plan cannot resume: start again with a new --checkpoint-dir, or finish the run with "
+                       f"the gpipe-plan version that wrote it")
+    return newest
 
 
+# ---------------------------------------------------------------------- loading
 def load(folder: Path, step: int, stage: Stage, optimizer: torch.optim.Optimizer, identity: dict[str, Any],
-         scaler: LossScaler | None = None, device: torch.device | None = None) -> None:
-    """Restore this stage's parameters, optimizer state, loss scale and RNG from step ``step``."""
-    path = stage_file(folder, step, stage.index, stage.num_stages)
-    try:
-        # weights_only: a checkpoint is data; unpickling anything else could run code.
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # a file we did not write, or a torch that cannot read it
-        raise BadInput(f"cannot read checkpoint '{path}': {type(exc).__name__}: {exc}") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT or state.get("version") != VERSION:
-        raise BadInput(f"'{path}' is not a gpipe-plan checkpoint of version {VERSION}")
+         seed: int, scaler: LossScaler | None = None, device: torch.device | None = None,
+         group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """Restore this stage's parameters, buffers and optimizer state, the loss scale and the RNG.
+
+    Every rank calls this, together. Returns the checkpoint's ``checkpoint.json``, and under
+    ``"rng"`` whether the generators were ``"restored"`` (as many ranks as saved it) or
+    ``"reseeded"`` (another number of ranks: rank r seeds from (seed, step, r), :func:`reseed`).
+    """
+    path = step_folder(folder, step)
+    meta = read_meta(path)
     for key, value in identity.items():
-        saved = state["identity"].get(key, _BEFORE_KEY.get(key))
+        saved = meta.get("identity", {}).get(key)
         if saved != value:
-            raise BadInput(f"checkpoint '{path}' was made with {key} = {saved!r}, this run has "
-                           f"{value!r}: resume with the same plan split and options, or use a new --checkpoint-dir")
-    stage.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    if scaler is not None and scaler.enabled and state.get("loss_scale"):
-        scaler.load_state_dict(state["loss_scale"])
-    torch.set_rng_state(state["rng"]["cpu"])
-    cuda_state = state["rng"].get("cuda")
-    if isinstance(cuda_state, list):   # older checkpoints held every GPU's state
-        index = device.index if device is not None and device.index is not None else 0
-        cuda_state = cuda_state[index] if index < len(cuda_state) else None
-    if device is not None and device.type == "cuda" and isinstance(cuda_state, torch.Tensor):
-        torch.cuda.set_rng_state(cuda_state, device)
+            raise BadInput(f"checkpoint '{path}' was made with {key} = {saved!r}, this run has {value!r}: resume "
+                           f"with the same {key}, or use a new --checkpoint-dir")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = safe_reader(path)
+    entries = reader.metadata().state_dict_metadata
+    rank, ranks = _rank(group), _world_size(group)
+
+    # What this rank asks DCP for: its stage's tensors, under the unsplit model's keys.
+    wanted = {f"model/{key}": tensor for key, tensor in stage.state_dict().items()}
+    for name, tensor in wanted.items():
+        saved_entry = entries.get(name)
+        if not isinstance(saved_entry, TensorStorageMetadata):
+            raise BadInput(f"checkpoint '{path}' has no '{name}': it was saved from another model; "
+                           f"use a new --checkpoint-dir")
+        if tuple(saved_entry.size) != tuple(tensor.shape):
+            raise BadInput(f"checkpoint '{path}': '{name}' is {list(saved_entry.size)} there but "
+                           f"{list(tensor.shape)} in this model; use a new --checkpoint-dir")
+    # The optimizer's state does not exist before its first step: make tensors of the saved shapes.
+    # Indices are the parameters' places in the optimizer (stage.parameters()' order), as torch's
+    # Optimizer.load_state_dict expects them.
+    index_of = {key: index for index, (key, _) in enumerate(stage.named_parameters())}
+    optim_state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, entry in entries.items():
+        if not name.startswith("optim/") or "/" not in name[len("optim/"):] or \
+                not isinstance(entry, TensorStorageMetadata):
+            continue
+        key, state_name = name[len("optim/"):].rsplit("/", 1)
+        if key in index_of:
+            tensor = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+            optim_state.setdefault(index_of[key], {})[state_name] = wanted[name] = tensor
+    restore_rng = meta.get("saved_by", {}).get("ranks") == ranks
+    rng_keys = [f"rng/rank-{rank}/cpu"] + ([f"rng/rank-{rank}/cuda"] if device is not None and device.type == "cuda"
+                                           else [])
+    if restore_rng:
+        for name in rng_keys:
+            entry = entries.get(name)
+            if isinstance(entry, TensorStorageMetadata):
+                wanted[name] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+
+    try:
+        dcp.load(wanted, storage_reader=reader, process_group=group, no_dist=not _distributed())
+    except Exception as exc:  # noqa: BLE001 - a damaged file: one line, whatever DCP raised
+        raise BadInput(f"cannot read checkpoint '{path}': {_first_line(exc)}") from None
+
+    # torch's own loader puts each state where its parameter is, in its dtype (``step`` stays put).
+    optimizer.load_state_dict({"state": optim_state, "param_groups": optimizer.state_dict()["param_groups"]})
+    if scaler is not None and scaler.enabled and meta.get("loss_scale"):
+        scaler.load_state_dict(meta["loss_scale"])
+    if restore_rng and f"rng/rank-{rank}/cpu" in wanted:
+        torch.set_rng_state(wanted[f"rng/rank-{rank}/cpu"])
+        if f"rng/rank-{rank}/cuda" in wanted and device is not None:
+            torch.cuda.set_rng_state(wanted[f"rng/rank-{rank}/cuda"], device)
+        meta["rng"] = "restored"
+    else:
+        reseed(seed, step, rank)
+        meta["rng"] = "reseeded"
+    return meta
 
 
-def prune(folder: Path, keep: int, stage: int, stages: int) -> None:
-    """Delete this stage's files but the newest ``keep`` (and step folders left empty)."""
-    for step in sorted(complete_steps(folder, stage, stages))[:-keep]:
-        path = stage_file(folder, step, stage, stages)
-        path.unlink(missing_ok=True)
-        try:
-            path.parent.rmdir()  # only once every stage's file is gone
-        except OSError:
-            pass
+def reseed(seed: int, step: int, rank: int) -> None:
+    """Seed rank ``rank``'s generators (CPU and every GPU) from (seed, step, rank), deterministically.
+
+    Used when the number of ranks changed: the saved per-rank states have no counterpart then.
+    """
+    digest = hashlib.sha256(f"gpipe-plan/{seed}/{step}/{rank}".encode()).digest()
+    torch.manual_seed(int.from_bytes(digest[:8], "little") & (2 ** 63 - 1))
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """``checkpoint.json`` of a complete step folder, checked to be this format and version."""
+    try:
+        meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise BadInput(f"cannot read checkpoint '{path}': {_first_line(exc)}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise BadInput(f"'{path}' is not a gpipe-plan checkpoint")
+    if meta.get("version") != VERSION:
+        raise BadInput(f"checkpoint '{path}' is of version {meta.get('version')!r}; this gpipe-plan resumes version "
+                       f"{VERSION} only: start again with a new --checkpoint-dir, or use the version that wrote it")
+    return meta
+
+
+# ---------------------------------------------------------------------- reading DCP's index safely
+def safe_reader(path: Path) -> Any:
+    """DCP's file reader for ``path``, but reading ``.metadata`` once, by :class:`_MetadataUnpickler`.
+
+    Its ``metadata()`` raises :class:`BadInput` (one line) for a missing, damaged or crafted index.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    class SafeReader(dcp.FileSystemReader):
+        def __init__(self, path: Path) -> None:
+            super().__init__(str(path))
+            self._checked: Metadata | None = None
+
+        def metadata(self) -> Metadata:
+            if self._checked is None:
+                try:
+                    with open(Path(self.path) / ".metadata", "rb") as f:
+                        found = _MetadataUnpickler(f).load()
+                except Exception as exc:  # noqa: BLE001 - a missing, damaged or crafted index
+                    raise BadInput(f"cannot read checkpoint '{self.path}': {_first_line(exc)}") from None
+                if not isinstance(found, Metadata):
+                    raise BadInput(f"cannot read checkpoint '{self.path}': its .metadata is not DCP's index")
+                if getattr(found, "storage_meta", None) is None:
+                    found.storage_meta = StorageMeta()
+                found.storage_meta.load_id = getattr(self, "load_id", None)
+                self._checked = found
+            return self._checked
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            return self.metadata()
+
+    return SafeReader(path)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only what DCP writes into ``.metadata``; any other global is refused.
+
+    DCP's records (dataclasses and enums of its metadata and filesystem modules), ``torch.Size``,
+    dtypes and layouts, and a ``pathlib`` path: none of them runs code when built.
+    """
+
+    _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+    _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in self._DCP_MODULES and "." not in name:
+            found = getattr(importlib.import_module(module), name, None)
+            if isinstance(found, type) and found.__module__ == module and (
+                    dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)):
+                return found
+        if module == "torch" and "." not in name:
+            found = getattr(torch, name, None)
+            if found is torch.Size or isinstance(found, self._TORCH_VALUES):
+                return found
+        if (module, name) == ("torch.serialization", "_get_layout"):
+            from torch.serialization import _get_layout  # looks a name up among torch's layouts
+
+            return _get_layout
+        if module == "pathlib" and name in ("PosixPath", "PurePosixPath"):
+            return {"PosixPath": PosixPath, "PurePosixPath": PurePosixPath}[name]
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        raise pickle.UnpicklingError(f"'{module}.{name}' has no place in a checkpoint's index")
+
+
+# ---------------------------------------------------------------------- helpers
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank(group: dist.ProcessGroup | None) -> int:
+    return dist.get_rank(group) if _distributed() else 0
+
+
+def _world_size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group) if _distributed() else 1
+
+
+def _barrier(group: dist.ProcessGroup | None) -> None:
+    if _world_size(group) > 1:
+        dist.barrier(group=group)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__

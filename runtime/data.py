@@ -9,7 +9,9 @@ unsplit model: the equivalence tests rely on it.
 Two sources:
 
 - :class:`SyntheticBatches` (default): the model's own synthetic data (random tokens, images).
-- :class:`TextBatches` (``--data FILE.txt``, for ``gpt``): byte-level language modelling on a
+- :class:`FactoryBatches` (``--data pkg.module:factory``): the user's own data (models.hooks);
+  step s is the factory's s-th mini-batch, drawn on an RNG seeded from the seed.
+- :class:`TextBatches` (``--data FILE.txt``, for a language model): byte-level language modelling on a
   real text. Each sample is a random window of ``seq_len + 1`` bytes; the model reads the
   first ``seq_len`` and predicts each next byte. The loss starts near ln(256) = 5.5 and
   falls as the model learns the text.
@@ -24,6 +26,9 @@ import torch
 
 from ..artifacts import BadInput
 from ..models import LayeredModel
+from ..models.hooks import DataStream
+from ..models.user import find_factory
+from .options import is_data_factory
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -72,16 +77,50 @@ class TextBatches:
         return f"'{Path(self.path).name}' ({len(self.tokens):,} bytes)"
 
 
+class FactoryBatches:
+    """The user's ``--data pkg.module:factory`` (models.hooks): step s is its s-th mini-batch."""
+
+    def __init__(self, path: str, batch_size: int, seed: int) -> None:
+        self.path, self.batch_size, self.seed = path, batch_size, seed
+        self.factory = find_factory(path, "data factory")
+        self.stream = DataStream(self.factory, path, batch_size, seed)
+
+    def batch(self, step: int) -> tuple[Tensors, torch.Tensor]:
+        if step < self.stream.position:  # only going back needs a fresh stream
+            self.stream = DataStream(self.factory, self.path, self.batch_size, self.seed)
+        while self.stream.position < step:  # a resumed run skips the steps done
+            self.stream.next()
+        return self.stream.next()
+
+    def samples_text(self) -> str:
+        return f"data from '{self.path}'"
+
+
 def batch_source(model: LayeredModel, data: str | None, batch_size: int, seed: int) -> BatchSource:
-    """The data of a run: ``--data`` text for a byte-level ``gpt``, else synthetic."""
+    """The data of a run: ``--data`` text for a byte-level language model, else synthetic.
+
+    A language model is the built-in ``gpt`` or a model of one's own trained with ``--loss lm``;
+    bytes are its tokens, so its vocabulary must hold 256 symbols.
+    """
+    spec = model.spec
+    if data is None and spec.get("data"):
+        data = spec["data"]  # the profile's data factory
     if data is None:
         return SyntheticBatches(model, batch_size, seed)
-    spec = model.spec
-    if spec.get("source") != "builtin" or spec.get("name") != "gpt":
-        name = spec.get("name") or spec.get("factory")
-        raise BadInput(f"--data FILE.txt trains the built-in gpt on bytes; the plan's model is '{name}'")
-    options = spec["options"]
-    if options["vocab_size"] < 256:
-        raise BadInput(f"--data is byte-level (256 symbols) but the plan's gpt has vocab_size "
-                       f"{options['vocab_size']}: profile it with --vocab-size 256")
-    return TextBatches(data, options["seq_len"], batch_size, seed)
+    if is_data_factory(data):
+        if spec.get("source") != "import":
+            raise BadInput(f"--data {data} feeds a model of your own; the built-in '{spec.get('name')}' has its "
+                           f"own data (gpt: --data FILE.txt)")
+        return FactoryBatches(data, batch_size, seed)
+    name = spec.get("name") or spec.get("factory")
+    if spec.get("source") == "builtin" and spec.get("name") == "gpt":
+        vocab_size, seq_len = spec["options"]["vocab_size"], spec["options"]["seq_len"]
+    elif spec.get("source") == "import" and spec.get("loss") == "lm":
+        vocab_size, seq_len = spec["vocab_size"], spec["input_shape"][0]
+    else:
+        raise BadInput(f"--data FILE.txt trains a language model on bytes (the built-in gpt, or your model "
+                       f"with --loss lm); the plan's model '{name}' is not one")
+    if vocab_size < 256:
+        raise BadInput(f"--data is byte-level (256 symbols) but the plan's model '{name}' has a vocabulary of "
+                       f"{vocab_size}: profile it with --vocab-size 256 or more")
+    return TextBatches(data, seq_len, batch_size, seed)

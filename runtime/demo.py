@@ -1,9 +1,12 @@
 """``gpipe-plan demo``: the whole loop on the built-in gpt, on this CPU, in about two minutes.
 
-1. profile the default ``gpt`` layer by layer (one thread, as each rank will run);
+1. profile the default ``gpt`` layer by layer (one thread, as each rank will run), for the
+   demo's global batch;
 2. solve for 2 stages: where to cut, how many micro-batches, which schedule;
-3. train with the plan for a few dozen steps, 2 processes;
-4. show the plan, its predicted timeline, and measured against predicted.
+3. train with the plan for a few dozen steps, 2 processes, on a real text shipped with the
+   package (the Declaration of Independence, public domain: runtime/texts/), byte by byte, so
+   that the loss visibly falls from ln 256 = 5.5, a uniform guess among 256 bytes;
+4. show the plan, its predicted timeline, measured against predicted, and the loss.
 
 Everything is written to ``--out-dir`` (a temporary folder by default), so the profile, the
 plan, the report and the trace can be looked at afterwards.
@@ -23,9 +26,16 @@ from .options import RunOptions, check_options
 
 GLOBAL_BATCH = 32
 MICRO_BATCH_SIZES = [1, 2, 4, 8, 16, 32]
+# The text the demo learns, and how (the README's recipe for real text, scaled to a short run):
+# Adam at LEARNING_RATE after a linear warm-up over the first tenth of the steps, the global
+# gradient norm clipped to GRAD_CLIP (docs/runtime.md, "Real text"; docs/benchmarks.md, "Demo").
+DEMO_TEXT = Path(__file__).resolve().parent / "texts" / "declaration-of-independence.txt"
+LEARNING_RATE = 1e-3
+GRAD_CLIP = 1.0
+STEPS = 100
 
 
-def demo_command(steps: int = 30, stages: int = 2, out_dir: str | None = None) -> None:
+def demo_command(steps: int = STEPS, stages: int = 2, out_dir: str | None = None) -> None:
     console = Console()
     if out_dir is not None:
         folder = Path(out_dir)
@@ -50,13 +60,16 @@ def _demo(console: Console, folder: Path, steps: int, stages: int) -> None:
     plan = _solve(profile_path, plan_path, stages)
     _show_plan(console, plan_path, plan)
 
-    console.rule(f"[bold]3. run[/] {steps} steps with the plan, {stages} processes")
+    console.rule(f"[bold]3. run[/] {steps} steps with the plan, {stages} processes, on {DEMO_TEXT.name}")
     from .launch import launch_local
 
-    options = check_options(RunOptions(plan=str(plan_path), steps=steps, report=str(folder / "report.json"),
-                                       trace=str(folder / "trace.json"), log_every=5))
+    report_path = folder / "report.json"
+    options = check_options(RunOptions(plan=str(plan_path), steps=steps, report=str(report_path),
+                                       trace=str(folder / "trace.json"), log_every=10, data=str(DEMO_TEXT),
+                                       lr=LEARNING_RATE, warmup_steps=max(1, steps // 10), grad_clip=GRAD_CLIP))
     threads = int(profile["device"].get("threads") or 1)
     launch_local(options, stages, threads)
+    console.print(loss_line(report_path), highlight=False)
     console.print(f"\ndone in {time.monotonic() - started:.0f} s. Files in {folder}: profile.json, plan.json, "
                   f"plan.svg (the predicted timeline), report.json, trace.json (the measured one: open it in "
                   f"https://ui.perfetto.dev)", highlight=False)
@@ -73,6 +86,7 @@ def _profile(console: Console, path: Path, stages: int) -> dict[str, Any]:
                              # the stages will compute side by side: measure what that costs
                              contention_processes=stages if stages > 1 else 0)
     doc = profile_model(request)
+    doc["global_batch_size"] = GLOBAL_BATCH   # as `profile --global-batch-size`: what solve plans for
     write_json_atomic(path, doc)
     try:
         from ..profiles.show import render_profile
@@ -88,7 +102,18 @@ def _solve(profile_path: Path, plan_path: Path, stages: int) -> dict[str, Any]:
         from ..planner import solve_file
     except ImportError as exc:  # pragma: no cover - the planner ships with the package
         raise RunFailure(f"the planner is not available: {exc}") from None
-    return solve_file(str(profile_path), str(plan_path), stages=stages, global_batch_size=GLOBAL_BATCH)
+    return solve_file(str(profile_path), str(plan_path), stages=stages)   # the profile's global batch
+
+
+def loss_line(report_path: Path) -> str:
+    """What the model learned: its loss on the text at the first step and at the last."""
+    from ..artifacts import read_json
+
+    loss = read_json(report_path, "report").get("loss") or {}
+    if loss.get("first") is None:
+        return "no loss recorded"
+    return (f"\nloss on {DEMO_TEXT.name}: {loss['first']:.2f} at the first step, {loss['last']:.2f} at the last "
+            f"(nats per byte; a uniform guess among 256 bytes is ln 256 = 5.55)")
 
 
 def _show_plan(console: Console, plan_path: Path, plan: dict[str, Any]) -> None:

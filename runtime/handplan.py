@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 from ..artifacts import PLAN_FORMAT, FORMAT_VERSIONS
 from ..models import Precision, build_model
+from ..models.layered import batch_dimensions
 
 
 def hand_plan(spec: dict[str, Any], balance: Sequence[int], micro_batches: int, micro_batch_size: int,
@@ -29,20 +30,24 @@ def hand_plan(spec: dict[str, Any], balance: Sequence[int], micro_batches: int, 
     if sum(balance) != len(names):
         raise ValueError(f"balance {list(balance)} covers {sum(balance)} layers; the model has {len(names)}")
     flags = [recompute] * len(balance) if isinstance(recompute, bool) else list(recompute)
-    if with_shapes:
+    if with_shapes:  # at two sizes: what crosses a cut with the batch, and what without (a table)
         with chosen.autocast("cpu"):
-            outputs = model.check(batch_size=1)
+            outputs, more = model.check(batch_size=2), model.check(batch_size=3)
     else:
-        outputs = None
+        outputs = more = None
     stages = []
     first = 0
     for k, count in enumerate(balance):
         stage: dict[str, Any] = {"index": k, "layers": names[first:first + count], "first_layer": first,
                                  "recompute": bool(flags[k])}
-        if outputs is not None:
-            out = outputs[first + count - 1]
-            stage["output_shapes"] = [list(t.shape[1:]) for t in out]
+        if outputs is not None and more is not None:
+            last = first + count - 1
+            out = outputs[last]
+            batched = batch_dimensions(names[last], [t.shape for t in out], 2, [t.shape for t in more[last]], 3)
+            stage["output_shapes"] = [list(t.shape[1:] if b else t.shape) for t, b in zip(out, batched)]
             stage["output_dtypes"] = [str(t.dtype).replace("torch.", "") for t in out]
+            if not all(batched):
+                stage["output_batched"] = batched
         stages.append(stage)
         first += count
     return {

@@ -7,6 +7,7 @@ values. No torch here.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -44,6 +45,7 @@ class RunOptions:
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
     resume: bool = False
+    init_from: str | None = None          # the unsplit model's weights to start from (a checkpoint wins)
     precision: str | None = None          # None: the plan's (a different one is refused)
     param_dtype: str | None = None
     executor: str = "auto"
@@ -103,22 +105,38 @@ def check_options(options: RunOptions) -> RunOptions:
         raise BadInput(f"--timeout must be positive, got {options.timeout}")
     if options.log_every < 1:
         raise BadInput(f"--log-every must be at least 1, got {options.log_every}")
-    if options.data is not None:
+    if options.data is not None and not is_data_factory(options.data):
         path = Path(options.data)
         if not path.is_file():
-            raise BadInput(f"--data '{options.data}' is not a file")
+            raise BadInput(f"--data '{options.data}' is not a file (nor a pkg.module:factory)")
     for flag, value in (("--save", options.save), ("--report", options.report), ("--trace", options.trace)):
         if value is not None:
             folder = Path(value).parent
             if not folder.is_dir():
                 raise BadInput(f"cannot write {flag} '{value}': folder '{folder}' does not exist")
+    if options.init_from is not None:
+        _check_init_from(options.init_from)
     if options.checkpoint_dir is not None:
         folder = Path(options.checkpoint_dir)
         if folder.exists() and not folder.is_dir():
             raise BadInput(f"--checkpoint-dir '{folder}' is a file, not a folder")
-    absolute = {k: os.path.abspath(v) for k, v in _paths(options).items() if v is not None}
+    absolute = {k: os.path.abspath(v) for k, v in _paths(options).items()
+                if v is not None and not (k == "data" and is_data_factory(v))}
     return dataclasses.replace(options, **absolute)
 
 
+def is_data_factory(data: str) -> bool:
+    """``--data`` names a factory (``pkg.module:factory``), not a text file."""
+    return ":" in data and not Path(data).exists()
+
+
+def _check_init_from(path: str) -> None:
+    """A file that exists; a ``.safetensors`` one needs the safetensors package (not a dependency)."""
+    if not Path(path).is_file():
+        raise BadInput(f"--init-from '{path}' is not a file")
+    if Path(path).suffix == ".safetensors" and importlib.util.find_spec("safetensors") is None:
+        raise BadInput(f"--init-from '{path}' is a .safetensors file: install safetensors (pip install safetensors)")
+
+
 def _paths(options: RunOptions) -> dict[str, Any]:
-    return {k: getattr(options, k) for k in ("plan", "data", "save", "report", "trace", "checkpoint_dir")}
+    return {k: getattr(options, k) for k in ("plan", "data", "save", "report", "trace", "checkpoint_dir", "init_from")}

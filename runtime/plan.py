@@ -35,6 +35,9 @@ class StagePlan:
     idle_fraction: float | None
     output_shapes: tuple[tuple[int, ...], ...] | None   # per sample; None: derive by running
     output_dtypes: tuple[str, ...] | None
+    # Per output: True (the default) when it is made per sample, its shape above without the
+    # batch; False when it is the same for every micro-batch, its shape above whole.
+    output_batched: tuple[bool, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,10 @@ def load_plan(path: str | os.PathLike[str]) -> RunPlan:
                 raise BadInput(f"{where}: stages[{k}].output_shapes must be a list of shapes")
             if not isinstance(dtypes, list) or len(dtypes) != len(shapes):
                 raise BadInput(f"{where}: stages[{k}].output_dtypes must give one dtype per output shape")
+        batched = raw.get("output_batched")
+        if batched is not None and (shapes is None or not isinstance(batched, list) or len(batched) != len(shapes)
+                                    or not all(isinstance(b, bool) for b in batched)):
+            raise BadInput(f"{where}: stages[{k}].output_batched must give true or false per output shape")
         stages.append(StagePlan(
             index=k,
             layers=tuple(names),
@@ -133,6 +140,7 @@ def load_plan(path: str | os.PathLike[str]) -> RunPlan:
             idle_fraction=_number(raw.get("idle_fraction")),
             output_shapes=tuple(tuple(int(d) for d in s) for s in shapes) if shapes is not None else None,
             output_dtypes=tuple(str(d) for d in dtypes) if shapes is not None else None,
+            output_batched=tuple(batched) if batched is not None else None,
         ))
         first += len(names)
     all_names = [n for s in stages for n in s.layers]

@@ -16,18 +16,23 @@ compares them with the plan's predictions (docs/report-format.md):
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from ..artifacts import REPORT_FORMAT, FORMAT_VERSIONS
+from ..planner.units import format_percent
 from ..speedprobe import profile_probe_s, speed_ratio
 from .plan import RunPlan
-from .timing import Span
+
+if TYPE_CHECKING:   # timing imports torch; `gpipe-plan show report.json` must start without it
+    from .timing import Span
 
 
 @dataclass
@@ -95,6 +100,7 @@ def build_report(plan: RunPlan, results: list[RankResult], *, losses: dict[int, 
     B = plan.global_batch_size
     samples_per_s = B / measured_step if measured_step else None
     loss_steps = sorted(losses)
+    speed = _speed(plan, results, measured_step)
     return {
         "format": REPORT_FORMAT,
         "version": FORMAT_VERSIONS[REPORT_FORMAT],
@@ -112,7 +118,9 @@ def build_report(plan: RunPlan, results: list[RankResult], *, losses: dict[int, 
         "measured_step_s": measured_step,
         "step_time_ratio": (measured_step / plan.predicted_step_s)
         if measured_step and plan.predicted_step_s else None,
-        "speed": _speed(plan, results, measured_step),
+        "speed": speed,
+        "headline": headline(plan.predicted_step_s, (plan.doc.get("predicted") or {}).get("noise_sources"), speed,
+                             measured_step),
         "measured_step_s_per_step": {str(s): results[0].step_s[s] for s in sorted(results[0].step_s)},
         "predicted_bubble_fraction": plan.predicted_bubble_fraction,
         "measured_bubble_fraction": (1 - busy_total / (K * measured_step)) if measured_step else None,
@@ -145,11 +153,52 @@ def _speed(plan: RunPlan, results: list[RankResult], measured_step: float | None
     }
 
 
+def headline(predicted_step_s: float | None, plan_noise: dict[str, float] | None, speed: dict[str, Any],
+             measured_step_s: float | None) -> dict[str, Any]:
+    """The one prediction a run is judged by, with the band chance alone would explain.
+
+    The prediction is the plan's scaled to the machine's speed during the run when the speed
+    probe could tell it (``speed.ratio``), else the plan's own; the other stays in the report.
+    The band (``noise_fraction``) adds in quadrature, as independent relative errors:
+
+    - the plan's noise (``predicted.noise_sources``: the profile's speed drift while it measured,
+      the neighbours' spread between cycles; docs/plan-format.md);
+    - ``run_speed_drift``: the probes of the run (every rank, before and after) spread by half
+      their range over their mean: the machine's speed moved that much during the run;
+    - ``speed_correction``: half the correction, ``|ratio - 1| / 2``, when it is applied: the
+      generic probe tracks the model's own drift only partly (docs/runtime.md, "Measured against
+      predicted": dividing it out helped in one accuracy run and hurt in the next).
+    """
+    ratio = speed.get("ratio")
+    scaled = speed.get("predicted_step_s_at_run_speed")
+    basis = "run_speed" if ratio and scaled else "profile"
+    predicted = scaled if basis == "run_speed" else predicted_step_s
+    sources = {k: float(v) for k, v in (plan_noise or {}).items() if isinstance(v, (int, float))}
+    probes = [p for pair in (speed.get("per_rank_probe_s") or {}).values() for p in pair if p and p > 0]
+    if len(probes) >= 2:
+        sources["run_speed_drift"] = (max(probes) - min(probes)) / (max(probes) + min(probes))
+    if basis == "run_speed":
+        sources["speed_correction"] = abs(ratio - 1.0) / 2
+    noise = math.sqrt(sum(v * v for v in sources.values())) if sources else None
+    off = measured_step_s / predicted if measured_step_s and predicted else None
+    return {
+        "predicted_step_s": predicted,
+        "basis": basis,
+        "noise_fraction": noise,
+        "noise_sources": sources,
+        "step_time_ratio": off,
+        "within_noise": abs(off - 1.0) <= noise if off is not None and noise is not None else None,
+    }
+
+
 def print_summary(report: dict[str, Any], console: Console) -> None:
     """The measured-vs-predicted table, one row per stage, and the step below it."""
-    table = Table(title="measured vs predicted, per stage and micro-batch", title_justify="left")
-    for column in ("stage", "layers", "forward", "backward", "peak memory", "idle"):
-        table.add_column(column, justify="right" if column not in ("layers",) else "left")
+    # Units in the headings, plain numbers in the cells: the table fits 80 columns.
+    table = Table(title="measured vs predicted, per stage and micro-batch (measured / predicted)",
+                  title_justify="left", box=box.SIMPLE_HEAD,
+                  collapse_padding=True, pad_edge=False)
+    for column in ("stage", "layers", "forward ms", "backward ms", "peak MiB", "idle"):
+        table.add_column(column, justify="right" if column != "layers" else "left", no_wrap=column != "layers")
     for st in report["stages"]:
         layers = st["layers"]
         names = layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]} ({len(layers)})"
@@ -157,28 +206,59 @@ def print_summary(report: dict[str, Any], console: Console) -> None:
             names += " [recompute]"
         table.add_row(
             str(st["index"]), names,
-            _pair(st["measured_forward_s"], st["predicted_forward_s"], _ms),
-            _pair(st["measured_backward_s"], st["predicted_backward_s"], _ms),
-            _pair(st["measured_peak_memory_bytes"], st["predicted_memory_bytes"], _mib),
+            _pair(st["measured_forward_s"], st["predicted_forward_s"], _ms_number),
+            _pair(st["measured_backward_s"], st["predicted_backward_s"], _ms_number),
+            _pair(st["measured_peak_memory_bytes"], st["predicted_memory_bytes"], _mib_number),
             _pair(st["measured_idle_fraction"], st["predicted_idle_fraction"], _pct),
         )
     console.print(table)
-    step = _pair(report["measured_step_s"], report["predicted_step_s"], _ms)
-    ratio = report["step_time_ratio"]
-    off = f" ({(ratio - 1) * 100:+.0f}%)" if ratio else ""
-    line = f"step {step}{off}   bubble {_pair(report['measured_bubble_fraction'], report['predicted_bubble_fraction'], _pct)}"
+    console.print(step_line(report), highlight=False)
+    line = f"bubble {_pair(report['measured_bubble_fraction'], report['predicted_bubble_fraction'], _pct)}"
     if report["samples_per_s"]:
         line += f"   {report['samples_per_s']:,.1f} samples/s"
     if report["tokens_per_s"]:
         line += f"   {report['tokens_per_s']:,.0f} tokens/s"
-    console.print(line + "   (measured / predicted)")
-    speed = report.get("speed") or {}
-    if speed.get("ratio"):
-        console.print(
-            f"this machine ran {abs(speed['ratio'] - 1):.0%} {'slower' if speed['ratio'] > 1 else 'faster'} than when "
-            f"the profile was measured (speed probe); at that speed the prediction is "
-            f"{_ms(speed['predicted_step_s_at_run_speed'])} ({(speed['step_time_ratio_at_run_speed'] - 1) * 100:+.0f}%)",
-            highlight=False)
+    console.print(line + "   (measured / predicted)", highlight=False)
+    loss = report.get("loss") or {}
+    per_step = loss.get("per_step") or {}
+    if loss.get("first") is not None and per_step:
+        steps = sorted(int(s) for s in per_step)
+        console.print(f"loss {loss['first']:.4f} at step {steps[0] + 1} -> {loss['last']:.4f} at step {steps[-1] + 1}",
+                      highlight=False)
+
+
+def step_line(report: dict[str, Any]) -> str:
+    """The step measured against the one headline prediction, its error and the expected band.
+
+    Reports written before ``headline`` existed get one from their own fields (no plan noise).
+    """
+    head = report.get("headline") or headline(report.get("predicted_step_s"), None, report.get("speed") or {},
+                                              report.get("measured_step_s"))
+    measured, predicted = report.get("measured_step_s"), head["predicted_step_s"]
+    line = f"step {_ms(measured) if measured is not None else '-'} measured"
+    if predicted is None:
+        return line + " (the plan predicts none)"
+    at = " at this machine's speed" if head["basis"] == "run_speed" else ""
+    line += f", {_ms(predicted)} predicted{at}"
+    off, noise = head["step_time_ratio"], head["noise_fraction"]
+    if off is None:
+        return line
+    error = format_percent(off - 1.0, sign=True)
+    if noise is None:
+        line += f" ({error})"
+    elif head["within_noise"]:
+        line += f" ({error}, within the expected ±{format_percent(noise)})"
+    else:
+        line += (f" ({error}, beyond the expected ±{format_percent(noise)}: the cost model misses something here; "
+                 "`gpipe-plan calibrate` folds this run into the profile)")
+    ratio = (report.get("speed") or {}).get("ratio")
+    if head["basis"] == "run_speed" and ratio:
+        # The unscaled prediction stays in the report (predicted_step_s): one number is printed.
+        line += (f"; the machine ran {format_percent(abs(ratio - 1.0))} {'slower' if ratio > 1 else 'faster'} "
+                 "than at profiling (speed probe)")
+    elif head["basis"] == "profile":
+        line += "; no speed probe: the machine's drift since profiling is not known"
+    return line
 
 
 def _pair(measured: float | None, predicted: float | None, fmt: Any) -> str:
@@ -191,9 +271,31 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms" if seconds < 10 else f"{seconds:.1f} s"
 
 
-def _mib(nbytes: float) -> str:
-    return f"{nbytes / 2**20:.1f} MiB"
+def _ms_number(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}"
+
+
+def _mib_number(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f}"
 
 
 def _pct(fraction: float) -> str:
-    return f"{fraction * 100:.0f}%"
+    return format_percent(fraction)
+
+
+def show_report(report: dict[str, Any], path: str, console: Console | None = None) -> None:
+    """``gpipe-plan show report.json``: what the run was, then its measured-vs-predicted table.
+
+    Reads only the report: the table a run printed at its end can be had again later, or on
+    another machine, without torch.
+    """
+    console = console or Console()
+    model = report.get("model") or {}
+    name = model.get("name") or model.get("factory") or "model"
+    plan = (report.get("plan") or {}).get("path") or "?"
+    K = report.get("num_stages")
+    console.print(f"[bold]report[/bold] {path}: {name} on {K} stage{'s' if K != 1 else ''} (plan {plan}), "
+                  f"global batch {report.get('global_batch_size')} = {report.get('micro_batches')} micro-batches of "
+                  f"{report.get('micro_batch_size')}, {report.get('schedule')}; {report.get('steps_run')} steps, "
+                  f"medians over {report.get('steps_measured')}", highlight=False)
+    print_summary(report, console)

@@ -1,10 +1,12 @@
 """One pipeline stage: the plan's run of layers, cut out of the whole model.
 
-Every rank builds the *whole* model from the plan's spec and the seed, so every rank starts
-from the very parameters the unsplit model would (no weights travel), then keeps the layers
-of its stage. The layers' parameters are the whole model's own Parameter objects; the stage
-only remembers which ``state_dict`` keys they are, so that a trained pipeline saves as the
-user's unsplit model.
+Every rank builds the model from the plan's spec and the seed on the meta device (no memory
+for its parameters), and makes only its own stage's layers real: each layer's initial values
+depend on the seed and the layer's place in the model only (models/materialize.py), so every
+rank starts from the very parameters the unsplit model would (no weights travel) and holds
+its stage's share of them. The layers' parameters are the whole model's own Parameter objects;
+the stage only remembers which ``state_dict`` keys they are, so that a trained pipeline saves
+as the user's unsplit model.
 
 A stage receives a tuple of tensors and sends a tuple of tensors. Their shapes are static:
 the plan carries them per sample (from the profile); without them we run one micro-batch
@@ -22,7 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..artifacts import BadInput
-from ..models import LayeredModel, Precision
+from ..models import LayeredModel, Precision, forward_streamed, materialize_layers, release_layers
 from ..models.precision import Autocast, no_autocast
 from .plan import RunPlan
 
@@ -182,12 +184,16 @@ def build_stage(model: LayeredModel, plan: RunPlan, index: int, precision: Preci
     check_layer_names(model, plan)
     precision = precision or Precision()
     sp = plan.stages[index]
-    layers = model.layers[sp.first_layer:sp.first_layer + len(sp.layers)]
+    own = range(sp.first_layer, sp.first_layer + len(sp.layers))
+    layers = [model.layers[i] for i in own]
+    # This stage's parameters become real (the others may stay on meta); stage 0 also keeps
+    # what no layer uses (below).
+    materialize_layers(model, own, unused=index == 0)
     module = StageModule(layers, recompute=sp.recompute, autocast=lambda: precision.autocast(device_type))
-    _refuse_shared_state(model, plan)
     # Without shapes in the plan they are read off a run on the CPU, in the CPU's autocast of
-    # the same dtype (the model is still there). Its rules can differ from CUDA's (a CUDA
-    # layer norm returns fp32, a CPU one bf16): plans from `solve` carry the profiled ones.
+    # the same dtype, earlier stages' layers each real only while they run. Its rules can differ
+    # from CUDA's (a CUDA layer norm returns fp32, a CPU one bf16): plans from `solve` carry the
+    # profiled ones.
     input_meta, output_meta = _cut_metas(model, plan, index, lambda: precision.autocast("cpu"))
     module.expected_outputs, module.label = output_meta, f"stage {index}"
     whole = model.module.state_dict(keep_vars=True)
@@ -208,24 +214,12 @@ def _state_tensors(module: nn.Module) -> list[torch.Tensor]:
     return list(module.parameters()) + list(module.buffers())
 
 
-def _refuse_shared_state(model: LayeredModel, plan: RunPlan) -> None:
-    """Two stages holding one parameter would each train their own copy: refuse that split."""
-    owner: dict[int, int] = {}
-    for sp in plan.stages:
-        for _, layer in model.layers[sp.first_layer:sp.first_layer + len(sp.layers)]:
-            for p in layer.parameters():
-                if owner.setdefault(id(p), sp.index) != sp.index:
-                    raise BadInput(f"plan '{plan.path}' puts a parameter shared by several layers into "
-                                   f"stages {owner[id(p)]} and {sp.index}; a shared parameter must stay in one stage")
-
-
 def _release_other_layers(model: LayeredModel, keep: nn.Module) -> None:
-    """Free the memory of the layers other stages hold: this rank never runs them."""
-    kept = {id(t) for t in _state_tensors(keep)}
-    for _, layer in model.layers:
-        for p in layer.parameters():
-            if id(p) not in kept:
-                p.data = torch.empty(0, dtype=p.dtype)
+    """Put the parameters of the layers other stages hold on meta: this rank never runs them.
+
+    Those of a model built on meta are there already; a model built whole frees them here.
+    """
+    release_layers(model, range(len(model.layers)), keep=_state_tensors(keep))
 
 
 def _cut_metas(model: LayeredModel, plan: RunPlan, index: int,
@@ -235,7 +229,10 @@ def _cut_metas(model: LayeredModel, plan: RunPlan, index: int,
     first = tuple(TensorMeta((b, *shape), dtype) for shape, dtype in zip(model.input_shapes, model.input_dtypes))
     planned = [sp.output_shapes is not None for sp in plan.stages]
     if all(planned[max(index - 1, 0):index + 1]):
-        metas = [tuple(TensorMeta((b, *s), _dtype(d, plan)) for s, d in zip(sp.output_shapes or (), sp.output_dtypes or ()))
+        # A tensor the same for every micro-batch (output_batched false) crosses in its own shape.
+        metas = [tuple(TensorMeta((b, *s) if batched else s, _dtype(d, plan))
+                       for s, d, batched in zip(sp.output_shapes or (), sp.output_dtypes or (),
+                                                sp.output_batched or (True,) * len(sp.output_shapes or ())))
                  for sp in plan.stages]
     else:
         metas = _measure_cut_metas(model, plan, index, autocast)
@@ -245,13 +242,15 @@ def _cut_metas(model: LayeredModel, plan: RunPlan, index: int,
 
 def _measure_cut_metas(model: LayeredModel, plan: RunPlan, index: int,
                        autocast: Autocast) -> list[tuple[TensorMeta, ...]]:
-    """Run one micro-batch through stages 0..index (no gradients) and record what crosses."""
+    """Run one micro-batch through stages 0..index (no gradients) and record what crosses.
+
+    A layer whose parameters are on meta is made real while it runs, then given back.
+    """
     metas: list[tuple[TensorMeta, ...]] = []
     with torch.random.fork_rng(devices=[]), torch.no_grad(), autocast():
         xs, _ = model.synthetic_batch(plan.micro_batch_size, torch.Generator().manual_seed(0))
         for sp in plan.stages[:index + 1]:
-            for _, layer in model.layers[sp.first_layer:sp.first_layer + len(sp.layers)]:
-                xs = layer(*xs)
+            xs = forward_streamed(model, xs, range(sp.first_layer, sp.first_layer + len(sp.layers)))
             metas.append(tuple(TensorMeta(tuple(x.shape), x.dtype) for x in xs))
     return metas
 

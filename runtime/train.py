@@ -21,7 +21,7 @@ from rich.console import Console
 
 from ..artifacts import BadInput, RunFailure, precision_label, write_bytes_atomic, write_json_atomic
 from ..cudamemory import outside_allocator_bytes
-from ..models import Precision, build_model
+from ..models import Precision, build_model, built_whole
 from ..speedprobe import profile_probe_s, speed_probe_s, speed_ratio
 from . import checkpoint
 from .conditions import condition_warnings, cpu_cores, threads_per_rank
@@ -29,6 +29,8 @@ from .data import batch_source
 from .distributed import World, check_world, choose_device, init
 from .executor import Executor, NativeExecutor
 from .faults import Fault
+from .init_from import load_initial_weights
+from .tied import TiedGradients, find_ties
 from .objects import gather_objects
 from .loss_scale import LossScaler
 from .memory import ActivationMeter, cuda_memory, peak_rss_bytes, static_bytes
@@ -79,16 +81,28 @@ def train(options: RunOptions, world: World) -> None:
         err.print(f"[yellow]warning:[/] this machine runs {abs(ratio - 1):.0%} {'slower' if ratio > 1 else 'faster'} "
                   f"than when the profile was measured (a fixed reference workload takes {probes[0] * 1e3:.1f} ms now, "
                   f"{profile_probe * 1e3:.1f} ms then): expect the prediction to be off by about that much; "
-                  f"re-profile here, or read the report's speed-adjusted prediction", highlight=False)
+                  f"re-profile here; the prediction printed at the end is adjusted for this speed", highlight=False)
 
     # ------------------------------------------------------------------ model, data, optimizer
-    # Every rank builds the whole model from the seed (identical parameters everywhere, no
-    # weights sent), stores it in the plan's parameter dtype, then keeps its stage's layers
-    # and frees the rest. Forwards and the loss run in the plan's precision (models.precision).
-    model = build_model(plan.model, seed=options.seed)
+    # Every rank builds the model on the meta device (no memory for its parameters) and makes
+    # only its own stage's layers real, each from the seed and the layer's place in the model
+    # (models/materialize.py): the unsplit model's initial values, no weights sent, a rank's
+    # memory its stage's share. Parameters are kept in the plan's dtype; forwards and the loss
+    # run in the plan's precision (models.precision).
+    model = build_model(plan.model, seed=options.seed, materialize=())
     precision.cast(model)
+    whole = built_whole(model)
+    if reporter and whole:
+        err.print(f"[yellow]note:[/] every rank builds the whole model before keeping its stage ({whole})",
+                  highlight=False)
+    ties = find_ties(model, plan)  # a parameter several stages use: one copy each (runtime.tied)
     stage = build_stage(model, plan, world.rank, precision, device.type)
     stage.module.to(device)
+    # --resume looks for its checkpoint before any weights are read: an existing one wins over --init-from.
+    folder = Path(options.checkpoint_dir) if options.checkpoint_dir else None
+    resume_step = checkpoint.newest_complete_step(folder, objects) if options.resume and folder is not None else None
+    if options.init_from and resume_step is None:
+        load_initial_weights(options.init_from, stage, model.module)
     loss_fn = precision.with_autocast(model.loss, device.type)
     scaler = LossScaler(enabled=precision.loss_scaling)
     data = batch_source(model, options.data, plan.global_batch_size, options.seed)
@@ -101,16 +115,19 @@ def train(options: RunOptions, world: World) -> None:
     # The global gradient norm is needed to clip by it, and under fp16 to see an overflow.
     needs_norm = options.grad_clip is not None or scaler.enabled
     sync = StepSync(world.rank, world.world_size, device, clip=needs_norm, timeout_s=options.timeout)
+    tied = TiedGradients(ties, stage.index, {id(p): p for p in stage.parameters()})
 
     # ------------------------------------------------------------------ resume
-    identity = _identity(plan, stage, options, precision)
+    # A checkpoint holds tensors under the unsplit model's keys: this run's stage loads its own,
+    # whatever plan saved them (runtime/checkpoint.py). The identity must match; the split may not.
+    identity = _identity(plan, options, precision, optimizer_name)
     start = 0
-    folder = Path(options.checkpoint_dir) if options.checkpoint_dir else None
-    if options.resume and folder is not None:
-        found = checkpoint.newest_common_step(folder, stage.index, stage.num_stages, objects)
-        if found is not None:
-            checkpoint.load(folder, found, stage, optimizer, identity, scaler, device)
-            start = found
+    resumed: dict[str, Any] | None = None
+    if resume_step is not None:
+        assert folder is not None
+        resumed = checkpoint.load(folder, resume_step, stage, optimizer, identity, options.seed, scaler, device,
+                                  objects)
+        start = resume_step
     if start >= options.steps:
         raise BadInput(f"the checkpoint in '{folder}' is at step {start}: --steps {options.steps} leaves nothing to do")
 
@@ -121,6 +138,14 @@ def train(options: RunOptions, world: World) -> None:
                               start))
         if options.resume and start == 0:
             progress.note(f"no complete checkpoint in '{folder}' yet: starting from step 0")
+        if resumed is not None:
+            note = _resume_note(resumed, plan, world)
+            if options.init_from:
+                note = "; ".join(filter(None, [note, "--init-from ignored: the checkpoint wins"]))
+            if note:
+                progress.note(note)
+        elif options.init_from:
+            progress.note(f"initial weights from '{options.init_from}'")
 
     # ------------------------------------------------------------------ train
     meter = ActivationMeter.for_module(stage.module)
@@ -156,12 +181,16 @@ def train(options: RunOptions, world: World) -> None:
             # Our share of the pipeline: forwards and backwards of the M micro-batches.
             scale = executor.loss_scale = scaler.scale
             micro_losses = executor.step(step, inputs, targets, meter if step == start else None)
+            if tied.mine:
+                t_tied = recorder.mark()
+                tied.all_reduce()
+                recorder.add("tied", -1, t_tied, recorder.mark())
 
             # Every rank learns the loss (the last stage has it) and, for clipping or fp16, the
             # global gradient norm; so every rank stops here, together, when the loss is NaN.
             local_loss = float(sum(float(v) for v in micro_losses) / plan.micro_batches) if stage.is_last else 0.0
             t_sync = recorder.mark()
-            loss, grad_norm = sync.finish_step(local_loss, squared_grad_norm(stage.parameters())
+            loss, grad_norm = sync.finish_step(local_loss, squared_grad_norm(tied.counted(stage.parameters()))
                                                if needs_norm else 0.0)
             recorder.add("sync", -1, t_sync, recorder.mark())
             if not math.isfinite(loss):
@@ -188,9 +217,11 @@ def train(options: RunOptions, world: World) -> None:
             progress.update(step, loss, t1 - t0)
 
             if folder is not None and ((step + 1) % options.checkpoint_every == 0 or step + 1 == options.steps):
-                checkpoint.save(folder, step + 1, stage, optimizer, identity, scaler, device)
-                dist.barrier(group=objects)  # every stage has saved step+1: older ones may go
-                checkpoint.prune(folder, options.keep_checkpoints, stage.index, stage.num_stages)
+                # All ranks save together; when save returns, step+1 is complete and older ones may go.
+                checkpoint.save(folder, step + 1, stage, optimizer, identity, _saved_by(plan, world), scaler, device,
+                                objects)
+                if reporter:
+                    checkpoint.prune(folder, options.keep_checkpoints)
         sync.close()
         # After the last step: the optimizer's state exists (the first step creates it) and
         # CUDA's peak is over every step, not only the first.
@@ -308,17 +339,46 @@ def _save_model(path: str, keys: Any, pieces: list[dict[str, torch.Tensor]]) -> 
 
 
 def _tokens_per_sample(plan: RunPlan) -> int | None:
+    """Tokens in one sample of a language model (for tokens/s), None for other models."""
     spec = plan.model
     if spec.get("source") == "builtin" and spec.get("name") == "gpt":
         return int(spec["options"]["seq_len"])
+    if spec.get("source") == "import" and spec.get("loss") == "lm":
+        return int(spec["input_shape"][0])
     return None
 
 
-def _identity(plan: RunPlan, stage: Stage, options: RunOptions, precision: Precision) -> dict[str, Any]:
-    """What a checkpoint must agree with to be resumed by this run."""
-    return {"model": plan.model, "stages": plan.num_stages, "layers": list(plan.stages[stage.index].layers),
-            "seed": options.seed, "global_batch_size": plan.global_batch_size, "data": options.data,
-            "precision": precision.compute, "param_dtype": precision.params}
+def _identity(plan: RunPlan, options: RunOptions, precision: Precision, optimizer: str) -> dict[str, Any]:
+    """What a checkpoint must agree with to be resumed by this run.
+
+    The model, its data and seed, its dtypes and the kind of optimizer state: not the split
+    (stages, balance), the batch size or the number of micro-batches, which may all change.
+    """
+    return {"model": plan.model, "seed": options.seed, "data": options.data, "precision": precision.compute,
+            "param_dtype": precision.params, "optimizer": optimizer}
+
+
+def _saved_by(plan: RunPlan, world: World) -> dict[str, Any]:
+    """The plan a checkpoint was saved under (``ranks`` decides whether RNG states are restored)."""
+    return {"plan": plan.path, "stages": plan.num_stages, "balance": [len(sp.layers) for sp in plan.stages],
+            "global_batch_size": plan.global_batch_size, "micro_batches": plan.micro_batches,
+            "ranks": world.world_size}
+
+
+def _resume_note(meta: dict[str, Any], plan: RunPlan, world: World) -> str | None:
+    """How the checkpoint was made, when not under this very split, and what became of the RNG."""
+    saved = meta.get("saved_by", {})
+    ours = _saved_by(plan, world)
+    notes = []
+    if (saved.get("stages"), saved.get("balance")) != (ours["stages"], ours["balance"]):
+        notes.append(f"the checkpoint was saved by {saved.get('stages')} stage(s) holding {saved.get('balance')} "
+                     f"layers; each stage loaded its own layers' tensors")
+    if saved.get("global_batch_size") != ours["global_batch_size"]:
+        notes.append(f"the global batch was {saved.get('global_batch_size')}, it is {ours['global_batch_size']} now")
+    if meta.get("rng") == "reseeded":
+        notes.append(f"{saved.get('ranks')} rank(s) saved it, {world.world_size} resume it: random generators "
+                     f"reseeded from (seed, step, rank)")
+    return "; ".join(notes) or None
 
 
 def _run_facts(options: RunOptions, optimizer: str, lr: float, threads: int, device: torch.device, executor: str,

@@ -47,6 +47,7 @@ def make_figures(
     size: float = 1.0,
     recompute_backward: Sequence[float] | None = None,
     recompute_call: float = 0.0,
+    tied: Sequence[tuple[Sequence[int], float]] = (),
 ) -> LayerFigures:
     L = len(forward)
     zeros = (0.0,) * L
@@ -64,6 +65,7 @@ def make_figures(
         input_bytes=float(input_bytes),
         recompute_backward_s=tuple(map(float, recompute_backward)) if recompute_backward is not None else None,
         recompute_call_s=float(recompute_call),
+        tied=tuple((tuple(layers), float(size)) for layers, size in tied),
     )
 
 
@@ -75,7 +77,7 @@ _bytes = st.integers(0, 1000).map(float)
 
 @st.composite
 def instances(draw, schedule: str | None = None, max_layers: int = 8, max_stages: int = 4,
-              max_micro_batches: int = 8, features: bool = True):
+              max_micro_batches: int = 8, features: bool = True, tied: bool = False):
     """(LayerFigures, Setting) of a small random planning problem.
 
     Each feature (memory limit, communication, overhead, optimizer time, transient memory)
@@ -103,9 +105,14 @@ def instances(draw, schedule: str | None = None, max_layers: int = 8, max_stages
         factors = draw(st.lists(st.sampled_from([-0.5, 0.5, 1.0, 1.5, 2.0]), min_size=L, max_size=L))
         recompute_backward = [max(0.0, b + x * f) for b, f, x in zip(bwd, fwd, factors)]
         recompute_call = draw(st.sampled_from([0.0, 2e-4, 1e-3]))
+    ties = []
+    if tied and L >= 2:  # tied weights: 1-2 parameters, each used by 2-3 layers
+        for _ in range(draw(st.integers(1, 2))):
+            layers = draw(st.lists(st.integers(0, L - 1), min_size=2, max_size=3, unique=True))
+            ties.append((sorted(layers), float(draw(st.integers(1, 2000)))))
     fig = make_figures(fwd, bwd, act, out, par, transient=transient, buffers=buffers,
                        optimizer=optimizer, input_bytes=input_bytes,
-                       recompute_backward=recompute_backward, recompute_call=recompute_call)
+                       recompute_backward=recompute_backward, recompute_call=recompute_call, tied=ties)
     sched = schedule or draw(st.sampled_from(["gpipe", "1f1b"]))
     recompute = draw(st.sampled_from(["never", "always", "auto"]))
     opt_name = draw(st.sampled_from(["adam", "momentum", "sgd"]))
@@ -117,7 +124,7 @@ def instances(draw, schedule: str | None = None, max_layers: int = 8, max_stages
         q = draw(st.integers(-2, 14)) / 20
         limit = float(int(lo * (1 + q) if q < 0 else lo + q * (hi - lo)))
     bandwidth, latency = math.inf, 0.0
-    if use():
+    if use() or tied:
         bandwidth = draw(st.sampled_from([2e4, 1e5, 5e5, 3e6]))
         latency = draw(st.sampled_from([0.0, 1e-4, 1e-3]))
     overhead = draw(st.sampled_from([1e-4, 1e-3])) if use() else 0.0
@@ -178,8 +185,11 @@ def ref_stage(fig: LayerFigures, setting: Setting, bounds: Sequence[int], k: int
     activations = (n - 1) * stage_input + max(act, stage_input) if recompute else n * act
     memory = (params * (2 + STATE_MULT[setting.optimizer]) + math.fsum(fig.buffer_bytes[s:e])
               + activations + max(fig.transient_bytes[s:e]))
+    # A stage holding some, not all, layers of a tied parameter exchanges its gradient once a step.
+    exchange = math.fsum(setting.link_latency_s + size / setting.link_bandwidth_bytes_per_s
+                         for layers, size in fig.tied if comm_on and 0 < sum(s <= i < e for i in layers) < len(layers))
     return {"F": f, "B": b, "C": c, "memory": memory, "in_flight": n,
-            "optimizer": math.fsum(fig.optimizer_s[s:e])}
+            "optimizer": math.fsum(fig.optimizer_s[s:e]) + exchange}
 
 
 def ref_order(schedule: str, K: int, M: int, k: int) -> list[tuple[str, int]]:

@@ -55,7 +55,7 @@ def test_solve_writes_a_plan_with_the_documented_keys(profile_path: Path):
     assert result.exit_code == 0, result.output
     plan = json.loads(Path("plan.json").read_text())
     assert PLAN_KEYS <= plan.keys()
-    assert plan["format"] == "gpipe-plan.plan" and plan["version"] == FORMAT_VERSIONS[PLAN_FORMAT] == 3
+    assert plan["format"] == "gpipe-plan.plan" and plan["version"] == FORMAT_VERSIONS[PLAN_FORMAT] == 4
     assert OPTIONS_KEYS <= plan["options"].keys()
     assert PREDICTED_KEYS <= plan["predicted"].keys()
     assert {"proven", "method", "lower_bound_s", "gap"} <= plan["optimality"].keys()
@@ -194,7 +194,7 @@ BAD_PROFILES = {
     "malformed JSON": ('{"format": "gpipe-plan.profile", "version": 1, "layers": [', r"not valid JSON \(line 1"),
     "missing field": (_drop_field, r"layer 3 \('layer3'\) has no 'backward_s'"),
     "wrong format": (lambda d: {**d, "format": "gpipe-plan.plan"}, r"not a gpipe-plan profile.*it is a plan"),
-    "wrong version": (lambda d: {**d, "version": 6}, r"version 6.*reads versions 1, 2, 3, 4 or 5"),
+    "wrong version": (lambda d: {**d, "version": 7}, r"version 7.*reads versions 1, 2, 3, 4, 5 or 6"),
     "wrong list length": (lambda d: (d["layers"][1].update(forward_s=[1.0]), d)[1],
                           r"layer 1 \('layer1'\) field 'forward_s' must be a list of 3 numbers"),
 }
@@ -342,7 +342,7 @@ def test_show_refuses_what_it_cannot_show(workdir: Path):
     write_json(workdir / "other.json", {"format": "something.else", "version": 1})
     write_json(workdir / "old.json", {"format": "gpipe-plan.plan", "version": 7})
     before = {p.name for p in workdir.iterdir()}
-    assert_one_line_error(cli("show", "other.json"), r"neither a gpipe-plan profile nor a plan", workdir, before)
+    assert_one_line_error(cli("show", "other.json"), r"not a gpipe-plan profile, plan or report", workdir, before)
     assert_one_line_error(cli("show", "old.json"), r"version 7", workdir, before)
     assert_one_line_error(cli("show", "absent.json"), r"'absent.json' does not exist", workdir, before)
 

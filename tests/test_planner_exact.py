@@ -101,6 +101,28 @@ def test_ilp_1f1b_equals_brute_force(instance):
     check_exact(cm, solve_ilp(cm), 1e-7)
 
 
+@hyp(80)
+@given(instances(tied=True))
+def test_every_exact_solver_charges_tied_weights_as_brute_force(instance):
+    """Tied weights: a stage holding some of a tie's layers pays an exchange of its gradient;
+    the DP, the branch and bound and the ILP find the plan brute force finds."""
+    fig, setting = instance
+    cm = CostModel(fig, setting)
+    solver = GPipeSolver if setting.schedule == "gpipe" else OneFOneBSolver
+    check_exact(cm, solver(cm).solve(), 1e-9)
+    if fig.num_layers <= 7 and setting.micro_batches <= 6:
+        check_exact(cm, solve_ilp(cm), 1e-7)
+
+
+def test_a_split_tie_costs_one_exchange_per_holding_stage():
+    fig = make_figures([1.0] * 4, [1.0] * 4, optimizer=[0.0] * 4, tied=[((0, 3), 1000.0)])
+    cm = CostModel(fig, Setting(stages=2, micro_batches=1, link_bandwidth_bytes_per_s=1e4, link_latency_s=0.01))
+    assert cm.optimizer(0, 2) == pytest.approx(0.11) and cm.optimizer(2, 4) == pytest.approx(0.11)
+    assert cm.optimizer(0, 4) == 0.0  # one stage holds both uses: nothing to exchange
+    free = CostModel(fig, Setting(stages=2, micro_batches=1))
+    assert free.optimizer(0, 2) == 0.0  # communication free: so is the exchange
+
+
 @hyp(60)
 @given(instances(max_layers=6, max_stages=3, max_micro_batches=5))
 def test_brute_force_equals_reference_brute_force(instance):

@@ -357,11 +357,14 @@ def test_a_crafted_checkpoint_runs_no_code(tmp_path: Path) -> None:
     plan = load_plan(tmp_path / "plan.json")
     stage = build_stage(build_model(TINY), plan, 0)
     planted = tmp_path / "planted"
-    path = checkpoint.stage_file(tmp_path / "ckpt", 2, 0, 1)
-    path.parent.mkdir(parents=True)
-    path.write_bytes(pickle.dumps({"format": _Planted(str(planted))}, protocol=2))
+    # A complete step folder whose DCP index (.metadata, a pickle) would run code when unpickled.
+    folder = checkpoint.step_folder(tmp_path / "ckpt", 2)
+    folder.mkdir(parents=True)
+    write_json_atomic(folder / checkpoint.META_FILE, {"format": checkpoint.FORMAT, "version": checkpoint.VERSION,
+                                                      "step": 2, "identity": {}, "saved_by": {}})
+    (folder / ".metadata").write_bytes(pickle.dumps({"format": _Planted(str(planted))}, protocol=2))
     with pytest.raises(BadInput, match="cannot read checkpoint"):
-        checkpoint.load(tmp_path / "ckpt", 2, stage, torch.optim.Adam(stage.parameters()), {})
+        checkpoint.load(tmp_path / "ckpt", 2, stage, torch.optim.Adam(stage.parameters()), {}, seed=0)
     assert not planted.exists()
 
 

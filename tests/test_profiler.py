@@ -50,7 +50,7 @@ def test_prepare_layer_reports_linear_activation_and_output() -> None:
     b, i, o = 4, 24, 5
     figures, runner = prepare_layer("fc", AsTuple(nn.Linear(i, o)), (torch.randn(b, i),), first=False, loss=None)
     assert figures.activation_bytes == b * i * 4
-    assert figures.output_bytes == b * o * 4 and figures.output_shapes == [[o]]
+    assert figures.output_bytes == b * o * 4 and figures.output_shapes == [[b, o]]
     runner.backward(runner.forward())  # the runner runs as the profiler times it
 
 
@@ -94,7 +94,7 @@ def test_user_model_profiles_through_the_import_path(user_module: Callable[[str]
     doc = json.loads(out.read_text())
     assert doc["format"] == PROFILE_FORMAT and doc["version"] == FORMAT_VERSIONS[PROFILE_FORMAT]
     assert doc["model"] == {"source": "import", "factory": f"{name}:make", "input_shape": [i],
-                            "input_dtype": "float32", "num_classes": 3, "vocab_size": None}
+                            "input_dtype": "float32", "num_classes": 3, "vocab_size": None, "loss": "classify"}
     assert doc["device"]["type"] == "cpu" and doc["device"]["threads"] == 1
     assert doc["micro_batch_sizes"] == [1, 2, 4]
     first = doc["layers"][0]

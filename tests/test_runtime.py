@@ -174,14 +174,14 @@ def test_text_batches_are_bytes_with_next_byte_targets(tmp_path: Path) -> None:
     assert torch.equal((x[:, 1:] + 0), y[:, :-1]) and torch.equal((x + 1) % 256, y)
 
 
-def test_text_data_needs_a_byte_level_gpt(tmp_path: Path) -> None:
+def test_text_data_needs_a_byte_level_language_model(tmp_path: Path) -> None:
     text = tmp_path / "t.txt"
     text.write_text("hello world " * 20)
     small = build_model(model_spec("gpt", layers=1, width=16, heads=2, seq_len=8, vocab_size=64))
-    with pytest.raises(BadInput, match="vocab_size 64"):
+    with pytest.raises(BadInput, match="has a vocabulary of 64"):
         batch_source(small, str(text), 2, 0)
     resnet = build_model(model_spec("resnet", blocks=[1], width=8, image_size=8, num_classes=3))
-    with pytest.raises(BadInput, match="trains the built-in gpt"):
+    with pytest.raises(BadInput, match="trains a language model on bytes.*'resnet' is not one"):
         batch_source(resnet, str(text), 2, 0)
 
 

@@ -105,9 +105,9 @@ def _ranks_main(rank: int, world_size: int, port: int, jobs: list[dict[str, Any]
     dist.destroy_process_group()
 
 
-def run_in_one_group(jobs: list[dict[str, Any]], cwd: Path) -> dict[str, str]:
+def run_in_one_group(jobs: list[dict[str, Any]], cwd: Path, world_size: int = 2) -> dict[str, str]:
     outcome = cwd / f"outcome-{uuid.uuid4().hex[:6]}.json"
-    mp.spawn(_ranks_main, args=(2, free_port(), jobs, str(outcome), str(cwd)), nprocs=2, join=True)
+    mp.spawn(_ranks_main, args=(world_size, free_port(), jobs, str(outcome), str(cwd)), nprocs=world_size, join=True)
     return json.loads(outcome.read_text())
 
 

@@ -1,0 +1,75 @@
+"""Tied weights across stages: one parameter, a copy on each stage that uses it, gradients summed.
+
+GPT-2 uses one matrix twice: the input embedding looks tokens up in it, the output projection
+multiplies by it. A pipeline puts the two uses in the first and the last stage. Merging every
+layer between them into one stage would leave nothing to pipeline, so (as Megatron-LM does)
+each stage that uses the parameter holds its own copy, and every step, after the backward and
+before the optimizer, those stages all-reduce (sum) the copies' gradients. Every copy then sees
+the gradient of the unsplit model (the sum of both uses' contributions), the same optimizer
+step follows from the same state, and the copies stay equal without ever being sent.
+
+The global gradient norm (clipping, fp16 overflow) counts a tied parameter once: only the
+first stage that holds it adds it to its share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..models import LayeredModel
+from .plan import RunPlan
+
+
+@dataclass(frozen=True)
+class Tie:
+    """A parameter that the layers of several stages use."""
+
+    key: str                 # its first key in the whole model's state_dict
+    stages: tuple[int, ...]  # the stages holding a copy, ascending
+    param_id: int            # id() of the Parameter object in the rebuilt model
+
+
+def find_ties(model: LayeredModel, plan: RunPlan) -> list[Tie]:
+    """Every parameter used by layers of more than one stage, in the model's parameter order."""
+    stage_of = {name: sp.index for sp in plan.stages for name in sp.layers}
+    ties = []
+    for tied in model.tied_parameters():
+        stages = tuple(sorted({stage_of[name] for name in tied["layers"]}))
+        if len(stages) > 1:
+            ties.append(Tie(tied["key"], stages, id(model.module.get_parameter(tied["key"]))))
+    return ties
+
+
+class TiedGradients:
+    """Sums the gradients of tied copies across their stages (call :meth:`all_reduce` each step).
+
+    Creating it is collective: every rank must create it with the same ties, since each tie
+    gets its own process group of the stages that hold it.
+    """
+
+    def __init__(self, ties: list[Tie], stage_index: int, params: dict[int, nn.Parameter]) -> None:
+        self.mine: list[tuple[nn.Parameter, Any]] = []
+        self.not_counted: set[int] = set()  # ids of copies another stage counts in the norm
+        groups: dict[tuple[int, ...], Any] = {}
+        for tie in ties:
+            if tie.stages not in groups:  # collective: every rank, same order
+                groups[tie.stages] = dist.new_group(list(tie.stages)) if dist.is_initialized() else None
+            if stage_index in tie.stages:
+                self.mine.append((params[tie.param_id], groups[tie.stages]))
+                if stage_index != tie.stages[0]:
+                    self.not_counted.add(tie.param_id)
+
+    def all_reduce(self) -> None:
+        for param, group in self.mine:
+            if param.grad is None:  # this stage's use got no gradient (all micro-batches skipped)
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
+
+    def counted(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        """``params`` without the tied copies that another stage counts in the global norm."""
+        return [p for p in params if id(p) not in self.not_counted]
