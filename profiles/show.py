@@ -129,7 +129,7 @@ def _header(doc: dict[str, Any]) -> str:
 
 
 # What the ratio says, printed under it: a user meets it in the profile's summary, not the docs.
-CONSISTENCY_MEANING = ("ratio: the sum of the layers timed alone over the whole model's step; near 1 means the "
+CONSISTENCY_MEANING = ("ratio: the sum of the per-layer times over the whole model's step; near 1 means the "
                        "per-layer figures add up, and plans from them hold")
 
 
