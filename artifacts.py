@@ -85,6 +85,10 @@ def read_json(path: str | os.PathLike[str], what: str = "file") -> Any:
         raise BadInput(
             f"{what} '{p}' is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
         ) from None
+    except RecursionError:
+        raise BadInput(f"{what} '{p}' nests its JSON too deeply to read (no gpipe-plan file does)") from None
+    except ValueError:   # json reads no integer of more than sys.get_int_max_str_digits() digits
+        raise BadInput(f"{what} '{p}' holds an integer too long to read (thousands of digits)") from None
 
 
 def read_artifact(path: str | os.PathLike[str], fmt: str) -> dict[str, Any]:
@@ -164,13 +168,58 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     write_bytes_atomic(path, text.encode("utf-8"))
 
 
+def check_output_paths(outputs: dict[str, str | os.PathLike[str] | None]) -> None:
+    """Refuse, before any work, an output a command could not write: one line, naming the flag.
+
+    ``outputs`` maps each option (``"--out"``) to the path it was given (None: not asked for).
+    A command calls this first, with all of its outputs, so that it either writes every file
+    or fails before touching any: ``solve --out plan.json --timeline missing/t.svg`` must not
+    replace plan.json and then fail on the timeline, and ``run --report`` to a folder it cannot
+    write must not train for an hour first. Checked: the path is not a folder, its folder
+    exists and is a folder we may create files in, and an existing file there may be replaced.
+    """
+    for flag, value in outputs.items():
+        if value is None:
+            continue
+        p = Path(value)
+        folder = p.parent if str(p.parent) else Path(".")
+        if p.is_dir():
+            raise BadInput(f"cannot write {flag} '{p}': it is a folder")
+        if not folder.is_dir():
+            what = "is not a folder" if folder.exists() else "does not exist"
+            raise BadInput(f"cannot write {flag} '{p}': folder '{folder}' {what}")
+        # The atomic writers create a temporary file in the folder and rename it over the target:
+        # that needs write and search permission on the folder (not on an existing file).
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise BadInput(f"cannot write {flag} '{p}': folder '{folder}' is not writable")
+
+
+def _creation_mode(target: Path) -> int:
+    """The permission bits a new file gets from ``open()``: 0o666 less the umask, or, when the
+    target exists, its own mode (overwriting keeps a file's permissions, as ``cp`` does).
+
+    ``tempfile.mkstemp`` creates 0600 files whatever the umask, so the atomic writers set this
+    on the temporary file before renaming it into place.
+    """
+    try:
+        return target.stat().st_mode & 0o7777
+    except OSError:
+        umask = os.umask(0)       # the only way to read it; set back at once (the CLI is one thread)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file renamed over it, with the mode a
+    plain ``open(path, "w")`` would give (see :func:`_creation_mode`)."""
     p = Path(path)
     folder = p.parent if str(p.parent) else Path(".")
     if not folder.exists():
         raise BadInput(f"cannot write '{p}': folder '{folder}' does not exist")
+    mode = _creation_mode(p)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=folder)
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

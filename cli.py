@@ -19,6 +19,31 @@ from .artifacts import LOSSES, PARAM_DTYPES, PRECISIONS, BadInput, RunFailure
 class _Group(click.Group):
     """Turns the project's own errors into one line and an exit status, never a traceback."""
 
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        """Click's usage errors (unknown option, missing argument, bad value) as one line, exit 2.
+
+        Click's own standalone mode prints three (usage, a hint, the error); run without it,
+        its errors come here as exceptions and get the same one-line form as everything else,
+        with where to look for help. ``--help`` and ``--version`` still exit 0, and, as in
+        click's standalone mode, this ends with ``sys.exit`` unless asked not to.
+        """
+        standalone = kwargs.pop("standalone_mode", True)
+        try:
+            returned = super().main(*args, standalone_mode=False, **kwargs)
+        except click.UsageError as exc:
+            if type(exc).__name__ == "NoArgsIsHelpError":   # bare `gpipe-plan` (click >= 8.2): the help
+                click.echo(exc.ctx.get_help() if exc.ctx is not None else exc.format_message(), err=True)
+                sys.exit(exc.exit_code)
+            command = exc.ctx.command_path if exc.ctx is not None else "gpipe-plan"
+            _fail(f"{_one_line(exc.format_message())} (see '{command} --help')", exc.exit_code)
+        except click.ClickException as exc:
+            _fail(_one_line(exc.format_message()), exc.exit_code)
+        except click.exceptions.Abort:
+            _fail("aborted", 1)
+        if not standalone:
+            return returned
+        sys.exit(returned if isinstance(returned, int) else 0)   # --help, --version: click's Exit code
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
@@ -33,6 +58,11 @@ class _Group(click.Group):
 def _fail(message: str, code: int) -> None:
     click.echo(f"error: {message}", err=True)
     sys.exit(code)
+
+
+def _one_line(message: str) -> str:
+    """Click's message with its line breaks folded (a Choice error lists the choices on one line already)."""
+    return " ".join(part.strip() for part in message.splitlines() if part.strip())
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -153,6 +183,9 @@ def profile(**options: Any) -> None:
               help="Where to write the plan JSON.")
 @click.option("--timeline", type=click.Path(dir_okay=False), default=None,
               help="Also draw the predicted schedule as an SVG timeline.")
+@click.option("--time-budget", type=float, default=30.0, show_default=True,
+              help="Seconds the search may take in all; past it the best plan found is kept, with its gap "
+                   "to the proven lower bound.")
 @click.option("--quiet", "-q", is_flag=True, help="Print only the plan's path, predicted step time and batch.")
 def solve(**options: Any) -> None:
     """Compute the best plan for PROFILE: stages, micro-batches, schedule, recomputation."""
@@ -207,8 +240,10 @@ def calibrate(report: str, profile_path: str | None, out: str | None, speed_corr
 
     A second `solve` with the calibrated profile plans with what the pipeline really costs.
     """
+    from .artifacts import check_output_paths
     from .profiles.command_calibrate import calibrate_command
 
+    check_output_paths({"--out": out})
     calibrate_command(report, profile_path, out, speed_correction=speed_correction)
 
 
@@ -233,8 +268,11 @@ def import_pipedream(graph: str, batch_size: int | None, out: str | None) -> Non
               help="For a plan: also draw its predicted schedule as an SVG timeline.")
 def show(file: str, timeline: str | None) -> None:
     """Pretty-print a profile, a plan or a run's report (none needs torch)."""
-    from .artifacts import PLAN_FORMAT, PROFILE_FORMAT, REPORT_FORMAT, check_format, precision_of, read_json
+    from .artifacts import (PLAN_FORMAT, PROFILE_FORMAT, REPORT_FORMAT, check_format, check_output_paths,
+                            precision_of, read_json)
+    from .schema import validate
 
+    check_output_paths({"--timeline": timeline})
     doc = read_json(file, "file")
     if isinstance(doc, dict) and doc.get("format") == PROFILE_FORMAT:
         from rich.console import Console
@@ -242,6 +280,7 @@ def show(file: str, timeline: str | None) -> None:
         from .profiles.show import render_profile
 
         check_format(doc, PROFILE_FORMAT, file)
+        validate(doc, "profile", f"profile '{file}'")
         precision_of(doc, f"profile '{file}'")
         render_profile(doc, Console())
         return
@@ -249,6 +288,7 @@ def show(file: str, timeline: str | None) -> None:
         from .runtime.report import show_report
 
         check_format(doc, REPORT_FORMAT, file)
+        validate(doc, "report", f"report '{file}'")
         show_report(doc, file)
         return
     from .planner.command import show_plan

@@ -5,7 +5,7 @@
 Two (or K) processes on gloo, one thread each, a split of the user's choosing (uniform by
 default), ``PipelineStage`` with static shapes and ``ScheduleGPipe`` (or ``Schedule1F1B``),
 Adam. None of gpipe-plan's runtime is used: only its model zoo, so that the model is the very
-one ``gpipe-plan run`` trains. What a careful user has to get right (DESIGN.md's pitfalls):
+one ``gpipe-plan run`` trains. What a careful user has to get right:
 
 - static metadata on every stage: ``input_args`` (requiring grad on every stage but the
   first), ``output_args``, ``output_grads`` (every stage but the last), ``input_grads``

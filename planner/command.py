@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Task, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from ..artifacts import (PLAN_FORMAT, PROFILE_FORMAT, BadInput, file_sha256, precision_of, read_artifact,
+from ..artifacts import (PLAN_FORMAT, PROFILE_FORMAT, BadInput, check_output_paths, file_sha256, precision_of, read_artifact,
                          write_json_atomic, write_text_atomic)
 from .plan import build_plan
 from .profile import Profile
@@ -52,6 +53,8 @@ def solve_options(
     time_budget_s: float = 30.0,
 ) -> SolveOptions:
     """Options as typed on the command line -> :class:`SolveOptions` (one-line errors)."""
+    if not (math.isfinite(time_budget_s) and time_budget_s > 0):
+        raise BadInput(f"--time-budget must be a positive number of seconds, got {time_budget_s}")
     if link_latency is not None and not (math.isfinite(link_latency) and link_latency >= 0):
         raise BadInput(f"--link-latency must be a finite number of seconds >= 0, got {link_latency}")
     return SolveOptions(
@@ -78,6 +81,7 @@ def solve_file(profile_path: str, plan_path: str | None = None, *, stages: int, 
     ``options`` are those of :func:`solve_options` (e.g. ``global_batch_size=32``,
     ``micro_batches="auto"``, ``memory_limit="16GiB"``). Returns the plan document.
     """
+    started = time.perf_counter()
     profile = load_profile(profile_path)
     opts = device_memory_limit(profile, solve_options(stages, **options))
     if progress:
@@ -88,7 +92,9 @@ def solve_file(profile_path: str, plan_path: str | None = None, *, stages: int, 
     else:
         result = search(profile, opts)
     # What the pipeline must beat: the best plan of the same batch on one device.
-    baseline = one_stage_baseline(profile, opts) if opts.stages > 1 else None
+    # It shares the time budget: what the pipeline's search left of it (a tenth of a second at least).
+    left = max(0.1, opts.time_budget_s - (time.perf_counter() - started))
+    baseline = one_stage_baseline(profile, replace(opts, time_budget_s=left)) if opts.stages > 1 else None
     plan = build_plan(profile, profile_path, file_sha256(profile_path), result, one_stage=baseline)
     if plan_path is not None:
         write_json_atomic(plan_path, plan)
@@ -97,12 +103,14 @@ def solve_file(profile_path: str, plan_path: str | None = None, *, stages: int, 
 
 def solve_command(profile: str, stages: int, micro_batches: str, global_batch_size: int | None, schedule: str,
                   recompute: str, memory_limit: str | None, link_bandwidth: str | None, link_latency: float | None,
-                  optimizer: str, solver: str, out: str, timeline: str | None, quiet: bool) -> None:
+                  optimizer: str, solver: str, out: str, timeline: str | None, quiet: bool,
+                  time_budget: float = 30.0) -> None:
     started = time.perf_counter()
+    check_output_paths({"--out": out, "--timeline": timeline})   # both files or neither
     plan = solve_file(profile, out, stages=stages, progress=not quiet and sys.stderr.isatty(),
                       micro_batches=micro_batches, global_batch_size=global_batch_size, schedule=schedule,
                       recompute=recompute, memory_limit=memory_limit, link_bandwidth=link_bandwidth,
-                      link_latency=link_latency, optimizer=optimizer, solver=solver)
+                      link_latency=link_latency, optimizer=optimizer, solver=solver, time_budget_s=time_budget)
     if timeline:
         write_text_atomic(timeline, plan_timeline_svg(plan))
     console = Console()
@@ -116,7 +124,11 @@ def solve_command(profile: str, stages: int, micro_batches: str, global_batch_si
 
 
 def show_plan(path: str, timeline: str | None = None) -> None:
+    check_output_paths({"--timeline": timeline})
+    from ..schema import validate
+
     plan = read_artifact(path, PLAN_FORMAT)
+    validate(plan, "solved plan", f"plan '{path}'")   # gpipe_plan/schema.py: what render_plan reads
     precision_of(plan, f"plan '{path}'")
     render_plan(plan, Console())
     if timeline:
@@ -127,9 +139,11 @@ def show_plan(path: str, timeline: str | None = None) -> None:
 def import_pipedream_command(graph: str, batch_size: int | None, out: str | None) -> None:
     from .pipedream import import_pipedream
 
+    check_output_paths({"--out": out})
     doc = import_pipedream(graph, batch_size=batch_size)
     Profile(doc, where=graph)   # what we write must be a profile the planner accepts
     target = out or f"{doc['model']['name']}.profile.json"
+    check_output_paths({"--out": target})      # the default name, once the model's name is known
     write_json_atomic(target, doc)
     Console().print(f"wrote {target}: {len(doc['layers'])} layers from {doc['source']['nodes']} nodes, "
                     f"batch {doc['batch_size']}", highlight=False)
@@ -141,6 +155,7 @@ def explore_command(profile: str, stages: str, micro_batches: str, global_batch_
     from .explore import explore
     from .explore_view import exploration_chart, exploration_json, render_exploration
 
+    check_output_paths({"--json": json_out, "--chart": chart})
     prof = load_profile(profile)
     ks = _int_list(stages, "--stages")
     ms: list[int] | str = "auto" if micro_batches.strip().lower() == "auto" else _int_list(micro_batches, "--micro-batches")

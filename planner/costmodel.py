@@ -141,7 +141,10 @@ class CostModel:
         self.L = figures.num_layers
         self.K = setting.stages
         self.M = setting.micro_batches
-        self.overhead = setting.overhead_s
+        # Costs are clamped to >= 0 (NaN to 0) here, where every solver reads them: the solvers'
+        # loops step through thresholds that only grow with a stage, and a negative cost would
+        # let them walk forever (a negative calibrated overhead once did). See _cost.
+        self.overhead = _cost(setting.overhead_s)
         self.limit = setting.memory_limit_bytes
         state_mult = OPTIMIZER_STATE_MULTIPLIER[setting.optimizer]
         # Prefix sums: the sum over layers [s, e) is pre[e] - pre[s].
@@ -151,20 +154,22 @@ class CostModel:
         # solvers and the evaluation compute the very same float for it.
         self.pgr = _prefix(figures.recomputing_backward_s())
         # ... plus the checkpoint wrapper's own cost, once per stage and micro-batch.
-        self.overhead_recompute = self.overhead + figures.recompute_call_s
+        self.overhead_recompute = self.overhead + _cost(figures.recompute_call_s)
         self.pa = _prefix(figures.activation_bytes)
         self.pp = _prefix(figures.param_bytes)
         self.pbuf = _prefix(figures.buffer_bytes)
         self.popt = _prefix(figures.optimizer_s)
         self.static_per_param = 2 + state_mult     # parameters + gradients + optimizer state
         self.state_mult = state_mult
-        self.transient = _RangeMax(figures.transient_bytes)
         self.has_transient = any(figures.transient_bytes)
+        # The sparse table takes O(L log L) to build: only when some layer has a transient peak.
+        self.transient = _RangeMax(figures.transient_bytes if self.has_transient else [])
         # comm[e]: time to send what crosses the cut before layer e (e = 1..L-1); no cut at L.
         self.comm = [0.0] * (self.L + 1)
         if setting.comm_on:
             for e in range(1, self.L):
-                self.comm[e] = setting.link_latency_s + figures.output_bytes[e - 1] / setting.link_bandwidth_bytes_per_s
+                self.comm[e] = _cost(setting.link_latency_s + figures.output_bytes[e - 1]
+                                     / setting.link_bandwidth_bytes_per_s)
         # in_bytes[s]: one micro-batch of what stage starting at s receives (kept when recomputing).
         self.in_bytes = [figures.input_bytes] + list(figures.output_bytes[:-1])
         self._max_end: dict[tuple[int, int, bool], int] = {}
@@ -317,8 +322,25 @@ class _RangeMax:
         return max(row[s], row[e - (1 << level)])
 
 
+def _cost(value: float) -> float:
+    """A time or a size as the solvers may use it: never negative, NaN read as 0.
+
+    ``max(0.0, nan)`` is 0.0 (the comparison is false, so the first argument wins).
+    """
+    return max(0.0, float(value))
+
+
 def _prefix(values: Sequence[float]) -> list[float]:
-    return [0.0, *accumulate(float(v) for v in values)]
+    """Prefix sums of clamped costs (see :func:`_cost`): non-decreasing, as bisection needs.
+
+    Clamping each value costs as much as the sum itself, so it is done only when needed: a
+    sum that is not NaN (no NaN inside) and a least value >= 0 mean there is nothing to clamp.
+    """
+    floats = list(map(float, values))
+    total = sum(floats)
+    if not (total == total and min(floats, default=0.0) >= 0.0):
+        floats = [_cost(v) for v in floats]
+    return [0.0, *accumulate(floats)]
 
 
 def reach(prefix: list[float], start: int, budget: float, extra: float = 0.0) -> int:

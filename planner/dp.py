@@ -51,6 +51,13 @@ from .costmodel import reach
 
 INF = math.inf
 _RELATIVE_SLACK = 1e-12   # bounds are sums of floats: prune only when clearly no better
+# A bisection over the bits of a float >= 0 ends within 64 halvings (and the jumps after a failed
+# greedy probe only shorten it); the cap makes "every loop ends" hold whatever the numbers.
+_MAX_BISECTION_STEPS = 256
+
+
+class _OutOfTime(Exception):
+    """The time budget ran out inside a DP or a probe (see GPipeSolver.solve)."""
 
 
 @dataclass
@@ -107,6 +114,9 @@ class GPipeSolver:
         self.constant_additive = self.window_ok and not comm_on and cm.popt[-1] == 0.0
         self.probes = 0
         self.dp_runs = 0
+        self.deadline = INF              # set by solve()
+        self._seen: Evaluation | None = None
+        self._floor = 0.0
         self.next_forward = self.next_backward = INF   # see _probe_greedy
         self._min_forward: dict[tuple[float, int | None], tuple[float, tuple[int, ...]] | None] = {}
         self._min_backward: dict[tuple[float, int | None], tuple[float, tuple[int, ...]] | None] = {}
@@ -233,6 +243,7 @@ class GPipeSolver:
         parents: list[list[int]] = []
         ends: dict[int, list[tuple[int, int]]] = {}    # GPipe: a stage's ends do not depend on k
         for k in range(K):
+            self._check_deadline()
             intervals = []
             for s in range(L):
                 if current[s]:
@@ -325,8 +336,14 @@ class GPipeSolver:
         if found is None:
             return None
         hi, best = value(found), found
-        lo = floor                           # every threshold below lo fails
-        while lo < hi:
+        # Every threshold below lo fails. Costs are never negative (CostModel clamps them), and
+        # the bisection on float bits is only ordered for floats >= 0: a floor below 0 would
+        # send it to NaN and back; so it starts at 0 at worst, and is bounded besides.
+        lo = max(0.0, floor)
+        for _ in range(_MAX_BISECTION_STEPS):   # 64 bits: each step halves the interval
+            if not lo < hi:
+                break
+            self._check_deadline()
             mid = _from_bits((_bits(lo) + _bits(hi)) // 2)
             found = probe(mid)
             if found is None:
@@ -420,6 +437,8 @@ class GPipeSolver:
             new = [INF] * (L + 1)
             parent = [-1] * (L + 1)
             for s in range(k, last):
+                if s % 64 == 0:
+                    self._check_deadline()
                 base = cost[s]
                 if base == INF:
                     continue
@@ -454,14 +473,60 @@ class GPipeSolver:
 
     def solve(self, cutoff_s: float = INF) -> Solution | None:
         """The optimum, or, when it cannot beat ``cutoff_s`` (a step time already achieved by
-        another setting), the best plan found on the way and a lower bound that is >= it."""
-        cm, M = self.cm, self.M
+        another setting), the best plan found on the way and a lower bound that is >= it.
+
+        Within ``time_budget_s``: the searches after the staircase stop at it and say what they
+        left open; the general DP and probes (memory limits with per-stage recomputation) check
+        it too, and when it runs out inside them the solve ends with what it has
+        (:meth:`_out_of_time_solution`).
+        """
         self.started = time.perf_counter()
+        self.deadline = self.started + self.time_budget_s
+        # (self._seen, the best plan evaluated so far, is kept from an earlier solve of the same
+        # setting: still a valid plan. The floor depends on the cutoff's run, so it starts over.)
+        self._floor = 0.0                          # a proven lower bound, once the staircase gave one
+        try:
+            return self._solve(cutoff_s)
+        except _OutOfTime:
+            return self._out_of_time_solution()
+
+    def _check_deadline(self) -> None:
+        """Raise _OutOfTime once the budget is spent (called from the loops that grow with L)."""
+        if time.perf_counter() > self.deadline:
+            raise _OutOfTime
+
+    def _out_of_time_solution(self) -> Solution | None:
+        """The budget ran out inside a DP or probe: the best plan seen, else any plan that fits
+        (a reachability probe with no thresholds, O(K L log L)), with the best bound known: the
+        staircase's if it finished, and always the average stage's work (each stage runs its M
+        forwards and backwards one at a time, so the busiest takes at least the average)."""
+        cm, L, K, M = self.cm, self.L, self.K, self.M
+        self.deadline = INF
+        best = self._seen
+        if best is None:
+            even = evaluate(cm, tuple(k * L // K for k in range(K + 1)))   # O(K): try it first
+            bounds = even.bounds if even.fits else self._probe_reachable(INF, INF)
+            if bounds is None:
+                return None                               # nothing fits in memory
+            best = self._seen = even if even.fits else evaluate(cm, bounds)
+        least_backward = min(cm.pg[L] if False in cm.allowed_recompute else INF,
+                             cm.pgr[L] if True in cm.allowed_recompute else INF)
+        average_work = M * (cm.pf[L] + least_backward + 2 * K * cm.overhead) / K
+        lower = min(best.step_s, max(self._floor, average_work))
+        stats = {"probes": self.probes, "dp_runs": self.dp_runs,
+                 "seconds": round(time.perf_counter() - self.started, 3)}
+        return Solution(best, lower >= best.step_s, lower,
+                        "gpipe closed form; out of time inside the DP: best plan seen, average-work bound", stats)
+
+    def _solve(self, cutoff_s: float) -> Solution | None:
+        cm, M = self.cm, self.M
         root = self.min_additive(INF, INF)
         if root is None:
             return None                                   # nothing fits in memory
         additive_floor, bounds = root
         best = evaluate(cm, bounds)
+        if self._seen is None or best.step_s < self._seen.step_s:
+            self._seen = best
         # The searches reason about A(P) with stage 0's optimizer step, which is exact unless a
         # later stage's optimizer step outlasts the next step's fill (see planner.objective).
         # Where a plan they settle on pays such a wait, the plans it stood for are only known
@@ -475,6 +540,8 @@ class GPipeSolver:
                 unsettled = min(unsettled, ev.step_s - ev.optimizer_wait_s)
             if ev.step_s < best.step_s:
                 best = ev
+                if ev.step_s < self._seen.step_s:
+                    self._seen = ev
 
         def incumbent() -> float:
             return min(best.step_s, cutoff_s)
@@ -485,6 +552,7 @@ class GPipeSolver:
         for b in front:
             consider(b)
         floor = additive_floor + (M - 1) * least_sum     # no plan of this setting is faster
+        self._floor = floor
         open_bound = INF      # least bound of what was left unexplored
         if self.constant_additive or M == 1:
             # A(P) is the same for every plan, or (M = 1) it is the whole objective: done.

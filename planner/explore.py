@@ -27,7 +27,7 @@ from .costmodel import OPTIMIZER_STATE_MULTIPLIER, CostModel, Setting, neighbour
 from .dp import GPipeSolver, Solution
 from .onefoneb import OneFOneBSolver
 from .profile import LayerFigures, Profile
-from .search import divisors, profile_global_batch
+from .search import MAX_MICRO_BATCHES, micro_batch_counts, profile_global_batch
 
 
 @dataclass
@@ -87,13 +87,13 @@ def explore(profile: Profile, stages: Sequence[int], micro_batches: Sequence[int
         if K < 1:
             raise BadInput(f"--stages values must be at least 1, got {K}")
     if micro_batches == "auto":
-        ms = [m for m in divisors(batch) if m & (m - 1) == 0]        # the powers of two that divide B
+        ms = [m for m in micro_batch_counts(batch) if m & (m - 1) == 0]   # the powers of two that divide B
     else:
         ms = list(micro_batches)
-        bad = [m for m in ms if m < 1 or batch % m]
+        bad = [m for m in ms if m < 1 or batch % m or m > MAX_MICRO_BATCHES]
         if bad:
             raise BadInput(f"--micro-batches {bad[0]} does not divide the global batch of {batch}: "
-                           f"use divisors of {batch} or 'auto'")
+                           f"use divisors of {batch}, at most {MAX_MICRO_BATCHES}, or 'auto'")
     bandwidth = link_bandwidth_bytes_per_s if link_bandwidth_bytes_per_s is not None else (
         profile.link_bandwidth_bytes_per_s or math.inf)
     latency = link_latency_s if link_latency_s is not None else profile.link_latency_s

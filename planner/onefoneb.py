@@ -36,6 +36,10 @@ INF = math.inf
 _RELATIVE_SLACK = 1e-12
 
 
+class _OutOfTime(Exception):
+    """The time budget ran out while the suffix tables were being built (see _without_bounds)."""
+
+
 class OneFOneBSolver:
     def __init__(self, cm: CostModel, seeds: Iterable[tuple[int, ...]] = (), time_budget_s: float = 10.0,
                  cutoff_s: float = INF, suffix_tables: dict[int, list[float]] | None = None):
@@ -55,6 +59,7 @@ class OneFOneBSolver:
         self.time_budget_s = time_budget_s
         self.simulations = 0
         self.nodes = 0
+        self.deadline = INF      # set by solve(): when the suffix tables must give up
 
     # ----------------------------------------------------------------- the bound
     def stage_bound(self, s: int, e: int, k: int, recompute: bool, before: float | None = None) -> float:
@@ -117,6 +122,7 @@ class OneFOneBSolver:
         plain_allowed = False in cm.allowed_recompute
         recompute_allowed = True in cm.allowed_recompute
         tables = self.suffix_tables
+        deadline = self.deadline
         if 0 not in tables:
             tables[0] = [INF] * L + [0.0]
         for R in range(1, K + 1):
@@ -128,6 +134,8 @@ class OneFOneBSolver:
             here = [INF] * (L + 1)
             waits = 2 * (R - 1) * ovh
             for s in range(0, L - R + 1):
+                if s % 64 == 0 and time.perf_counter() > deadline:
+                    raise _OutOfTime     # a table is stored only once complete: nothing half-done stays
                 best = INF
                 first, last = (L, L) if R == 1 else (s + 1, L - (R - 1))
                 before = pf[s] + ob[s]
@@ -160,7 +168,11 @@ class OneFOneBSolver:
     def solve(self) -> Solution | None:
         cm, L, K = self.cm, self.L, self.K
         started = time.perf_counter()
-        rest = self._suffix_bounds()
+        self.deadline = started + self.time_budget_s
+        try:
+            rest = self._suffix_bounds()
+        except _OutOfTime:
+            return self._without_bounds(started)
         least_optimizer = cm.least_first_optimizer()
         global_bound = rest[0][0] + least_optimizer
         if global_bound == INF:
@@ -187,7 +199,8 @@ class OneFOneBSolver:
         def dfs(k: int, s: int, before: float, worst: float, optimizer_s: float, cuts: list[int]) -> None:
             nonlocal out_of_time, open_bound
             self.nodes += 1
-            if out_of_time or (self.nodes % 256 == 0 and time.perf_counter() - started > self.time_budget_s):
+            # Every node: one node scans up to L ends, so with many layers a few nodes are seconds.
+            if out_of_time or time.perf_counter() - started > self.time_budget_s:
                 out_of_time = True
                 open_bound = min(open_bound, max(worst, rest[k][s]) + optimizer_s)
                 return
@@ -226,6 +239,34 @@ class OneFOneBSolver:
         return Solution(best, proven, lower,
                         f"{cm.setting.schedule} {'closed form' if self.gpipe else 'event simulation'}; "
                         "per-stage lower bounds + branch and bound",
+                        {"simulations": self.simulations, "nodes": self.nodes,
+                         "seconds": round(time.perf_counter() - started, 3)})
+
+    def _without_bounds(self, started: float) -> Solution | None:
+        """Out of time before the suffix tables were done (very many layers: they take O(K L^2)).
+
+        The plan is the best of the seeds (GPipe's partition of the same M, in a search) and
+        an even split by layer count; the lower bound is the one that needs no table: every
+        stage runs its M forwards and M backwards one at a time, so the step takes at least the
+        busiest stage's work, which is at least the average stage's. The gap is then wide but
+        honest, and the solve ends within its budget.
+        """
+        cm, L, K, M = self.cm, self.L, self.K, self.M
+        even = tuple(k * L // K for k in range(K + 1))
+        best: Evaluation | None = None
+        for bounds in [*self.seeds, even]:
+            if len(bounds) == K + 1 and bounds[0] == 0 and bounds[-1] == L:
+                ev = evaluate(cm, tuple(bounds))
+                self.simulations += 1
+                if ev.fits and (best is None or ev.step_s < best.step_s):
+                    best = ev
+        if best is None:
+            return None
+        average_work = M * (cm.pf[L] + self.other_backward[L] + 2 * K * cm.overhead) / K
+        lower = min(best.step_s, average_work)
+        return Solution(best, lower >= best.step_s, lower,
+                        f"{cm.setting.schedule} {'closed form' if self.gpipe else 'event simulation'}; "
+                        "out of time before the per-stage bounds: best seed, average-work bound",
                         {"simulations": self.simulations, "nodes": self.nodes,
                          "seconds": round(time.perf_counter() - started, 3)})
 

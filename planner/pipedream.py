@@ -21,6 +21,9 @@ from typing import Any
 import networkx as nx
 
 from ..artifacts import PROFILE_FORMAT, FORMAT_VERSIONS, BadInput
+from ..schema import MAX_BYTES, MAX_SECONDS
+
+MAX_MS = MAX_SECONDS * 1e3   # PipeDream's times are in milliseconds
 
 _NODE = re.compile(
     r"^(node\d+) -- (.*) -- forward_compute_time=([0-9.eE+-]+), backward_compute_time=([0-9.eE+-]+), "
@@ -44,9 +47,12 @@ def parse_graph(text: str, where: str) -> nx.DiGraph:
         node = _NODE.match(line)
         if node:
             name, op, fwd, bwd, act, params = node.groups()
-            sizes = [float(x) for x in act.strip("[]").split(";")] if act.startswith("[") else [float(act)]
-            graph.add_node(name, op=op.strip(), forward_ms=float(fwd), backward_ms=float(bwd),
-                           output_bytes=sum(sizes), param_bytes=float(params))
+            at = f"{where}, line {number}"
+            sizes = act.strip("[]").split(";") if act.startswith("[") else [act]
+            output_bytes = sum(_figure(x, "activation_size", at, MAX_BYTES) for x in sizes)
+            graph.add_node(name, op=op.strip(), forward_ms=_figure(fwd, "forward_compute_time", at, MAX_MS),
+                           backward_ms=_figure(bwd, "backward_compute_time", at, MAX_MS),
+                           output_bytes=output_bytes, param_bytes=_figure(params, "parameter_size", at, MAX_BYTES))
             continue
         edge = _EDGE.match(line)
         if edge:
@@ -61,6 +67,17 @@ def parse_graph(text: str, where: str) -> nx.DiGraph:
     if not nx.is_directed_acyclic_graph(graph):
         raise BadInput(f"{where}: the graph has a cycle, so it cannot be cut into a pipeline")
     return graph
+
+
+def _figure(text: str, key: str, at: str, ceiling: float) -> float:
+    """One number of a node line: finite, non-negative and below ``ceiling`` (else one line)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise BadInput(f"{at}: {key}={text.strip()[:40]!r} is not a number") from None
+    if not 0.0 <= value <= ceiling:   # also refuses inf (1e999) and nan
+        raise BadInput(f"{at}: {key}={text.strip()[:40]} must be a number from 0 to {ceiling:g}")
+    return value
 
 
 def linearise(graph: nx.DiGraph) -> list[str]:

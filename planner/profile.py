@@ -8,8 +8,11 @@ scales in proportion to ``b``. Linear is the right shape for both time (a layer'
 with the rows it processes, plus a fixed launch cost that the intercept carries) and memory
 (activations are exactly proportional to ``b``).
 
-This module also validates the profile, so that a missing field is reported as "layer 3
-('block1') has no 'backward_s'" rather than as a KeyError somewhere in the solver.
+The profile is checked against its schema (gpipe_plan/schema.py: every key's type, finiteness
+and range) before anything reads it, so that a missing field is reported as "profile 'p.json'
+has no 'layers[3].backward_s'" rather than as a KeyError somewhere in the solver; this module
+adds the checks that relate keys to one another (ascending sizes, unique names, complete
+recompute timings, tied layers that exist).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from ..artifacts import PROFILE_FORMAT, BadInput, check_format, precision_of
+from ..schema import validate
 
 PER_SIZE_FIELDS = ("forward_s", "backward_s", "activation_bytes", "output_bytes")
 OPTIONAL_PER_SIZE_FIELDS = ("peak_transient_bytes", "recompute_forward_s", "recompute_backward_s")
@@ -73,12 +77,13 @@ class Profile:
 
     def __init__(self, doc: Any, where: str = "profile"):
         check_format(doc, PROFILE_FORMAT, where)
+        validate(doc, "profile", where)
         self.doc = doc
         self.where = where
         self.sizes = _sizes(doc, where)
         self.layers = _layers(doc, where, len(self.sizes))
         self.names = tuple(layer["name"] for layer in self.layers)
-        self.input_bytes = _optional_series(doc, "input_bytes", where, len(self.sizes))
+        self.input_bytes: list[float] | None = doc.get("input_bytes")
         link = doc.get("link") or {}
         self.link_bandwidth_bytes_per_s: float | None = _positive_or_none(link.get("bandwidth_bytes_per_s"))
         self.link_latency_s: float = float(link.get("latency_s") or 0.0)
@@ -191,81 +196,33 @@ def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
 
 
 def _sizes(doc: dict, where: str) -> list[int]:
-    sizes = doc.get("micro_batch_sizes")
-    if not isinstance(sizes, list) or not sizes:
-        raise BadInput(f"{where}: 'micro_batch_sizes' must be a non-empty list of positive integers")
-    for s in sizes:
-        if not isinstance(s, (int, float)) or isinstance(s, bool) or s <= 0:
-            raise BadInput(f"{where}: 'micro_batch_sizes' must hold positive numbers, found {s!r}")
+    """The profiled micro-batch sizes (the schema made them positive integers), ascending."""
+    sizes = doc["micro_batch_sizes"]
     if any(b <= a for a, b in zip(sizes, sizes[1:])):
         raise BadInput(f"{where}: 'micro_batch_sizes' must be strictly ascending, got {sizes}")
     return list(sizes)
 
 
 def _layers(doc: dict, where: str, n_sizes: int) -> list[dict]:
-    layers = doc.get("layers")
-    if not isinstance(layers, list) or not layers:
-        raise BadInput(f"{where}: 'layers' must be a non-empty list")
-    if not isinstance(doc.get("model"), dict):
-        raise BadInput(f"{where}: 'model' (the spec that rebuilds the model) is missing")
+    """The layers (the schema checked each one's keys); their names must be unique."""
+    layers = doc["layers"]
     seen: set[str] = set()
     for i, layer in enumerate(layers):
-        if not isinstance(layer, dict):
-            raise BadInput(f"{where}: layer {i} is not a JSON object")
-        name = layer.get("name")
-        label = f"layer {i}" + (f" ({name!r})" if isinstance(name, str) else "")
-        if not isinstance(name, str) or not name:
-            raise BadInput(f"{where}: {label} has no 'name'")
+        name = layer["name"]
         if name in seen:
-            raise BadInput(f"{where}: {label}: the name {name!r} is used twice; layer names must be unique")
+            raise BadInput(f"{where}: layer {i} ({name!r}): the name {name!r} is used twice; layer names must be unique")
         seen.add(name)
-        for field in PER_SIZE_FIELDS:
-            if field not in layer:
-                raise BadInput(f"{where}: {label} has no '{field}'")
-            _check_series(layer[field], f"{where}: {label} field '{field}'", n_sizes)
-        for field in OPTIONAL_PER_SIZE_FIELDS:
-            if layer.get(field) is not None:
-                _check_series(layer[field], f"{where}: {label} field '{field}'", n_sizes)
-        if "param_bytes" not in layer:
-            raise BadInput(f"{where}: {label} has no 'param_bytes'")
-        _check_number(layer["param_bytes"], f"{where}: {label} field 'param_bytes'")
-        for field in ("optimizer_s", "buffer_bytes"):
-            if layer.get(field) is not None:
-                _check_number(layer[field], f"{where}: {label} field '{field}'")
     return layers
 
 
-def _optional_series(doc: dict, key: str, where: str, n_sizes: int) -> list[float] | None:
-    if doc.get(key) is None:
-        return None
-    _check_series(doc[key], f"{where}: '{key}'", n_sizes)
-    return doc[key]
-
-
-def _check_series(values: Any, label: str, n_sizes: int) -> None:
-    if not isinstance(values, list) or len(values) != n_sizes:
-        raise BadInput(f"{label} must be a list of {n_sizes} numbers, one per micro-batch size")
-    for v in values:
-        _check_number(v, label)
-
-
-def _check_number(v: Any, label: str) -> None:
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
-        raise BadInput(f"{label} must hold non-negative numbers, found {v!r}")
-
-
 def _contention(doc: dict, where: str) -> tuple[float, int]:
-    """(slowdown, processes) from the optional ``contention`` object; (1.0, 2) without one."""
+    """(slowdown, processes) from the optional ``contention`` object; (1.0, 2) without one.
+
+    The schema made ``slowdown`` a number >= 1 and ``processes`` an integer >= 2."""
     contention = doc.get("contention")
     if contention is None:
         return 1.0, 2
-    slowdown = contention.get("slowdown") if isinstance(contention, dict) else None
-    processes = contention.get("processes") if isinstance(contention, dict) else None
-    if not isinstance(slowdown, (int, float)) or isinstance(slowdown, bool) or not slowdown >= 1.0 \
-            or not isinstance(processes, int) or isinstance(processes, bool) or processes < 2:
-        raise BadInput(f"{where}: 'contention' needs 'slowdown' (a number >= 1) and 'processes' (an integer "
-                       ">= 2); re-profile, or delete the key to plan without it")
-    return float(slowdown), processes
+    return float(contention["slowdown"]), contention["processes"]
 
 
 def _recompute_call(doc: dict, where: str, n_sizes: int, layers: list[dict]) -> list[float] | None:
@@ -279,24 +236,20 @@ def _recompute_call(doc: dict, where: str, n_sizes: int, layers: list[dict]) -> 
         raise BadInput(f"{where}: recompute timings are partial ('recompute_call_s' and every layer's "
                        "'recompute_forward_s' and 'recompute_backward_s' go together); re-profile, or "
                        "delete them all to plan recomputation as one more forward")
-    _check_series(call, f"{where}: 'recompute_call_s'", n_sizes)
     return call
 
 
 def _tied(doc: dict, where: str, names: tuple[str, ...]) -> tuple[tuple[tuple[int, ...], float], ...]:
     """The profile's ``tied_parameters`` as (layer indices, bytes); absent: none."""
     entries = doc.get("tied_parameters") or []
-    if not isinstance(entries, list):
-        raise BadInput(f"{where}: tied_parameters must be a list")
     index = {name: i for i, name in enumerate(names)}
     tied = []
     for entry in entries:
-        layers = entry.get("layers") if isinstance(entry, dict) else None
-        size = entry.get("bytes") if isinstance(entry, dict) else None
-        if (not isinstance(layers, list) or any(name not in index for name in layers)
-                or not isinstance(size, (int, float)) or isinstance(size, bool) or size < 0):
-            raise BadInput(f"{where}: a tied_parameters entry needs 'layers' (names of this profile's layers) "
-                           f"and 'bytes' (a number): got {entry!r}")
+        layers, size = entry["layers"], entry["bytes"]
+        if any(name not in index for name in layers):
+            missing = next(name for name in layers if name not in index)
+            raise BadInput(f"{where}: a tied_parameters entry names the layer {missing!r}, which this profile "
+                           "does not have")
         tied.append((tuple(sorted(index[name] for name in layers)), float(size)))
     return tuple(tied)
 

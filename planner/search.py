@@ -21,7 +21,7 @@ from ..artifacts import BadInput
 from .costmodel import CostModel, Setting, neighbour_scale
 from .dp import GPipeSolver, Solution
 from .onefoneb import OneFOneBSolver
-from .profile import Profile
+from .profile import LayerFigures, Profile
 from .units import format_bytes
 
 
@@ -99,8 +99,35 @@ def device_memory_limit(profile: Profile, options: SolveOptions) -> SolveOptions
     return replace(options, memory_limit_bytes=profile.usable_memory_bytes, memory_limit_source="device")
 
 
+# The most micro-batches per step the planner considers. 1F1B's step time is an event
+# simulation over every micro-batch of every stage, so its time and memory grow with M (a
+# global batch of 1,000,003, a prime, once asked for 1,000,003 micro-batches of one sample and
+# took 0.8 GB); past a few thousand micro-batches the bubble is gone anyway and each one only
+# adds its fixed costs. With ``auto`` the divisors above it are left out (1 always remains);
+# a larger ``--micro-batches`` is refused up front.
+MAX_MICRO_BATCHES = 4096
+
+
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n`` in increasing order, by trial division up to sqrt(n).
+
+    O(sqrt n) time and O(number of divisors) memory: a global batch of 10^9 takes milliseconds
+    (the old scan over 1..n took minutes).
+    """
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
+
+
+def micro_batch_counts(batch: int) -> list[int]:
+    """The micro-batch counts ``auto`` searches: divisors of the batch, at most MAX_MICRO_BATCHES."""
+    return [m for m in divisors(batch) if m <= MAX_MICRO_BATCHES]
 
 
 def _positive_int(value: object) -> bool:
@@ -149,11 +176,15 @@ def check_options(profile: Profile, options: SolveOptions) -> int:
         m = options.micro_batches
         if not isinstance(m, int) or m < 1:
             raise BadInput(f"--micro-batches must be a positive integer or 'auto', got {m!r}")
+        if m > MAX_MICRO_BATCHES:
+            raise BadInput(f"--micro-batches {m} is more than the planner considers ({MAX_MICRO_BATCHES}): "
+                           "use fewer, larger micro-batches")
         if batch % m:
-            choices = ", ".join(map(str, divisors(batch)[:12]))
+            usable = micro_batch_counts(batch)
+            choices = ", ".join(map(str, usable[:12]))
             raise BadInput(
                 f"--micro-batches {m} does not divide the global batch of {batch}: "
-                f"use one of {choices}{', ...' if len(divisors(batch)) > 12 else ''} or 'auto'")
+                f"use one of {choices}{', ...' if len(usable) > 12 else ''} or 'auto'")
     return batch
 
 
@@ -163,7 +194,7 @@ def settings_for(profile: Profile, options: SolveOptions, batch: int) -> list[tu
     if bandwidth is None:
         bandwidth = profile.link_bandwidth_bytes_per_s or math.inf
     latency = options.link_latency_s if options.link_latency_s is not None else profile.link_latency_s
-    ms = divisors(batch) if options.micro_batches == "auto" else [int(options.micro_batches)]
+    ms = micro_batch_counts(batch) if options.micro_batches == "auto" else [int(options.micro_batches)]
     schedules = ["gpipe", "1f1b"] if options.schedule == "auto" else [options.schedule]
     out = []
     for m in ms:
@@ -183,8 +214,10 @@ def settings_for(profile: Profile, options: SolveOptions, batch: int) -> list[tu
 
 
 def solve_setting(profile: Profile, setting: Setting, micro_batch_size: int, solver: str,
-                  time_budget_s: float, seeds: list[tuple[int, ...]] = (), cutoff_s: float = math.inf) -> Candidate:
-    cm = CostModel(profile.at(micro_batch_size), setting)
+                  time_budget_s: float, seeds: list[tuple[int, ...]] = (), cutoff_s: float = math.inf,
+                  figures: LayerFigures | None = None) -> Candidate:
+    """The best plan of one setting. ``figures``: ``profile.at(micro_batch_size)`` if already made."""
+    cm = CostModel(figures if figures is not None else profile.at(micro_batch_size), setting)
     if solver == "ilp":
         from .ilp import solve_ilp  # pulp loads lazily: the DP path never pays for it
 
@@ -196,7 +229,22 @@ def solve_setting(profile: Profile, setting: Setting, micro_batch_size: int, sol
     return Candidate(setting, micro_batch_size, solution)
 
 
-def search(profile: Profile, options: SolveOptions, progress=None) -> SearchResult:
+# What a setting gets once the budget is spent: enough to evaluate its seed plan, no more.
+_LEAST_SHARE_S = 0.02
+
+
+def share_of_budget(budget_s: float, started: float, settings_left: int) -> float:
+    """The seconds the next setting may search: what is left of the budget, shared evenly.
+
+    Once the budget is spent each remaining setting gets only a moment (its solver then
+    returns the best plan it has, with its gap), so a solve overruns its budget by little more
+    than the fixed work around the searches (reading the profile, the first cheap pass).
+    """
+    left = budget_s - (time.perf_counter() - started)
+    return max(_LEAST_SHARE_S, left / max(1, settings_left))
+
+
+def search(profile: Profile, options: SolveOptions, progress=None, explain: bool = True) -> SearchResult:
     """Solve every open setting; the result's candidates are sorted best first.
 
     GPipe settings are solved first (their solver is fast and exact); each one's optimal
@@ -210,12 +258,21 @@ def search(profile: Profile, options: SolveOptions, progress=None) -> SearchResu
     result = SearchResult(options, batch)
     started = time.perf_counter()
     done = 0
+    # Each micro-batch size's figures, made once for all its settings (O(L) each: with many
+    # layers, making them per setting took longer than the searches).
+    figures: dict[int, LayerFigures] = {}
+
+    def at(size: int) -> LayerFigures:
+        if size not in figures:
+            figures[size] = profile.at(size)
+        return figures[size]
 
     def run(setting: Setting, size: int, seeds: list, cutoff: float) -> Candidate:
         nonlocal done
-        remaining = max(1.0, options.time_budget_s - (time.perf_counter() - started))
-        per_setting = max(0.5, remaining / max(1, len(settings) - done))
-        candidate = solve_setting(profile, setting, size, options.solver, per_setting, seeds, cutoff)
+        per_setting = share_of_budget(options.time_budget_s, started, len(settings) - done)
+        if options.solver == "ilp":
+            per_setting = max(0.5, per_setting)   # CBC needs a moment to return any solution at all
+        candidate = solve_setting(profile, setting, size, options.solver, per_setting, seeds, cutoff, at(size))
         done += 1
         if progress:
             progress(done, len(settings), f"M={setting.micro_batches} {setting.schedule}")
@@ -228,14 +285,17 @@ def search(profile: Profile, options: SolveOptions, progress=None) -> SearchResu
     if options.solver == "dp":
         # A first, cheap pass (the staircase: a good plan and a lower bound per setting) orders
         # the exact searches best first, so that each can stop at what is already achieved.
-        solvers = {s: GPipeSolver(CostModel(profile.at(size), s)) for s, size in gpipe}
-        quick = {s: Candidate(s, size, solvers[s].solve(cutoff_s=0.0)) for s, size in gpipe}
+        solvers = {s: GPipeSolver(CostModel(at(size), s)) for s, size in gpipe}
+        quick: dict[Setting, Candidate] = {}
+        for i, (s, size) in enumerate(gpipe):
+            solvers[s].time_budget_s = share_of_budget(options.time_budget_s, started, len(settings) - i)
+            quick[s] = Candidate(s, size, solvers[s].solve(cutoff_s=0.0))
         best_so_far = min((c.step_s for c in quick.values()), default=math.inf)
         for setting, size in sorted(gpipe, key=lambda item: quick[item[0]].step_s):
             candidate = quick[setting]
             if candidate.solution is not None and candidate.lower_bound_s < best_so_far * (1 - 1e-12):
-                solvers[setting].time_budget_s = max(0.5, (options.time_budget_s - (time.perf_counter() - started))
-                                                     / max(1, len(settings) - done))
+                solvers[setting].time_budget_s = share_of_budget(options.time_budget_s, started,
+                                                                 len(settings) - done)
                 candidate = Candidate(setting, size, solvers[setting].solve(cutoff_s=best_so_far))
             done += 1
             if progress:
@@ -259,7 +319,9 @@ def search(profile: Profile, options: SolveOptions, progress=None) -> SearchResu
         result.candidates.append(candidate)
     result.candidates.sort(key=Candidate.sort_key)
     if result.best.solution is None:
-        raise BadInput(explain_infeasible(profile, options, batch))
+        # The explanation solves the memory problem again for each option that might help: worth
+        # it for the user's request, not for the one-device comparison, which only needs to know.
+        raise BadInput(explain_infeasible(profile, options, batch) if explain else "no plan fits in memory")
     return result
 
 
@@ -297,7 +359,7 @@ def one_stage_baseline(profile: Profile, options: SolveOptions) -> OneStage:
     """
     single = replace(options, stages=1, micro_batches="auto")
     try:
-        return OneStage(search(profile, single))
+        return OneStage(search(profile, single, explain=False))
     except BadInput:
         # Nothing fits one device: say how much memory it would take (search raised only that,
         # since the other checks passed for the pipeline's own options).
@@ -319,6 +381,9 @@ def least_memory(profile: Profile, setting: Setting, micro_batch_size: int) -> f
 
     def stage_memory(s: int, e: int, k: int) -> float:
         return min(cm.memory(s, e, k, r) for r in options)
+
+    if K == 1:
+        return stage_memory(0, L, 0)           # one stage holds every layer: nothing to search
 
     def feasible(limit: float) -> bool:
         current = {0}
@@ -357,7 +422,8 @@ def explain_infeasible(profile: Profile, options: SolveOptions, batch: int) -> s
                 f"(its memory less the CUDA context and headroom; --memory-limit overrides it),")
     else:
         what = f"--memory-limit {format_bytes(limit)} per device"
-    line = f"no plan fits {what} with these options: the smallest limit that works is {format_bytes(need)}"
+    line = (f"no plan fits {what} with these options: the smallest limit that works is "
+            f"{format_bytes(need, round_up=True)}")
     relaxations = []
     if options.recompute != "auto":
         relaxations.append(("--recompute auto", {"recompute": "auto"}))
@@ -377,7 +443,7 @@ def explain_infeasible(profile: Profile, options: SolveOptions, batch: int) -> s
     helps.sort()
     fitting = [(n, flag) for n, flag in helps if n <= limit]
     if fitting:
-        line += f"; {fitting[0][1]} would make it fit (it needs {format_bytes(fitting[0][0])})"
+        line += f"; {fitting[0][1]} would make it fit (it needs {format_bytes(fitting[0][0], round_up=True)})"
     elif helps:
-        line += f"; {helps[0][1]} would lower it to {format_bytes(helps[0][0])}"
+        line += f"; {helps[0][1]} would lower it to {format_bytes(helps[0][0], round_up=True)}"
     return line

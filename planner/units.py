@@ -42,14 +42,17 @@ def parse_bandwidth(text: str) -> float:
     return value * 1e9
 
 
-def format_bytes(n: float | None) -> str:
+def format_bytes(n: float | None, round_up: bool = False) -> str:
+    """``4362076`` -> ``4.16 MiB``. ``round_up``: never print less than ``n`` (``4.17 MiB``), for a
+    least amount that works: a user who types the figure back as ``--memory-limit`` must get a plan."""
     if n is None:
         return "-"
     n = float(n)
     for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
+            value = math.ceil(n / size * 100) / 100 if round_up else n / size
+            return f"{value:.2f} {unit}"
+    return f"{math.ceil(n) if round_up else n:.0f} B"
 
 
 def format_seconds(s: float | None, digits: int | None = None) -> str:

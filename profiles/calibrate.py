@@ -34,6 +34,7 @@ from typing import Any
 
 from ..artifacts import (PROFILE_FORMAT, REPORT_FORMAT, BadInput, file_sha256, precision_label, precision_of,
                          read_artifact)
+from ..schema import validate
 
 # A stage measured this far from its prediction is more likely a broken run than a slowdown.
 PLAUSIBLE = (0.2, 5.0)
@@ -42,7 +43,9 @@ PLAUSIBLE = (0.2, 5.0)
 def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False) -> dict[str, Any]:
     """The profile at ``profile_path`` with its layer times scaled by the run in ``report_path``."""
     profile = read_artifact(profile_path, PROFILE_FORMAT)
+    validate(profile, "profile", f"profile '{profile_path}'")
     report = read_artifact(report_path, REPORT_FORMAT)
+    validate(report, "report", f"report '{report_path}'")   # from here on, every key has its type
     if report.get("model") != profile.get("model"):
         raise BadInput(f"'{report_path}' is a run of another model than '{profile_path}' profiles: "
                        "calibrate with the profile the run's plan was made from")
@@ -52,14 +55,15 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
     if ran != profiled:
         raise BadInput(f"'{report_path}' ran {precision_label(*ran)} but '{profile_path}' was measured "
                        f"{precision_label(*profiled)}: calibrate with the profile the run's plan was made from")
+    _check_stages(report["stages"], report_path)
     index = {layer["name"]: i for i, layer in enumerate(profile["layers"])}
     spread = run_spread(report)
     speed = (report.get("speed") or {}).get("ratio") if use_speed_probe else None
     drift = speed if speed and speed > 0 else 1.0
     out = copy.deepcopy(profile)
     rounds = []
-    for stage in report.get("stages", []):
-        missing = [name for name in stage.get("layers", []) if name not in index]
+    for stage in report["stages"]:
+        missing = [name for name in stage["layers"] if name not in index]
         if missing:
             raise BadInput(f"'{report_path}' stage {stage.get('index')} runs layer {missing[0]!r}, which "
                            f"'{profile_path}' does not have: calibrate with the profile the plan was made from")
@@ -106,6 +110,19 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
     })
     out["calibration"] = history
     return out
+
+
+def _check_stages(stages: list[dict[str, Any]], report_path: str) -> None:
+    """A report's stages are numbered 0, 1, ... in order and no layer runs in two of them
+    (else one layer's times would be scaled twice, or by another stage's ratio)."""
+    seen: set[str] = set()
+    for k, stage in enumerate(stages):
+        if stage["index"] != k:
+            raise BadInput(f"report '{report_path}': 'stages[{k}].index' is {stage['index']}, expected {k}")
+        for name in stage["layers"]:
+            if name in seen:
+                raise BadInput(f"report '{report_path}': layer {name!r} appears twice in its stages")
+            seen.add(name)
 
 
 # The normal distribution's interquartile range in standard deviations: IQR / 1.349 estimates

@@ -9,14 +9,13 @@ from __future__ import annotations
 import os
 import re
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from ..artifacts import BadInput, RunFailure, write_json_atomic
+from ..artifacts import BadInput, RunFailure, check_output_paths, write_json_atomic
 from ..models import Precision, model_spec
 from .device import resolve_device
 from .contention import default_processes
@@ -49,10 +48,7 @@ def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes
     for flag, value, least in (("--threads", threads, 1), ("--warmup", warmup, 0), ("--repeats", repeats, 1)):
         if value < least:
             raise BadInput(f"{flag} must be at least {least}, got {value}")
-    target = Path(out)
-    folder = target.parent if str(target.parent) else Path(".")
-    if not folder.is_dir():
-        raise BadInput(f"cannot write '{out}': folder '{folder}' does not exist")
+    check_output_paths({"--out": out})      # before minutes of measuring
     dev = resolve_device(device)
     if measure_link and dev.type == "cuda" and torch.cuda.device_count() < 2:
         raise BadInput("--measure-link on cuda needs two GPUs (NCCL between them); this machine has one")

@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..artifacts import PLAN_FORMAT, REPORT_FORMAT, BadInput, file_sha256, read_artifact, write_json_atomic
+from ..schema import validate
 from .calibrate import calibrate
 
 
@@ -59,8 +60,10 @@ def profile_of_report(report_path: str) -> str:
     nothing for another's.
     """
     report = read_artifact(report_path, REPORT_FORMAT)
+    validate(report, "report", f"report '{report_path}'")
     plan_path = _named_file(report, "plan", f"report '{report_path}'", report_path, "a run of plan")
     plan = read_artifact(plan_path, PLAN_FORMAT)
+    validate(plan, "plan", f"plan '{plan_path}'")
     return _named_file(plan, "profile", f"plan '{plan_path}'", plan_path, "made from profile")
 
 
@@ -80,9 +83,12 @@ def _named_file(doc: dict, key: str, label: str, doc_path: str, relation: str) -
 
 def _locate(recorded: str, named_by: str) -> str | None:
     """``recorded`` as written if it exists, else beside the file that names it, else None."""
-    if Path(recorded).is_file():
-        return recorded
-    beside = Path(named_by).parent / recorded
-    if not Path(recorded).is_absolute() and beside.is_file():
-        return str(beside)
+    try:
+        if Path(recorded).is_file():
+            return recorded
+        beside = Path(named_by).parent / recorded
+        if not Path(recorded).is_absolute() and beside.is_file():
+            return str(beside)
+    except (OSError, ValueError):   # a name no file can have (a NUL byte, too long)
+        return None
     return None

@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+from ..lifeline import Tethered
+
 # Shared objects a worker needs (a barrier) must come from the context the workers start in.
 SPAWN = mp.get_context("spawn")
 
@@ -25,7 +27,10 @@ def run_workers(target: Callable[..., None], count: int, shared: tuple, timeout_
     ``timeout_s``.
     """
     results = SPAWN.SimpleQueue()
-    procs = [SPAWN.Process(target=target, args=(rank, *shared, results), daemon=True) for rank in range(count)]
+    # Each child dies with this process, even when it is killed (lifeline.py); daemon=True only
+    # covers a parent that exits normally.
+    entry = Tethered(f"{target.__module__}:{target.__qualname__}", os.getpid())
+    procs = [SPAWN.Process(target=entry, args=(rank, *shared, results), daemon=True) for rank in range(count)]
     # The children import torch afresh; spare the user its warning about a missing NumPy.
     quiet = "ignore:Failed to initialize NumPy"
     previous = os.environ.get("PYTHONWARNINGS")

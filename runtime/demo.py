@@ -14,6 +14,7 @@ plan, the report and the trace can be looked at afterwards.
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any
 
 from rich.console import Console
 
-from ..artifacts import RunFailure, write_json_atomic
+from ..artifacts import BadInput, RunFailure, write_json_atomic
 from .options import RunOptions, check_options
 
 GLOBAL_BATCH = 32
@@ -36,6 +37,7 @@ STEPS = 100
 
 
 def demo_command(steps: int = STEPS, stages: int = 2, out_dir: str | None = None) -> None:
+    check_demo_flags(steps, stages, out_dir)     # before half a minute of profiling
     console = Console()
     if out_dir is not None:
         folder = Path(out_dir)
@@ -44,6 +46,28 @@ def demo_command(steps: int = STEPS, stages: int = 2, out_dir: str | None = None
     else:
         with tempfile.TemporaryDirectory(prefix="gpipe-plan-demo-") as tmp:
             _demo(console, Path(tmp), steps, stages)
+
+
+def check_demo_flags(steps: int, stages: int, out_dir: str | None) -> None:
+    """Refuse what the demo would only trip on after profiling: one line each (BadInput).
+
+    ``--steps`` as ``run`` checks it, ``--stages`` at least 1, and ``--out-dir`` a folder
+    that exists or can be made (its nearest existing ancestor writable), not a file.
+    """
+    if steps < 1:
+        raise BadInput(f"--steps must be at least 1, got {steps}")
+    if stages < 1:
+        raise BadInput(f"--stages must be at least 1, got {stages}")
+    if out_dir is None:
+        return
+    folder = Path(out_dir)
+    if folder.exists() and not folder.is_dir():
+        raise BadInput(f"--out-dir '{folder}' is a file, not a folder")
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise BadInput(f"--out-dir '{folder}': folder '{existing}' is not writable")
 
 
 def _demo(console: Console, folder: Path, steps: int, stages: int) -> None:

@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 
 from .faults import Fault
-from .memory import ActivationMeter, tensor_bytes
+from .memory import ActivationMeter, element_bytes
 from .p2p import ACTIVATION, GRADIENT, Neighbours, PendingReceive
 from .schedule import stage_ops
 from .stage import Stage, TensorMeta
@@ -179,7 +179,7 @@ class NativeExecutor:
         if self.stage.module.recompute:
             # Checkpointing keeps only the inputs; while it recomputes one micro-batch in the
             # backward, that one's activations are live too: measure them once.
-            meter.hold(m, sum(tensor_bytes(x) for x in xs))
+            meter.hold(m, sum(element_bytes(x) for x in xs))
             if meter.transient_bytes == 0:
                 meter.transient_bytes = meter.measure_once(self.stage.module.run_layers, *xs)
             return contextlib.nullcontext()

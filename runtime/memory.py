@@ -31,7 +31,8 @@ from torch import nn
 from ..cudamemory import outside_allocator_bytes
 
 
-def tensor_bytes(t: torch.Tensor) -> int:
+def element_bytes(t: torch.Tensor) -> int:
+    """Bytes of one tensor's elements (profiles.memory.tensor_bytes sums a list of them)."""
     return t.numel() * t.element_size()
 
 
@@ -66,7 +67,9 @@ class ActivationMeter:
             if key not in seen and key[0] not in self.exclude:
                 seen.add(key)
                 total += storage.nbytes()
-            return t
+            # Detached: a saved output returned as itself would hold its own graph through
+            # its grad_fn (a reference cycle that outlives the backward until gc runs).
+            return t.detach()
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
@@ -93,13 +96,13 @@ def static_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> 
     state = 0
     if optimizer is not None:
         for per_param in optimizer.state.values():
-            state += sum(tensor_bytes(v) for v in per_param.values()
+            state += sum(element_bytes(v) for v in per_param.values()
                          if isinstance(v, torch.Tensor) and v.dim() > 0)
     return {
-        "params_bytes": sum(tensor_bytes(p) for p in params),
-        "gradients_bytes": sum(tensor_bytes(p) for p in params if p.requires_grad),
+        "params_bytes": sum(element_bytes(p) for p in params),
+        "gradients_bytes": sum(element_bytes(p) for p in params if p.requires_grad),
         "optimizer_state_bytes": state,
-        "buffers_bytes": sum(tensor_bytes(b) for b in module.buffers()),
+        "buffers_bytes": sum(element_bytes(b) for b in module.buffers()),
     }
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import PARAM_DTYPES, PRECISIONS, BadInput
+from ..artifacts import PARAM_DTYPES, PRECISIONS, BadInput, check_output_paths
 
 OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
 DEFAULT_LR = {"adam": 1e-3, "adamw": 1e-3, "sgd": 1e-2, "momentum": 1e-2}
@@ -109,17 +109,16 @@ def check_options(options: RunOptions) -> RunOptions:
         path = Path(options.data)
         if not path.is_file():
             raise BadInput(f"--data '{options.data}' is not a file (nor a pkg.module:factory)")
-    for flag, value in (("--save", options.save), ("--report", options.report), ("--trace", options.trace)):
-        if value is not None:
-            folder = Path(value).parent
-            if not folder.is_dir():
-                raise BadInput(f"cannot write {flag} '{value}': folder '{folder}' does not exist")
+    # Before any rank starts: a report that cannot be written is refused now, not after training.
+    check_output_paths({"--save": options.save, "--report": options.report, "--trace": options.trace})
     if options.init_from is not None:
         _check_init_from(options.init_from)
     if options.checkpoint_dir is not None:
         folder = Path(options.checkpoint_dir)
         if folder.exists() and not folder.is_dir():
             raise BadInput(f"--checkpoint-dir '{folder}' is a file, not a folder")
+        if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
+            raise BadInput(f"--checkpoint-dir '{folder}' is not writable")
     absolute = {k: os.path.abspath(v) for k, v in _paths(options).items()
                 if v is not None and not (k == "data" and is_data_factory(v))}
     return dataclasses.replace(options, **absolute)

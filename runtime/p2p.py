@@ -5,7 +5,9 @@ from k-1 and sends gradients back. Every message's shape is known in advance (st
 shapes), so a stage can post a receive into a buffer of the right size *before* the sender
 is ready: when the sender's data comes, gloo writes it straight into that buffer, and the
 receiving stage finds it there when it needs it instead of paying a round trip on the
-critical path. We keep one receive of each kind in flight ahead of the one being waited on.
+critical path. How many receives of each kind are in flight is the executor's choice
+(:class:`.executor.NativeExecutor`: every activation receive a stage keeps inputs for anyway,
+and two gradient receives); this module only posts and waits.
 
 Sends are asynchronous: a stage posts the send and goes on computing. The tensor must stay
 alive until the send completes, so the sends are kept, and waited on at the end of the step.

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..artifacts import PLAN_FORMAT, BadInput, file_sha256, precision_of, read_artifact
+from ..schema import validate
 from .schedule import SCHEDULES
 
 
@@ -79,6 +80,8 @@ def load_plan(path: str | os.PathLike[str]) -> RunPlan:
     """Read and check a plan file; raise :class:`BadInput` naming the first problem."""
     doc = read_artifact(path, PLAN_FORMAT)
     where = f"plan '{path}'"
+    # Every key's type and range (gpipe_plan/schema.py); below, how the keys fit together.
+    validate(doc, "plan", where)
 
     def need(obj: dict[str, Any], key: str, kind: type | tuple[type, ...], context: str = "") -> Any:
         if key not in obj:

@@ -202,26 +202,28 @@ def print_summary(report: dict[str, Any], console: Console) -> None:
     for st in report["stages"]:
         layers = st["layers"]
         names = layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]} ({len(layers)})"
-        if st["recompute"]:
+        if st.get("recompute"):
             names += " [recompute]"
+        # A report's keys are checked by gpipe_plan/schema.py; those a run always writes may
+        # still be absent from a hand-made one, and are shown as "-".
         table.add_row(
             str(st["index"]), names,
-            _pair(st["measured_forward_s"], st["predicted_forward_s"], _ms_number),
-            _pair(st["measured_backward_s"], st["predicted_backward_s"], _ms_number),
-            _pair(st["measured_peak_memory_bytes"], st["predicted_memory_bytes"], _mib_number),
-            _pair(st["measured_idle_fraction"], st["predicted_idle_fraction"], _pct),
+            _pair(st.get("measured_forward_s"), st.get("predicted_forward_s"), _ms_number),
+            _pair(st.get("measured_backward_s"), st.get("predicted_backward_s"), _ms_number),
+            _pair(st.get("measured_peak_memory_bytes"), st.get("predicted_memory_bytes"), _mib_number),
+            _pair(st.get("measured_idle_fraction"), st.get("predicted_idle_fraction"), _pct),
         )
     console.print(table)
     console.print(step_line(report), highlight=False)
-    line = f"bubble {_pair(report['measured_bubble_fraction'], report['predicted_bubble_fraction'], _pct)}"
-    if report["samples_per_s"]:
+    line = f"bubble {_pair(report.get('measured_bubble_fraction'), report.get('predicted_bubble_fraction'), _pct)}"
+    if report.get("samples_per_s"):
         line += f"   {report['samples_per_s']:,.1f} samples/s"
-    if report["tokens_per_s"]:
+    if report.get("tokens_per_s"):
         line += f"   {report['tokens_per_s']:,.0f} tokens/s"
     console.print(line + "   (measured / predicted)", highlight=False)
     loss = report.get("loss") or {}
     per_step = loss.get("per_step") or {}
-    if loss.get("first") is not None and per_step:
+    if loss.get("first") is not None and loss.get("last") is not None and per_step:
         steps = sorted(int(s) for s in per_step)
         console.print(f"loss {loss['first']:.4f} at step {steps[0] + 1} -> {loss['last']:.4f} at step {steps[-1] + 1}",
                       highlight=False)

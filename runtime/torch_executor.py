@@ -36,7 +36,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from ..artifacts import BadInput
 from .executor import LossFn, Tensors
 from .faults import Fault
-from .memory import ActivationMeter, tensor_bytes
+from .memory import ActivationMeter, element_bytes
 from .stage import Stage
 from .timing import SpanRecorder
 
@@ -70,7 +70,7 @@ class _TimedStage(PipelineStage):
             return contextlib.nullcontext()
         if self.submod.recompute:  # as in the native executor: inputs kept, one rerun live
             xs = args if self.is_first else tuple(info.buffer for info in self.args_recv_info[chunk])
-            self.meter.hold(chunk, sum(tensor_bytes(x) for x in xs if isinstance(x, torch.Tensor)))
+            self.meter.hold(chunk, sum(element_bytes(x) for x in xs if isinstance(x, torch.Tensor)))
             if self.meter.transient_bytes == 0:
                 self.meter.transient_bytes = self.meter.measure_once(self.submod.run_layers, *xs)
             return contextlib.nullcontext()

@@ -1,9 +1,10 @@
 """One rank's training run, top to bottom.
 
-Every rank runs this same function; rank k runs stage k. It reads like a single-process
-training script because it nearly is one: build the model, keep our stage, then for each
-step draw the batch, run our share of the pipeline schedule, learn the loss, step the
-optimizer. Everything pipeline-specific hides in the executor (:mod:`.executor`).
+Every rank runs :func:`train`; rank k runs stage k. It reads like a single-process training
+script because it nearly is one, in three parts: :func:`_set_up` (build the model, keep our
+stage, the optimizer, resume), :func:`_run_steps` (for each step, :func:`_one_step`: draw the
+batch, run our share of the pipeline schedule, learn the loss, step the optimizer), and
+:func:`_write_outputs`. Everything pipeline-specific hides in the executor (:mod:`.executor`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import gc
 import io
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +23,11 @@ from rich.console import Console
 
 from ..artifacts import BadInput, RunFailure, precision_label, write_bytes_atomic, write_json_atomic
 from ..cudamemory import outside_allocator_bytes
-from ..models import Precision, build_model, built_whole
+from ..models import LayeredModel, Precision, build_model, built_whole
 from ..speedprobe import profile_probe_s, speed_probe_s, speed_ratio
 from . import checkpoint
 from .conditions import condition_warnings, cpu_cores, threads_per_rank
-from .data import batch_source
+from .data import BatchSource, batch_source
 from .distributed import World, check_world, choose_device, init
 from .executor import Executor, NativeExecutor
 from .faults import Fault
@@ -50,7 +52,60 @@ from .trace import chrome_trace
 SPEED_TOLERANCE = 1.15
 
 
+@dataclass
+class _Training:
+    """What one rank holds for its run: set up by :func:`_set_up`, used by the steps and the outputs."""
+
+    options: RunOptions
+    world: World
+    plan: RunPlan
+    precision: Precision
+    threads: int
+    device: torch.device
+    context_bytes: int | None
+    executor_name: str
+    objects: Any               # the process group for Python objects (gloo, also on CUDA)
+    joined_here: bool          # this run joined the ranks (and leaves them at the end)
+    reporter: bool             # rank 0 prints, gathers and writes the outputs
+    warnings: list[str]
+    probes: list[float]        # speed probe before the steps (and after, once done)
+    model: LayeredModel
+    stage: Stage
+    scaler: LossScaler
+    data: BatchSource
+    tokens_per_sample: int | None
+    optimizer_name: str
+    optimizer: torch.optim.Optimizer
+    base_lr: float
+    recorder: SpanRecorder
+    executor: Executor
+    needs_norm: bool
+    sync: StepSync
+    tied: TiedGradients
+    identity: dict[str, Any]
+    folder: Path | None        # --checkpoint-dir
+    start: int                 # the first step to run (after a resume, the checkpoint's)
+    start_notes: list[str] = field(default_factory=list)   # printed before the first step (rank 0)
+
+
+@dataclass
+class _History:
+    """Per step: the loss, the step's time, the process's CPU time; the memory at the end."""
+
+    losses: dict[int, float] = field(default_factory=dict)
+    step_s: dict[int, float] = field(default_factory=dict)
+    cpu_s: dict[int, float] = field(default_factory=dict)   # all the process's threads
+    memory: dict[str, Any] = field(default_factory=dict)
+
+
 def train(options: RunOptions, world: World) -> None:
+    """Set up this rank's stage, run the steps, write the outputs (rank 0), leave the group."""
+    run = _set_up(options, world)
+    history = _run_steps(run)
+    _write_outputs(run, history)
+
+
+def _set_up(options: RunOptions, world: World) -> _Training:
     # ------------------------------------------------------------------ where we stand
     plan = load_plan(options.plan)
     check_world(world, plan)
@@ -64,7 +119,7 @@ def train(options: RunOptions, world: World) -> None:
     # Join the ranks, unless the caller already did (tests run several trainings in one group).
     joined_here = not dist.is_initialized()
     objects = init(world, device, options.timeout) if joined_here else _objects_group(device)
-    reporter = world.rank == 0  # rank 0 prints, gathers and writes the outputs
+    reporter = world.rank == 0
     err = Console(stderr=True)
     warnings = condition_warnings(plan, threads, world.local_world_size, device.type)
     if reporter:
@@ -106,10 +161,8 @@ def train(options: RunOptions, world: World) -> None:
     loss_fn = precision.with_autocast(model.loss, device.type)
     scaler = LossScaler(enabled=precision.loss_scaling)
     data = batch_source(model, options.data, plan.global_batch_size, options.seed)
-    tokens_per_sample = _tokens_per_sample(plan)
     optimizer_name = options.optimizer_name(plan.optimizer)
     optimizer = make_optimizer(stage.parameters(), optimizer_name, options)
-    base_lr = options.learning_rate(optimizer_name)
     recorder = SpanRecorder(stage.index, device)
     executor = _make_executor(executor_name, stage, plan, loss_fn, device, recorder, options, world)
     # The global gradient norm is needed to clip by it, and under fp16 to see an overflow.
@@ -130,121 +183,148 @@ def train(options: RunOptions, world: World) -> None:
         start = resume_step
     if start >= options.steps:
         raise BadInput(f"the checkpoint in '{folder}' is at step {start}: --steps {options.steps} leaves nothing to do")
+    run = _Training(options, world, plan, precision, threads, device, context_bytes, executor_name, objects,
+                    joined_here, reporter, warnings, probes, model, stage, scaler, data, _tokens_per_sample(plan),
+                    optimizer_name, optimizer, options.learning_rate(optimizer_name), recorder, executor, needs_norm,
+                    sync, tied, identity, folder, start)
+    run.start_notes = _start_notes(run, resumed)
+    return run
 
-    progress = TrainingProgress(options.steps, start, plan.global_batch_size, tokens_per_sample,
-                                options.log_every, enabled=reporter and not options.quiet)
-    if reporter:
-        progress.note(_banner(plan, options, optimizer_name, base_lr, threads, device, executor_name, data.samples_text(),
-                              start))
-        if options.resume and start == 0:
-            progress.note(f"no complete checkpoint in '{folder}' yet: starting from step 0")
-        if resumed is not None:
-            note = _resume_note(resumed, plan, world)
-            if options.init_from:
-                note = "; ".join(filter(None, [note, "--init-from ignored: the checkpoint wins"]))
-            if note:
-                progress.note(note)
-        elif options.init_from:
-            progress.note(f"initial weights from '{options.init_from}'")
 
-    # ------------------------------------------------------------------ train
+def _start_notes(run: _Training, resumed: dict[str, Any] | None) -> list[str]:
+    """What the progress shows before the first step: the banner, and where training starts from."""
+    options = run.options
+    notes = [_banner(run.plan, options, run.optimizer_name, run.base_lr, run.threads, run.device, run.executor_name,
+                     run.data.samples_text(), run.start)]
+    if options.resume and run.start == 0:
+        notes.append(f"no complete checkpoint in '{run.folder}' yet: starting from step 0")
+    if resumed is not None:
+        note = _resume_note(resumed, run.plan, run.world)
+        if options.init_from:
+            note = "; ".join(filter(None, [note, "--init-from ignored: the checkpoint wins"]))
+        if note:
+            notes.append(note)
+    elif options.init_from:
+        notes.append(f"initial weights from '{options.init_from}'")
+    return notes
+
+
+def _run_steps(run: _Training) -> _History:
+    """Steps ``start`` to ``--steps``: the loop of a training script, with checkpoints."""
+    options, stage, recorder = run.options, run.stage, run.recorder
+    progress = TrainingProgress(options.steps, run.start, run.plan.global_batch_size, run.tokens_per_sample,
+                                options.log_every, enabled=run.reporter and not options.quiet)
+    if run.reporter:
+        for note in run.start_notes:
+            progress.note(note)
     meter = ActivationMeter.for_module(stage.module)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    losses: dict[int, float] = {}
-    step_s: dict[int, float] = {}
-    cpu_s: dict[int, float] = {}   # CPU time of the whole process (all its threads) per step
+    if run.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(run.device)
+    history = _History()
     # torch's import leaves a very large object graph; freezing it keeps Python's cyclic
     # garbage collector from walking all of it again and again during the steps.
     gc.collect()
     gc.freeze()
-    dist.barrier(group=objects)
+    dist.barrier(group=run.objects)
     recorder.start_clock()  # all ranks leave the barrier together: a common time origin
     try:
-        for step in range(start, options.steps):
+        for step in range(run.start, options.steps):
             recorder.step = step
             t0, c0 = recorder.now(), time.process_time()
-            lr = learning_rate(step, base_lr, options)
-            set_learning_rate(optimizer, lr)
-            sync.begin_step()
-
-            # The whole batch is a function of (seed, step); stage 0 needs its inputs, the
-            # last stage its targets, the stages between neither.
-            inputs = targets = None
-            if stage.is_first or stage.is_last:
-                t_data = recorder.mark()
-                batch_inputs, batch_targets = data.batch(step)
-                inputs = tuple(x.to(device) for x in batch_inputs) if stage.is_first else None
-                targets = batch_targets.to(device) if stage.is_last else None
-                recorder.add("data", -1, t_data, recorder.mark())
-
-            # Our share of the pipeline: forwards and backwards of the M micro-batches.
-            scale = executor.loss_scale = scaler.scale
-            micro_losses = executor.step(step, inputs, targets, meter if step == start else None)
-            if tied.mine:
-                t_tied = recorder.mark()
-                tied.all_reduce()
-                recorder.add("tied", -1, t_tied, recorder.mark())
-
-            # Every rank learns the loss (the last stage has it) and, for clipping or fp16, the
-            # global gradient norm; so every rank stops here, together, when the loss is NaN.
-            local_loss = float(sum(float(v) for v in micro_losses) / plan.micro_batches) if stage.is_last else 0.0
-            t_sync = recorder.mark()
-            loss, grad_norm = sync.finish_step(local_loss, squared_grad_norm(tied.counted(stage.parameters()))
-                                               if needs_norm else 0.0)
-            recorder.add("sync", -1, t_sync, recorder.mark())
-            if not math.isfinite(loss):
-                raise RunFailure(f"the loss is {loss} at step {step + 1}: training diverged; lower --lr "
-                                 f"(it is {lr:g}) or set --grad-clip")
-            # fp16: an overflow anywhere skips this step on every stage (the norm is global).
-            take_step = scaler.update(grad_norm)
-            if take_step:
-                scaler.unscale_(stage.parameters(), scale)
-                if options.grad_clip:
-                    clip_gradients(stage.parameters(), grad_norm / scale, options.grad_clip)
-
-            t_opt = recorder.mark()
-            if take_step:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            recorder.add("optimizer", -1, t_opt, recorder.mark())
+            loss = _one_step(run, step, meter if step == run.start else None)
             t1 = recorder.now()
             recorder.end_step()
-
-            step_s[step] = t1 - t0
-            cpu_s[step] = time.process_time() - c0
-            losses[step] = loss
+            history.step_s[step] = t1 - t0
+            history.cpu_s[step] = time.process_time() - c0
+            history.losses[step] = loss
             progress.update(step, loss, t1 - t0)
 
-            if folder is not None and ((step + 1) % options.checkpoint_every == 0 or step + 1 == options.steps):
+            if run.folder is not None and ((step + 1) % options.checkpoint_every == 0 or step + 1 == options.steps):
                 # All ranks save together; when save returns, step+1 is complete and older ones may go.
-                checkpoint.save(folder, step + 1, stage, optimizer, identity, _saved_by(plan, world), scaler, device,
-                                objects)
-                if reporter:
-                    checkpoint.prune(folder, options.keep_checkpoints)
-        sync.close()
+                checkpoint.save(run.folder, step + 1, stage, run.optimizer, run.identity, _saved_by(run.plan, run.world),
+                                run.scaler, run.device, run.objects)
+                if run.reporter:
+                    checkpoint.prune(run.folder, options.keep_checkpoints)
+        run.sync.close()
         # After the last step: the optimizer's state exists (the first step creates it) and
         # CUDA's peak is over every step, not only the first.
-        memory = _memory(stage, optimizer, meter if executor.meters_activations else None, device, context_bytes)
+        history.memory = _memory(stage, run.optimizer, meter if run.executor.meters_activations else None, run.device,
+                                 run.context_bytes)
     finally:
         progress.close()
+    return history
 
-    # ------------------------------------------------------------------ outputs
-    probes.append(_probe_in_turn(world, device, objects))
-    result = RankResult(world.rank, recorder.spans, step_s, memory, cpu_s, speed_probe_s=probes)
-    results = _gather(result, world, objects)
-    pieces = _gather({k: v.detach().cpu() for k, v in stage.state_dict().items()} if options.save else None,
-                     world, objects)
-    if reporter:
+
+def _one_step(run: _Training, step: int, meter: ActivationMeter | None) -> float:
+    """One training step of this rank; returns the step's loss (every rank learns it)."""
+    options, stage, recorder, plan = run.options, run.stage, run.recorder, run.plan
+    lr = learning_rate(step, run.base_lr, options)
+    set_learning_rate(run.optimizer, lr)
+    run.sync.begin_step()
+
+    # The whole batch is a function of (seed, step); stage 0 needs its inputs, the last stage
+    # its targets, the stages between neither.
+    inputs = targets = None
+    if stage.is_first or stage.is_last:
+        t_data = recorder.mark()
+        batch_inputs, batch_targets = run.data.batch(step)
+        inputs = tuple(x.to(run.device) for x in batch_inputs) if stage.is_first else None
+        targets = batch_targets.to(run.device) if stage.is_last else None
+        recorder.add("data", -1, t_data, recorder.mark())
+
+    # Our share of the pipeline: forwards and backwards of the M micro-batches.
+    scale = run.executor.loss_scale = run.scaler.scale
+    micro_losses = run.executor.step(step, inputs, targets, meter)
+    if run.tied.mine:
+        t_tied = recorder.mark()
+        run.tied.all_reduce()
+        recorder.add("tied", -1, t_tied, recorder.mark())
+
+    # Every rank learns the loss (the last stage has it) and, for clipping or fp16, the global
+    # gradient norm; so every rank stops here, together, when the loss is NaN.
+    local_loss = float(sum(float(v) for v in micro_losses) / plan.micro_batches) if stage.is_last else 0.0
+    t_sync = recorder.mark()
+    loss, grad_norm = run.sync.finish_step(local_loss, squared_grad_norm(run.tied.counted(stage.parameters()))
+                                           if run.needs_norm else 0.0)
+    recorder.add("sync", -1, t_sync, recorder.mark())
+    if not math.isfinite(loss):
+        raise RunFailure(f"the loss is {loss} at step {step + 1}: training diverged; lower --lr "
+                         f"(it is {lr:g}) or set --grad-clip")
+    # fp16: an overflow anywhere skips this step on every stage (the norm is global).
+    take_step = run.scaler.update(grad_norm)
+    if take_step:
+        run.scaler.unscale_(stage.parameters(), scale)
+        if options.grad_clip:
+            clip_gradients(stage.parameters(), grad_norm / scale, options.grad_clip)
+
+    t_opt = recorder.mark()
+    if take_step:
+        run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    recorder.add("optimizer", -1, t_opt, recorder.mark())
+    return loss
+
+
+def _write_outputs(run: _Training, history: _History) -> None:
+    """Gather every rank's figures on rank 0, which writes the model, report and trace; leave."""
+    options, world, plan = run.options, run.world, run.plan
+    run.probes.append(_probe_in_turn(world, run.device, run.objects))
+    result = RankResult(world.rank, run.recorder.spans, history.step_s, history.memory, history.cpu_s,
+                        speed_probe_s=run.probes)
+    results = _gather(result, world, run.objects)
+    pieces = _gather({k: v.detach().cpu() for k, v in run.stage.state_dict().items()} if options.save else None,
+                     world, run.objects)
+    if run.reporter:
         assert results is not None and pieces is not None
         if options.save:
-            _save_model(options.save, model.module.state_dict().keys(), pieces)
-        run = _run_facts(options, optimizer_name, base_lr, threads, device, executor_name, data.samples_text(), world)
-        run["precision"], run["param_dtype"] = precision.compute, precision.params
-        if scaler.enabled:
-            run["loss_scale"] = scaler.state_dict()
-        run["warnings"] = warnings
-        report = build_report(plan, results, losses=losses, run=run, tokens_per_sample=tokens_per_sample)
+            _save_model(options.save, run.model.module.state_dict().keys(), pieces)
+        facts = _run_facts(options, run.optimizer_name, run.base_lr, run.threads, run.device, run.executor_name,
+                           run.data.samples_text(), world)
+        facts["precision"], facts["param_dtype"] = run.precision.compute, run.precision.params
+        if run.scaler.enabled:
+            facts["loss_scale"] = run.scaler.state_dict()
+        facts["warnings"] = run.warnings
+        report = build_report(plan, results, losses=history.losses, run=facts, tokens_per_sample=run.tokens_per_sample)
         if options.report:
             write_json_atomic(options.report, report)
         if options.trace:
@@ -257,8 +337,8 @@ def train(options: RunOptions, world: World) -> None:
                                                           ("trace", options.trace)) if path]
             if written:
                 Console().print("wrote " + ", ".join(written), highlight=False)
-    dist.barrier(group=objects)
-    if joined_here:
+    dist.barrier(group=run.objects)
+    if run.joined_here:
         dist.destroy_process_group()
 
 

@@ -12,10 +12,8 @@ gone must not wait for them at interpreter shutdown.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import signal
 import sys
 import time
 import traceback
@@ -23,6 +21,7 @@ import warnings
 from typing import NoReturn
 
 from ..artifacts import BadInput
+from ..lifeline import die_with_parent
 from .options import ENV, RunOptions
 
 ERROR_DIR_ENV = "GPIPE_PLAN_ERROR_DIR"
@@ -90,15 +89,7 @@ def _write_error(folder: str, rank: int, exc: BaseException, kind: str) -> None:
 
 def _die_with_parent() -> None:
     """Ask Linux to kill this rank if the launcher dies (kill -9 included): no orphans."""
-    parent = int(os.environ.get(PARENT_ENV, "0"))
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        pass
-    if parent and os.getppid() != parent:  # the launcher died before prctl took effect
-        os._exit(1)
+    die_with_parent(int(os.environ.get(PARENT_ENV, "0")))
 
 
 def main() -> NoReturn:

@@ -1,6 +1,6 @@
 """Shared pieces of the planner tests: random instances and an independent reference model.
 
-The reference functions below are written from DESIGN.md and docs/plan-format.md, not from
+The reference functions below are written from docs/planner.md and docs/plan-format.md, not from
 the planner's code, so that a test comparing the planner with them can fail when the cost
 model itself is wrong (brute force shares the planner's cost model, so it cannot catch that).
 """
@@ -22,7 +22,7 @@ from gpipe_plan.planner.profile import LayerFigures
 REPO = Path(__file__).resolve().parent.parent
 PIPEDREAM_DIR = REPO / "data" / "pipedream-profiles"
 
-STATE_MULT = {"adam": 2, "momentum": 1, "sgd": 0}   # DESIGN.md: Adam 2x, momentum 1x
+STATE_MULT = {"adam": 2, "momentum": 1, "sgd": 0}   # docs/planner.md: Adam 2x, momentum 1x
 
 
 def hyp(max_examples: int):
@@ -160,7 +160,7 @@ def bounds_strategy(L: int, K: int):
 
 # --------------------------------------------------------------------------- reference model
 def ref_stage(fig: LayerFigures, setting: Setting, bounds: Sequence[int], k: int, recompute: bool) -> dict:
-    """One stage's figures, straight from DESIGN.md's cost model."""
+    """One stage's figures, straight from docs/planner.md's cost model."""
     L, K, M = fig.num_layers, setting.stages, setting.micro_batches
     s, e = bounds[k], bounds[k + 1]
     fwd = math.fsum(fig.forward_s[s:e])
@@ -243,7 +243,7 @@ def ref_makespan(schedule: str, F: Sequence[float], B: Sequence[float], C: Seque
 
 
 def ref_gpipe_closed_form(F, B, C, M) -> float:
-    """DESIGN.md: sum F + sum C + (M-1) max(F, C) + sum B + sum C + (M-1) max(B, C)."""
+    """docs/planner.md: sum F + sum C + (M-1) max(F, C) + sum B + sum C + (M-1) max(B, C)."""
     return (sum(F) + sum(C) + (M - 1) * max(list(F) + list(C))
             + sum(B) + sum(C) + (M - 1) * max(list(B) + list(C)))
 

@@ -192,11 +192,11 @@ def _drop_field(doc):
 
 BAD_PROFILES = {
     "malformed JSON": ('{"format": "gpipe-plan.profile", "version": 1, "layers": [', r"not valid JSON \(line 1"),
-    "missing field": (_drop_field, r"layer 3 \('layer3'\) has no 'backward_s'"),
+    "missing field": (_drop_field, r"has no 'layers\[3\]\.backward_s'"),
     "wrong format": (lambda d: {**d, "format": "gpipe-plan.plan"}, r"not a gpipe-plan profile.*it is a plan"),
     "wrong version": (lambda d: {**d, "version": 7}, r"version 7.*reads versions 1, 2, 3, 4, 5 or 6"),
     "wrong list length": (lambda d: (d["layers"][1].update(forward_s=[1.0]), d)[1],
-                          r"layer 1 \('layer1'\) field 'forward_s' must be a list of 3 numbers"),
+                          r"'layers\[1\]\.forward_s' must be a list of 3 numbers"),
 }
 
 BAD_OPTIONS = {

@@ -366,6 +366,15 @@ def test_a_crafted_checkpoint_runs_no_code(tmp_path: Path) -> None:
     with pytest.raises(BadInput, match="cannot read checkpoint"):
         checkpoint.load(tmp_path / "ckpt", 2, stage, torch.optim.Adam(stage.parameters()), {}, seed=0)
     assert not planted.exists()
+    # Every file of the step replaced by the pickle (the index, each rank's tensors, and the
+    # JSON facts): still refused, in one line, and still no code run.
+    bomb = pickle.dumps({"format": _Planted(str(planted))}, protocol=2)
+    for name in (checkpoint.META_FILE, ".metadata", "__0_0.distcp", "__1_0.distcp"):
+        (folder / name).write_bytes(bomb)
+    with pytest.raises(BadInput) as refused:
+        checkpoint.load(tmp_path / "ckpt", 2, stage, torch.optim.Adam(stage.parameters()), {}, seed=0)
+    assert len(str(refused.value).splitlines()) == 1
+    assert not planted.exists()
 
 
 # --------------------------------------------------------------------------- the GPU machine's image

@@ -201,7 +201,10 @@ def test_bad_input_exits_2_in_one_line_without_a_file(user_module: Callable[[str
 
 
 def test_profile_help_does_not_need_torch() -> None:
-    code = ("import sys; from gpipe_plan.cli import main; from gpipe_plan.profiles.show import render_profile; "
+    code = ("import sys; from click.testing import CliRunner; from gpipe_plan.cli import main; "
+            "from gpipe_plan.profiles.show import render_profile; "
+            "r = CliRunner().invoke(main, ['profile', '--help']); assert r.exit_code == 0, r.output; "
+            "assert '--micro-batch-sizes' in r.output and '--layer-by-layer' in r.output, r.output; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

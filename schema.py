@@ -1,0 +1,518 @@
+"""What a profile, a plan and a report may hold: one declarative schema per artifact, and one check.
+
+Every key a command reads is declared here, once, with its type, whether it must be there,
+whether it may be ``null``, and the range a sane value lies in. :func:`validate` walks a
+document against its schema before any command acts on it, and refuses the first problem
+in one line that names the file, the key's path (``layers[3].forward_s[1]``) and what is
+wrong, as a :class:`~gpipe_plan.artifacts.BadInput` (the CLI prints it and exits with 2).
+The format documents (docs/profile-format.md, plan-format.md, report-format.md) say what the
+keys mean; this module is the one place that says what values they accept.
+
+Why ranges and not only types: JSON numbers are unbounded. ``1e400`` parses as infinity, a
+400-digit integer parses as an ``int`` that ``float()`` cannot hold, and ``1e308`` bytes is
+finite but overflows to infinity as soon as two layers are added. Each number therefore
+has a ceiling far above any real machine (:data:`MAX_BYTES`, :data:`MAX_SECONDS`,
+:data:`MAX_COUNT`) and far below where the planner's sums stop being finite.
+
+Keys not declared are let through untouched: a newer writer may add keys, and readers
+``.get`` only what is declared. Pure Python, no torch: ``gpipe-plan solve`` imports this.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .artifacts import BadInput
+
+# Ceilings: far above any real value, far below where sums of them overflow a float.
+MAX_BYTES = 2.0 ** 60        # 1 EiB: bytes of one tensor, layer or device
+MAX_SECONDS = 1e7            # about 4 months: one measured time
+MAX_COUNT = 2 ** 40          # a micro-batch size, a dimension, a step count
+MAX_RATE = 1e18              # bytes per second of a link
+MAX_RATIO = 1e6              # a ratio, a fraction, a loss: any finite value of modest size
+
+_CEILING_NAMES = {MAX_BYTES: "2^60", float(MAX_COUNT): "2^40"}   # as messages print them
+
+# The dtypes the runtime can send between stages (runtime/stage.py, ``_DTYPES``).
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
+
+
+# --------------------------------------------------------------------------- the spec language
+class Spec:
+    """One value's description. ``check`` returns if the value is fine, else raises through
+    ``ctx.fail`` (one line: the file, the key's path, what is wrong). ``null`` is handled by the
+    walk: it passes where ``nullable`` says so and is refused elsewhere."""
+
+    nullable: bool = False
+
+    def check(self, value: Any, path: str, ctx: "_Context") -> None:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Number(Spec):
+    """A finite JSON number in ``[minimum, maximum]``; ``integer``: a whole number (an int in JSON)."""
+
+    minimum: float | None = 0.0
+    maximum: float = MAX_RATIO
+    integer: bool = False
+    nullable: bool = False
+    above: bool = False            # the minimum itself is excluded (a rate, a ratio > 0)
+
+    def check(self, value: Any, path: str, ctx: "_Context") -> None:
+        kind = "an integer" if self.integer else "a number"
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (self.integer and not isinstance(value, int)):
+            ctx.fail(path, f"must be {kind}{self._range()}, found {_show(value)}")
+        try:
+            as_float = float(value)
+        except OverflowError:
+            ctx.fail(path, f"is an integer too large to use ({len(str(abs(value)))} digits)")
+        if not math.isfinite(as_float):
+            ctx.fail(path, f"must be a finite number, found {_show(value)}")
+        too_low = self.minimum is not None and (as_float <= self.minimum if self.above else as_float < self.minimum)
+        if too_low or as_float > self.maximum:
+            ctx.fail(path, f"must be {kind}{self._range()}, found {_show(value)}")
+
+    def _range(self) -> str:
+        low = "" if self.minimum is None else f"{'>' if self.above else '>='} {self.minimum:g}"
+        high = _CEILING_NAMES.get(self.maximum, f"{self.maximum:g}")
+        return f" ({low}{', ' if low else ''}<= {high})"
+
+
+@dataclass(frozen=True)
+class Text(Spec):
+    """A JSON string; ``choices``: one of them; ``nonempty``: not ``""``."""
+
+    choices: tuple[str, ...] | None = None
+    nonempty: bool = False
+    nullable: bool = False
+
+    def check(self, value: Any, path: str, ctx: "_Context") -> None:
+        if not isinstance(value, str):
+            ctx.fail(path, f"must be a string, found {_show(value)}")
+        if self.nonempty and not value:
+            ctx.fail(path, "must not be empty")
+        if self.choices is not None and value not in self.choices:
+            ctx.fail(path, f"is {_show(value)}, not one of {', '.join(self.choices)}")
+
+
+@dataclass(frozen=True)
+class Flag(Spec):
+    """``true`` or ``false``."""
+
+    nullable: bool = False
+
+    def check(self, value: Any, path: str, ctx: "_Context") -> None:
+        if not isinstance(value, bool):
+            ctx.fail(path, f"must be true or false, found {_show(value)}")
+
+
+@dataclass(frozen=True)
+class Anything(Spec):
+    """Any JSON value: a key only copied or printed, never computed with."""
+
+    nullable: bool = True
+
+    def check(self, value: Any, path: str, ctx: "_Context") -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class Items(Spec):
+    """A JSON list of ``of``; ``per_size``: one entry per profiled micro-batch size."""
+
+    of: Spec
+    min_len: int = 0
+    per_size: bool = False
+    nullable: bool = False
+
+    def check(self, value: Any, path: str, ctx: "_Context") -> None:
+        if not isinstance(value, list):
+            ctx.fail(path, f"must be a list, found {_show(value)}")
+        if self.per_size and ctx.sizes is not None and len(value) != ctx.sizes:
+            ctx.fail(path, f"must be a list of {ctx.sizes} numbers, one per micro-batch size, "
+                           f"found {len(value)}")
+        if len(value) < self.min_len:
+            ctx.fail(path, f"must have at least {self.min_len} entr{'y' if self.min_len == 1 else 'ies'}")
+        for i, item in enumerate(value):
+            ctx.walk(self.of, item, f"{path}[{i}]")
+
+
+@dataclass(frozen=True)
+class Key:
+    """A key of an :class:`Object`: its spec and whether it must be present."""
+
+    spec: Spec
+    required: bool = False
+
+
+@dataclass(frozen=True)
+class Object(Spec):
+    """A JSON object with the declared ``keys`` (others are let through).
+
+    ``when_true``: flag -> keys that must be present and not null when that flag is true
+    (a runner-up that ``fits`` has a step time; one that does not, none).
+    """
+
+    keys: Mapping[str, Key] = field(default_factory=dict)
+    nullable: bool = False
+    when_true: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def check(self, value: Any, path: str, ctx: "_Context") -> None:
+        if not isinstance(value, dict):
+            ctx.fail(path, f"must be an object, found {_show(value)}")
+        for name, key in self.keys.items():
+            where = f"{path}.{name}" if path else name
+            if name not in value:
+                if key.required:
+                    ctx.missing(where)
+                continue
+            ctx.walk(key.spec, value[name], where)
+        for flag, needed in self.when_true.items():
+            for name in needed if value.get(flag) is True else ():
+                if value.get(name) is None:
+                    ctx.fail(f"{path}.{name}" if path else name, f"must be given when '{flag}' is true")
+
+
+@dataclass(frozen=True)
+class Table(Spec):
+    """A JSON object used as a table: any keys (matching ``key_pattern``), every value a ``values``."""
+
+    values: Spec
+    key_pattern: str | None = None
+    nullable: bool = False
+
+    def check(self, value: Any, path: str, ctx: "_Context") -> None:
+        if not isinstance(value, dict):
+            ctx.fail(path, f"must be an object, found {_show(value)}")
+        for name, item in value.items():
+            if self.key_pattern is not None and not re.fullmatch(self.key_pattern, name):
+                ctx.fail(path, f"has the key {_show(name)}, expected keys like {self.key_pattern!r}")
+            ctx.walk(self.values, item, f"{path}.{name}")
+
+
+def need(spec: Spec) -> Key:
+    """A key that must be present."""
+    return Key(spec, required=True)
+
+
+def may(spec: Spec) -> Key:
+    """A key that may be absent."""
+    return Key(spec, required=False)
+
+
+# --------------------------------------------------------------------------- the walk
+class _Context:
+    """Where the walk is (the file) and what it knows (how many micro-batch sizes)."""
+
+    def __init__(self, where: str, sizes: int | None):
+        self.where = where
+        self.sizes = sizes
+
+    def walk(self, spec: Spec, value: Any, path: str) -> None:
+        if value is None and spec.nullable:
+            return
+        if value is None:
+            self.fail(path, "must not be null")
+        spec.check(value, path, self)
+
+    def fail(self, path: str, what: str) -> None:
+        raise BadInput(f"{self.where}: '{path or '(top level)'}' {what}")
+
+    def missing(self, path: str) -> None:
+        raise BadInput(f"{self.where} has no '{path}'")
+
+
+def _show(value: Any) -> str:
+    """A value as the message shows it: short, on one line."""
+    if isinstance(value, int) and not isinstance(value, bool) and len(str(abs(value))) > 20:
+        return f"an integer of {len(str(abs(value)))} digits"
+    text = repr(value) if isinstance(value, (str, int, float, bool)) else type(value).__name__
+    text = {"dict": "an object", "list": "a list", "NoneType": "null"}.get(text, text)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+# --------------------------------------------------------------------------- the three schemas
+def _seconds(nullable: bool = False) -> Number:
+    return Number(0.0, MAX_SECONDS, nullable=nullable)
+
+
+def _bytes(nullable: bool = False) -> Number:
+    return Number(0.0, MAX_BYTES, nullable=nullable)
+
+
+def _count(minimum: int = 0, nullable: bool = False) -> Number:
+    return Number(minimum, MAX_COUNT, integer=True, nullable=nullable)
+
+
+def _ratio(nullable: bool = True) -> Number:
+    return Number(None, MAX_RATIO, nullable=nullable)
+
+
+def _per_size(item: Spec, nullable: bool = False) -> Items:
+    return Items(item, per_size=True, nullable=nullable)
+
+
+SHAPES = Items(Items(_count(0)), nullable=True)
+DTYPE_NAMES = Items(Text(), nullable=True)
+CUT_DTYPES = Items(Text(choices=DTYPES + tuple(f"torch.{d}" for d in DTYPES)), nullable=True)
+
+# The model spec (docs/profile-format.md, "Model spec"): copied between artifacts; the keys
+# that are printed are typed, the rest is read by the model builders, which check it.
+MODEL = Object({
+    "source": may(Text()),
+    "name": may(Text(nullable=True)),
+    "factory": may(Text(nullable=True)),
+    "options": may(Object(nullable=True)),
+})
+
+DEVICE = Object({
+    "type": may(Text(nullable=True)),
+    "name": may(Anything()),
+    "threads": may(_count(1, nullable=True)),
+    "index": may(_count(0, nullable=True)),
+    "memory_bytes": may(_bytes(nullable=True)),
+    "context_bytes": may(_bytes(nullable=True)),
+    "speed_probe_s": may(_seconds(nullable=True)),
+    "speed_probe_workload": may(Items(_count(0), nullable=True)),
+})
+
+LAYER = Object({
+    "name": need(Text(nonempty=True)),
+    "forward_s": need(_per_size(_seconds())),
+    "backward_s": need(_per_size(_seconds())),
+    "activation_bytes": need(_per_size(_bytes())),
+    "output_bytes": need(_per_size(_bytes())),
+    "param_bytes": need(_bytes()),
+    "measured_as": may(Text(nullable=True)),
+    "optimizer_s": may(_seconds(nullable=True)),
+    "peak_transient_bytes": may(_per_size(_bytes(), nullable=True)),
+    "output_shapes": may(SHAPES),
+    "output_dtypes": may(DTYPE_NAMES),
+    "output_batched": may(Items(Flag(), nullable=True)),
+    "buffer_bytes": may(_bytes(nullable=True)),
+    "recompute_forward_s": may(_per_size(_seconds(), nullable=True)),
+    "recompute_backward_s": may(_per_size(_seconds(), nullable=True)),
+})
+
+PROFILE = Object({
+    "model": need(MODEL),
+    "device": need(DEVICE),
+    "micro_batch_sizes": need(Items(_count(1), min_len=1)),
+    "layers": need(Items(LAYER, min_len=1)),
+    "input_bytes": may(_per_size(_bytes(), nullable=True)),
+    "input": may(Object({"shapes": may(SHAPES), "dtypes": may(DTYPE_NAMES)}, nullable=True)),
+    "precision": may(Text()),
+    "param_dtype": may(Text()),
+    "batch_size": may(_count(1, nullable=True)),
+    "global_batch_size": may(_count(1, nullable=True)),
+    "link": may(Object({
+        "backend": may(Anything()),
+        "bandwidth_bytes_per_s": may(Number(0.0, MAX_RATE, nullable=True)),
+        "latency_s": may(_seconds(nullable=True)),
+        "message_bytes": may(Items(_bytes(), nullable=True)),
+        "one_way_s": may(Items(_seconds(), nullable=True)),
+    }, nullable=True)),
+    "contention": may(Object({
+        "processes": need(_count(2)),
+        "slowdown": need(Number(1.0, MAX_RATIO)),
+        "threads_per_process": may(_count(1, nullable=True)),
+        "micro_batch_size": may(_count(1, nullable=True)),
+        "alone_step_s": may(_seconds(nullable=True)),
+        "together_step_s": may(_seconds(nullable=True)),
+        "slowest_step_s": may(_seconds(nullable=True)),
+        "cycle_ratios": may(Items(Number(0.0, MAX_RATIO))),   # show: .get("cycle_ratios", [])
+    }, nullable=True)),
+    "recompute_call_s": may(_per_size(_seconds(), nullable=True)),
+    "overhead": may(Object({"per_microbatch_s": may(_seconds(nullable=True))}, nullable=True)),
+    "calibration": may(Items(Anything(), nullable=True)),
+    "consistency": may(Object({
+        key: may(_per_size(Number(0.0, MAX_SECONDS, nullable=True), nullable=True))
+        for key in ("layer_sum_s", "model_step_s", "ratio", "model_forward_s", "model_backward_s")
+    }, nullable=True)),
+    "tied_parameters": may(Items(Object({
+        "layers": need(Items(Text(), min_len=1)),
+        "bytes": need(_bytes()),
+    }), nullable=True)),
+    "measurement": may(Object(nullable=True)),
+})
+
+
+def _plan_stage(solved: bool) -> Object:
+    """A plan's stage; ``solved``: with the predictions ``show`` prints (a hand-written plan has none)."""
+    predicted = need if solved else may
+    return Object({
+        "index": predicted(_count(0)),
+        "layers": need(Items(Text(), min_len=1)),
+        "first_layer": may(_count(0)),
+        "recompute": predicted(Flag()),
+        "forward_s": predicted(_seconds(nullable=not solved)),
+        "backward_s": predicted(_seconds(nullable=not solved)),
+        "recompute_s": may(_seconds(nullable=True)),
+        "send_s": may(_seconds(nullable=True)),
+        "optimizer_s": may(_seconds(nullable=True)),
+        "memory_bytes": predicted(_bytes(nullable=not solved)),
+        "memory": may(Table(_bytes(nullable=True), nullable=True)),
+        "in_flight": may(_count(0, nullable=True)),
+        "busy_s": may(_seconds(nullable=True)),
+        "idle_fraction": may(_ratio()),
+        "output_shapes": may(SHAPES),
+        "output_dtypes": may(CUT_DTYPES),
+        "output_batched": may(Items(Flag(), nullable=True)),
+    })
+
+
+# A setting ``solve`` also tried (plan ``runners_up``): what ``show`` prints of it.
+RUNNER_UP = Object({
+    "micro_batches": need(_count(1)),
+    "micro_batch_size": need(_count(1)),
+    "schedule": need(Text()),
+    "fits": may(Flag(nullable=True)),
+    "step_s": may(_seconds(nullable=True)),
+    "bubble_fraction": may(_ratio()),
+    "peak_memory_bytes": may(_bytes(nullable=True)),
+    "balance": may(Items(_count(1))),   # show: .get("balance", [])
+}, when_true={"fits": ("step_s", "bubble_fraction", "peak_memory_bytes")})
+
+
+def _plan(solved: bool) -> Object:
+    """A plan; ``solved``: one ``solve`` wrote, with the predictions ``show`` prints."""
+    predicted_key = need if solved else may
+    return Object({
+        "model": need(MODEL),
+        "precision": may(Text()),
+        "param_dtype": may(Text()),
+        "profile": may(Object({
+            "path": may(Text(nullable=True)),
+            "sha256": may(Text(nullable=True)),
+            "device": may(DEVICE),
+            "micro_batch_sizes": may(Items(_count(1), nullable=True)),
+        })),   # not null: show reads .get("profile", {}).get("device", {})
+        "options": may(Object({
+            "optimizer": may(Text(nullable=True)),
+            "memory_limit_bytes": may(_bytes(nullable=True)),
+            "memory_limit_source": may(Text(nullable=True)),
+            "link_bandwidth_bytes_per_s": may(Number(0.0, MAX_RATE, nullable=True)),
+            "link_latency_s": may(_seconds(nullable=True)),
+            "per_microbatch_overhead_s": may(_seconds(nullable=True)),
+            "compute_scale": may(Number(0.0, MAX_RATIO, nullable=True)),
+        })),
+        "balance": need(Items(_count(1), min_len=1)),
+        "micro_batches": need(_count(1)),
+        "micro_batch_size": need(_count(1)),
+        "global_batch_size": need(_count(1)),
+        "schedule": need(Text()),
+        "stages": need(Items(_plan_stage(solved), min_len=1)),
+        "predicted": predicted_key(Object({
+            "step_s": predicted_key(_seconds(nullable=not solved)),
+            "bubble_fraction": predicted_key(_ratio(nullable=not solved)),
+            "samples_per_s": may(Number(0.0, MAX_RATE, nullable=True)),
+            "peak_memory_bytes": predicted_key(_bytes(nullable=not solved)),
+            "speedup_over_one_stage": may(_ratio()),
+            "one_stage_step_s": may(_seconds(nullable=True)),
+            "one_stage_fits": may(Flag(nullable=True)),
+            "one_stage_peak_memory_bytes": may(_bytes(nullable=True)),
+            "noise_fraction": may(_ratio()),
+            "noise_sources": may(Table(_ratio(), nullable=True)),
+        }, nullable=not solved)),
+        "optimality": may(Object({
+            "proven": may(Flag(nullable=True)),
+            "settings_searched": may(_count(0, nullable=True)),
+            "lower_bound_s": may(_seconds(nullable=True)),
+            "gap": may(_ratio()),
+        })),
+        "warnings": may(Items(Text(), nullable=True)),
+        "runners_up": may(Items(RUNNER_UP, nullable=True)),
+    })
+
+
+_STEP_KEYS = r"\d{1,12}"   # "0", "1", ...: step numbers as JSON object keys
+
+REPORT_STAGE = Object({
+    "index": need(_count(0)),
+    "layers": need(Items(Text(), min_len=1)),
+    "recompute": may(Flag(nullable=True)),
+    **{f"{who}_{kind}_s": may(_seconds(nullable=True))
+       for who in ("predicted", "measured") for kind in ("forward", "backward", "optimizer")},
+    "predicted_memory_bytes": may(_bytes(nullable=True)),
+    "measured_peak_memory_bytes": may(_bytes(nullable=True)),
+    "predicted_memory": may(Table(_bytes(nullable=True), nullable=True)),
+    "measured_memory": may(Object(nullable=True)),
+    "measured_busy_s": may(_seconds(nullable=True)),
+    "measured_wait_s": may(_seconds(nullable=True)),
+    "measured_cpu_s": may(_seconds(nullable=True)),
+    "predicted_idle_fraction": may(_ratio()),
+    "measured_idle_fraction": may(_ratio()),
+})
+
+REPORT = Object({
+    "model": need(MODEL),
+    "plan": may(Object({"path": may(Text(nullable=True)), "sha256": may(Text(nullable=True))}, nullable=True)),
+    "run": may(Object({"precision": may(Text()), "param_dtype": may(Text()),
+                       "warnings": may(Items(Text(), nullable=True))}, nullable=True)),
+    "schedule": may(Text(nullable=True)),
+    "num_stages": may(_count(1, nullable=True)),
+    "micro_batches": may(_count(1, nullable=True)),
+    "micro_batch_size": may(_count(1, nullable=True)),
+    "global_batch_size": may(_count(1, nullable=True)),
+    "steps_run": may(_count(0, nullable=True)),
+    "steps_measured": may(_count(0, nullable=True)),
+    "predicted_step_s": may(_seconds(nullable=True)),
+    "measured_step_s": may(_seconds(nullable=True)),
+    "step_time_ratio": may(_ratio()),
+    "speed": may(Object({
+        "profile_probe_s": may(_seconds(nullable=True)),
+        "run_probe_s": may(_seconds(nullable=True)),
+        "per_rank_probe_s": may(Table(Items(_seconds(nullable=True)), nullable=True)),
+        "ratio": may(Number(0.0, MAX_RATIO, nullable=True)),
+        "predicted_step_s_at_run_speed": may(_seconds(nullable=True)),
+        "step_time_ratio_at_run_speed": may(_ratio()),
+    }, nullable=True)),
+    "headline": may(Object({
+        "predicted_step_s": need(_seconds(nullable=True)),
+        "basis": need(Text(choices=("run_speed", "profile"))),
+        "noise_fraction": need(_ratio()),
+        "noise_sources": may(Table(_ratio(), nullable=True)),
+        "step_time_ratio": need(_ratio()),
+        "within_noise": need(Flag(nullable=True)),
+    }, nullable=True)),
+    "measured_step_s_per_step": may(Table(_seconds(nullable=True), key_pattern=_STEP_KEYS, nullable=True)),
+    "predicted_bubble_fraction": may(_ratio()),
+    "measured_bubble_fraction": may(_ratio()),
+    "predicted_samples_per_s": may(Number(0.0, MAX_RATE, nullable=True)),
+    "samples_per_s": may(Number(0.0, MAX_RATE, nullable=True)),
+    "tokens_per_s": may(Number(0.0, MAX_RATE, nullable=True)),
+    "loss": may(Object({
+        "first": may(_ratio()),
+        "last": may(_ratio()),
+        "per_step": may(Table(_ratio(), key_pattern=_STEP_KEYS, nullable=True)),
+    }, nullable=True)),
+    "stages": need(Items(REPORT_STAGE)),   # empty: calibrate says it has nothing to calibrate with
+})
+
+SCHEMAS: dict[str, Object] = {"profile": PROFILE, "plan": _plan(solved=False), "solved plan": _plan(solved=True),
+                              "report": REPORT}
+
+
+def validate(doc: Any, kind: str, where: str) -> None:
+    """Check ``doc`` against the schema of ``kind`` (a key of :data:`SCHEMAS`); raise one-line
+    :class:`BadInput` naming ``where`` (e.g. ``profile 'p.json'``), the key's path and the problem.
+
+    A profile's per-size lists are checked against the length of its ``micro_batch_sizes``,
+    which is therefore checked first.
+    """
+    schema = SCHEMAS[kind]
+    if not isinstance(doc, dict):
+        raise BadInput(f"{where} is not a JSON object")
+    sizes: int | None = None
+    if kind == "profile":
+        sizes_key = schema.keys["micro_batch_sizes"]
+        if "micro_batch_sizes" not in doc:
+            raise BadInput(f"{where} has no 'micro_batch_sizes'")
+        _Context(where, None).walk(sizes_key.spec, doc["micro_batch_sizes"], "micro_batch_sizes")
+        sizes = len(doc["micro_batch_sizes"])
+    _Context(where, sizes).walk(schema, doc, "")
+
