@@ -17,6 +17,8 @@ def calibrate_command(report: str, profile: str | None, out: str | None, speed_c
     if profile is None:
         profile = profile_of_report(report)
         console.print(f"calibrating '{profile}', the profile the run's plan was made from", highlight=False)
+    else:
+        check_profile_of_plan(report, profile)
     doc = calibrate(profile, report, use_speed_probe=speed_correction)
     target = out or str(Path(profile).with_suffix("")) + ".calibrated.json"
     write_json_atomic(target, doc)
@@ -65,6 +67,26 @@ def profile_of_report(report_path: str) -> str:
     plan = read_artifact(plan_path, PLAN_FORMAT)
     validate(plan, "plan", f"plan '{plan_path}'")
     return _named_file(plan, "profile", f"plan '{plan_path}'", plan_path, "made from profile")
+
+
+def check_profile_of_plan(report_path: str, profile_path: str) -> None:
+    """``--profile`` must be the very profile the run's plan was made from, where the plan says.
+
+    Two profiles of one model differ in their figures: scales computed against one's
+    predictions would be applied to the other's. When the report's plan can be found and
+    records its profile's SHA-256, a profile with another is refused in one line.
+    """
+    report = read_artifact(report_path, REPORT_FORMAT)
+    recorded = report.get("plan") if isinstance(report.get("plan"), dict) else {}
+    plan_path = _locate(recorded["path"], report_path) if isinstance(recorded.get("path"), str) else None
+    if plan_path is None:
+        return
+    plan = read_artifact(plan_path, PLAN_FORMAT)
+    source = plan.get("profile") if isinstance(plan.get("profile"), dict) else {}
+    expected = source.get("sha256")
+    if isinstance(expected, str) and file_sha256(profile_path) != expected:
+        raise BadInput(f"profile '{profile_path}' is not the one plan '{plan_path}' was made from (its SHA-256 "
+                       f"differs): calibrate with that profile ('{source.get('path')}'), or leave --profile out")
 
 
 def _named_file(doc: dict, key: str, label: str, doc_path: str, relation: str) -> str:

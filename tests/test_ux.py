@@ -364,6 +364,24 @@ def test_calibrate_finds_the_profile_the_report_names(workdir: Path) -> None:
     assert result.exit_code == 2 and "has changed since" in result.stderr
 
 
+def test_calibrate_refuses_another_profile_of_the_same_model(workdir: Path) -> None:
+    from gpipe_plan.artifacts import file_sha256
+
+    write_json(workdir / "profile.json", balanced())
+    plan = solve_file("profile.json", "plan.json", stages=2, micro_batches=4)
+    report = report_doc(plan, factor=1.2)
+    report["plan"]["sha256"] = file_sha256("plan.json")
+    write_json(workdir / "report.json", report)
+    other = balanced()
+    other["layers"][0]["forward_s"] = [t * 2 for t in other["layers"][0]["forward_s"]]
+    write_json(workdir / "other.json", other)
+    result = cli("calibrate", "report.json", "--profile", "other.json")
+    assert result.exit_code == 2 and len(result.stderr.splitlines()) == 1, result.output
+    assert "'other.json' is not the one plan 'plan.json' was made from" in result.stderr
+    assert not Path("other.calibrated.json").exists()
+    assert cli("calibrate", "report.json", "--profile", "profile.json").exit_code == 0
+
+
 def test_explore_chart_gives_each_line_its_colour_and_lists_what_never_fits() -> None:
     profile = Profile(balanced(L=8))
     # 8 layers of 4000 B of parameters, x4 with gradients and Adam's state: 128 kB on one device
