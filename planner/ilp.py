@@ -24,7 +24,6 @@ constraint for each choice, the one not taken relaxed by a big-M.
 
 from __future__ import annotations
 
-import math
 import warnings
 
 try:  # only --solver ilp needs pulp; the exact solvers and every other command run without it

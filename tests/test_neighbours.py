@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from gpipe_plan.artifacts import FORMAT_VERSIONS, PROFILE_FORMAT, BadInput
 from gpipe_plan.cli import main
 from gpipe_plan.models import model_spec
-from gpipe_plan.planner.costmodel import CostModel, Setting, neighbour_scale
+from gpipe_plan.planner.costmodel import neighbour_scale
 from gpipe_plan.planner.explore import explore
 from gpipe_plan.planner.profile import Profile
 from gpipe_plan.planner.search import SolveOptions, search
