@@ -344,3 +344,12 @@ def ref_brute(fig: LayerFigures, setting: Setting) -> dict | None:
             if ev["fits"] and (best is None or ev["step"] < best["step"]):
                 best = {**ev, "bounds": bounds, "recompute": rc}
     return best
+
+
+def cli(*args: str):
+    """Run ``gpipe-plan ARGS`` in this process, as click's test runner does (stderr mixed in)."""
+    from click.testing import CliRunner
+
+    from gpipe_plan.cli import main
+
+    return CliRunner().invoke(main, list(args), catch_exceptions=True)

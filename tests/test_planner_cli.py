@@ -14,12 +14,10 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from gpipe_plan.artifacts import FORMAT_VERSIONS, PLAN_FORMAT
-from gpipe_plan.cli import main
 
-from planner_helpers import REPO, profile_doc, write_json
+from planner_helpers import cli, REPO, profile_doc, write_json
 
 # planner/ilp.py uses pulp APIs that pulp deprecates for its 4.0 (thousands of warnings a run).
 pytestmark = pytest.mark.filterwarnings("ignore:.*PuLP 4:DeprecationWarning")
@@ -34,19 +32,9 @@ OPTIONS_KEYS = {"stages", "global_batch_size", "micro_batches", "schedule", "rec
                 "link_bandwidth_bytes_per_s", "link_latency_s", "optimizer", "solver"}
 
 
-def cli(*args: str):
-    return CliRunner().invoke(main, list(args), catch_exceptions=True)
-
-
 @pytest.fixture
-def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
-
-
-@pytest.fixture
-def profile_path(workdir: Path) -> Path:
-    return write_json(workdir / "profile.json", profile_doc(L=6, batch_size=8))
+def profile_path(user_dir: Path) -> Path:
+    return write_json(user_dir / "profile.json", profile_doc(L=6, batch_size=8))
 
 
 # --------------------------------------------------------------------------- the plan document
@@ -130,8 +118,8 @@ def tie_profile() -> dict:
                        activation_per_sample=[1000] * 8, output_per_sample=[100] * 8, param_bytes=[4000] * 8)
 
 
-def test_solve_twice_gives_byte_identical_plans(workdir: Path):
-    write_json(workdir / "profile.json", tie_profile())
+def test_solve_twice_gives_byte_identical_plans(user_dir: Path):
+    write_json(user_dir / "profile.json", tie_profile())
     for out in ("a.json", "sub/b.json"):
         Path(out).parent.mkdir(exist_ok=True)
         result = cli("solve", "profile.json", "--stages", "3", "--out", out, "-q")
@@ -141,15 +129,15 @@ def test_solve_twice_gives_byte_identical_plans(workdir: Path):
     for seed in ("0", "4242"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
         proc = subprocess.run([sys.executable, "-m", "gpipe_plan.cli", "solve", "profile.json", "--stages", "3",
-                               "--out", f"p{seed}.json", "-q"], cwd=workdir, env=env, capture_output=True, text=True,
+                               "--out", f"p{seed}.json", "-q"], cwd=user_dir, env=env, capture_output=True, text=True,
                               timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert Path(f"p{seed}.json").read_bytes() == Path("a.json").read_bytes()
 
 
-def test_identical_layers_get_an_even_balance(workdir: Path):
+def test_identical_layers_get_an_even_balance(user_dir: Path):
     """With identical layers the optimal GPipe balance is as even as possible, whatever wins the tie."""
-    write_json(workdir / "profile.json", tie_profile())
+    write_json(user_dir / "profile.json", tie_profile())
     for K in (2, 3, 5):
         result = cli("solve", "profile.json", "-k", str(K), "-m", "8", "--schedule", "gpipe", "--out", "p.json", "-q")
         assert result.exit_code == 0, result.output
@@ -215,37 +203,37 @@ BAD_OPTIONS = {
 }
 
 
-def assert_one_line_error(result, pattern: str, workdir: Path, before: set[str]) -> None:
+def assert_one_line_error(result, pattern: str, user_dir: Path, before: set[str]) -> None:
     assert result.exit_code == 2, (result.exit_code, result.output)
     assert isinstance(result.exception, SystemExit)
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert re.search(pattern, lines[0]), lines[0]
     assert "Traceback" not in result.output
-    assert {p.name for p in workdir.iterdir()} == before, "a plan (or a temporary file) was written"
+    assert {p.name for p in user_dir.iterdir()} == before, "a plan (or a temporary file) was written"
 
 
-def test_missing_profile(workdir: Path):
+def test_missing_profile(user_dir: Path):
     result = cli("solve", "nowhere.json", "--stages", "2", "--out", "plan.json")
-    assert_one_line_error(result, r"profile 'nowhere.json' does not exist", workdir, set())
+    assert_one_line_error(result, r"profile 'nowhere.json' does not exist", user_dir, set())
 
 
 @pytest.mark.parametrize("case", list(BAD_PROFILES))
-def test_bad_profile(workdir: Path, case: str):
+def test_bad_profile(user_dir: Path, case: str):
     change, pattern = BAD_PROFILES[case]
     if isinstance(change, str):
-        (workdir / "profile.json").write_text(change)
+        (user_dir / "profile.json").write_text(change)
     else:
-        write_json(workdir / "profile.json", change(profile_doc(L=6, batch_size=8)))
+        write_json(user_dir / "profile.json", change(profile_doc(L=6, batch_size=8)))
     result = cli("solve", "profile.json", "--stages", "2", "--out", "plan.json")
-    assert_one_line_error(result, pattern, workdir, {"profile.json"})
+    assert_one_line_error(result, pattern, user_dir, {"profile.json"})
 
 
 @pytest.mark.parametrize("case", list(BAD_OPTIONS))
-def test_bad_option(profile_path: Path, workdir: Path, case: str):
+def test_bad_option(profile_path: Path, user_dir: Path, case: str):
     args, pattern = BAD_OPTIONS[case]
     result = cli("solve", "profile.json", *args, "--out", "plan.json")
-    assert_one_line_error(result, pattern, workdir, {"profile.json"})
+    assert_one_line_error(result, pattern, user_dir, {"profile.json"})
 
 
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
@@ -257,7 +245,7 @@ def _parse_size(text: str) -> float:
 
 
 @pytest.mark.parametrize("limit,shown", [("20KB", "19.53 KiB"), ("70000", "68.36 KiB")])
-def test_memory_limit_no_plan_meets_says_what_works(profile_path: Path, workdir: Path, limit: str, shown: str):
+def test_memory_limit_no_plan_meets_says_what_works(profile_path: Path, user_dir: Path, limit: str, shown: str):
     """The message gives the smallest limit that works, and an option that helps: check both by
     solving again. The profile: 6 layers, batch 8. With --recompute never, GPipe, M = 8, K = 2,
     adam, every stage holds 4x its parameter bytes plus 8 micro-batches of its activations.
@@ -266,7 +254,7 @@ def test_memory_limit_no_plan_meets_says_what_works(profile_path: Path, workdir:
     base = ["solve", "profile.json", "-k", "2", "-m", "8", "--schedule", "gpipe", "--recompute", "never",
             "--out", "plan.json"]
     result = cli(*base, "--memory-limit", limit)
-    assert_one_line_error(result, rf"no plan fits --memory-limit {shown} per device", workdir, {"profile.json"})
+    assert_one_line_error(result, rf"no plan fits --memory-limit {shown} per device", user_dir, {"profile.json"})
     line = result.stderr.strip()
     need = _parse_size(re.search(r"the smallest limit that works is ([0-9.]+ \w+)", line).group(1))
     # independently: the least over the 5 cuts of the larger stage's memory at micro-batch size 1
@@ -299,12 +287,12 @@ def test_memory_limit_no_plan_meets_says_what_works(profile_path: Path, workdir:
         assert _parse_size(relaxed) == pytest.approx(claimed, rel=0.01)
 
 
-def test_bad_input_in_a_real_process_is_one_line_on_stderr(profile_path: Path, workdir: Path):
+def test_bad_input_in_a_real_process_is_one_line_on_stderr(profile_path: Path, user_dir: Path):
     proc = subprocess.run([sys.executable, "-m", "gpipe_plan.cli", "solve", "profile.json", "--stages", "9",
-                           "--out", "plan.json"], cwd=workdir, capture_output=True, text=True, timeout=120)
+                           "--out", "plan.json"], cwd=user_dir, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: --stages 9"), proc.stderr
-    assert not (workdir / "plan.json").exists()
+    assert not (user_dir / "plan.json").exists()
 
 
 # --------------------------------------------------------------------------- no torch
@@ -321,7 +309,7 @@ for args in ARGS:
 """
 
 
-def test_solve_show_and_help_do_not_import_torch(profile_path: Path, workdir: Path):
+def test_solve_show_and_help_do_not_import_torch(profile_path: Path, user_dir: Path):
     if importlib.util.find_spec("torch") is None:   # the check means something only where torch exists
         pytest.skip("torch is not installed")
     runs = [["--help"], ["solve", "--help"], ["solve", "profile.json", "-k", "2", "--out", "plan.json", "-q",
@@ -330,42 +318,42 @@ def test_solve_show_and_help_do_not_import_torch(profile_path: Path, workdir: Pa
             ["import-pipedream", str(REPO / "data" / "pipedream-profiles" / "alexnet.graph.txt"),
              "--out", "alexnet.json"]]
     script = _NO_TORCH.replace("ARGS", repr(runs))
-    proc = subprocess.run([sys.executable, "-c", script], cwd=workdir, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=user_dir, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     seen = [eval(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]  # noqa: S307
     assert [code for _, code, _ in seen] == [0, 0, 0, 0, 0, 2, 0], proc.stdout + proc.stderr
     assert not any(torch for _, _, torch in seen), seen
-    assert (workdir / "plan.json").exists() and (workdir / "alexnet.json").exists()
+    assert (user_dir / "plan.json").exists() and (user_dir / "alexnet.json").exists()
 
 
-def test_show_refuses_what_it_cannot_show(workdir: Path):
-    write_json(workdir / "other.json", {"format": "something.else", "version": 1})
-    write_json(workdir / "old.json", {"format": "gpipe-plan.plan", "version": 7})
-    before = {p.name for p in workdir.iterdir()}
-    assert_one_line_error(cli("show", "other.json"), r"not a gpipe-plan profile, plan or report", workdir, before)
-    assert_one_line_error(cli("show", "old.json"), r"version 7", workdir, before)
-    assert_one_line_error(cli("show", "absent.json"), r"'absent.json' does not exist", workdir, before)
+def test_show_refuses_what_it_cannot_show(user_dir: Path):
+    write_json(user_dir / "other.json", {"format": "something.else", "version": 1})
+    write_json(user_dir / "old.json", {"format": "gpipe-plan.plan", "version": 7})
+    before = {p.name for p in user_dir.iterdir()}
+    assert_one_line_error(cli("show", "other.json"), r"not a gpipe-plan profile, plan or report", user_dir, before)
+    assert_one_line_error(cli("show", "old.json"), r"version 7", user_dir, before)
+    assert_one_line_error(cli("show", "absent.json"), r"'absent.json' does not exist", user_dir, before)
 
 
 # --------------------------------------------------------------------------- found by these tests, fixed
-def test_memory_limit_that_overflows_is_bad_input(profile_path: Path, workdir: Path):
+def test_memory_limit_that_overflows_is_bad_input(profile_path: Path, user_dir: Path):
     result = cli("solve", "profile.json", "-k", "2", "--memory-limit", "1e400", "--out", "plan.json")
-    assert_one_line_error(result, r"--memory-limit", workdir, {"profile.json"})
+    assert_one_line_error(result, r"--memory-limit", user_dir, {"profile.json"})
 
 
 @pytest.mark.parametrize("latency", ["nan", "inf", "-1"])
-def test_link_latency_must_be_finite(profile_path: Path, workdir: Path, latency: str):
+def test_link_latency_must_be_finite(profile_path: Path, user_dir: Path, latency: str):
     result = cli("solve", "profile.json", "-k", "2", "--link-bandwidth", "1", "--link-latency", latency,
                  "--out", "plan.json")
-    assert_one_line_error(result, r"--link-latency", workdir, {"profile.json"})
+    assert_one_line_error(result, r"--link-latency", user_dir, {"profile.json"})
 
 
-def test_zero_time_profile_solves_and_shows(workdir: Path):
+def test_zero_time_profile_solves_and_shows(user_dir: Path):
     doc = profile_doc(L=4, batch_size=4)
     for layer in doc["layers"]:
         layer["forward_s"] = [0.0, 0.0, 0.0]
         layer["backward_s"] = [0.0, 0.0, 0.0]
-    write_json(workdir / "profile.json", doc)
+    write_json(user_dir / "profile.json", doc)
     result = cli("solve", "profile.json", "-k", "2", "--out", "plan.json")
     assert result.exit_code == 0, result.output
     assert json.loads(Path("plan.json").read_text())["predicted"]["step_s"] == 0

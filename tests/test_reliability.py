@@ -19,23 +19,18 @@ import uuid
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from gpipe_plan.artifacts import BadInput, check_output_paths, write_json_atomic
-from gpipe_plan.cli import main
 from gpipe_plan.planner.costmodel import CostModel, Setting
 from gpipe_plan.planner.dp import GPipeSolver
 from gpipe_plan.planner.onefoneb import OneFOneBSolver
 from gpipe_plan.planner.search import MAX_MICRO_BATCHES, divisors
 from gpipe_plan.planner.units import format_bytes, parse_size
 
-from planner_helpers import make_figures, profile_doc, write_json
+from planner_helpers import cli, make_figures, profile_doc, write_json
+from test_runtime_multiproc import leftover_processes
 
 BIN = Path(sys.executable).parent
-
-
-def cli(*args: str):
-    return CliRunner().invoke(main, list(args), catch_exceptions=True)
 
 
 def error_lines(result) -> list[str]:
@@ -44,14 +39,8 @@ def error_lines(result) -> list[str]:
 
 
 @pytest.fixture
-def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
-
-
-@pytest.fixture
-def profile_path(workdir: Path) -> Path:
-    return write_json(workdir / "profile.json", profile_doc(L=6, batch_size=8))
+def profile_path(user_dir: Path) -> Path:
+    return write_json(user_dir / "profile.json", profile_doc(L=6, batch_size=8))
 
 
 def run_in_subprocess(code: str, timeout: float) -> tuple[float, float, str]:
@@ -96,10 +85,10 @@ def test_divisors_are_found_without_scanning_up_to_the_batch() -> None:
     assert time.monotonic() - started < 1
 
 
-def test_a_huge_global_batch_solves_in_bounded_time_and_memory(workdir: Path) -> None:
-    write_json(workdir / "profile.json", profile_doc(L=6, batch_size=8))
+def test_a_huge_global_batch_solves_in_bounded_time_and_memory(user_dir: Path) -> None:
+    write_json(user_dir / "profile.json", profile_doc(L=6, batch_size=8))
     code = (f"from gpipe_plan.planner.command import solve_file\n"
-            f"plan = solve_file({str(workdir / 'profile.json')!r}, None, stages=2, global_batch_size=1000000007)\n"
+            f"plan = solve_file({str(user_dir / 'profile.json')!r}, None, stages=2, global_batch_size=1000000007)\n"
             f"print('M', plan['micro_batches'])\n")
     seconds, rss_mib, out = run_in_subprocess(code, timeout=60)
     # 1,000,003 once took 0.8 GB and 1,000,000,007 grew to 24 GB: now M stays <= the cap.
@@ -119,15 +108,15 @@ def test_too_many_micro_batches_are_refused_in_one_line(profile_path: Path) -> N
     ["-k", "2"],                                       # the greedy probes; 1F1B's O(K L^2) tables time out
     ["-k", "8", "--memory-limit", "300MiB"],           # per-stage recompute under a limit: the general DP
 ])
-def test_sixty_thousand_layers_end_within_the_time_budget(workdir: Path, options: list[str]) -> None:
-    write_json(workdir / "big.json", profile_doc(L=60_000, sizes=(1,), batch_size=2))
+def test_sixty_thousand_layers_end_within_the_time_budget(user_dir: Path, options: list[str]) -> None:
+    write_json(user_dir / "big.json", profile_doc(L=60_000, sizes=(1,), batch_size=2))
     started = time.monotonic()
     result = subprocess.run([str(BIN / "gpipe-plan"), "solve", "big.json", *options, "--time-budget", "2",
-                             "-o", "plan.json", "-q"], cwd=workdir, capture_output=True, text=True, timeout=120,
+                             "-o", "plan.json", "-q"], cwd=user_dir, capture_output=True, text=True, timeout=120,
                             env=dict(os.environ, PYTHONWARNINGS="ignore"))
     seconds = time.monotonic() - started
     assert result.returncode == 0, result.stderr
-    plan = json.loads((workdir / "plan.json").read_text())
+    plan = json.loads((user_dir / "plan.json").read_text())
     assert sum(plan["balance"]) == 60_000
     # 2 s of search, the one-stage baseline's share, and reading and writing 60,000 layers.
     assert seconds < 25, f"{seconds:.1f} s"
@@ -173,7 +162,7 @@ def test_every_command_checks_its_outputs_before_any_work(profile_path: Path, ar
     assert time.monotonic() - started < 5                                # refused before any work
 
 
-def test_check_output_paths_names_the_flag_and_the_reason(workdir: Path) -> None:
+def test_check_output_paths_names_the_flag_and_the_reason(user_dir: Path) -> None:
     check_output_paths({"--out": "fine.json", "--timeline": None})
     Path("sub").mkdir()
     with pytest.raises(BadInput, match="--out 'sub': it is a folder"):
@@ -190,7 +179,7 @@ def test_check_output_paths_names_the_flag_and_the_reason(workdir: Path) -> None
 
 
 # --------------------------------------------------------------------------- file modes
-def test_outputs_follow_the_umask_and_keep_an_existing_files_mode(workdir: Path) -> None:
+def test_outputs_follow_the_umask_and_keep_an_existing_files_mode(user_dir: Path) -> None:
     previous = os.umask(0o022)
     try:
         write_json_atomic("new.json", {"a": 1})
@@ -236,7 +225,7 @@ def test_the_smallest_memory_limit_is_rounded_up(profile_path: Path) -> None:
     assert parse_size("4.17MiB") >= 4.161 * 2**20
 
 
-def test_demo_refuses_bad_flags_before_profiling(workdir: Path) -> None:
+def test_demo_refuses_bad_flags_before_profiling(user_dir: Path) -> None:
     started = time.monotonic()
     result = cli("demo", "--steps", "0")
     assert result.exit_code == 2 and "--steps" in result.output and len(error_lines(result)) == 1
@@ -244,19 +233,6 @@ def test_demo_refuses_bad_flags_before_profiling(workdir: Path) -> None:
 
 
 # --------------------------------------------------------------------------- orphans
-def processes_with_mark(mark: str) -> list[int]:
-    """Processes whose environment carries ``mark`` (a test's profile and every helper it starts)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if mark.encode() in (entry / "environ").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                pass
-    return found
-
-
 def children_of(pid: int) -> list[int]:
     """The direct children of ``pid``, from /proc (every thread's list)."""
     kids: list[int] = []
@@ -270,13 +246,13 @@ def children_of(pid: int) -> list[int]:
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
-def test_contention_helpers_die_with_a_killed_profiler(workdir: Path, how: signal.Signals) -> None:
+def test_contention_helpers_die_with_a_killed_profiler(user_dir: Path, how: signal.Signals) -> None:
     mark = uuid.uuid4().hex
     env = dict(os.environ, GPIPE_PLAN_TEST_MARK=mark, PYTHONWARNINGS="ignore")
     proc = subprocess.Popen([str(BIN / "gpipe-plan"), "profile", "gpt", "--layers", "1", "--width", "32",
                              "--heads", "2", "--seq-len", "8", "--micro-batch-sizes", "1", "--warmup", "0",
                              "--repeats", "1", "--no-recompute-timing", "--contention-processes", "2",
-                             "--out", "p.json", "-q"], cwd=workdir, env=env,
+                             "--out", "p.json", "-q"], cwd=user_dir, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
@@ -293,11 +269,11 @@ def test_contention_helpers_die_with_a_killed_profiler(workdir: Path, how: signa
         proc.send_signal(how)
         proc.wait(10)
         time.sleep(1.0)
-        assert processes_with_mark(mark) == [], "helpers outlived the profiler"
+        assert leftover_processes(mark) == [], "helpers outlived the profiler"
     finally:
         if proc.poll() is None:
             proc.kill()
-        for pid in processes_with_mark(mark):
+        for pid in leftover_processes(mark):
             os.kill(pid, signal.SIGKILL)
 
 

@@ -13,12 +13,10 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 from rich.console import Console
 from rich.progress import Progress, TimeRemainingColumn
 
 from gpipe_plan.artifacts import FORMAT_VERSIONS, PLAN_FORMAT, PROFILE_FORMAT, REPORT_FORMAT, BadInput
-from gpipe_plan.cli import main
 from gpipe_plan.planner.command import CountColumn, solve_file
 from gpipe_plan.planner.explore import explore
 from gpipe_plan.planner.explore_view import exploration_chart, never_fitting
@@ -32,21 +30,11 @@ from gpipe_plan.profiles.show import render_profile
 from gpipe_plan.runtime.progress import TrainingProgress, fit_fields
 from gpipe_plan.runtime.report import headline, print_summary
 
-from planner_helpers import profile_doc, write_json
+from planner_helpers import cli, profile_doc, write_json
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*PuLP 4:DeprecationWarning")
 
 CURRENT = FORMAT_VERSIONS[PROFILE_FORMAT]
-
-
-def cli(*args: str):
-    return CliRunner().invoke(main, list(args), catch_exceptions=True)
-
-
-@pytest.fixture
-def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
 
 
 def balanced(L: int = 6, **extra) -> dict:
@@ -64,8 +52,8 @@ def test_profile_global_batch_defaults_to_the_largest_size_measured() -> None:
         intended_global_batch(0, [1, 2])
 
 
-def test_solve_and_explore_plan_for_the_profiles_global_batch(workdir: Path) -> None:
-    write_json(workdir / "profile.json", balanced(global_batch_size=32))
+def test_solve_and_explore_plan_for_the_profiles_global_batch(user_dir: Path) -> None:
+    write_json(user_dir / "profile.json", balanced(global_batch_size=32))
     result = cli("solve", "profile.json", "-k", "2", "--out", "plan.json")
     assert result.exit_code == 0, result.output
     plan = json.loads(Path("plan.json").read_text())
@@ -81,8 +69,8 @@ def test_solve_and_explore_plan_for_the_profiles_global_batch(workdir: Path) -> 
     assert explore(Profile(balanced(global_batch_size=32)), [1, 2]).global_batch_size == 32
 
 
-def test_older_profiles_keep_todays_batch_and_solve_says_where_it_came_from(workdir: Path) -> None:
-    write_json(workdir / "profile.json", balanced())      # no global_batch_size: batch_size 8
+def test_older_profiles_keep_todays_batch_and_solve_says_where_it_came_from(user_dir: Path) -> None:
+    write_json(user_dir / "profile.json", balanced())      # no global_batch_size: batch_size 8
     result = cli("solve", "profile.json", "-k", "2", "--out", "plan.json")
     assert result.exit_code == 0, result.output
     plan = json.loads(Path("plan.json").read_text())
@@ -92,7 +80,7 @@ def test_older_profiles_keep_todays_batch_and_solve_says_where_it_came_from(work
     assert explore(Profile(balanced()), [1, 2]).global_batch_size == 8
 
 
-def test_profile_command_records_the_global_batch_and_reports_phases_without_a_terminal(workdir: Path) -> None:
+def test_profile_command_records_the_global_batch_and_reports_phases_without_a_terminal(user_dir: Path) -> None:
     """A real (tiny) profile: the key is written, and stderr, not a terminal, gets one line per phase."""
     result = cli("profile", "gpt", "--layers", "1", "--width", "16", "--heads", "2", "--seq-len", "8",
                  "--micro-batch-sizes", "1,2", "--repeats", "1", "--warmup", "0", "--contention-processes", "0",
@@ -109,8 +97,8 @@ def test_profile_command_records_the_global_batch_and_reports_phases_without_a_t
 
 
 # =========================================================================== 4. is pipelining worth it?
-def test_plan_compares_itself_with_the_best_one_device_plan(workdir: Path) -> None:
-    write_json(workdir / "profile.json", balanced(global_batch_size=8))
+def test_plan_compares_itself_with_the_best_one_device_plan(user_dir: Path) -> None:
+    write_json(user_dir / "profile.json", balanced(global_batch_size=8))
     plan = solve_file("profile.json", "plan.json", stages=2, micro_batches=8)
     one = solve_file("profile.json", None, stages=1)            # the same options, one stage, M open
     pred = plan["predicted"]
@@ -128,10 +116,10 @@ def test_plan_compares_itself_with_the_best_one_device_plan(workdir: Path) -> No
     assert one_device_line(one) is None
 
 
-def test_when_one_device_is_faster_solve_says_so(workdir: Path) -> None:
+def test_when_one_device_is_faster_solve_says_so(user_dir: Path) -> None:
     """Stages that slow each other down 2x (measured contention) lose to one device."""
     contention = {"processes": 2, "slowdown": 2.0, "cycle_ratios": [2.0] * 9}
-    write_json(workdir / "profile.json", balanced(contention=contention))
+    write_json(user_dir / "profile.json", balanced(contention=contention))
     result = cli("solve", "profile.json", "-k", "2", "--out", "plan.json")
     assert result.exit_code == 0, result.output
     pred = json.loads(Path("plan.json").read_text())["predicted"]
@@ -153,8 +141,8 @@ def test_one_device_as_fast_is_said_plainly() -> None:
     assert one_device_line(plan).startswith("1.50x faster than one device")
 
 
-def test_when_one_device_does_not_fit_solve_says_so(workdir: Path) -> None:
-    write_json(workdir / "profile.json", balanced())
+def test_when_one_device_does_not_fit_solve_says_so(user_dir: Path) -> None:
+    write_json(user_dir / "profile.json", balanced())
     # Each layer holds 4000 B of parameters x (1 + gradients + Adam's 2) = 16 kB: 6 layers do not fit
     # 60 kB, 3 do.
     result = cli("solve", "profile.json", "-k", "2", "--memory-limit", "60KB", "--out", "plan.json")
@@ -166,21 +154,21 @@ def test_when_one_device_does_not_fit_solve_says_so(workdir: Path) -> None:
     assert "one device does not fit" in result.stdout
 
 
-def test_plans_of_version_3_are_still_shown_and_run(workdir: Path) -> None:
+def test_plans_of_version_3_are_still_shown_and_run(user_dir: Path) -> None:
     from gpipe_plan.runtime.plan import load_plan
 
-    write_json(workdir / "profile.json", balanced())
+    write_json(user_dir / "profile.json", balanced())
     plan = solve_file("profile.json", None, stages=2)
     for key in ("one_stage_step_s", "one_stage_fits", "one_stage_peak_memory_bytes", "speedup_over_one_stage",
                 "noise_fraction", "noise_sources"):
         plan["predicted"].pop(key, None)
     plan["options"].pop("global_batch_size_source")
     plan["version"] = 3
-    write_json(workdir / "old.json", plan)
+    write_json(user_dir / "old.json", plan)
     shown = cli("show", "old.json")
     assert shown.exit_code == 0, shown.output
     assert "one device" not in shown.stdout and "global batch 8 = " in shown.stdout
-    assert load_plan(workdir / "old.json").num_stages == 2
+    assert load_plan(user_dir / "old.json").num_stages == 2
 
 
 # =========================================================================== 6. one headline prediction
@@ -190,8 +178,8 @@ def noisy_profile(**extra) -> dict:
                                 "cycle_ratios": [1.1, 1.15, 1.2, 1.2, 1.2, 1.25, 1.3, 1.3, 1.4]}, **extra)
 
 
-def test_plan_noise_band_comes_from_the_profiles_own_spread(workdir: Path) -> None:
-    write_json(workdir / "profile.json", noisy_profile())
+def test_plan_noise_band_comes_from_the_profiles_own_spread(user_dir: Path) -> None:
+    write_json(user_dir / "profile.json", noisy_profile())
     pred = solve_file("profile.json", None, stages=2)["predicted"]
     drift = (0.011 - 0.010) / (0.011 + 0.010)              # half the difference over the mean
     ratios = [1.1, 1.15, 1.2, 1.2, 1.2, 1.25, 1.3, 1.3, 1.4]
@@ -248,8 +236,8 @@ def report_doc(plan: dict, factor: float = 1.0, step_times: list[float] | None =
     return report
 
 
-def test_run_prints_one_headline_prediction(workdir: Path) -> None:
-    write_json(workdir / "profile.json", balanced())
+def test_run_prints_one_headline_prediction(user_dir: Path) -> None:
+    write_json(user_dir / "profile.json", balanced())
     plan = solve_file("profile.json", "plan.json", stages=2, micro_batches=4)
     report = report_doc(plan, factor=1.5, speed_ratio=1.25)
     console = Console(file=io.StringIO(), width=200)
@@ -277,8 +265,8 @@ def test_run_spread_is_the_robust_relative_spread_of_the_measured_steps() -> Non
     assert 0.5 < shrink(0.5, 0.2) < 1.0                                 # toward 1, never past it
 
 
-def test_a_noisy_run_moves_the_calibration_less_than_a_steady_one(workdir: Path) -> None:
-    write_json(workdir / "profile.json", balanced())
+def test_a_noisy_run_moves_the_calibration_less_than_a_steady_one(user_dir: Path) -> None:
+    write_json(user_dir / "profile.json", balanced())
     plan = solve_file("profile.json", "plan.json", stages=2, micro_batches=4, schedule="gpipe")
     step = plan["predicted"]["step_s"] * 1.1
     steady = report_doc(plan, factor=1.1, step_times=[step] * 12)
@@ -286,7 +274,7 @@ def test_a_noisy_run_moves_the_calibration_less_than_a_steady_one(workdir: Path)
                                                      (1.0, 0.85, 1.15, 0.9, 1.1, 0.95, 1.05, 1.2, 0.8, 1.0, 1.1, 0.9)])
     scales = {}
     for name, report in (("steady", steady), ("noisy", noisy)):
-        write_json(workdir / f"{name}.json", report)
+        write_json(user_dir / f"{name}.json", report)
         doc = calibrate("profile.json", f"{name}.json")
         scales[name] = doc["calibration"][-1]["stages"][0]["forward_scale"]
         assert doc["calibration"][-1]["stages"][0]["measured_forward_ratio"] == pytest.approx(1.1)
@@ -318,10 +306,10 @@ def test_solve_progress_shows_no_none_while_the_total_is_unknown() -> None:
     assert CountColumn().render(progress.tasks[0]).plain == "3/8"
 
 
-def test_show_reprints_a_reports_table(workdir: Path) -> None:
-    write_json(workdir / "profile.json", balanced())
+def test_show_reprints_a_reports_table(user_dir: Path) -> None:
+    write_json(user_dir / "profile.json", balanced())
     plan = solve_file("profile.json", "plan.json", stages=2, micro_batches=4)
-    write_json(workdir / "report.json", report_doc(plan, factor=1.02))
+    write_json(user_dir / "report.json", report_doc(plan, factor=1.02))
     result = cli("show", "report.json")
     assert result.exit_code == 0, result.output
     assert "measured vs predicted, per stage" in result.stdout and "layer0" in result.stdout
@@ -329,27 +317,27 @@ def test_show_reprints_a_reports_table(workdir: Path) -> None:
     assert "-0%" not in result.stdout
 
 
-def test_show_of_a_report_does_not_import_torch(workdir: Path) -> None:
+def test_show_of_a_report_does_not_import_torch(user_dir: Path) -> None:
     import subprocess
     import sys
 
-    write_json(workdir / "profile.json", balanced())
+    write_json(user_dir / "profile.json", balanced())
     plan = solve_file("profile.json", "plan.json", stages=2, micro_batches=4)
-    write_json(workdir / "report.json", report_doc(plan))
+    write_json(user_dir / "report.json", report_doc(plan))
     code = ("import sys; from click.testing import CliRunner; from gpipe_plan.cli import main; "
             "r = CliRunner().invoke(main, ['show', 'report.json']); assert r.exit_code == 0, r.output; "
             "assert 'torch' not in sys.modules, 'torch imported'")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=workdir)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=user_dir)
 
 
-def test_calibrate_finds_the_profile_the_report_names(workdir: Path) -> None:
+def test_calibrate_finds_the_profile_the_report_names(user_dir: Path) -> None:
     from gpipe_plan.artifacts import file_sha256
 
-    write_json(workdir / "profile.json", balanced())
+    write_json(user_dir / "profile.json", balanced())
     plan = solve_file("profile.json", "plan.json", stages=2, micro_batches=4)
     report = report_doc(plan, factor=1.2)
     report["plan"]["sha256"] = file_sha256("plan.json")
-    write_json(workdir / "report.json", report)
+    write_json(user_dir / "report.json", report)
     result = cli("calibrate", "report.json")
     assert result.exit_code == 0, result.output
     assert "calibrating 'profile.json'" in result.stdout
@@ -364,17 +352,17 @@ def test_calibrate_finds_the_profile_the_report_names(workdir: Path) -> None:
     assert result.exit_code == 2 and "has changed since" in result.stderr
 
 
-def test_calibrate_refuses_another_profile_of_the_same_model(workdir: Path) -> None:
+def test_calibrate_refuses_another_profile_of_the_same_model(user_dir: Path) -> None:
     from gpipe_plan.artifacts import file_sha256
 
-    write_json(workdir / "profile.json", balanced())
+    write_json(user_dir / "profile.json", balanced())
     plan = solve_file("profile.json", "plan.json", stages=2, micro_batches=4)
     report = report_doc(plan, factor=1.2)
     report["plan"]["sha256"] = file_sha256("plan.json")
-    write_json(workdir / "report.json", report)
+    write_json(user_dir / "report.json", report)
     other = balanced()
     other["layers"][0]["forward_s"] = [t * 2 for t in other["layers"][0]["forward_s"]]
-    write_json(workdir / "other.json", other)
+    write_json(user_dir / "other.json", other)
     result = cli("calibrate", "report.json", "--profile", "other.json")
     assert result.exit_code == 2 and len(result.stderr.splitlines()) == 1, result.output
     assert "'other.json' is not the one plan 'plan.json' was made from" in result.stderr
@@ -399,8 +387,8 @@ def test_explore_chart_gives_each_line_its_colour_and_lists_what_never_fits() ->
         assert any(text and text.startswith(label + ":") for text in texts), label
 
 
-def test_timeline_last_axis_label_has_room(workdir: Path) -> None:
-    write_json(workdir / "profile.json", balanced())
+def test_timeline_last_axis_label_has_room(user_dir: Path) -> None:
+    write_json(user_dir / "profile.json", balanced())
     svg = plan_timeline_svg(solve_file("profile.json", None, stages=2, micro_batches=4))
     root = ET.fromstring(svg)
     ns = "{http://www.w3.org/2000/svg}"
