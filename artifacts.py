@@ -64,6 +64,19 @@ class BadInput(Exception):
     """
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none): what a
+    one-line error quotes of a library's multi-line message."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def named_first_line(exc: BaseException) -> str:
+    """``Type: first line`` (or ``Type``), for errors whose type says what went wrong."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
 class RunFailure(Exception):
     """Something failed while running (a crashed rank, a NaN loss). The CLI exits with 1."""
 

@@ -49,7 +49,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from .traced import _dataflow, _Group, _layers, _unique_names
+from .traced import _dataflow, _fetch, _Group, _layers, _unique_names
 
 # Operations that only check (shapes, dtypes, guards) and compute nothing: dropped, since an
 # assertion on a dtype would fail under autocast, and they have no users.
@@ -303,13 +303,6 @@ def _uses_weights(node: fx.Node, recomputed: set[fx.Node], graph_module: fx.Grap
         elif arg in recomputed:
             stack.extend(arg.all_input_nodes)
     return False
-
-
-def _fetch(root: nn.Module, target: str) -> object:
-    value: object = root
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def _group(nodes: list[fx.Node], recomputed: set[fx.Node], pattern: re.Pattern[str] | None,

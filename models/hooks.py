@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..artifacts import BadInput
+from ..artifacts import BadInput, first_line
 from .data import SyntheticData
 
 Tensors = tuple[torch.Tensor, ...]
@@ -42,7 +42,7 @@ class DataStream:
             try:
                 self._items: Iterator[Any] = iter(factory(batch_size))
             except Exception as exc:
-                raise BadInput(f"data factory '{path}' raised {type(exc).__name__}: {_first_line(exc)}") from None
+                raise BadInput(f"data factory '{path}' raised {type(exc).__name__}: {first_line(exc)}") from None
             self._rng = torch.get_rng_state()
         self.position = 0  # mini-batches drawn so far
 
@@ -56,7 +56,7 @@ class DataStream:
                                f"make it yield as many as --steps (loop over the data)") from None
             except Exception as exc:
                 raise BadInput(f"data factory '{self.path}' raised {type(exc).__name__} at mini-batch "
-                               f"{self.position}: {_first_line(exc)}") from None
+                               f"{self.position}: {first_line(exc)}") from None
             self._rng = torch.get_rng_state()
         self.position += 1
         return check_batch(item, self.batch_size, self.path)
@@ -93,9 +93,6 @@ def user_loss(fn: Callable[..., Any], path: str) -> Callable[[Tensors, torch.Ten
     return loss
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
 
 
 class FactoryData(SyntheticData):

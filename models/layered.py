@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..artifacts import BadInput
+from ..artifacts import BadInput, first_line
 from .data import SyntheticData
 
 Tensors = tuple[torch.Tensor, ...]
@@ -55,9 +55,6 @@ class AsTuple(nn.Module):
         return as_tuple(out)
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
 
 
 def as_tuple(out: Any) -> Tensors:
@@ -198,7 +195,7 @@ class LayeredModel:
                 raise
             except Exception as exc:
                 raise BadInput(f"{self._inputs_text()} does not fit {self._title()}: {name!r} raised "
-                               f"{type(exc).__name__}: {_first_line(exc)}") from None
+                               f"{type(exc).__name__}: {first_line(exc)}") from None
         return outputs
 
     def _check_logits(self, logits: torch.Tensor, batch_size: int) -> None:

@@ -30,6 +30,8 @@ import networkx as nx
 import torch
 from torch import fx, nn
 
+from ..artifacts import first_line
+
 
 # (value of the whole graph, the layer's graph, the layer's inputs: whole-graph node -> its
 # placeholder) -> a node of the layer's graph that stands for the value, or None.
@@ -53,7 +55,7 @@ def split_traced(module: nn.Module) -> list[tuple[str, nn.Module]]:
     try:
         traced = fx.symbolic_trace(module)
     except Exception as exc:  # fx raises TraceError, TypeError, NotImplementedError, ...
-        raise NotTraceable(f"{type(exc).__name__}: {_first_line(exc)}") from None
+        raise NotTraceable(f"{type(exc).__name__}: {first_line(exc)}") from None
     graph = _dataflow(traced.graph)
     order = list(nx.lexicographical_topological_sort(graph, key=lambda n: graph.nodes[n]["index"]))
     nodes = [graph.nodes[n]["node"] for n in order]
@@ -61,9 +63,6 @@ def split_traced(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return _layers(groups, nodes, graph, traced)
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
 
 
 def _dataflow(graph: fx.Graph) -> nx.DiGraph:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..artifacts import BadInput
+from ..artifacts import BadInput, first_line
 from .data import Classification, NextToken, SyntheticData
 from .exported import NotCapturable, split_exported
 from .hooks import FactoryData, user_loss
@@ -54,7 +54,7 @@ def find_factory(path: str, what: str = "model") -> Callable[..., Any]:
         module = importlib.import_module(module_name)
     except Exception as exc:  # ImportError, but also whatever the module's own code raises
         raise BadInput(f"cannot import '{module_name}' (from '{path}'): "
-                       f"{type(exc).__name__}: {_first_line(exc)}") from None
+                       f"{type(exc).__name__}: {first_line(exc)}") from None
     try:
         factory = _getattr_path(module, attr)
     except AttributeError:
@@ -70,9 +70,6 @@ def _getattr_path(obj: Any, dotted: str) -> Any:
     return obj
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
 
 
 def build(spec: dict[str, Any]) -> LayeredModel:
@@ -81,7 +78,7 @@ def build(spec: dict[str, Any]) -> LayeredModel:
     try:
         module = factory()
     except Exception as exc:
-        raise BadInput(f"factory '{path}' raised {type(exc).__name__}: {_first_line(exc)}") from None
+        raise BadInput(f"factory '{path}' raised {type(exc).__name__}: {first_line(exc)}") from None
     if not isinstance(module, nn.Module):
         raise BadInput(f"factory '{path}' returned a {type(module).__name__}, not a torch.nn.Module")
     loss = spec.get("loss") or "classify"

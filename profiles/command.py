@@ -15,7 +15,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from ..artifacts import BadInput, RunFailure, check_output_paths, write_json_atomic
+from ..artifacts import BadInput, RunFailure, check_output_paths, first_line, write_json_atomic
 from ..models import Precision, model_spec
 from .device import resolve_device
 from .contention import default_processes
@@ -70,9 +70,9 @@ def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes
         raise
     except torch.cuda.OutOfMemoryError as exc:
         raise RunFailure(f"out of GPU memory while profiling: use smaller --micro-batch-sizes "
-                         f"({_first_line(exc)})") from None
+                         f"({first_line(exc)})") from None
     except Exception as exc:
-        raise RunFailure(f"profiling failed: {type(exc).__name__}: {_first_line(exc)}") from None
+        raise RunFailure(f"profiling failed: {type(exc).__name__}: {first_line(exc)}") from None
     doc["global_batch_size"] = intended_batch   # what solve and explore plan for by default
     write_json_atomic(out, doc)
     if quiet:
@@ -118,9 +118,6 @@ def intended_global_batch(global_batch_size: int | None, sizes: list[int]) -> in
     return global_batch_size
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
 
 
 def _progress_for(console: Console, quiet: bool) -> "_Bar | PhaseLines":

@@ -191,24 +191,25 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
     for entry, rep in zip(doc["layers"], walk.measured_as):
         entry["measured_as"] = None if model.layers[rep][0] == entry["name"] else model.layers[rep][0]
     doc["measurement"]["shared_figures"] = request.share_figures
-    middle = len(sizes) // 2
-    # The layer that takes longest stands for the model (see profiles/contention.py).
-    busiest = max(walk.measured, key=lambda i: measured[i].figures[middle].forward_s
-                  + measured[i].figures[middle].backward_s)
-    return _finish(doc, request, progress, probes, context_bytes, whole, True, busiest if contention else None)
+    return _finish(doc, request, progress, probes, context_bytes, whole, True, contention)
 
 
 def _finish(doc: dict[str, Any], request: ProfileRequest, progress: Progress, probes: list[float],
-            context_bytes: int | None, whole: str | None, layer_by_layer: bool, busiest: int | None) -> dict[str, Any]:
+            context_bytes: int | None, whole: str | None, layer_by_layer: bool, contention: bool) -> dict[str, Any]:
     """What both methods add to the document: how it was measured, contention, the device's figures."""
     doc["measurement"]["layer_by_layer"] = layer_by_layer
     doc["measurement"]["built_whole"] = whole
-    if busiest is not None:
+    if contention:
         from .contention import measure_contention
 
         progress.step(f"{request.contention_processes} processes computing side by side")
         sizes = doc["micro_batch_sizes"]
-        doc["contention"] = measure_contention(request.spec, sizes[len(sizes) // 2], request.threads,
+        # The measured layer that takes longest at the middle size stands for the model
+        # (see profiles/contention.py).
+        middle = len(sizes) // 2
+        busiest = max((i for i, layer in enumerate(doc["layers"]) if layer["measured_as"] is None),
+                      key=lambda i: doc["layers"][i]["forward_s"][middle] + doc["layers"][i]["backward_s"][middle])
+        doc["contention"] = measure_contention(request.spec, sizes[middle], request.threads,
                                                request.contention_processes, seed=request.seed,
                                                precision=request.precision, layer=busiest)
     if context_bytes is not None:
@@ -269,10 +270,7 @@ def _profile_in_memory(model: LayeredModel, request: ProfileRequest, progress: P
     for entry in doc["layers"]:
         entry["measured_as"] = None
     doc["measurement"]["shared_figures"] = False
-    middle = len(sizes) // 2
-    busiest = max(range(len(model.layers)), key=lambda i: prepared[middle].figures[i].forward_s
-                  + prepared[middle].figures[i].backward_s)
-    return _finish(doc, request, progress, probes, context_bytes, whole, False, busiest if contention else None)
+    return _finish(doc, request, progress, probes, context_bytes, whole, False, contention)
 
 
 @dataclass

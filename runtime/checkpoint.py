@@ -62,7 +62,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..artifacts import BadInput, write_json_atomic
+from ..artifacts import BadInput, named_first_line, write_json_atomic
 from .loss_scale import LossScaler
 from .objects import all_gather_objects
 from .stage import Stage
@@ -268,7 +268,7 @@ def load(folder: Path, step: int, stage: Stage, optimizer: torch.optim.Optimizer
     try:
         dcp.load(wanted, storage_reader=reader, process_group=group, no_dist=not _distributed())
     except Exception as exc:  # noqa: BLE001 - a damaged file: one line, whatever DCP raised
-        raise BadInput(f"cannot read checkpoint '{path}': {_first_line(exc)}") from None
+        raise BadInput(f"cannot read checkpoint '{path}': {named_first_line(exc)}") from None
 
     # torch's own loader puts each state where its parameter is, in its dtype (``step`` stays put).
     optimizer.load_state_dict({"state": optim_state, "param_groups": optimizer.state_dict()["param_groups"]})
@@ -299,7 +299,7 @@ def read_meta(path: Path) -> dict[str, Any]:
     try:
         meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise BadInput(f"cannot read checkpoint '{path}': {_first_line(exc)}") from None
+        raise BadInput(f"cannot read checkpoint '{path}': {named_first_line(exc)}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise BadInput(f"'{path}' is not a gpipe-plan checkpoint")
     if meta.get("version") != VERSION:
@@ -328,7 +328,7 @@ def safe_reader(path: Path) -> Any:
                     with open(Path(self.path) / ".metadata", "rb") as f:
                         found = _MetadataUnpickler(f).load()
                 except Exception as exc:  # noqa: BLE001 - a missing, damaged or crafted index
-                    raise BadInput(f"cannot read checkpoint '{self.path}': {_first_line(exc)}") from None
+                    raise BadInput(f"cannot read checkpoint '{self.path}': {named_first_line(exc)}") from None
                 if not isinstance(found, Metadata):
                     raise BadInput(f"cannot read checkpoint '{self.path}': its .metadata is not DCP's index")
                 if getattr(found, "storage_meta", None) is None:
@@ -392,6 +392,3 @@ def _barrier(group: dist.ProcessGroup | None) -> None:
         dist.barrier(group=group)
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__

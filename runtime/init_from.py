@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ..artifacts import BadInput
+from ..artifacts import BadInput, named_first_line
 from .stage import Stage
 
 _EXAMPLES = 3  # keys named in a mismatch message
@@ -74,7 +74,7 @@ class _TorchFile:
             # weights_only: a weights file is data; unpickling anything else could run code.
             state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         except Exception as exc:  # noqa: BLE001 - not a torch file, an old format, a crafted pickle
-            raise BadInput(f"cannot read --init-from '{path}': {_first_line(exc)}") from None
+            raise BadInput(f"cannot read --init-from '{path}': {named_first_line(exc)}") from None
         if not isinstance(state, dict):
             raise BadInput(f"--init-from '{path}' holds a {type(state).__name__}, not a state_dict: save it with "
                            f"torch.save(model.state_dict(), path)")
@@ -111,7 +111,7 @@ class _SafetensorsFile:
         try:
             handle = safe_open(path, framework="pt", device="cpu")
         except Exception as exc:  # noqa: BLE001 - not a safetensors file, or a damaged header
-            raise BadInput(f"cannot read --init-from '{path}': {_first_line(exc)}") from None
+            raise BadInput(f"cannot read --init-from '{path}': {named_first_line(exc)}") from None
         with handle:
             yield cls(handle)
 
@@ -164,6 +164,3 @@ def _prefix_hint(missing: list[str], unexpected: list[str]) -> str:
     return ""
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__

@@ -330,14 +330,19 @@ def test_show_of_a_report_does_not_import_torch(user_dir: Path) -> None:
     subprocess.run([sys.executable, "-c", code], check=True, cwd=user_dir)
 
 
-def test_calibrate_finds_the_profile_the_report_names(user_dir: Path) -> None:
+def run_of_a_solved_plan(folder: Path) -> None:
+    """profile.json, plan.json solved from it, and report.json of a run of that plan, in ``folder``."""
     from gpipe_plan.artifacts import file_sha256
 
-    write_json(user_dir / "profile.json", balanced())
+    write_json(folder / "profile.json", balanced())
     plan = solve_file("profile.json", "plan.json", stages=2, micro_batches=4)
     report = report_doc(plan, factor=1.2)
     report["plan"]["sha256"] = file_sha256("plan.json")
-    write_json(user_dir / "report.json", report)
+    write_json(folder / "report.json", report)
+
+
+def test_calibrate_finds_the_profile_the_report_names(user_dir: Path) -> None:
+    run_of_a_solved_plan(user_dir)
     result = cli("calibrate", "report.json")
     assert result.exit_code == 0, result.output
     assert "calibrating 'profile.json'" in result.stdout
@@ -353,13 +358,7 @@ def test_calibrate_finds_the_profile_the_report_names(user_dir: Path) -> None:
 
 
 def test_calibrate_refuses_another_profile_of_the_same_model(user_dir: Path) -> None:
-    from gpipe_plan.artifacts import file_sha256
-
-    write_json(user_dir / "profile.json", balanced())
-    plan = solve_file("profile.json", "plan.json", stages=2, micro_batches=4)
-    report = report_doc(plan, factor=1.2)
-    report["plan"]["sha256"] = file_sha256("plan.json")
-    write_json(user_dir / "report.json", report)
+    run_of_a_solved_plan(user_dir)
     other = balanced()
     other["layers"][0]["forward_s"] = [t * 2 for t in other["layers"][0]["forward_s"]]
     write_json(user_dir / "other.json", other)
