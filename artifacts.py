@@ -37,11 +37,17 @@ REPORT_FORMAT = "gpipe-plan.report"
 # ``contention`` and may leave ``consistency`` out (a model too large to step whole).
 # Plan 4 compares the plan with the best one-device plan of the same global batch
 # (``predicted.one_stage_step_s``, ``speedup_over_one_stage``) and gives its noise band.
+# Profile 7 times each layer's backward split in two (``backward_input_s``, ``backward_weight_s``)
+# and weighs what stays alive between the halves (``weight_kept_bytes``).
+# Plan 5 lists ``chunks`` placed on ``stages`` (several per stage for interleaved and zb-v);
+# a plan before it reads as one chunk per stage (gpipe_plan/plan_layout.py).
+# Report 3 moves the per-micro-batch times into ``chunks`` (with the halves of a split
+# backward); its ``stages`` are devices, with their memory and idle time.
 # Each only adds keys or refines a measurement, so older files still read (a version 1
 # profile plans as if neighbours cost nothing; anything before profile 5 / plan 3 ran fp32).
-FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 6, PLAN_FORMAT: 4, REPORT_FORMAT: 2}
-READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6), PLAN_FORMAT: (1, 2, 3, 4),
-                                                 REPORT_FORMAT: (1, 2)}
+FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 7, PLAN_FORMAT: 5, REPORT_FORMAT: 3}
+READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6, 7), PLAN_FORMAT: (1, 2, 3, 4, 5),
+                                                 REPORT_FORMAT: (1, 2, 3)}
 
 # Precision (docs/runtime.md, "Precision"): ``precision`` is the dtype the layers compute in
 # (fp32, or bf16/fp16 under autocast), ``param_dtype`` the dtype the parameters, their

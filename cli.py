@@ -130,6 +130,10 @@ def main() -> None:
 @click.option("--recompute-timing/--no-recompute-timing", default=True, show_default=True,
               help="Also time every layer under activation checkpointing, so that plans price recomputation "
                    "as measured (about a third more profiling time).")
+@click.option("--split-backward-timing/--no-split-backward-timing", default=True, show_default=True,
+              help="Also time every layer's backward split into the input and the weight gradient, and weigh what "
+                   "stays alive between them, so that plans price zero-bubble schedules (zb-h1, zb-v) as measured "
+                   "(about a third more profiling time).")
 @click.option("--layer-by-layer/--whole-model", default=None,
               help="Layer by layer: only the layer being measured is in memory, and layers that are alike (same "
                    "code, parameter shapes, input and output shapes: a transformer's blocks) are measured once. "
@@ -164,8 +168,11 @@ def profile(**options: Any) -> None:
               help="Micro-batches per step M, or 'auto' to search the divisors of the global batch.")
 @click.option("--global-batch-size", "-b", type=int, default=None,
               help="Samples per training step. Default: the profile's largest micro-batch size.")
-@click.option("--schedule", type=click.Choice(["gpipe", "1f1b", "auto"]), default="auto", show_default=True,
-              help="Pipeline schedule; 'auto' picks the faster one that fits.")
+@click.option("--schedule", type=click.Choice(["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "auto"]),
+              default="auto", show_default=True,
+              help="Pipeline schedule (docs/planner.md, 'Schedules'); 'auto' picks the fastest that fits.")
+@click.option("--virtual-stages", default="auto", show_default=True, metavar="N|auto",
+              help="interleaved: chunks per stage (each stage holds N runs of layers); 'auto' tries 2, 3 and 4.")
 @click.option("--recompute", type=click.Choice(["never", "always", "auto"]), default="auto", show_default=True,
               help="Activation recomputation; 'auto' decides per stage, only where memory needs it.")
 @click.option("--memory-limit", default=None, metavar="SIZE",
@@ -204,7 +211,9 @@ def solve(**options: Any) -> None:
               help="Samples per step. Default: the profile's largest micro-batch size.")
 @click.option("--memory-limit", default=None, metavar="SIZE",
               help="Memory per device (e.g. 80GB): marks cells that do not fit and enables the capacity table.")
-@click.option("--schedule", default="auto", show_default=True, help="gpipe, 1f1b, a comma list, or auto (both).")
+@click.option("--schedule", default="auto", show_default=True,
+              help="gpipe, 1f1b, interleaved, zb-h1, zb-v, a comma list, or auto (all five; interleaved "
+                   "with its best of 2, 3, 4 chunks per stage).")
 @click.option("--recompute", default="never,always", show_default=True,
               help="Comma list of never, always, auto (per stage).")
 @click.option("--link-bandwidth", default=None, metavar="GB/s|inf",
@@ -259,6 +268,20 @@ def import_pipedream(graph: str, batch_size: int | None, out: str | None) -> Non
     from .planner.command import import_pipedream_command
 
     import_pipedream_command(graph, batch_size=batch_size, out=out)
+
+
+# --------------------------------------------------------------------------- export
+@main.command()
+@click.argument("plan", type=click.Path(dir_okay=False))
+@click.option("--schedule-csv", type=click.Path(dir_okay=False), required=True, metavar="FILE",
+              help="Write the plan's per-stage action lists as the CSV torch's _PipelineScheduleRuntime "
+                   "and torchtitan's pipeline_parallel_schedule_csv read.")
+def export(plan: str, schedule_csv: str) -> None:
+    """Export a PLAN's schedule for another executor (no torch needed)."""
+    from .planner.export import describe, export_schedule_csv
+
+    for line in describe(export_schedule_csv(plan, schedule_csv)):
+        click.echo(line)
 
 
 # --------------------------------------------------------------------------- show

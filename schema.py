@@ -296,6 +296,10 @@ LAYER = Object({
     "buffer_bytes": may(_bytes(nullable=True)),
     "recompute_forward_s": may(_per_size(_seconds(), nullable=True)),
     "recompute_backward_s": may(_per_size(_seconds(), nullable=True)),
+    # Version 7: the backward split as zero-bubble schedules run it (absent: the planner estimates).
+    "backward_input_s": may(_per_size(_seconds(), nullable=True)),
+    "backward_weight_s": may(_per_size(_seconds(), nullable=True)),
+    "weight_kept_bytes": may(_per_size(_bytes(), nullable=True)),
 })
 
 PROFILE = Object({
@@ -341,10 +345,12 @@ PROFILE = Object({
 })
 
 
-def _plan_stage(solved: bool) -> Object:
-    """A plan's stage; ``solved``: with the predictions ``show`` prints (a hand-written plan has none)."""
+def _layer_run(solved: bool) -> dict[str, Any]:
+    """The keys of a contiguous run of layers in a plan: a version-5 chunk, or a version-4
+    stage (which is its one chunk); ``solved``: with the predictions ``show`` prints (a
+    hand-written plan has none)."""
     predicted = need if solved else may
-    return Object({
+    return {
         "index": predicted(_count(0)),
         "layers": need(Items(Text(), min_len=1)),
         "first_layer": may(_count(0)),
@@ -353,15 +359,50 @@ def _plan_stage(solved: bool) -> Object:
         "backward_s": predicted(_seconds(nullable=not solved)),
         "recompute_s": may(_seconds(nullable=True)),
         "send_s": may(_seconds(nullable=True)),
+        "output_shapes": may(SHAPES),
+        "output_dtypes": may(CUT_DTYPES),
+        "output_batched": may(Items(Flag(), nullable=True)),
+    }
+
+
+def _plan_stage(solved: bool) -> Object:
+    """A version-4 plan's stage: its one chunk's keys, and the stage's own predictions."""
+    predicted = need if solved else may
+    return Object({
+        **_layer_run(solved),
         "optimizer_s": may(_seconds(nullable=True)),
         "memory_bytes": predicted(_bytes(nullable=not solved)),
         "memory": may(Table(_bytes(nullable=True), nullable=True)),
         "in_flight": may(_count(0, nullable=True)),
         "busy_s": may(_seconds(nullable=True)),
         "idle_fraction": may(_ratio()),
-        "output_shapes": may(SHAPES),
-        "output_dtypes": may(CUT_DTYPES),
-        "output_batched": may(Items(Flag(), nullable=True)),
+    })
+
+
+def _plan_chunk(solved: bool) -> Object:
+    """A version-5 plan's chunk: a contiguous run of layers, what one pass over it costs, what it sends.
+    How chunks and stages fit together is gpipe_plan/plan_layout.py's to check."""
+    predicted = need if solved else may
+    return Object({
+        **_layer_run(solved),
+        "stage": predicted(_count(0)),
+        "backward_input_s": may(_seconds(nullable=True)),
+        "backward_weight_s": may(_seconds(nullable=True)),
+    })
+
+
+def _plan_device(solved: bool) -> Object:
+    """A version-5 plan's stage: one device, the chunks it holds and what it needs."""
+    predicted = need if solved else may
+    return Object({
+        "index": predicted(_count(0)),
+        "chunks": predicted(Items(_count(0), min_len=1)),
+        "optimizer_s": may(_seconds(nullable=True)),
+        "memory_bytes": predicted(_bytes(nullable=not solved)),
+        "memory": may(Table(_bytes(nullable=True), nullable=True)),
+        "in_flight": may(_count(0, nullable=True)),
+        "busy_s": may(_seconds(nullable=True)),
+        "idle_fraction": may(_ratio()),
     })
 
 
@@ -370,6 +411,7 @@ RUNNER_UP = Object({
     "micro_batches": need(_count(1)),
     "micro_batch_size": need(_count(1)),
     "schedule": need(Text()),
+    "virtual_stages": may(_count(1, nullable=True)),
     "fits": may(Flag(nullable=True)),
     "step_s": may(_seconds(nullable=True)),
     "bubble_fraction": may(_ratio()),
@@ -378,9 +420,13 @@ RUNNER_UP = Object({
 }, when_true={"fits": ("step_s", "bubble_fraction", "peak_memory_bytes")})
 
 
-def _plan(solved: bool) -> Object:
-    """A plan; ``solved``: one ``solve`` wrote, with the predictions ``show`` prints."""
+def _plan(solved: bool, chunked: bool) -> Object:
+    """A plan; ``solved``: one ``solve`` wrote, with the predictions ``show`` prints; ``chunked``:
+    with ``chunks`` (version 5), else stages that are each one chunk (version 4 and before)."""
     predicted_key = need if solved else may
+    layout = {"chunks": need(Items(_plan_chunk(solved), min_len=1)),
+              "stages": need(Items(_plan_device(solved), min_len=1))} if chunked else \
+             {"stages": need(Items(_plan_stage(solved), min_len=1))}
     return Object({
         "model": need(MODEL),
         "precision": may(Text()),
@@ -405,7 +451,8 @@ def _plan(solved: bool) -> Object:
         "micro_batch_size": need(_count(1)),
         "global_batch_size": need(_count(1)),
         "schedule": need(Text()),
-        "stages": need(Items(_plan_stage(solved), min_len=1)),
+        "virtual_stages": may(_count(1)),
+        **layout,
         "predicted": predicted_key(Object({
             "step_s": predicted_key(_seconds(nullable=not solved)),
             "bubble_fraction": predicted_key(_ratio(nullable=not solved)),
@@ -431,8 +478,11 @@ def _plan(solved: bool) -> Object:
 
 _STEP_KEYS = r"\d{1,12}"   # "0", "1", ...: step numbers as JSON object keys
 
+# A report's stage (a device): its memory, busy and idle time; before version 3 also the
+# per-micro-batch times of its one chunk, which version 3 keeps in REPORT_CHUNK.
 REPORT_STAGE = Object({
     "index": need(_count(0)),
+    "chunks": may(Items(_count(0), nullable=True)),
     "layers": need(Items(Text(), min_len=1)),
     "recompute": may(Flag(nullable=True)),
     **{f"{who}_{kind}_s": may(_seconds(nullable=True))
@@ -448,12 +498,25 @@ REPORT_STAGE = Object({
     "measured_idle_fraction": may(_ratio()),
 })
 
+# A version-3 report's chunk: per micro-batch, the forward and the backward (B, or I + W)
+# measured beside the plan's, and the two halves of a split backward (null under B).
+REPORT_CHUNK = Object({
+    "index": need(_count(0)),
+    "stage": need(_count(0)),
+    "layers": may(Items(Text(), min_len=1, nullable=True)),
+    "recompute": may(Flag(nullable=True)),
+    **{f"{who}_{kind}_s": may(_seconds(nullable=True))
+       for who in ("predicted", "measured")
+       for kind in ("forward", "backward", "backward_input", "backward_weight")},
+})
+
 REPORT = Object({
     "model": need(MODEL),
     "plan": may(Object({"path": may(Text(nullable=True)), "sha256": may(Text(nullable=True))}, nullable=True)),
     "run": may(Object({"precision": may(Text()), "param_dtype": may(Text()),
                        "warnings": may(Items(Text(), nullable=True))}, nullable=True)),
     "schedule": may(Text(nullable=True)),
+    "virtual_stages": may(_count(1, nullable=True)),
     "num_stages": may(_count(1, nullable=True)),
     "micro_batches": may(_count(1, nullable=True)),
     "micro_batch_size": may(_count(1, nullable=True)),
@@ -490,10 +553,14 @@ REPORT = Object({
         "last": may(_ratio()),
         "per_step": may(Table(_ratio(), key_pattern=_STEP_KEYS, nullable=True)),
     }, nullable=True)),
+    "chunks": may(Items(REPORT_CHUNK, nullable=True)),   # version 3; before it, the stages are the chunks
     "stages": need(Items(REPORT_STAGE)),   # empty: calibrate says it has nothing to calibrate with
 })
 
-SCHEMAS: dict[str, Object] = {"profile": PROFILE, "plan": _plan(solved=False), "solved plan": _plan(solved=True),
+SCHEMAS: dict[str, Object] = {"profile": PROFILE, "plan": _plan(solved=False, chunked=False),
+                              "solved plan": _plan(solved=True, chunked=False),
+                              "chunked plan": _plan(solved=False, chunked=True),
+                              "solved chunked plan": _plan(solved=True, chunked=True),
                               "report": REPORT}
 
 
@@ -502,11 +569,14 @@ def validate(doc: Any, kind: str, where: str) -> None:
     :class:`BadInput` naming ``where`` (e.g. ``profile 'p.json'``), the key's path and the problem.
 
     A profile's per-size lists are checked against the length of its ``micro_batch_sizes``,
-    which is therefore checked first.
+    which is therefore checked first. A plan with ``chunks`` (version 5) is checked against the
+    chunked plan schema, one without against the one whose stages carry the layers.
     """
-    schema = SCHEMAS[kind]
     if not isinstance(doc, dict):
         raise BadInput(f"{where} is not a JSON object")
+    if kind in ("plan", "solved plan") and "chunks" in doc:   # version 5: chunks placed on stages
+        kind = kind.replace("plan", "chunked plan")
+    schema = SCHEMAS[kind]
     sizes: int | None = None
     if kind == "profile":
         sizes_key = schema.keys["micro_batch_sizes"]

@@ -30,6 +30,7 @@ PARTS = {
     "runtime": ("bench.runtime_speedup", "2 stages vs 1 on this CPU: samples/s, per-micro-batch overhead"),
     "efficiency": ("bench.efficiency", "measured step vs ideal and bubble bound; vs torch.distributed.pipelining by hand"),
     "demo": ("bench.demo", "gpipe-plan demo's loss on the text it ships; the text recipe on a 12-layer gpt"),
+    "schedules": ("bench.schedules", "gpipe, 1f1b, interleaved, zb-h1, zb-v: measured on gpt (CPU) and planned on PipeDream"),
     "meta_memory": ("bench.meta_memory", "a 0.8 B model: profile and 4-stage run memory per process; shared figures"),
 }
 

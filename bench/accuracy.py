@@ -47,8 +47,9 @@ from pathlib import Path
 from typing import Any
 
 from gpipe_plan.planner.costmodel import CostModel, Setting
-from gpipe_plan.planner.objective import makespan_of, optimizer_tail
+from gpipe_plan.planner.schedule import simulate_plan
 from gpipe_plan.planner.profile import Profile
+from gpipe_plan.runtime.report import report_chunks
 
 from .common import (Ledger, cli, med, measured_or_saved, ms, publish, read_json, rng, run_plan,
                      scatter_svg, table, write_svg)
@@ -85,20 +86,21 @@ def resimulated_step(plan: dict[str, Any], profile_doc: dict[str, Any], report: 
     """The step the schedule model gives for the per-stage times the run measured."""
     K, M, b = plan["num_stages"] if "num_stages" in plan else len(plan["balance"]), plan["micro_batches"], \
         plan["micro_batch_size"]
-    recompute = [bool(st["recompute"]) for st in plan["stages"]]
+    recompute = [bool(st["recompute"]) for st in plan.get("chunks", plan["stages"])]   # one chunk per stage
     setting = Setting(K, M, plan["schedule"], "never")
     cm = CostModel(Profile(profile_doc).at(b), setting)
     bounds = [0]
     for n in plan["balance"]:
         bounds.append(bounds[-1] + n)
-    stages = cm.stages(bounds, recompute)
-    measured = []
-    for st, rep in zip(stages, report["stages"]):
-        f, g, o = rep.get("measured_forward_s"), rep.get("measured_backward_s"), rep.get("measured_optimizer_s")
+    chunks, _ = cm.layout(bounds, recompute)
+    measured, optimizer = [], []
+    for ch, rep, chunk in zip(chunks, report["stages"], report_chunks(report)):   # one chunk per stage
+        f, g, o = chunk.get("measured_forward_s"), chunk.get("measured_backward_s"), rep.get("measured_optimizer_s")
         if f is None or g is None:
             return None
-        measured.append(dataclasses.replace(st, forward_s=f, backward_s=g, optimizer_s=o or 0.0))
-    return makespan_of(plan["schedule"], measured, M) + optimizer_tail(measured)
+        measured.append(dataclasses.replace(ch.times(), forward_s=f, backward_s=g))
+        optimizer.append(o or 0.0)
+    return simulate_plan(plan["schedule"], K, M, 1, measured, optimizer).step_s
 
 
 class ModelClock:
@@ -146,7 +148,7 @@ def one_run(cell: Cell, profile: Path, folder: Path, tag: str, B: int, steps: in
     speed = report.get("speed") or {}
     ops = resimulated_step(plan_doc, prof_doc, report)
     stages = []
-    for st in report["stages"]:
+    for st in ({**stage, **chunk} for stage, chunk in zip(report["stages"], report_chunks(report))):
         stages.append({k: st.get(k) for k in ("predicted_forward_s", "measured_forward_s", "predicted_backward_s",
                                               "measured_backward_s", "measured_optimizer_s", "predicted_memory_bytes",
                                               "measured_peak_memory_bytes", "measured_wait_s", "measured_cpu_s",

@@ -29,6 +29,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from gpipe_plan.runtime.report import report_chunks
+
 from .common import (BENCH_ENV, COLOURS, ROOT, Ledger, Others, bars_svg, cli, measured_or_saved, med, publish,
                      read_json, rng, run_plan, table, write_svg)
 
@@ -91,8 +93,8 @@ def measure(args: argparse.Namespace, ledger: Ledger) -> dict[str, Any]:
                            "predicted_step_s": rep["predicted_step_s"], "balance": read_json(plan)["balance"],
                            "run_probe_s": (rep.get("speed") or {}).get("run_probe_s"),
                            "bubble": rep.get("measured_bubble_fraction"), "others": rep["_others_cores"],
-                           "ops": [(st["measured_forward_s"], st["measured_backward_s"], st["measured_optimizer_s"])
-                                   for st in rep["stages"]]}
+                           "ops": [(ch["measured_forward_s"], ch["measured_backward_s"], st["measured_optimizer_s"])
+                                   for st, ch in zip(rep["stages"], report_chunks(rep))]}
                 runs.setdefault(name, []).append(row)
                 print(f"round {r + 1} {name:40s} {row['measured_step_s'] * 1e3:8.1f} ms", flush=True)
     return {"runs": runs, "meta": meta}

@@ -100,8 +100,10 @@ def report(path: str) -> None:
           f"{_ms(r['measured_step_s'])} / predicted {_ms(r['predicted_step_s'])}"
           + (f" = {ratio:.3f}" if ratio else "") + f"; {r['samples_per_s']:.1f} samples/s; "
           f"loss {r['loss']['first']:.3f} -> {r['loss']['last']:.3f}")
+    from gpipe_plan.runtime.report import report_chunks
+
     stages = []
-    for s in r["stages"]:
+    for s in ({**st, **ch} for st, ch in zip(r["stages"], report_chunks(r))):   # one chunk per stage
         memory = s.get("measured_memory") or {}
         print(f"    stage {s['index']}: fwd {_ms(s['measured_forward_s'])} / {_ms(s['predicted_forward_s'])}, "
               f"bwd {_ms(s['measured_backward_s'])} / {_ms(s['predicted_backward_s'])}, memory: allocated peak "

@@ -20,9 +20,10 @@ def partitions(L: int, K: int) -> Iterator[tuple[int, ...]]:
 
 
 def brute_force(cm: CostModel) -> Evaluation | None:
-    """The fastest plan that fits, trying every recompute choice the setting allows per stage."""
+    """The fastest plan that fits, trying every cut into the schedule's chunks and every
+    recompute choice the setting allows per stage."""
     best: Evaluation | None = None
-    for bounds in partitions(cm.L, cm.K):
+    for bounds in partitions(cm.L, cm.C):
         for recompute in itertools.product(cm.allowed_recompute, repeat=cm.K):
             ev = evaluate(cm, bounds, recompute)
             if ev.fits and (best is None or ev.step_s < best.step_s):

@@ -14,6 +14,7 @@ from rich.text import Text
 
 from ..artifacts import (PLAN_FORMAT, PROFILE_FORMAT, BadInput, check_output_paths, file_sha256, precision_of, read_artifact,
                          write_json_atomic, write_text_atomic)
+from ..schedules import SCHEDULES
 from .plan import build_plan
 from .profile import Profile
 from .render import batch_line, plan_timeline_svg, render_plan
@@ -25,18 +26,29 @@ def load_profile(path: str) -> Profile:
     return Profile(read_artifact(path, PROFILE_FORMAT), where=f"profile '{path}'")
 
 
-def parse_micro_batches(text: str | int) -> int | str:
-    if isinstance(text, int):
-        return text
-    if str(text).strip().lower() == "auto":
+def _int_or_auto(text: str | int, flag: str, least: int, what: str) -> int | str:
+    """An integer of at least ``least`` or ``auto``, from the command line or a caller."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    elif str(text).strip().lower() == "auto":
         return "auto"
-    try:
-        value = int(str(text))
-    except ValueError:
-        raise BadInput(f"--micro-batches must be a positive integer or 'auto', got {text!r}") from None
-    if value < 1:
-        raise BadInput(f"--micro-batches must be at least 1, got {value}")
+    else:
+        try:
+            value = int(str(text))
+        except ValueError:
+            raise BadInput(f"{flag} must be {what} or 'auto', got {text!r}") from None
+    if value < least:
+        raise BadInput(f"{flag} must be at least {least}, got {value}")
     return value
+
+
+def parse_micro_batches(text: str | int) -> int | str:
+    return _int_or_auto(text, "--micro-batches", 1, "a positive integer")
+
+
+def parse_virtual_stages(text: str | int) -> int | str:
+    """``--virtual-stages``: interleaved's chunks per stage, at least 2, or ``auto``."""
+    return _int_or_auto(text, "--virtual-stages", 2, "an integer of at least 2")
 
 
 def solve_options(
@@ -44,6 +56,7 @@ def solve_options(
     micro_batches: int | str = "auto",
     global_batch_size: int | None = None,
     schedule: str = "auto",
+    virtual_stages: int | str = "auto",
     recompute: str = "auto",
     memory_limit: str | int | None = None,
     link_bandwidth: str | float | None = None,
@@ -62,6 +75,7 @@ def solve_options(
         global_batch_size=global_batch_size,
         micro_batches=parse_micro_batches(micro_batches),
         schedule=schedule,
+        virtual_stages=parse_virtual_stages(virtual_stages),
         recompute=recompute,
         memory_limit_bytes=None if memory_limit is None else (
             memory_limit if isinstance(memory_limit, int) else parse_size(memory_limit)),
@@ -104,12 +118,12 @@ def solve_file(profile_path: str, plan_path: str | None = None, *, stages: int, 
 def solve_command(profile: str, stages: int, micro_batches: str, global_batch_size: int | None, schedule: str,
                   recompute: str, memory_limit: str | None, link_bandwidth: str | None, link_latency: float | None,
                   optimizer: str, solver: str, out: str, timeline: str | None, quiet: bool,
-                  time_budget: float = 30.0) -> None:
+                  time_budget: float = 30.0, virtual_stages: str = "auto") -> None:
     started = time.perf_counter()
     check_output_paths({"--out": out, "--timeline": timeline})   # both files or neither
     plan = solve_file(profile, out, stages=stages, progress=not quiet and sys.stderr.isatty(),
                       micro_batches=micro_batches, global_batch_size=global_batch_size, schedule=schedule,
-                      recompute=recompute, memory_limit=memory_limit, link_bandwidth=link_bandwidth,
+                      virtual_stages=virtual_stages, recompute=recompute, memory_limit=memory_limit, link_bandwidth=link_bandwidth,
                       link_latency=link_latency, optimizer=optimizer, solver=solver, time_budget_s=time_budget)
     if timeline:
         write_text_atomic(timeline, plan_timeline_svg(plan))
@@ -130,9 +144,9 @@ def show_plan(path: str, timeline: str | None = None) -> None:
     plan = read_artifact(path, PLAN_FORMAT)
     validate(plan, "solved plan", f"plan '{path}'")   # gpipe_plan/schema.py: what render_plan reads
     precision_of(plan, f"plan '{path}'")
-    render_plan(plan, Console())
+    render_plan(plan, Console(), f"plan '{path}'")
     if timeline:
-        write_text_atomic(timeline, plan_timeline_svg(plan))
+        write_text_atomic(timeline, plan_timeline_svg(plan, f"plan '{path}'"))
         Console().print(f"wrote {timeline}", highlight=False)
 
 
@@ -159,7 +173,7 @@ def explore_command(profile: str, stages: str, micro_batches: str, global_batch_
     prof = load_profile(profile)
     ks = _int_list(stages, "--stages")
     ms: list[int] | str = "auto" if micro_batches.strip().lower() == "auto" else _int_list(micro_batches, "--micro-batches")
-    schedules = ["gpipe", "1f1b"] if schedule == "auto" else _choices(schedule, ("gpipe", "1f1b"), "--schedule")
+    schedules = list(SCHEDULES) if schedule == "auto" else _choices(schedule, SCHEDULES, "--schedule")
     recomputes = _choices(recompute, ("never", "always", "auto"), "--recompute")
     limit = parse_size(memory_limit) if memory_limit else prof.usable_memory_bytes   # see device_memory_limit
     bandwidth = parse_bandwidth(link_bandwidth) if link_bandwidth else None

@@ -1,15 +1,17 @@
-"""The cost model: what one pipeline stage costs, in time and memory.
+"""The cost model: what one chunk and one pipeline stage cost, in time and memory.
 
-A plan cuts the L layers into K contiguous stages. Stage k holds layers ``[s, e)`` and, with
-micro-batches of size b (figures from :mod:`planner.profile`), costs per micro-batch::
+A plan cuts the L layers into contiguous chunks, one per stage unless the schedule puts
+several on each (see "Chunks" below). A chunk (with one per stage: stage k) holds layers
+``[s, e)`` and, with micro-batches of size b (figures from :mod:`planner.profile`), costs per
+micro-batch::
 
     F_k = sum(forward_s[s:e])  + overhead            forward
     B_k = sum(backward_s[s:e]) + overhead            backward
     B_k = sum(recompute_backward_s[s:e]) + overhead + recompute_call   when the stage recomputes
     C_k = latency + output_bytes[e-1] / bandwidth    send to stage k+1 (0 for the last stage)
 
-``overhead`` is the runtime's fixed cost per micro-batch and stage (profile key
-``overhead.per_microbatch_s``; zero unless calibrated).
+``overhead`` is the runtime's fixed cost per micro-batch and action (profile key
+``overhead.per_microbatch_s``; zero unless calibrated): once for F and B, once each for I and W.
 
 Recomputation (activation checkpointing) is not free beyond the rerun forward: the checkpointed
 forward runs hooks on every tensor it would have saved, the rerun happens inside the backward,
@@ -28,20 +30,30 @@ every forward, backward and optimizer time is then multiplied by :func:`neighbou
 slowdown, weighted by how many other stages there are. Scaling the layer times by one factor per
 setting keeps every solver exact.
 
+Chunks. A schedule may put several chunks (contiguous runs of layers) on one stage
+(:mod:`gpipe_plan.schedules`): ``interleaved`` v of them, ``zb-v`` two. A plan is then a cut of
+the layers into K*v chunks, and each chunk costs as above (its own overhead per action). The
+zero-bubble schedules split a chunk's backward B into the input gradient I and the weight
+gradient W (profile keys ``backward_input_s`` / ``backward_weight_s``; older profiles: half of B
+each). Recomputation reruns the forward inside B, or inside I for a split backward (W needs the
+activations the rerun made), so its extra time is charged there.
+
 Memory of stage k, in bytes::
 
     parameters + gradients + optimizer state (Adam 2x, momentum 1x, SGD 0x the parameters)
-    + buffers
-    + activations: n_k micro-batches in flight hold their saved activations; a stage that
-      recomputes keeps only each micro-batch's *input* and, while it recomputes one
-      micro-batch, that one's activations. The stage's first layer saves its own input for
-      backward (a linear, norm, attention or embedding layer does), so the micro-batch being
-      recomputed does not hold its input twice:
-      (n_k - 1) * input_bytes + max(activation_bytes, input_bytes)
+    + buffers                                                (of all its chunks)
+    + activations: the peak over the stage's action list (schedules.peak_bytes): each
+      micro-batch holds a chunk's saved activations from its F to its B (or I); a chunk that
+      recomputes holds only its *input* and, while it recomputes, the rest of its activations
+      (the first layer saves its own input for backward, so that one is not held twice); a
+      split backward keeps ``weight_kept_bytes`` (what W still needs) from its I to its W
     + the largest transient peak of its layers (CUDA profiles)
 
-n_k is how many micro-batches the schedule keeps in flight on stage k: GPipe runs every
-forward before any backward, so n_k = M; 1F1B starts backwards early, so n_k = min(M, K - k).
+With one chunk per stage and a whole B that peak is ``n_k * activations`` (or, recomputing,
+``(n_k - 1) * input + max(activations, input)``), n_k the most micro-batches in flight on stage
+k (schedules.in_flight: M for GPipe, ``min(M, K - k)`` for 1F1B). The peak is linear in the
+per-chunk byte counts, so it is the largest of a few linear forms (:class:`_StagePeaks`), found
+once per schedule shape by replaying the lists: evaluating a stage is then O(chunks).
 
 Time of a whole step is a property of the schedule, not of one stage: see
 :mod:`planner.schedule` (GPipe closed form and the event simulator).
@@ -50,15 +62,17 @@ Time of a whole step is a property of the schedule, not of one stage: see
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Sequence
 
+from ..schedules import SCHEDULES, SPLIT_BACKWARD, all_actions, chunks_of_stage, chunks_per_stage, problem, stage_of_chunk
 from .profile import LayerFigures
+from .schedule import ChunkTimes
 
 OPTIMIZER_STATE_MULTIPLIER = {"adam": 2, "momentum": 1, "sgd": 0}
-SCHEDULES = ("gpipe", "1f1b")
 RECOMPUTE_MODES = ("never", "always", "auto")
 
 
@@ -76,6 +90,7 @@ class Setting:
     optimizer: str = "adam"
     overhead_s: float = 0.0
     compute_scale: float = 1.0    # neighbour_scale(...): every layer time is multiplied by it
+    virtual_stages: int = 1       # chunks per stage of ``interleaved`` (2 for zb-v is implied)
 
     @property
     def comm_on(self) -> bool:
@@ -100,19 +115,35 @@ def neighbour_scale(slowdown: float, processes: int, stages: int) -> float:
 
 
 @dataclass(frozen=True)
-class StageCost:
-    """Predicted figures of one stage; times are per micro-batch."""
+class ChunkCost:
+    """Predicted figures of one chunk (layers ``[start, end)``); times are per micro-batch."""
 
+    index: int
+    stage: int               # the stage (device) that runs it
     start: int
     end: int
-    index: int
     recompute: bool
     forward_s: float
-    backward_s: float        # includes the recomputed forward when `recompute`
-    recompute_s: float       # the part of backward_s that is recomputation
-    send_s: float
+    backward_s: float        # the whole backward B; for a split backward, I + W
+    backward_input_s: float  # I (the recomputed forward included when `recompute`)
+    backward_weight_s: float  # W
+    recompute_s: float       # the part of B (or I) that is recomputation
+    send_s: float            # to the next chunk; 0 when it is on the same stage, or for the last chunk
+
+    def times(self) -> ChunkTimes:
+        return ChunkTimes(self.forward_s, self.backward_s, self.backward_input_s, self.backward_weight_s,
+                          self.send_s, self.recompute_s)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Predicted figures of one stage (device): the chunks it runs and its memory."""
+
+    index: int
+    chunks: tuple[int, ...]  # the chunk indices it holds, in pipeline order
+    recompute: bool          # its chunks recompute (all alike)
     optimizer_s: float
-    in_flight: int
+    in_flight: int           # most micro-batches whose activations it holds at once
     params_bytes: float
     gradients_bytes: float
     optimizer_state_bytes: float
@@ -126,14 +157,85 @@ class StageCost:
                 + self.buffers_bytes + self.activations_bytes + self.transient_bytes)
 
 
+@dataclass(frozen=True)
+class _StagePeaks:
+    """The activation peak of one stage's action list as the largest of a few linear forms.
+
+    ``schedules.peak_bytes`` replays the list with bytes per chunk; every point it compares is
+    ``sum_c h_c held_c + sum_c w_c kept_c (+ extra_c of the chunk in backward)`` with counts that
+    depend on the list only. Those count vectors (all but the dominated ones) are found once
+    here; the peak for any bytes is then the largest form. ``in_flight``: schedules.in_flight.
+    """
+
+    chunks: tuple[int, ...]                                  # the stage's chunks, pipeline order
+    forms: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]   # (h, w, local chunk in backward or -1)
+    in_flight: int
+
+    def peak(self, held: Sequence[float], extra: Sequence[float], kept: Sequence[float]) -> float:
+        best = 0.0
+        for h, w, e in self.forms:
+            value = sum(n * b for n, b in zip(h, held))
+            if any(w):
+                value += sum(n * b for n, b in zip(w, kept))
+            if e >= 0:
+                value += extra[e]
+            if value > best:
+                best = value
+        return best
+
+
+@functools.lru_cache(maxsize=64)
+def stage_peaks(schedule: str, stages: int, micro_batches: int, virtual_stages: int) -> tuple[_StagePeaks, ...]:
+    """Every stage's :class:`_StagePeaks` for one schedule shape (cached: M may be thousands)."""
+    from ..schedules import in_flight
+
+    out = []
+    for k, actions in enumerate(all_actions(schedule, stages, micro_batches, virtual_stages)):
+        local = {c: i for i, c in enumerate(chunks_of_stage(schedule, k, stages, virtual_stages))}
+        n = len(local)
+        h, w = [0] * n, [0] * n
+        points: set[tuple[tuple[int, ...], tuple[int, ...], int]] = set()
+        for a in actions:
+            i = local[a.chunk]
+            if a.kind == "F":
+                h[i] += 1
+                points.add((tuple(h), tuple(w), -1))
+            elif a.kind in ("B", "I"):
+                points.add((tuple(h), tuple(w), i))
+                h[i] -= 1
+                if a.kind == "I":
+                    w[i] += 1
+                    points.add((tuple(h), tuple(w), -1))
+            else:
+                w[i] -= 1
+        out.append(_StagePeaks(tuple(local), _undominated(points), in_flight(actions)))
+    return tuple(out)
+
+
+def _undominated(points: set[tuple[tuple[int, ...], tuple[int, ...], int]]) -> tuple:
+    """The points no other point beats for every choice of non-negative bytes: one with at
+    least the same counts everywhere and the same backward chunk (or any, when it has none)."""
+    ordered = sorted(points, key=lambda p: (-(sum(p[0]) + sum(p[1])), p[2] < 0, p))
+    kept: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+    for p in ordered:
+        if not any((q[2] == p[2] or p[2] < 0)
+                   and all(a >= b for a, b in zip(q[0], p[0])) and all(a >= b for a, b in zip(q[1], p[1]))
+                   for q in kept):
+            kept.append(p)
+    return tuple(kept)
+
+
 class CostModel:
-    """Per-stage costs for one :class:`Setting`, from prefix sums: any stage costs O(1)."""
+    """Per-chunk and per-stage costs for one :class:`Setting`, from prefix sums: any chunk costs O(1)."""
 
     def __init__(self, figures: LayerFigures, setting: Setting):
         if setting.schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {setting.schedule!r}")
         if setting.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"unknown recompute mode {setting.recompute!r}")
+        reason = problem(setting.schedule, setting.stages, setting.micro_batches, setting.virtual_stages)
+        if reason:
+            raise ValueError(reason)
         if setting.compute_scale != 1.0:
             figures = figures.times_scaled(setting.compute_scale)
         self.figures = figures
@@ -141,6 +243,11 @@ class CostModel:
         self.L = figures.num_layers
         self.K = setting.stages
         self.M = setting.micro_batches
+        self.schedule = setting.schedule
+        self.virtual_stages = setting.virtual_stages
+        self.chunks_per_stage = chunks_per_stage(setting.schedule, setting.virtual_stages)
+        self.C = self.K * self.chunks_per_stage         # chunks in the pipeline
+        self.split = setting.schedule in SPLIT_BACKWARD  # runs I and W instead of B
         # Costs are clamped to >= 0 (NaN to 0) here, where every solver reads them: the solvers'
         # loops step through thresholds that only grow with a stage, and a negative cost would
         # let them walk forever (a negative calibrated overhead once did). See _cost.
@@ -152,7 +259,13 @@ class CostModel:
         self.pg = _prefix(figures.backward_s)
         # Backward of a recomputing stage re-runs its forward: one prefix for both, so that the
         # solvers and the evaluation compute the very same float for it.
-        self.pgr = _prefix(figures.recomputing_backward_s())
+        recomputing = figures.recomputing_backward_s()
+        self.pgr = _prefix(recomputing)
+        # The split backward: I (with the rerun when recomputing) and W.
+        self.pgi = _prefix(figures.input_backward_s())
+        self.pgir = _prefix([i + r - b for i, r, b in zip(figures.input_backward_s(), recomputing, figures.backward_s)])
+        self.pgw = _prefix(figures.weight_backward_s())
+        self.pkept = _prefix(figures.kept_bytes())
         # ... plus the checkpoint wrapper's own cost, once per stage and micro-batch.
         self.overhead_recompute = self.overhead + _cost(figures.recompute_call_s)
         self.pa = _prefix(figures.activation_bytes)
@@ -175,20 +288,46 @@ class CostModel:
         self._max_end: dict[tuple[int, int, bool], int] = {}
         self.allowed_recompute: tuple[bool, ...] = {
             "never": (False,), "always": (True,), "auto": (False, True)}[setting.recompute]
+        self.peaks = stage_peaks(setting.schedule, self.K, self.M, setting.virtual_stages)
+        self.stage_of_chunk = [stage_of_chunk(setting.schedule, c, self.K) for c in range(self.C)]
+        # Stages whose lists hold micro-batches alike share the cache of max_end (one chunk each).
+        forms = {}
+        self._peak_class = [forms.setdefault(p.forms, len(forms)) for p in self.peaks]
 
     # ------------------------------------------------------------------ pieces
     def in_flight(self, k: int) -> int:
-        if self.setting.schedule == "gpipe":
-            return self.M
-        return min(self.M, self.K - k)
+        """Most micro-batches whose activations stage k holds at once (from its action list)."""
+        return self.peaks[k].in_flight
 
     def forward(self, s: int, e: int) -> float:
         return self.pf[e] - self.pf[s] + self.overhead
 
     def backward(self, s: int, e: int, recompute: bool) -> float:
+        """The whole backward B of layers [s, e) (a split backward: I + W)."""
+        if self.split:
+            return self.backward_input(s, e, recompute) + self.backward_weight(s, e, recompute)
         if recompute:
             return self.pgr[e] - self.pgr[s] + self.overhead_recompute
         return self.pg[e] - self.pg[s] + self.overhead
+
+    def backward_input(self, s: int, e: int, recompute: bool) -> float:
+        """I of layers [s, e): the input gradient, with the recomputed forward when recomputing.
+
+        Chunk 0 has no input gradient to send: its I computes nothing and its W runs the whole
+        backward, as torch.distributed.pipelining does (and both executors, which run its code)."""
+        if s == 0 and self.split:
+            return self.overhead
+        if recompute:
+            return self.pgir[e] - self.pgir[s] + self.overhead_recompute
+        return self.pgi[e] - self.pgi[s] + self.overhead
+
+    def backward_weight(self, s: int, e: int, recompute: bool = False) -> float:
+        """W of layers [s, e): the weight gradient (for chunk 0, the whole backward: see I)."""
+        if s == 0 and self.split:
+            if recompute:
+                return self.pgr[e] + self.overhead_recompute
+            return self.pg[e] + self.overhead
+        return self.pgw[e] - self.pgw[s] + self.overhead
 
     def backward_overhead(self, recompute: bool) -> float:
         """The fixed part of a stage's backward: the runtime's, and checkpointing's when recomputing."""
@@ -196,7 +335,22 @@ class CostModel:
 
     def optimizer(self, s: int, e: int) -> float:
         """The step after the backward: the optimizer on layers [s, e), and tied-gradient exchanges."""
-        return self.popt[e] - self.popt[s] + self.tied_exchange(s, e)
+        if not self.figures.tied:
+            return self.popt[e] - self.popt[s]
+        return self.stage_optimizer(((s, e),))
+
+    def stage_optimizer(self, spans: Sequence[tuple[int, int]]) -> float:
+        """The optimizer step of a stage holding the layer ranges ``spans``, and its tied-gradient
+        exchanges: a stage holding some, not all, of a tie's layers sends and receives the
+        parameter's gradient once a step (runtime.tied)."""
+        total = 0.0
+        for s, e in spans:
+            total += self.popt[e] - self.popt[s]
+        for t, (layers, _) in enumerate(self.figures.tied):
+            inside = sum(1 for i in layers if any(s <= i < e for s, e in spans))
+            if 0 < inside < len(layers):
+                total += self.tied_exchange_s(t)
+        return total
 
     def least_first_optimizer(self) -> float:
         """A lower bound on stage 0's optimizer step over every partition: the least over its
@@ -204,16 +358,6 @@ class CostModel:
         if not self.figures.tied:
             return self.optimizer(0, 1)
         return min(self.optimizer(0, e) for e in range(1, self.L - self.K + 2))
-
-    def tied_exchange(self, s: int, e: int) -> float:
-        """Summing tied copies' gradients: a stage holding some, not all, of a tie's layers sends
-        and receives the parameter's gradient once a step (runtime.tied). Free without a link."""
-        total = 0.0
-        for t, (layers, _) in enumerate(self.figures.tied):
-            inside = sum(1 for i in layers if s <= i < e)
-            if 0 < inside < len(layers):
-                total += self.tied_exchange_s(t)
-        return total
 
     def tied_exchange_s(self, tie: int) -> float:
         """One exchange of tie ``tie``'s gradient over the link (0 when communication is free)."""
@@ -224,29 +368,51 @@ class CostModel:
     def static_memory(self, s: int, e: int) -> float:
         return (self.pp[e] - self.pp[s]) * self.static_per_param + (self.pbuf[e] - self.pbuf[s])
 
-    def memory(self, s: int, e: int, k: int, recompute: bool) -> float:
+    def _held(self, s: int, e: int, recompute: bool) -> tuple[float, float, float]:
+        """(held from F to B/I, extra while B/I recomputes, kept from I to W) of layers [s, e)."""
         act = self.pa[e] - self.pa[s]
-        n = self.in_flight(k)
-        activations = self._recompute_activations(s, n, act) if recompute else n * act
-        mem = self.static_memory(s, e) + activations
-        if self.has_transient:
-            mem += self.transient.query(s, e)
+        kept = self.pkept[e] - self.pkept[s] if self.split else 0.0
+        if s == 0 and self.split:
+            # Chunk 0's I frees nothing (see backward_input): all it held, and its rerun, wait for W.
+            return (act, 0.0, act) if not recompute else (self.in_bytes[0], 0.0, max(act, self.in_bytes[0]))
+        if not recompute:
+            return act, 0.0, kept
+        inp = self.in_bytes[s]
+        return inp, (act - inp if act > inp else 0.0), kept
+
+    def activations(self, k: int, spans: Sequence[tuple[int, int] | None], recompute: bool) -> float:
+        """The activation peak of stage k holding the layer ranges ``spans`` (its chunks, in
+        order; None for a chunk not chosen yet, which then holds nothing: a lower bound)."""
+        if len(spans) == 1 and spans[0] and not self.split:     # the common case, without the tuples
+            held, extra, _ = self._held(*spans[0], recompute)
+            return self.peaks[k].peak((held,), (extra,), (0.0,))
+        held, extra, kept = zip(*(self._held(*span, recompute) if span else (0.0, 0.0, 0.0) for span in spans))
+        return self.peaks[k].peak(held, extra, kept)
+
+    def stage_memory(self, k: int, spans: Sequence[tuple[int, int] | None], recompute: bool) -> float:
+        """Memory of stage k holding the layer ranges ``spans`` (its chunks, in pipeline order;
+        None as in :meth:`activations`)."""
+        known = [span for span in spans if span]
+        mem = sum(self.static_memory(s, e) for s, e in known) + self.activations(k, spans, recompute)
+        if self.has_transient and known:
+            mem += max(self.transient.query(s, e) for s, e in known)
         return mem
 
-    def _recompute_activations(self, s: int, in_flight: int, act: float) -> float:
-        inp = self.in_bytes[s]
-        return (in_flight - 1) * inp + (act if act > inp else inp)
+    def memory(self, s: int, e: int, k: int, recompute: bool) -> float:
+        """Memory of stage k holding the one chunk [s, e) (schedules with one chunk per stage)."""
+        return self.stage_memory(k, ((s, e),), recompute)
 
     def fits(self, s: int, e: int, k: int, recompute: bool) -> bool:
         return self.limit is None or e <= self.max_end(s, k, recompute)
 
     def max_end(self, s: int, k: int, recompute: bool) -> int:
-        """The longest stage starting at s that fits: the largest e with memory(s, e) <= limit
-        (s when not even one layer fits). For a fixed start, memory only grows with the end,
-        so this one number answers every "does [s, e) fit?" question; it is cached."""
+        """The longest one-chunk stage starting at s that fits: the largest e with
+        memory(s, e) <= limit (s when not even one layer fits). For a fixed start, memory only
+        grows with the end, so this one number answers every "does [s, e) fit?" question; it
+        is cached."""
         if self.limit is None:
             return self.L
-        key = (s, self.in_flight(k), recompute)
+        key = (s, self._peak_class[k], recompute)
         found = self._max_end.get(key)
         if found is None:
             lo, hi = s, self.L          # lo fits (or is s); find the last e that fits
@@ -262,7 +428,7 @@ class CostModel:
         return found
 
     def choose_recompute(self, s: int, e: int, k: int) -> bool | None:
-        """The recompute choice for a stage, or None when no allowed choice fits in memory.
+        """The recompute choice for a one-chunk stage, or None when no allowed choice fits.
 
         Recomputation only ever adds time (it re-runs the forward), so it is chosen only when
         the stage would not fit without it: that is the time-optimal per-stage rule, and the
@@ -273,35 +439,71 @@ class CostModel:
                 return r
         return None
 
-    def stage(self, s: int, e: int, k: int, recompute: bool | None = None) -> StageCost:
-        if recompute is None:
-            chosen = self.choose_recompute(s, e, k)
-            recompute = bool(chosen) if chosen is not None else self.allowed_recompute[-1]
-        params = self.pp[e] - self.pp[s]
-        act = self.pa[e] - self.pa[s]
-        n = self.in_flight(k)
+    def choose_stage_recompute(self, k: int, spans: Sequence[tuple[int, int]]) -> bool | None:
+        """The same rule for a stage of several chunks, all of them alike."""
+        if self.limit is None:
+            return self.allowed_recompute[0]
+        for r in self.allowed_recompute:
+            if self.limit is None or self.stage_memory(k, spans, r) <= self.limit:
+                return r
+        return None
+
+    def spans(self, bounds: Sequence[int], k: int) -> tuple[tuple[int, int], ...]:
+        """The layer ranges of stage k's chunks, for chunk boundaries ``bounds``."""
+        return tuple((bounds[c], bounds[c + 1]) for c in self.peaks[k].chunks)
+
+    def chunk(self, c: int, s: int, e: int, recompute: bool) -> ChunkCost:
+        """Chunk c = layers [s, e)."""
+        k = self.stage_of_chunk[c]
+        send = self.comm[e] if c < self.C - 1 and self.stage_of_chunk[c + 1] != k else 0.0
+        if self.split:
+            i, w = self.backward_input(s, e, recompute), self.backward_weight(s, e, recompute)
+            rerun = (i + w) - (self.backward_input(s, e, False) + self.backward_weight(s, e, False)) if recompute else 0.0
+            b = i + w
+        else:
+            # A schedule that runs B: I and W say what the halves would take (the plan shows them).
+            b = self.backward(s, e, recompute)
+            i, w = self.backward_input(s, e, recompute), self.backward_weight(s, e)
+            rerun = b - self.backward(s, e, False) if recompute else 0.0
+        return ChunkCost(c, k, s, e, recompute, self.forward(s, e), b, i, w, rerun, send)
+
+    def stage(self, k: int, spans: Sequence[tuple[int, int]], recompute: bool) -> StageCost:
+        """Stage k holding the layer ranges ``spans`` (its chunks, in pipeline order)."""
+        pp, pbuf = self.pp, self.pbuf
+        params = buffers = 0.0
+        for s, e in spans:
+            params += pp[e] - pp[s]
+            buffers += pbuf[e] - pbuf[s]
         return StageCost(
-            start=s, end=e, index=k, recompute=recompute,
-            forward_s=self.forward(s, e),
-            backward_s=self.backward(s, e, recompute),
-            recompute_s=self.backward(s, e, True) - self.backward(s, e, False) if recompute else 0.0,
-            send_s=self.comm[e] if e < self.L else 0.0,
-            optimizer_s=self.optimizer(s, e),
-            in_flight=n,
+            index=k, chunks=self.peaks[k].chunks, recompute=recompute,
+            optimizer_s=self.stage_optimizer(spans),
+            in_flight=self.peaks[k].in_flight,
             params_bytes=params,
             gradients_bytes=params,
             optimizer_state_bytes=params * self.state_mult,
-            buffers_bytes=self.pbuf[e] - self.pbuf[s],
-            activations_bytes=self._recompute_activations(s, n, act) if recompute else n * act,
-            transient_bytes=self.transient.query(s, e) if self.has_transient else 0.0,
+            buffers_bytes=buffers,
+            activations_bytes=self.activations(k, spans, recompute),
+            transient_bytes=max(self.transient.query(s, e) for s, e in spans) if self.has_transient else 0.0,
         )
 
-    def stages(self, bounds: Sequence[int], recompute: Sequence[bool] | None = None) -> list[StageCost]:
-        """The stages of a partition given by its boundaries ``0 = b0 < b1 < ... < bK = L``."""
-        return [
-            self.stage(bounds[k], bounds[k + 1], k, None if recompute is None else recompute[k])
-            for k in range(len(bounds) - 1)
-        ]
+    def layout(self, bounds: Sequence[int], recompute: Sequence[bool] | None = None
+               ) -> tuple[list[ChunkCost], list[StageCost]]:
+        """The chunks and stages of the cut ``bounds`` (``0 = b0 < ... < bC = L``, one range per
+        chunk); ``recompute`` per stage, or None to choose it per stage (the rule above)."""
+        if len(bounds) != self.C + 1:
+            raise ValueError(f"{self.schedule} with {self.K} stages has {self.C} chunks: "
+                             f"expected {self.C + 1} boundaries, got {len(bounds)}")
+        chosen = []
+        stage_spans = [self.spans(bounds, k) for k in range(self.K)]
+        for k in range(self.K):
+            if recompute is not None:
+                chosen.append(bool(recompute[k]))
+                continue
+            r = self.choose_stage_recompute(k, stage_spans[k])
+            chosen.append(bool(r) if r is not None else self.allowed_recompute[-1])
+        chunks = [self.chunk(c, bounds[c], bounds[c + 1], chosen[self.stage_of_chunk[c]]) for c in range(self.C)]
+        stages = [self.stage(k, stage_spans[k], chosen[k]) for k in range(self.K)]
+        return chunks, stages
 
 
 class _RangeMax:

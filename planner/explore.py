@@ -23,11 +23,13 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..artifacts import BadInput
-from .costmodel import OPTIMIZER_STATE_MULTIPLIER, CostModel, Setting, neighbour_scale
+from ..schedules import chunks_per_stage, problem
+from .chunked import ChunkedSolver
+from .costmodel import OPTIMIZER_STATE_MULTIPLIER, CostModel, Setting, neighbour_scale, stage_peaks
 from .dp import GPipeSolver, Solution
 from .onefoneb import OneFOneBSolver
 from .profile import LayerFigures, Profile
-from .search import MAX_MICRO_BATCHES, micro_batch_counts, profile_global_batch
+from .search import AUTO_VIRTUAL_STAGES, MAX_MICRO_BATCHES, micro_batch_counts, profile_global_batch
 
 
 @dataclass
@@ -44,8 +46,9 @@ class Cell:
     peak_memory_bytes: int | None
     fits: bool
     proven: bool
-    balance: list[int] = field(default_factory=list)
+    balance: list[int] = field(default_factory=list)   # layers per chunk
     note: str = ""
+    virtual_stages: int = 1         # chunks per stage (interleaved: the best of 2..4; zb-v: 2)
 
     def row(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -98,8 +101,8 @@ def explore(profile: Profile, stages: Sequence[int], micro_batches: Sequence[int
         profile.link_bandwidth_bytes_per_s or math.inf)
     latency = link_latency_s if link_latency_s is not None else profile.link_latency_s
 
-    def setting(K: int, M: int, schedule: str, recompute: str, limit: int | None) -> Setting:
-        return Setting(stages=K, micro_batches=M, schedule=schedule, recompute=recompute,
+    def setting(K: int, M: int, schedule: str, recompute: str, limit: int | None, virtual_stages: int = 1) -> Setting:
+        return Setting(stages=K, micro_batches=M, schedule=schedule, recompute=recompute, virtual_stages=virtual_stages,
                        memory_limit_bytes=limit, link_bandwidth_bytes_per_s=bandwidth,
                        link_latency_s=latency if math.isfinite(bandwidth) else 0.0, optimizer=optimizer,
                        overhead_s=profile.per_microbatch_overhead_s if K > 1 else 0.0,
@@ -121,21 +124,32 @@ def explore(profile: Profile, stages: Sequence[int], micro_batches: Sequence[int
                         cells.append(Cell(K, M, size, schedule, recompute, None, None, None, None, None, False,
                                           False, note=f"more stages than the {profile.num_layers} layers"))
                         continue
-                    sol, fits = None, True
+                    sol, fits, v = None, True, 1
                     for limit in ([memory_limit_bytes, None] if memory_limit_bytes else [None]):
-                        cm = CostModel(profile.at(size), setting(K, M, schedule, recompute, limit))
-                        if schedule == "gpipe":
-                            sol = GPipeSolver(cm, time_budget_s=time_budget_s).solve()
+                        if schedule in ("gpipe", "1f1b"):
+                            cm = CostModel(profile.at(size), setting(K, M, schedule, recompute, limit))
+                            if schedule == "gpipe":
+                                sol = GPipeSolver(cm, time_budget_s=time_budget_s).solve()
+                            else:
+                                # Tables depend on the layer times: share them only at one scale.
+                                key = (M, recompute, limit, cm.setting.compute_scale)
+                                sol = OneFOneBSolver(cm, seeds=[gpipe_partition] if gpipe_partition else [],
+                                                     time_budget_s=time_budget_s,
+                                                     suffix_tables=tables.setdefault(key, {})).solve()
                         else:
-                            # Tables depend on the layer times: share them only at one scale.
-                            key = (M, recompute, limit, cm.setting.compute_scale)
-                            sol = OneFOneBSolver(cm, seeds=[gpipe_partition] if gpipe_partition else [],
-                                                 time_budget_s=time_budget_s,
-                                                 suffix_tables=tables.setdefault(key, {})).solve()
+                            sol, v = _chunked(profile.at(size), K, M, schedule, profile.num_layers, time_budget_s,
+                                              lambda vs: setting(K, M, schedule, recompute, limit, vs),
+                                              [gpipe_partition] if gpipe_partition else [])
                         if sol is not None:
                             break
                         fits = False
-                    cells.append(_cell(K, M, size, schedule, recompute, sol, fits, batch, ref_step))
+                    if sol is None and not _runs(schedule, K, M, profile.num_layers):
+                        cells.append(Cell(K, M, size, schedule, recompute, None, None, None, None, None, False,
+                                          False, note=_why_not(schedule, K, M, profile.num_layers)))
+                        if progress:
+                            progress(len(cells), total, f"K={K} M={M} {schedule} {recompute}")
+                        continue
+                    cells.append(_cell(K, M, size, schedule, recompute, sol, fits, batch, ref_step, v))
                     if schedule == "gpipe" and sol is not None and fits:
                         gpipe_partition = sol.evaluation.bounds
                     if progress:
@@ -145,23 +159,57 @@ def explore(profile: Profile, stages: Sequence[int], micro_batches: Sequence[int
     cells.sort(key=lambda c: order[(c.stages, c.micro_batches, c.schedule, c.recompute)])
     block = find_repeated_block(profile)
     caps: list[Capacity] = []
-    if capacity and block and memory_limit_bytes:
+    # Capacity counts one chunk per stage with a whole backward (gpipe, 1f1b): the greedy fill
+    # below cuts stages, not chunks spread through the model.
+    capacity_schedules = [s for s in schedules if s in ("gpipe", "1f1b")]
+    if capacity and block and memory_limit_bytes and capacity_schedules:
         for K in stages:
             for recompute in recomputes:
-                caps.append(block_capacity(profile, block, K, ms, batch, schedules, recompute,
+                caps.append(block_capacity(profile, block, K, ms, batch, capacity_schedules, recompute,
                                            memory_limit_bytes, lambda K, M, s, r, lim: setting(K, M, s, r, lim)))
     return Exploration(batch, ref_step, cells, caps, block)
 
 
-def _cell(K, M, size, schedule, recompute, sol: Solution | None, fits: bool, batch: int, ref_step: float) -> Cell:
+def _cell(K, M, size, schedule, recompute, sol: Solution | None, fits: bool, batch: int, ref_step: float,
+          virtual_stages: int = 1) -> Cell:
     if sol is None:
         return Cell(K, M, size, schedule, recompute, None, None, None, None, None, False, False,
                     note="nothing fits even without a memory limit")
     ev = sol.evaluation
     return Cell(K, M, size, schedule, recompute, ev.step_s, batch / ev.step_s, ref_step / ev.step_s,
                 ev.bubble_fraction(M), int(math.ceil(ev.peak_memory_bytes)), fits, sol.proven,
-                [st.end - st.start for st in ev.stages],
-                note="" if fits else "exceeds the memory limit (shown: the best plan without it)")
+                ev.balance,
+                note="" if fits else "exceeds the memory limit (shown: the best plan without it)",
+                virtual_stages=chunks_per_stage(schedule, virtual_stages))
+
+
+def _shapes(schedule: str, K: int, M: int, layers: int) -> list[int]:
+    """The virtual stages a chunked schedule can take here (interleaved: 2..4; others: 1)."""
+    vs = AUTO_VIRTUAL_STAGES if schedule == "interleaved" else (1,)
+    return [v for v in vs if K * chunks_per_stage(schedule, v) <= layers and not problem(schedule, K, M, v)]
+
+
+def _runs(schedule: str, K: int, M: int, layers: int) -> bool:
+    return schedule in ("gpipe", "1f1b") or bool(_shapes(schedule, K, M, layers))
+
+
+def _why_not(schedule: str, K: int, M: int, layers: int) -> str:
+    v = 2 if schedule == "interleaved" else 1
+    if K * chunks_per_stage(schedule, v) > layers:
+        return f"{schedule} needs {K * chunks_per_stage(schedule, v)} chunks, more than the {layers} layers"
+    return problem(schedule, K, M, v) or "does not run here"
+
+
+def _chunked(fig: LayerFigures, K: int, M: int, schedule: str, layers: int, time_budget_s: float, make_setting,
+             seeds: list) -> tuple[Solution | None, int]:
+    """The best plan of a chunked or split-backward schedule (interleaved: over its virtual stages)."""
+    best, best_v = None, 1
+    for v in _shapes(schedule, K, M, layers):
+        cm = CostModel(fig, make_setting(v))
+        sol = ChunkedSolver(cm, seeds=seeds if cm.C == K else [], time_budget_s=time_budget_s).solve()
+        if sol is not None and (best is None or sol.evaluation.step_s < best.evaluation.step_s):
+            best, best_v = sol, v
+    return best, best_v
 
 
 # --------------------------------------------------------------------------- capacity
@@ -261,7 +309,7 @@ class _Replicated:
 
     def memory(self, s: int, e: int, k: int, recompute: bool) -> float:
         st = self.setting
-        n = st.micro_batches if st.schedule == "gpipe" else min(st.micro_batches, st.stages - k)
+        n = stage_peaks(st.schedule, st.stages, st.micro_batches, 1)[k].in_flight
         act = self.prefix(self.act, e) - self.prefix(self.act, s)
         inp = self.input_bytes if s == 0 else self.output(s - 1)
         held = (n - 1) * inp + max(act, inp) if recompute else n * act

@@ -1,4 +1,8 @@
-"""Show an exploration: GPipe-paper style tables, JSON rows, and a throughput chart (SVG)."""
+"""Show an exploration: GPipe-paper style tables, JSON rows, and a throughput chart (SVG).
+
+A table, and a line of the chart, is one schedule and one recomputation policy, across K
+and M. Interleaved cells say which chunks per stage (``v=2``) their best plan took.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from ..schedules import label as schedule_label
 from .explore import Cell, Exploration
 from .units import format_bytes, format_percent
 
@@ -80,7 +85,8 @@ def render_exploration(ex: Exploration, console: Console, memory_limit_bytes: in
                 if c is None or c.step_s is None:
                     row.append("[dim]-[/dim]")
                     continue
-                text = (f"{c.normalized_throughput:.2f}{'' if c.proven else '*'}\n"
+                shape = schedule_label(schedule, c.virtual_stages)[len(schedule):]   # " v=2": its chunks per stage
+                text = (f"{c.normalized_throughput:.2f}{'' if c.proven else '*'}{shape}\n"
                         f"{format_percent(c.bubble_fraction)}, {format_bytes(c.peak_memory_bytes)}")
                 row.append(text if c.fits else f"[red]{text}\ndoes not fit[/red]")
             table.add_row(*row)

@@ -35,13 +35,16 @@ from ..artifacts import BadInput
 from .costmodel import CostModel
 from .dp import Solution
 from .objective import evaluate
-from .schedule import operation_order
+from ..schedules import all_actions
 
 
 def solve_ilp(cm: CostModel, time_limit_s: float = 60.0) -> Solution | None:
     if pulp is None:
         raise BadInput("--solver ilp needs the pulp package, which is not installed here: pip install pulp, "
                        "or use --solver dp (exact too)")
+    if cm.schedule not in ("gpipe", "1f1b"):
+        raise BadInput(f"--solver ilp plans gpipe and 1f1b only, not {cm.schedule}: use --solver dp "
+                       "(the default), which plans every schedule")
     L, K, M = cm.L, cm.K, cm.M
     fig = cm.figures
     # Scale to keep CBC's tolerances meaningful: time in units of the mean layer's work.
@@ -98,7 +101,7 @@ def solve_ilp(cm: CostModel, time_limit_s: float = 60.0) -> Solution | None:
         backward.append(pulp.lpSum(g[i] * member(i, k) for i in range(L)) + ovh + extra)
         if k < K - 1:
             send.append(pulp.lpSum(comm[i + 1] * ends(i, k) for i in range(L - 1)))
-    # The optimizer tail (planner.objective.optimizer_tail): max_k (optimizer_k - fill before k).
+    # The optimizer tail (planner.objective.gpipe_optimizer_tail): max_k (optimizer_k - fill before k).
     optimizer_tail = _var(prob, "optimizer_tail", 0)
     before = 0
     for k in range(K):
@@ -145,7 +148,7 @@ def solve_ilp(cm: CostModel, time_limit_s: float = 60.0) -> Solution | None:
 
 
 def _tied_exchange(prob, cm: CostModel, member, k: int, time_unit: float):
-    """Stage k's tied-gradient exchanges (CostModel.tied_exchange), linearised.
+    """Stage k's tied-gradient exchanges (CostModel.stage_optimizer), linearised.
 
     ``split`` is 1 when stage k holds some but not all of a tie's layers: it is at least
     member(i) - member(j) for every pair of the tie's layers, and the minimisation keeps it at
@@ -176,10 +179,11 @@ def _var(prob, name: str, low: float | None = None, cat: str = "Continuous"):
 
 def _schedule_makespan(prob, schedule: str, K: int, M: int, forward, backward, send):
     """Start-time variables for every operation and send; returns stage 0's finish time."""
+    orders = [[(a.kind, a.micro_batch) for a in actions] for actions in all_actions(schedule, K, M)]
     start = {}
     for k in range(K):
         previous = None
-        for kind, m in operation_order(schedule, K, M, k):
+        for kind, m in orders[k]:
             var = _var(prob, f"start_{kind}_{k}_{m}", 0)
             start[(kind, k, m)] = var
             if previous is not None:
@@ -189,7 +193,7 @@ def _schedule_makespan(prob, schedule: str, K: int, M: int, forward, backward, s
     # Links: sends leave in the order their stage produced them, one at a time.
     for k in range(K - 1):
         fwd_prev = bwd_prev = None
-        for kind, m in operation_order(schedule, K, M, k):
+        for kind, m in orders[k]:
             if kind == "F":
                 sent = _var(prob, f"send_fwd_{k}_{m}", 0)
                 prob += sent >= start[("F", k, m)] + forward[k]
@@ -197,7 +201,7 @@ def _schedule_makespan(prob, schedule: str, K: int, M: int, forward, backward, s
                     prob += sent >= fwd_prev + send[k]
                 prob += start[("F", k + 1, m)] >= sent + send[k]
                 fwd_prev = sent
-        for kind, m in operation_order(schedule, K, M, k + 1):
+        for kind, m in orders[k + 1]:
             if kind == "B":
                 sent = _var(prob, f"send_bwd_{k}_{m}", 0)
                 prob += sent >= start[("B", k + 1, m)] + backward[k + 1]
@@ -207,7 +211,7 @@ def _schedule_makespan(prob, schedule: str, K: int, M: int, forward, backward, s
                 bwd_prev = sent
     for m in range(M):
         prob += start[("B", K - 1, m)] >= start[("F", K - 1, m)] + forward[K - 1]
-    last_kind, last_m = operation_order(schedule, K, M, 0)[-1]
+    last_kind, last_m = orders[0][-1]
     return start[(last_kind, 0, last_m)] + backward[0]
 
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .costmodel import CostModel, StageCost
-from .schedule import gpipe_makespan, simulate
+from .costmodel import ChunkCost, CostModel, StageCost
+from .schedule import gpipe_makespan, simulate_plan
 
 
 @dataclass(frozen=True)
 class Evaluation:
-    bounds: tuple[int, ...]          # 0 = b0 < b1 < ... < bK = L; stage k holds layers [b_k, b_k+1)
-    stages: tuple[StageCost, ...]
+    bounds: tuple[int, ...]          # 0 = b0 < b1 < ... < bC = L; chunk c holds layers [b_c, b_c+1)
+    chunks: tuple[ChunkCost, ...]    # in pipeline order
+    stages: tuple[StageCost, ...]    # one per device
     step_s: float
     makespan_s: float
     fits: bool                       # every stage within the memory limit
@@ -20,53 +21,54 @@ class Evaluation:
 
     @property
     def recompute(self) -> tuple[bool, ...]:
+        """Per stage (its chunks alike)."""
         return tuple(s.recompute for s in self.stages)
+
+    @property
+    def balance(self) -> list[int]:
+        """Layers per chunk, in pipeline order."""
+        return [c.end - c.start for c in self.chunks]
 
     @property
     def peak_memory_bytes(self) -> float:
         return max(s.memory_bytes for s in self.stages)
 
-    @property
-    def forward_station_s(self) -> float:
-        """The slowest forward station (stage or link) of the flow line: GPipe's forward rate."""
-        return max(max(s.forward_s, s.send_s) for s in self.stages)
-
-    @property
-    def backward_station_s(self) -> float:
-        return max(max(s.backward_s, s.send_s) for s in self.stages)
-
     def busy_s(self, micro_batches: int) -> list[float]:
-        return [micro_batches * (s.forward_s + s.backward_s) + s.optimizer_s for s in self.stages]
+        """Each stage's work in one step: its chunks' forwards and backwards, and its optimizer."""
+        busy = [s.optimizer_s for s in self.stages]
+        for c in self.chunks:
+            busy[c.stage] += micro_batches * (c.forward_s + c.backward_s)
+        return busy
 
     def bubble_fraction(self, micro_batches: int) -> float:
+        """The share of stage-time left idle: 1 - sum(busy) / (K * step)."""
         K = len(self.stages)
         return 1.0 - sum(self.busy_s(micro_batches)) / (K * self.step_s) if self.step_s > 0 else 0.0
 
 
 def evaluate(cm: CostModel, bounds: Sequence[int], recompute: Sequence[bool] | None = None) -> Evaluation:
-    """Step time and memory of the partition ``bounds`` (recompute chosen per stage if not given)."""
-    stages = cm.stages(bounds, recompute)
-    makespan = makespan_of(cm.setting.schedule, stages, cm.M)
+    """Step time and memory of the chunk boundaries ``bounds`` (recompute per stage; chosen per
+    stage when not given)."""
+    chunks, stages = cm.layout(bounds, recompute)
     fits = cm.limit is None or all(s.memory_bytes <= cm.limit for s in stages)
-    optimizer = optimizer_tail(stages)
-    return Evaluation(tuple(bounds), tuple(stages), makespan + optimizer, makespan, fits,
-                      optimizer - stages[0].optimizer_s)
+    if cm.schedule == "gpipe":
+        makespan = gpipe_makespan([c.forward_s for c in chunks], [c.backward_s for c in chunks],
+                                  [c.send_s for c in chunks[:-1]], cm.M)
+        tail = gpipe_optimizer_tail(chunks, stages)
+    else:
+        timeline = simulate_plan(cm.schedule, cm.K, cm.M, cm.virtual_stages, [c.times() for c in chunks],
+                                 [s.optimizer_s for s in stages])
+        makespan, tail = timeline.makespan_s, timeline.optimizer_tail_s
+    return Evaluation(tuple(bounds), tuple(chunks), tuple(stages), makespan + tail, makespan, fits,
+                      tail - stages[0].optimizer_s)
 
 
-def optimizer_tail(stages: Sequence[StageCost]) -> float:
-    """How long after the last backward the next step can begin: every stage steps its
-    optimizer once the step's backwards are done (the runtime agrees on the loss first), and
-    stage k is needed again only when the next step's first micro-batch reaches it, after the
-    forwards and sends of the stages before it. So the wait is max_k (optimizer_k - that)."""
+def gpipe_optimizer_tail(chunks: Sequence[ChunkCost], stages: Sequence[StageCost]) -> float:
+    """How long after GPipe's last backward the next step can begin (planner.schedule): stage k
+    is needed again when the next step's first micro-batch reaches it, after the forwards and
+    sends of the stages before it. So the wait is max_k (optimizer_k - that)."""
     tail, before = 0.0, 0.0
-    for st in stages:
-        tail = max(tail, st.optimizer_s - before)
-        before += st.forward_s + st.send_s
+    for chunk, stage in zip(chunks, stages):
+        tail = max(tail, stage.optimizer_s - before)
+        before += chunk.forward_s + chunk.send_s
     return tail
-
-
-def makespan_of(schedule: str, stages: Sequence[StageCost], M: int) -> float:
-    if schedule == "gpipe":
-        return gpipe_makespan([s.forward_s for s in stages], [s.backward_s for s in stages],
-                              [s.send_s for s in stages[:-1]], M)
-    return simulate(schedule, stages, M).makespan_s

@@ -1,6 +1,6 @@
 """The solver for 1F1B: a lower bound per stage, and branch and bound over the cuts.
 
-1F1B has no closed form: its step time is what :func:`planner.schedule.simulate` finds by
+1F1B has no closed form: its step time is what :func:`planner.schedule.simulate_plan` finds by
 playing the operations out. What we do have is a lower bound for every stage k that
 depends only on where the stage starts and ends, because stage k runs its operations one at
 a time and some of its waits are forced:
@@ -74,7 +74,7 @@ class OneFOneBSolver:
         ob = self.other_backward
         total = cm.pf[L] + ob[L]
         down = total - cm.pf[e] - ob[e] + 2 * (K - 1 - k) * cm.overhead + (2 * cm.comm[e] if e < L else 0.0)
-        warmup = M if self.gpipe else min(M, K - k)
+        warmup = cm.in_flight(k)      # forwards before its first backward (schedules.py's list)
         if warmup < M:
             idle = max(0.0, down - (warmup - 1) * f) + max(0.0, down - (warmup - 1) * b)
         else:
@@ -129,7 +129,7 @@ class OneFOneBSolver:
             if R in tables:
                 continue
             k = K - R                          # as stage k of this pipeline (memory: in flight)
-            warmup = M if self.gpipe else min(M, R)
+            warmup = cm.in_flight(k)  # the same for the last R stages of any K: min(M, R)
             after_k = tables[R - 1]
             here = [INF] * (L + 1)
             waits = 2 * (R - 1) * ovh

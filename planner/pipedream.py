@@ -110,7 +110,6 @@ def import_pipedream(path: str, batch_size: int | None = None, name: str | None 
     if batch < 1:
         raise BadInput(f"--batch-size must be at least 1, got {batch}")
     order = linearise(graph)
-    position = {n: i for i, n in enumerate(order)}
     source = {n: is_input(graph.nodes[n]["op"]) for n in order}
     layers_order = [n for n in order if not source[n]]
     if not layers_order:

@@ -12,6 +12,7 @@ import statistics
 from typing import Any
 
 from ..artifacts import PLAN_FORMAT, FORMAT_VERSIONS
+from ..schedules import SPLIT_BACKWARD, chunks_per_stage
 from .objective import Evaluation
 from .profile import Profile
 from .search import Candidate, OneStage, SearchResult, global_batch_source
@@ -35,18 +36,36 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
     M = setting.micro_batches
     layers = profile.layers
     busy = ev.busy_s(M)
+    chunks = []
+    for ch in ev.chunks:
+        last = layers[ch.end - 1]
+        chunk: dict[str, Any] = {
+            "index": ch.index,
+            "stage": ch.stage,
+            "layers": [layers[i]["name"] for i in range(ch.start, ch.end)],
+            "first_layer": ch.start,
+            "recompute": ch.recompute,
+            "forward_s": ch.forward_s,
+            "backward_s": ch.backward_s,
+            "backward_input_s": ch.backward_input_s,
+            "backward_weight_s": ch.backward_weight_s,
+            "recompute_s": ch.recompute_s,
+            "send_s": ch.send_s,
+        }
+        # Every chunk's outputs, the last one's too: the torch executor checks the logits'
+        # dtype, which mixed precision changes and which only the profiled device can say.
+        if last.get("output_shapes") is not None:
+            chunk["output_shapes"] = last["output_shapes"]
+            if last.get("output_dtypes") is not None:
+                chunk["output_dtypes"] = last["output_dtypes"]
+            if last.get("output_batched") is not None:  # a tensor the same for every micro-batch
+                chunk["output_batched"] = last["output_batched"]
+        chunks.append(chunk)
     stages = []
     for k, st in enumerate(ev.stages):
-        last = layers[st.end - 1]
-        stage: dict[str, Any] = {
+        stages.append({
             "index": k,
-            "layers": [layers[i]["name"] for i in range(st.start, st.end)],
-            "first_layer": st.start,
-            "recompute": st.recompute,
-            "forward_s": st.forward_s,
-            "backward_s": st.backward_s,
-            "recompute_s": st.recompute_s,
-            "send_s": st.send_s,
+            "chunks": list(st.chunks),
             "optimizer_s": st.optimizer_s,
             "memory_bytes": int(math.ceil(st.memory_bytes)),
             "memory": {
@@ -60,16 +79,7 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
             "in_flight": st.in_flight,
             "busy_s": busy[k],
             "idle_fraction": max(0.0, 1.0 - busy[k] / ev.step_s) if ev.step_s > 0 else 0.0,
-        }
-        # Every stage's outputs, the last one's too: the torch executor checks the logits'
-        # dtype, which mixed precision changes and which only the profiled device can say.
-        if last.get("output_shapes") is not None:
-            stage["output_shapes"] = last["output_shapes"]
-            if last.get("output_dtypes") is not None:
-                stage["output_dtypes"] = last["output_dtypes"]
-            if last.get("output_batched") is not None:  # a tensor the same for every micro-batch
-                stage["output_batched"] = last["output_batched"]
-        stages.append(stage)
+        })
     sol = best.solution
     lo, hi = profile.measured_range()
     warnings = []
@@ -83,6 +93,11 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
             "(predicted.optimizer_wait_s): the step includes that wait")
     if not result.proven:
         warnings.append("the search ran out of time before proving this plan optimal; see optimality.gap")
+    if setting.schedule in SPLIT_BACKWARD and not profile.split_measured:
+        warnings.append(
+            f"{setting.schedule} splits each backward into I and W, which this profile did not measure: "
+            "the plan takes I = W = backward_s / 2 and keeps every activation until W; "
+            "profile again (profile format 7) for measured figures")
     return {
         "format": PLAN_FORMAT,
         "version": FORMAT_VERSIONS[PLAN_FORMAT],
@@ -110,12 +125,15 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
             "compute_scale": setting.compute_scale,
             "optimizer": options.optimizer,
             "solver": options.solver,
+            "virtual_stages": options.virtual_stages,
         },
-        "balance": [st.end - st.start for st in ev.stages],
+        "balance": ev.balance,
         "micro_batches": M,
         "micro_batch_size": best.micro_batch_size,
         "global_batch_size": result.global_batch_size,
         "schedule": setting.schedule,
+        "virtual_stages": chunks_per_stage(setting.schedule, setting.virtual_stages),
+        "chunks": chunks,
         "stages": stages,
         "predicted": {**predicted(ev, M, result.global_batch_size),
                       **versus_one_stage(ev, one_stage, options.stages),
@@ -149,6 +167,7 @@ def runner_up(c: Candidate, global_batch_size: int) -> dict[str, Any]:
         "micro_batches": c.setting.micro_batches,
         "micro_batch_size": c.micro_batch_size,
         "schedule": c.setting.schedule,
+        "virtual_stages": chunks_per_stage(c.setting.schedule, c.setting.virtual_stages),
         "fits": c.solution is not None,
     }
     if c.solution is not None:
@@ -158,8 +177,8 @@ def runner_up(c: Candidate, global_batch_size: int) -> dict[str, Any]:
             "samples_per_s": global_batch_size / ev.step_s if ev.step_s > 0 else None,
             "bubble_fraction": ev.bubble_fraction(c.setting.micro_batches),
             "peak_memory_bytes": int(math.ceil(ev.peak_memory_bytes)),
-            "balance": [st.end - st.start for st in ev.stages],
-            "recompute": [st.recompute for st in ev.stages],
+            "balance": ev.balance,
+            "recompute": [ch.recompute for ch in ev.chunks],
             "proven": c.solution.proven,
         })
     return row

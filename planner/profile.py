@@ -25,7 +25,9 @@ from ..artifacts import PROFILE_FORMAT, BadInput, check_format, precision_of
 from ..schema import validate
 
 PER_SIZE_FIELDS = ("forward_s", "backward_s", "activation_bytes", "output_bytes")
-OPTIONAL_PER_SIZE_FIELDS = ("peak_transient_bytes", "recompute_forward_s", "recompute_backward_s")
+OPTIONAL_PER_SIZE_FIELDS = ("peak_transient_bytes", "recompute_forward_s", "recompute_backward_s",
+                            "backward_input_s", "backward_weight_s", "weight_kept_bytes")
+SPLIT_FIELDS = ("backward_input_s", "backward_weight_s", "weight_kept_bytes")
 
 
 @dataclass(frozen=True)
@@ -51,10 +53,40 @@ class LayerFigures:
     # Tied weights: (the layers that use one parameter, its bytes). A stage holding some but
     # not all of those layers exchanges the parameter's gradient every step (runtime.tied).
     tied: tuple[tuple[tuple[int, ...], float], ...] = ()
+    # The split backward (profile version 7): each layer's input-gradient half I, weight-gradient
+    # half W, and the bytes that stay alive from I to W. None: not measured (see split_estimated).
+    backward_input_s: tuple[float, ...] | None = None
+    backward_weight_s: tuple[float, ...] | None = None
+    weight_kept_bytes: tuple[float, ...] | None = None
 
     @property
     def num_layers(self) -> int:
         return len(self.names)
+
+    @property
+    def split_estimated(self) -> bool:
+        """The split backward is an estimate: I = W = B / 2, and W keeps what :meth:`kept_bytes` says."""
+        return self.backward_input_s is None or self.weight_kept_bytes is None
+
+    def input_backward_s(self) -> tuple[float, ...]:
+        """Each layer's I (half its backward when not measured)."""
+        if self.backward_input_s is None:
+            return tuple(b / 2 for b in self.backward_s)
+        return self.backward_input_s
+
+    def weight_backward_s(self) -> tuple[float, ...]:
+        """Each layer's W (half its backward when not measured)."""
+        if self.backward_weight_s is None:
+            return tuple(b / 2 for b in self.backward_s)
+        return self.backward_weight_s
+
+    def kept_bytes(self) -> tuple[float, ...]:
+        """What each layer keeps alive from its I to its W. Not measured: everything it saved (the
+        retained graph holds it) plus the gradient of its output, which W multiplies with its
+        input (docs/profile-format.md, ``weight_kept_bytes``)."""
+        if self.weight_kept_bytes is None:
+            return tuple(a + o for a, o in zip(self.activation_bytes, self.output_bytes))
+        return self.weight_kept_bytes
 
     def recomputing_backward_s(self) -> tuple[float, ...]:
         """Each layer's backward in a stage that recomputes (never below its plain backward)."""
@@ -65,7 +97,13 @@ class LayerFigures:
     def times_scaled(self, factor: float) -> "LayerFigures":
         """The same figures with every time (forward, backward, recompute, optimizer) times ``factor``."""
         recompute = self.recompute_backward_s
+
+        def scaled(times: tuple[float, ...] | None) -> tuple[float, ...] | None:
+            return None if times is None else tuple(t * factor for t in times)
+
         return replace(self, forward_s=tuple(t * factor for t in self.forward_s),
+                       backward_input_s=scaled(self.backward_input_s),
+                       backward_weight_s=scaled(self.backward_weight_s),
                        backward_s=tuple(t * factor for t in self.backward_s),
                        optimizer_s=tuple(t * factor for t in self.optimizer_s),
                        recompute_backward_s=None if recompute is None else tuple(t * factor for t in recompute),
@@ -94,6 +132,7 @@ class Profile:
         self.precision, self.param_dtype = precision_of(doc, where)
         self.usable_memory_bytes = usable_memory_bytes(self.device, where)
         self.tied = _tied(doc, where, self.names)
+        self.split_measured = _split_measured(self.layers, where)
         self._cache: dict[float, LayerFigures] = {}
 
     @property
@@ -133,6 +172,7 @@ class Profile:
                 optimizer_s=tuple(float(l.get("optimizer_s") or 0.0) for l in self.layers),
                 input_bytes=series(self.input_bytes) if self.input_bytes is not None else 0.0,
                 **self._recompute_at(series),
+                **self._split_at(series),
                 tied=self.tied,
             )
         return self._cache[b]
@@ -149,6 +189,12 @@ class Profile:
                 for l in self.layers),
             "recompute_call_s": series(self.recompute_call_s),
         }
+
+    def _split_at(self, series: Any) -> dict[str, Any]:
+        """The split backward at one size, when every layer has it (else the estimate is used)."""
+        if not self.split_measured:
+            return {}
+        return {key: tuple(series(l[key]) for l in self.layers) for key in SPLIT_FIELDS}
 
     def measured_range(self) -> tuple[int, int]:
         return self.sizes[0], self.sizes[-1]
@@ -237,6 +283,17 @@ def _recompute_call(doc: dict, where: str, n_sizes: int, layers: list[dict]) -> 
                        "'recompute_forward_s' and 'recompute_backward_s' go together); re-profile, or "
                        "delete them all to plan recomputation as one more forward")
     return call
+
+
+def _split_measured(layers: list[dict], where: str) -> bool:
+    """Whether every layer has the split backward (profile version 7); some but not all is refused."""
+    present = [all(l.get(key) is not None for key in SPLIT_FIELDS) for l in layers]
+    partial = [any(l.get(key) is not None for key in SPLIT_FIELDS) for l in layers]
+    if any(partial) and not all(present):
+        raise BadInput(f"{where}: the split backward is partial ('backward_input_s', 'backward_weight_s' and "
+                       "'weight_kept_bytes' go together, on every layer); re-profile, or delete them all to "
+                       "plan with the estimate I = W = backward_s / 2")
+    return bool(layers) and all(present)
 
 
 def _tied(doc: dict, where: str, names: tuple[str, ...]) -> tuple[tuple[tuple[int, ...], float], ...]:

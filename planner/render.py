@@ -1,4 +1,11 @@
-"""Show a plan on the terminal (rich) and redraw its timeline, from the plan document alone."""
+"""Show a plan on the terminal (rich) and redraw its timeline, from the plan document alone.
+
+A plan of format 5 lists its chunks (runs of layers) and its stages (devices, each holding
+one or more chunks); an older plan's stages are each one chunk (gpipe_plan/plan_layout.py
+reads both alike). ``show`` prints one table of each: what a chunk costs per micro-batch, and
+what a device holds and how busy it is. The timeline is the planner's own simulator replaying
+the plan's schedule over the chunks' predicted times, so the picture is the prediction.
+"""
 
 from __future__ import annotations
 
@@ -7,45 +14,81 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ..artifacts import precision_label
-from .schedule import Timeline, simulate_times
+from ..artifacts import BadInput, precision_label
+from ..plan_layout import plan_chunks, virtual_stages
+from ..schedules import label as schedule_label
+from ..schedules import SPLIT_BACKWARD
+from .schedule import ChunkTimes, Timeline, simulate_plan
 from .timeline import timeline_svg
 from .units import format_bytes, format_percent, format_seconds
 
 
-def plan_timeline(plan: dict[str, Any]) -> Timeline:
-    """Re-simulate the plan's schedule from its per-stage predictions (no profile needed)."""
-    stages = plan["stages"]
-    return simulate_times(
-        plan["schedule"],
-        [s["forward_s"] for s in stages],
-        [s["backward_s"] for s in stages],
-        [s["send_s"] for s in stages[:-1]],
-        plan["micro_batches"],
-        optimizer_s=[s.get("optimizer_s", 0.0) for s in stages],
-        recompute_s=[s.get("recompute_s", 0.0) for s in stages],
+def timed_chunks(plan: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """The plan's chunks (:func:`~gpipe_plan.plan_layout.plan_chunks`), with the times its
+    schedule runs: a schedule that splits the backward needs each chunk's I and W."""
+    chunks = plan_chunks(plan, where)
+    if plan["schedule"] in SPLIT_BACKWARD:
+        for c in chunks:
+            for key in ("backward_input_s", "backward_weight_s"):
+                if c[key] is None:
+                    raise BadInput(f"{where}: {plan['schedule']} runs the backward as I and W, but "
+                                   f"'chunks[{c['index']}].{key}' is missing: solve the profile again")
+    return chunks
+
+
+def chunk_times(chunk: dict[str, Any]) -> ChunkTimes:
+    """A chunk's predicted times per micro-batch, as the simulator takes them (a schedule
+    that runs B never asks for I and W, which such a plan may leave out)."""
+    return ChunkTimes(
+        forward_s=chunk["forward_s"],
+        backward_s=chunk["backward_s"],
+        backward_input_s=chunk["backward_input_s"] or 0.0,
+        backward_weight_s=chunk["backward_weight_s"] or 0.0,
+        send_s=chunk["send_s"] or 0.0,
+        recompute_s=chunk["recompute_s"] or 0.0,
+    )
+
+
+def plan_timeline(plan: dict[str, Any], where: str = "plan") -> Timeline:
+    """Re-simulate the plan's schedule from its per-chunk predictions (no profile needed)."""
+    chunks = timed_chunks(plan, where)
+    return simulate_plan(
+        plan["schedule"], len(plan["stages"]), plan["micro_batches"], virtual_stages(plan),
+        [chunk_times(c) for c in chunks],
+        [st.get("optimizer_s") or 0.0 for st in plan["stages"]],
         record=True,
     )
 
 
-def plan_timeline_svg(plan: dict[str, Any]) -> str:
+def plan_timeline_svg(plan: dict[str, Any], where: str = "plan") -> str:
     model = plan.get("model", {})
     name = model.get("name") or model.get("factory") or "model"
     pred = plan["predicted"]
+    v = virtual_stages(plan)
     title = (f"{name}: {len(plan['stages'])} stages, M = {plan['micro_batches']} x {plan['micro_batch_size']}, "
-             f"{plan['schedule']}; predicted step {format_seconds(pred['step_s'])}, "
+             f"{schedule_label(plan['schedule'], v)}; predicted step {format_seconds(pred['step_s'])}, "
              f"bubble {format_percent(pred['bubble_fraction'], 1)}")
-    labels = [f"stage {s['index']}" + (" (rc)" if s.get("recompute") else "") for s in plan["stages"]]
-    return timeline_svg(plan_timeline(plan), title, labels)
+    chunks = plan_chunks(plan, where)
+    labels = []
+    for k in range(len(plan["stages"])):
+        held = [c for c in chunks if c["stage"] == k]
+        label = f"stage {k}" + (" (rc)" if any(c["recompute"] for c in held) else "")
+        labels.append(label if len(held) == 1 else f"{label} [{', '.join(str(c['index']) for c in held)}]")
+    return timeline_svg(plan_timeline(plan, where), title, labels)
 
 
-def render_plan(plan: dict[str, Any], console: Console) -> None:
+def render_plan(plan: dict[str, Any], console: Console, where: str = "plan") -> None:
+    """Print the plan: its chunks, its stages, the schedule and what it predicts.
+
+    ``where`` names the plan in the one-line error if its chunks and stages do not fit together.
+    """
     model = plan.get("model", {})
     name = model.get("name") or model.get("factory") or "model"
     options = plan.get("options", {})
     limit = options.get("memory_limit_bytes")
     pred = plan["predicted"]
     K = len(plan["stages"])
+    chunks = timed_chunks(plan, where)
     device = plan.get("profile", {}).get("device", {})
     console.print(
         f"[bold]{name}[/bold] on {K} stage{'s' if K > 1 else ''}, {batch_line(plan)} "
@@ -54,31 +97,15 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
     note = batch_source_note(plan)
     if note:
         console.print(note, highlight=False)
-    table = Table(title=None, show_lines=False, header_style="bold")
-    for col, justify in [("stage", "right"), ("layers", "left"), ("#", "right"), ("forward", "right"),
-                         ("backward", "right"), ("rc", "center"), ("send", "right"),
-                         ("memory", "right"), ("idle", "right")]:
-        table.add_column(col, justify=justify, no_wrap=col != "layers")
-    for st in plan["stages"]:
-        names = st["layers"]
-        span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
-        mem = format_bytes(st["memory_bytes"])
-        if limit:
-            share = st["memory_bytes"] / limit
-            colour = "red" if share > 1 else ("yellow" if share > 0.9 else "green")
-            mem = f"[{colour}]{mem} ({share:.0%})[/{colour}]"
-        table.add_row(
-            str(st["index"]), span, str(len(names)),
-            format_seconds(st["forward_s"], 3), format_seconds(st["backward_s"], 3),
-            "yes" if st["recompute"] else "-",
-            format_seconds(st["send_s"], 3) if st.get("send_s") else "-",
-            mem, format_percent(st.get('idle_fraction', 0.0), 1),
-        )
-    console.print(table)
+    console.print(chunk_table(chunks, split=plan["schedule"] in SPLIT_BACKWARD))
+    console.print(stage_table(plan["stages"], chunks, limit))
     samples = pred.get("samples_per_s")
+    v = virtual_stages(plan)
     console.print(
         f"micro-batches [bold]{plan['micro_batches']}[/bold] x {plan['micro_batch_size']} samples, "
-        f"schedule [bold]{plan['schedule']}[/bold]; times are per micro-batch; rc: recomputes"
+        f"schedule [bold]{schedule_label(plan['schedule'], v)}[/bold]"
+        + (f" ({len(chunks)} chunks, {len(chunks) // K} per stage)" if len(chunks) > K else "")
+        + "; times are per micro-batch; rc: recomputes"
         + (f"; memory limit {format_bytes(limit)}" if limit else "")
         + (" (the card's usable memory)" if limit and options.get("memory_limit_source") == "device" else ""))
     scale = options.get("compute_scale") or 1.0
@@ -111,17 +138,65 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
             rt.add_column(col, justify="right" if col not in ("schedule", "balance") else "left")
         for r in runners:
             if not r.get("fits"):
-                rt.add_row(str(r["micro_batches"]), str(r["micro_batch_size"]), r["schedule"],
+                rt.add_row(str(r["micro_batches"]), str(r["micro_batch_size"]), runner_schedule(r),
                            "[red]does not fit[/red]", "", "", "", "")
                 continue
             versus = format_percent(r['step_s'] / pred['step_s'] - 1, 1, sign=True) if pred["step_s"] > 0 else "-"
-            rt.add_row(str(r["micro_batches"]), str(r["micro_batch_size"]), r["schedule"],
+            rt.add_row(str(r["micro_batches"]), str(r["micro_batch_size"]), runner_schedule(r),
                        format_seconds(r["step_s"]), versus,
                        format_percent(r['bubble_fraction'], 1), format_bytes(r["peak_memory_bytes"]),
                        " ".join(map(str, r.get("balance", []))))
         console.print(rt)
     for w in plan.get("warnings") or []:
         console.print(f"[yellow]warning:[/yellow] {w}")
+
+
+def chunk_table(chunks: list[dict[str, Any]], split: bool) -> Table:
+    """Per chunk: where it runs, its layers, and what one micro-batch costs on it.
+
+    ``split``: the schedule runs the backward as I (input gradient) and W (weight gradient),
+    which are shown apart; else as one B.
+    """
+    table = Table(title=None, show_lines=False, header_style="bold")
+    backward = [("input (I)", "right"), ("weight (W)", "right")] if split else [("backward", "right")]
+    for col, justify in [("chunk", "right"), ("stage", "right"), ("layers", "left"), ("#", "right"),
+                         ("forward", "right"), *backward, ("rc", "center"), ("send", "right")]:
+        table.add_column(col, justify=justify, no_wrap=col != "layers")
+    for c in chunks:
+        names = c["layers"]
+        span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+        times = ([c["backward_input_s"], c["backward_weight_s"]] if split else [c["backward_s"]])
+        table.add_row(
+            str(c["index"]), str(c["stage"]), span, str(len(names)),
+            format_seconds(c["forward_s"], 3), *(format_seconds(t, 3) for t in times),
+            "yes" if c["recompute"] else "-",
+            format_seconds(c["send_s"], 3) if c["send_s"] else "-",
+        )
+    return table
+
+
+def stage_table(stages: list[dict[str, Any]], chunks: list[dict[str, Any]], limit: float | None) -> Table:
+    """Per stage (device): the chunks it holds, its peak memory (against the limit), the
+    micro-batches whose activations it holds at once, and how busy it is in a step."""
+    table = Table(title=None, show_lines=False, header_style="bold")
+    for col in ("stage", "chunks", "memory", "in flight", "busy", "idle"):
+        table.add_column(col, justify="left" if col == "chunks" else "right", no_wrap=True)
+    for k, st in enumerate(stages):
+        mem = format_bytes(st.get("memory_bytes"))
+        if limit and st.get("memory_bytes") is not None:
+            share = st["memory_bytes"] / limit
+            colour = "red" if share > 1 else ("yellow" if share > 0.9 else "green")
+            mem = f"[{colour}]{mem} ({share:.0%})[/{colour}]"
+        held = ", ".join(str(c["index"]) for c in chunks if c["stage"] == k)
+        in_flight = st.get("in_flight")
+        table.add_row(str(k), held, mem, "-" if in_flight is None else str(in_flight),
+                      format_seconds(st.get("busy_s"), 3), format_percent(st.get("idle_fraction") or 0.0, 1))
+    return table
+
+
+def runner_schedule(runner: dict[str, Any]) -> str:
+    """A runner-up's schedule, with its chunks per stage when it is interleaved."""
+    return schedule_label(runner["schedule"], runner.get("virtual_stages") or 1)
 
 
 def batch_line(plan: dict[str, Any]) -> str:

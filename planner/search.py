@@ -1,7 +1,8 @@
 """The search around the solvers: micro-batch count, schedule and recomputation.
 
-A plan is a partition (the solvers' job) under a *setting*: how many micro-batches M, which
-schedule, what recomputation is allowed. The best plan overall is the best of the best
+A plan is a cut of the layers into chunks (the solvers' job) under a *setting*: how many
+micro-batches M, which schedule (with interleaved's chunks per stage v), what recomputation
+is allowed. The best plan overall is the best of the best
 plans of each setting, so this module enumerates the settings the user left open, solves
 each exactly, and keeps all of them: the winner goes into the plan, the others are the
 runners-up a user compares it with.
@@ -18,6 +19,8 @@ import time
 from dataclasses import dataclass, field, replace
 
 from ..artifacts import BadInput
+from ..schedules import SCHEDULES, chunks_per_stage, label, problem
+from .chunked import ChunkedSolver
 from .costmodel import CostModel, Setting, neighbour_scale
 from .dp import GPipeSolver, Solution
 from .onefoneb import OneFOneBSolver
@@ -31,6 +34,7 @@ class SolveOptions:
     global_batch_size: int | None = None
     micro_batches: int | str = "auto"
     schedule: str = "auto"
+    virtual_stages: int | str = "auto"     # interleaved's chunks per stage; auto tries 2..4
     recompute: str = "auto"
     memory_limit_bytes: int | None = None
     # Where the limit came from: "option" (--memory-limit), "device" (a CUDA profile's card,
@@ -61,7 +65,7 @@ class Candidate:
     def sort_key(self) -> tuple:
         ev = self.solution.evaluation if self.solution else None
         return (self.step_s, ev.peak_memory_bytes if ev else math.inf,
-                self.setting.micro_batches, self.setting.schedule)
+                self.setting.micro_batches, SCHEDULES.index(self.setting.schedule), self.setting.virtual_stages)
 
 
 @dataclass
@@ -125,6 +129,11 @@ def divisors(n: int) -> list[int]:
     return small + large[::-1]
 
 
+def schedule_name(setting: Setting) -> str:
+    """The schedule as a person reads it: ``interleaved v=2``, else its name."""
+    return label(setting.schedule, setting.virtual_stages)
+
+
 def micro_batch_counts(batch: int) -> list[int]:
     """The micro-batch counts ``auto`` searches: divisors of the batch, at most MAX_MICRO_BATCHES."""
     return [m for m in divisors(batch) if m <= MAX_MICRO_BATCHES]
@@ -172,6 +181,18 @@ def check_options(profile: Profile, options: SolveOptions) -> int:
             f"--stages {options.stages} is more than the profile's {L} layers: "
             f"use at most {L} stages (each stage needs a layer), or profile a finer model")
     batch = resolve_global_batch(profile, options)
+    if options.schedule != "auto" and options.schedule not in SCHEDULES:
+        raise BadInput(f"--schedule {options.schedule!r} is not one of {', '.join(SCHEDULES)} or auto")
+    v = options.virtual_stages
+    if v != "auto":
+        if not isinstance(v, int) or isinstance(v, bool) or v < 2:
+            raise BadInput(f"--virtual-stages must be an integer of at least 2 or 'auto', got {v!r}")
+        if options.schedule not in ("interleaved", "auto"):
+            raise BadInput(f"--virtual-stages is interleaved's chunks per stage; {options.schedule} does not take it "
+                           "(zb-v always holds 2): drop it, or use --schedule interleaved")
+        if options.stages * v > L:
+            raise BadInput(f"--virtual-stages {v} with --stages {options.stages} cuts {options.stages * v} chunks, "
+                           f"more than the profile's {L} layers: use fewer virtual stages or stages")
     if options.micro_batches != "auto":
         m = options.micro_batches
         if not isinstance(m, int) or m < 1:
@@ -188,17 +209,45 @@ def check_options(profile: Profile, options: SolveOptions) -> int:
     return batch
 
 
+# interleaved's chunks per stage that ``--virtual-stages auto`` tries (while K v <= layers).
+AUTO_VIRTUAL_STAGES = (2, 3, 4)
+
+
+def schedule_shapes(options: SolveOptions, layers: int) -> list[tuple[str, int]]:
+    """The (schedule, virtual stages) pairs the options leave open, before any M is chosen.
+
+    ``auto`` is every schedule; on one stage only gpipe and 1f1b (the others are 1F1B there,
+    with more actions). Interleaved takes ``--virtual-stages`` v, or with ``auto`` 2, 3 and 4
+    while the K v chunks have a layer each; a schedule that needs more chunks than layers is
+    left out (zb-v: 2 K).
+    """
+    K = options.stages
+    schedules = list(options.schedule == "auto" and (SCHEDULES if K > 1 else ("gpipe", "1f1b"))
+                     or [options.schedule])
+    shapes = []
+    for schedule in schedules:
+        if schedule == "interleaved":
+            vs = AUTO_VIRTUAL_STAGES if options.virtual_stages == "auto" else (int(options.virtual_stages),)
+            shapes.extend(("interleaved", v) for v in vs if K * v <= layers)
+        elif K * chunks_per_stage(schedule) <= layers:
+            shapes.append((schedule, 1))
+    return shapes
+
+
 def settings_for(profile: Profile, options: SolveOptions, batch: int) -> list[tuple[Setting, int]]:
-    """Every setting the options leave open, with its micro-batch size."""
+    """Every setting the options leave open, with its micro-batch size (settings that
+    schedules.problem rejects, such as interleaved with M not a multiple of its rounds, are
+    left out: :func:`no_settings_reason` says why when none is left)."""
     bandwidth = options.link_bandwidth_bytes_per_s
     if bandwidth is None:
         bandwidth = profile.link_bandwidth_bytes_per_s or math.inf
     latency = options.link_latency_s if options.link_latency_s is not None else profile.link_latency_s
     ms = micro_batch_counts(batch) if options.micro_batches == "auto" else [int(options.micro_batches)]
-    schedules = ["gpipe", "1f1b"] if options.schedule == "auto" else [options.schedule]
     out = []
     for m in ms:
-        for schedule in schedules:
+        for schedule, v in schedule_shapes(options, profile.num_layers):
+            if problem(schedule, options.stages, m, v):
+                continue
             setting = Setting(
                 stages=options.stages, micro_batches=m, schedule=schedule, recompute=options.recompute,
                 memory_limit_bytes=options.memory_limit_bytes,
@@ -208,15 +257,30 @@ def settings_for(profile: Profile, options: SolveOptions, batch: int) -> list[tu
                 overhead_s=profile.per_microbatch_overhead_s if options.stages > 1 else 0.0,
                 compute_scale=neighbour_scale(profile.contention_slowdown, profile.contention_processes,
                                               options.stages),
+                virtual_stages=v,
             )
             out.append((setting, batch // m))
     return out
 
 
+def no_settings_reason(profile: Profile, options: SolveOptions, batch: int) -> str:
+    """One line: why the options leave no setting to solve, and what to do."""
+    shapes = schedule_shapes(options, profile.num_layers)
+    if not shapes:
+        return (f"--schedule {options.schedule} with --stages {options.stages} needs more chunks than the "
+                f"profile's {profile.num_layers} layers: use fewer stages, or another schedule")
+    ms = micro_batch_counts(batch) if options.micro_batches == "auto" else [int(options.micro_batches)]
+    schedule, v = shapes[0]
+    reason = problem(schedule, options.stages, ms[0], v) or "no setting is left"
+    return f"{reason}: use --micro-batches auto, another count, or another --schedule"
+
+
 def solve_setting(profile: Profile, setting: Setting, micro_batch_size: int, solver: str,
                   time_budget_s: float, seeds: list[tuple[int, ...]] = (), cutoff_s: float = math.inf,
-                  figures: LayerFigures | None = None) -> Candidate:
-    """The best plan of one setting. ``figures``: ``profile.at(micro_batch_size)`` if already made."""
+                  figures: LayerFigures | None = None, work_budget_s: float | None = None) -> Candidate:
+    """The best plan of one setting. ``figures``: ``profile.at(micro_batch_size)`` if already made.
+    ``work_budget_s``: the chunked search's budget in work (chunked.WORK_PER_SECOND), which,
+    unlike the clock, gives the same plan on every run."""
     cm = CostModel(figures if figures is not None else profile.at(micro_batch_size), setting)
     if solver == "ilp":
         from .ilp import solve_ilp  # pulp loads lazily: the DP path never pays for it
@@ -224,8 +288,11 @@ def solve_setting(profile: Profile, setting: Setting, micro_batch_size: int, sol
         solution = solve_ilp(cm, time_limit_s=time_budget_s)
     elif setting.schedule == "gpipe":
         solution = GPipeSolver(cm, time_budget_s=time_budget_s).solve(cutoff_s)
-    else:
+    elif setting.schedule == "1f1b":
         solution = OneFOneBSolver(cm, seeds=seeds, time_budget_s=time_budget_s, cutoff_s=cutoff_s).solve()
+    else:
+        solution = ChunkedSolver(cm, seeds=seeds, time_budget_s=time_budget_s, cutoff_s=cutoff_s,
+                                 work_budget_s=work_budget_s).solve()
     return Candidate(setting, micro_batch_size, solution)
 
 
@@ -248,13 +315,16 @@ def search(profile: Profile, options: SolveOptions, progress=None, explain: bool
     """Solve every open setting; the result's candidates are sorted best first.
 
     GPipe settings are solved first (their solver is fast and exact); each one's optimal
-    partition seeds the 1F1B search of the same M, and the best step found so far is the
-    cutoff below which a 1F1B search must go to matter: settings that cannot beat it are
+    partition seeds the 1F1B and ZB-H1 searches of the same M (and the best cut into 2K
+    chunks found seeds the next setting of as many chunks), and the best step found so far is
+    the cutoff below which a later search must go to matter: settings that cannot beat it are
     settled by their lower bound alone. ``progress``, if given, is called with
     (done, total, description) as settings finish.
     """
     batch = check_options(profile, options)
     settings = settings_for(profile, options, batch)
+    if not settings:
+        raise BadInput(no_settings_reason(profile, options, batch))
     result = SearchResult(options, batch)
     started = time.perf_counter()
     done = 0
@@ -272,10 +342,12 @@ def search(profile: Profile, options: SolveOptions, progress=None, explain: bool
         per_setting = share_of_budget(options.time_budget_s, started, len(settings) - done)
         if options.solver == "ilp":
             per_setting = max(0.5, per_setting)   # CBC needs a moment to return any solution at all
-        candidate = solve_setting(profile, setting, size, options.solver, per_setting, seeds, cutoff, at(size))
+        # the chunked searches' work: an even share of the budget, the same on every run
+        candidate = solve_setting(profile, setting, size, options.solver, per_setting, seeds, cutoff, at(size),
+                                  work_budget_s=options.time_budget_s / len(settings))
         done += 1
         if progress:
-            progress(done, len(settings), f"M={setting.micro_batches} {setting.schedule}")
+            progress(done, len(settings), f"M={setting.micro_batches} {schedule_name(setting)}")
         return candidate
 
     gpipe = [(s, size) for s, size in settings if s.schedule == "gpipe"]
@@ -309,14 +381,21 @@ def search(profile: Profile, options: SolveOptions, progress=None, explain: bool
             gpipe_best[setting.micro_batches] = candidate
             best_so_far = min(best_so_far, candidate.step_s)
             result.candidates.append(candidate)
-    # 1F1B: seeded with GPipe's partition of the same M, most promising first.
-    for setting, size in sorted(others, key=lambda item: (gpipe_best[item[0].micro_batches].step_s
+    # 1F1B, then the others: seeded with the best partition of the same M and chunk count found
+    # so far (GPipe's for 1F1B and ZB-H1), most promising first.
+    found: dict[tuple[int, int], Candidate] = {(m, 1): c for m, c in gpipe_best.items()}
+    order = {"1f1b": 0, "zb-h1": 1, "interleaved": 2, "zb-v": 2}
+    for setting, size in sorted(others, key=lambda item: (order[item[0].schedule],
+                                                         gpipe_best[item[0].micro_batches].step_s
                                                          if item[0].micro_batches in gpipe_best else 0.0)):
-        seed = gpipe_best.get(setting.micro_batches)
+        chunks = setting.virtual_stages * (2 if setting.schedule == "zb-v" else 1)
+        seed = found.get((setting.micro_batches, chunks))
         seeds = [seed.solution.evaluation.bounds] if seed and seed.solution else []
         candidate = run(setting, size, seeds, best_so_far)
         best_so_far = min(best_so_far, candidate.step_s)
         result.candidates.append(candidate)
+        if candidate.solution and (seed is None or candidate.step_s < seed.step_s):
+            found[(setting.micro_batches, chunks)] = candidate
     result.candidates.sort(key=Candidate.sort_key)
     if result.best.solution is None:
         # The explanation solves the memory problem again for each option that might help: worth
@@ -357,7 +436,8 @@ def one_stage_baseline(profile: Profile, options: SolveOptions) -> OneStage:
     pipeline (it is what fills it), while one device should be judged at its own best M;
     the global batch stays the same, so the two plans train alike.
     """
-    single = replace(options, stages=1, micro_batches="auto")
+    single = replace(options, stages=1, micro_batches="auto", virtual_stages="auto",
+                     schedule=options.schedule if options.schedule in ("gpipe", "1f1b") else "auto")
     try:
         return OneStage(search(profile, single, explain=False))
     except BadInput:
@@ -369,15 +449,27 @@ def one_stage_baseline(profile: Profile, options: SolveOptions) -> OneStage:
 
 
 # --------------------------------------------------------------------------- memory
-def least_memory(profile: Profile, setting: Setting, micro_batch_size: int) -> float:
+@dataclass
+class MemorySearch:
+    """The time the chunked least-memory searches share, and whether each of them finished."""
+
+    deadline: float
+    exact: bool = True
+
+
+def least_memory(profile: Profile, setting: Setting, micro_batch_size: int,
+                 budget: MemorySearch | None = None) -> float:
     """The smallest per-device memory limit under which ``setting`` has a plan at all.
 
     A min-max partition of stage memory: bisection on the limit, each probe a reachability
-    sweep over cut positions (with recomputation chosen wherever it saves memory).
+    sweep over cut positions (with recomputation chosen wherever it saves memory). Several
+    chunks per stage: :func:`_least_chunked_memory`, within ``budget``.
     """
     cm = CostModel(profile.at(micro_batch_size), Setting(**{**setting.__dict__, "memory_limit_bytes": None}))
     L, K = cm.L, cm.K
     options = cm.allowed_recompute
+    if cm.chunks_per_stage > 1:
+        return _least_chunked_memory(cm, budget or MemorySearch(time.perf_counter() + LEAST_MEMORY_BUDGET_S))
 
     def stage_memory(s: int, e: int, k: int) -> float:
         return min(cm.memory(s, e, k, r) for r in options)
@@ -413,22 +505,73 @@ def least_memory(profile: Profile, setting: Setting, micro_batch_size: int) -> f
     return hi
 
 
+# How long the searches for the least memory of chunked schedules may take in all, before
+# each settles for the least it found (then a limit that works, not the least; see below).
+LEAST_MEMORY_BUDGET_S = 2.0
+
+
+def _least_chunked_memory(cm: CostModel, budget: MemorySearch) -> float:
+    """:func:`least_memory` for several chunks per stage: a stage's memory depends on all its
+    chunks, spread through the model, so the cut is searched directly: depth first over the
+    chunk ends, dropping a prefix once a stage's memory from the chunks cut so far (the rest
+    add to it) reaches the least maximum found. Exact when it finishes before
+    ``budget.deadline``; else the least found, and ``budget.exact`` becomes False."""
+    L, C, K = cm.L, cm.C, cm.K
+    deadline = budget.deadline
+
+    def partial(k: int, cuts: list[int]) -> float:
+        spans = [(cuts[c], cuts[c + 1]) if c + 1 < len(cuts) else None for c in cm.peaks[k].chunks]
+        return min(cm.stage_memory(k, spans, r) for r in cm.allowed_recompute)
+
+    even = [j * L // C for j in range(C + 1)]
+    best = max(partial(k, even) for k in range(K))
+
+    def dfs(cuts: list[int]) -> None:
+        nonlocal best
+        j = len(cuts) - 1
+        if time.perf_counter() > deadline:
+            budget.exact = False
+            return
+        for e in ([L] if j == C - 1 else range(cuts[-1] + 1, L - (C - 1 - j) + 1)):
+            child = cuts + [e]
+            worst = max(partial(k, child) for k in range(K))
+            if worst >= best:
+                continue
+            if j == C - 1:
+                best = worst
+            else:
+                dfs(child)
+
+    dfs([0])
+    return best
+
+
 def explain_infeasible(profile: Profile, options: SolveOptions, batch: int) -> str:
-    """One line: the limit is too small; the least that works; which option would help."""
+    """One line: the limit is too small; the least that works; which option would help.
+
+    The chunked schedules (interleaved, zb-v) share LEAST_MEMORY_BUDGET_S for their searches;
+    if one of them stops there, the line gives the least limit found to work instead.
+    """
     limit = options.memory_limit_bytes or 0
-    need = min(least_memory(profile, s, size) for s, size in settings_for(profile, options, batch))
+    budget = MemorySearch(time.perf_counter() + LEAST_MEMORY_BUDGET_S)
+
+    def least(opts: SolveOptions) -> float:
+        return min((least_memory(profile, s, size, budget) for s, size in settings_for(profile, opts, batch)),
+                   default=math.inf)
+
+    need = least(options)
     if options.memory_limit_source == "device":
         what = (f"the usable memory of the profiled {profile.device.get('name') or 'GPU'}, {format_bytes(limit)} "
                 f"(its memory less the CUDA context and headroom; --memory-limit overrides it),")
     else:
         what = f"--memory-limit {format_bytes(limit)} per device"
-    line = (f"no plan fits {what} with these options: the smallest limit that works is "
-            f"{format_bytes(need, round_up=True)}")
+    line = (f"no plan fits {what} with these options: the smallest limit "
+            f"{'that works' if budget.exact else 'found to work'} is {format_bytes(need, round_up=True)}")
     relaxations = []
     if options.recompute != "auto":
         relaxations.append(("--recompute auto", {"recompute": "auto"}))
-    if options.schedule == "gpipe":
-        relaxations.append(("--schedule 1f1b", {"schedule": "1f1b"}))
+    if options.schedule not in ("1f1b", "auto"):
+        relaxations.append(("--schedule 1f1b", {"schedule": "1f1b", "virtual_stages": "auto"}))
     if options.micro_batches != "auto":
         relaxations.append(("--micro-batches auto", {"micro_batches": "auto"}))
     if options.stages < profile.num_layers:
@@ -437,7 +580,7 @@ def explain_infeasible(profile: Profile, options: SolveOptions, batch: int) -> s
     helps = []
     for flag, change in relaxations:
         relaxed = SolveOptions(**{**options.__dict__, **change})
-        relaxed_need = min(least_memory(profile, s, size) for s, size in settings_for(profile, relaxed, batch))
+        relaxed_need = least(relaxed)
         if relaxed_need < need:
             helps.append((relaxed_need, flag))
     helps.sort()

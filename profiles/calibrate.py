@@ -3,11 +3,19 @@
 A profile times each layer alone, on an otherwise idle machine. In a pipeline the same layers
 run back to back with other micro-batches in flight, next to the other stages' processes, with
 the runtime's own work per micro-batch: a stage often computes 10-40% slower than the sum of
-its layers' profiled times (docs/benchmarks.md measures it). The run's report has, per stage,
-the measured forward, backward and optimizer times at the plan's micro-batch size. Calibration
-scales each layer's times by its stage's measured / predicted ratio, at every micro-batch size,
-so that a second ``solve`` plans with what the pipeline really costs. Rounds compose: each is
-recorded under ``calibration`` in the profile.
+its layers' profiled times (docs/benchmarks.md measures it). The run's report has, per chunk
+(a contiguous run of layers; with one chunk per stage, the stage), the measured forward and
+backward times at the plan's micro-batch size, and per stage the optimizer's. Calibration
+scales each layer's forward and backward times by its chunk's measured / predicted ratio, and
+its optimizer time by its stage's, at every micro-batch size, so that a second ``solve`` plans
+with what the pipeline really costs. A schedule that splits the backward into the input
+gradient (I) and the weight gradient (W) reports their sum per micro-batch as the chunk's
+backward; its ratio scales B, I and W alike (one run cannot tell which half ran slow). Rounds
+compose: each is recorded under ``calibration`` in the profile.
+
+A report before version 3 has no chunks: its stages are the chunks. A version-3 report lists
+its chunks, each naming its layers (or, where one does not, those of the plan the report
+names: gpipe_plan/plan_layout.py).
 
 The report also says how fast the machine was during the run against the profile's moment
 (``speed.ratio``, from a reference workload each rank ran alone). That would be the machine's
@@ -30,10 +38,12 @@ from __future__ import annotations
 
 import copy
 import statistics
+from pathlib import Path
 from typing import Any
 
-from ..artifacts import (PROFILE_FORMAT, REPORT_FORMAT, BadInput, file_sha256, precision_label, precision_of,
-                         read_artifact)
+from ..artifacts import (PLAN_FORMAT, PROFILE_FORMAT, REPORT_FORMAT, BadInput, file_sha256, precision_label,
+                         precision_of, read_artifact)
+from ..plan_layout import plan_chunks
 from ..schema import validate
 
 # A stage measured this far from its prediction is more likely a broken run than a slowdown.
@@ -56,48 +66,64 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
         raise BadInput(f"'{report_path}' ran {precision_label(*ran)} but '{profile_path}' was measured "
                        f"{precision_label(*profiled)}: calibrate with the profile the run's plan was made from")
     _check_stages(report["stages"], report_path)
+    chunks = report_chunks(report, report_path)
     index = {layer["name"]: i for i, layer in enumerate(profile["layers"])}
+    for unit in (*report["stages"], *chunks):
+        missing = [name for name in unit["layers"] if name not in index]
+        if missing:
+            raise BadInput(f"'{report_path}' stage {unit.get('stage', unit.get('index'))} runs layer {missing[0]!r}, "
+                           f"which '{profile_path}' does not have: calibrate with the profile the plan was made from")
     spread = run_spread(report)
     speed = (report.get("speed") or {}).get("ratio") if use_speed_probe else None
     drift = speed if speed and speed > 0 else 1.0
     out = copy.deepcopy(profile)
-    rounds = []
+    layers = out["layers"]
+    measured_any = False
+
+    def ratio_of(unit: dict[str, Any], kind: str, predicted: float | None, what: str) -> float | None:
+        """The unit's measured / predicted ``kind`` time with the drift divided out (None: not measured)."""
+        measured = unit.get(f"measured_{kind}_s")
+        if not measured or not predicted:
+            return None
+        ratio = measured / drift / predicted
+        if not PLAUSIBLE[0] <= ratio <= PLAUSIBLE[1]:
+            raise BadInput(f"'{report_path}' {what} measured its {kind} {ratio:.2f}x the prediction: that run "
+                           "looks broken (or its plan came from another profile); not calibrating with it")
+        return ratio
+
+    stage_rounds = []
     for stage in report["stages"]:
-        missing = [name for name in stage["layers"] if name not in index]
-        if missing:
-            raise BadInput(f"'{report_path}' stage {stage.get('index')} runs layer {missing[0]!r}, which "
-                           f"'{profile_path}' does not have: calibrate with the profile the plan was made from")
-        scales: dict[str, float] = {}
-        measured_ratios: dict[str, float] = {}
-        for kind in ("forward", "backward", "optimizer"):
-            measured = stage.get(f"measured_{kind}_s")
-            predicted = stage.get(f"predicted_{kind}_s")
-            if kind == "optimizer" and predicted is None:
-                predicted = sum(profile["layers"][index[n]].get("optimizer_s") or 0.0 for n in stage["layers"])
-            if not measured or not predicted:
-                continue
-            ratio = measured / drift / predicted
-            if not PLAUSIBLE[0] <= ratio <= PLAUSIBLE[1]:
-                raise BadInput(f"'{report_path}' stage {stage['index']} measured its {kind} {ratio:.2f}x the "
-                               "prediction: that run looks broken (or its plan came from another profile); "
-                               "not calibrating with it")
+        predicted = stage.get("predicted_optimizer_s")
+        if predicted is None:
+            predicted = sum(layers[index[n]].get("optimizer_s") or 0.0 for n in stage["layers"])
+        entry: dict[str, Any] = {"stage": stage["index"], "layers": stage["layers"]}
+        ratio = ratio_of(stage, "optimizer", predicted, f"stage {stage['index']}")
+        if ratio is not None:
             scale = shrink(ratio, spread)
-            scales[kind] = scale
-            measured_ratios[kind] = ratio
+            entry.update(optimizer_scale=scale, measured_optimizer_ratio=ratio)
+            measured_any = True
             for name in stage["layers"]:
-                layer = out["layers"][index[name]]
-                if kind == "optimizer":
-                    if layer.get("optimizer_s") is not None:
-                        layer["optimizer_s"] = layer["optimizer_s"] * scale
-                else:
-                    # The same pass under checkpointing (profiles that timed it) scales alike.
-                    for key in (f"{kind}_s", f"recompute_{kind}_s"):
-                        if layer.get(key) is not None:
-                            layer[key] = [t * scale for t in layer[key]]
-        rounds.append({"stage": stage["index"], "layers": stage["layers"],
-                       **{f"{k}_scale": v for k, v in scales.items()},
-                       **{f"measured_{k}_ratio": v for k, v in measured_ratios.items()}})
-    if not rounds:
+                layer = layers[index[name]]
+                if layer.get("optimizer_s") is not None:
+                    layer["optimizer_s"] = layer["optimizer_s"] * scale
+        stage_rounds.append(entry)
+    chunk_rounds = []
+    for chunk in chunks:
+        entry = {"chunk": chunk["index"], "stage": chunk["stage"], "layers": chunk["layers"]}
+        for kind in ("forward", "backward"):
+            ratio = ratio_of(chunk, kind, chunk.get(f"predicted_{kind}_s"), chunk["what"])
+            if ratio is None:
+                continue
+            scale = shrink(ratio, spread)
+            entry.update({f"{kind}_scale": scale, f"measured_{kind}_ratio": ratio})
+            measured_any = True
+            for name in chunk["layers"]:
+                layer = layers[index[name]]
+                for key in SCALED[kind]:
+                    if layer.get(key) is not None:
+                        layer[key] = [t * scale for t in layer[key]]
+        chunk_rounds.append(entry)
+    if not measured_any:
         raise BadInput(f"'{report_path}' has no per-stage measurements to calibrate with")
     history = list(profile.get("calibration") or [])
     history.append({
@@ -106,10 +132,63 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
         "micro_batch_size": report.get("micro_batch_size"),
         "speed_ratio_divided_out": drift,
         "run_spread": spread,
-        "stages": rounds,
+        "stages": stage_rounds,
+        "chunks": chunk_rounds,
     })
     out["calibration"] = history
     return out
+
+
+# The layer times one measured ratio scales: the same pass under checkpointing (profiles that
+# timed it) scales alike, and so do the backward's two halves, input (I) and weight (W).
+SCALED = {
+    "forward": ("forward_s", "recompute_forward_s"),
+    "backward": ("backward_s", "recompute_backward_s", "backward_input_s", "backward_weight_s"),
+}
+
+
+def report_chunks(report: dict[str, Any], report_path: str) -> list[dict[str, Any]]:
+    """The report's chunks, each with its ``index``, ``stage``, ``layers``, predicted and measured
+    forward and backward times, and ``what`` (how a message names it).
+
+    A report before version 3 has none: each stage is one chunk. A version-3 report's chunk
+    names its layers; where one does not, they are taken from the plan the report names. Either
+    way the chunks of each stage must hold that stage's layers.
+    """
+    if not report.get("chunks"):
+        return [{**stage, "stage": stage["index"], "what": f"stage {stage['index']}"} for stage in report["stages"]]
+    planned: list[dict[str, Any]] | None = None
+    source = f"report '{report_path}'"
+    if not all(chunk.get("layers") for chunk in report["chunks"]):
+        plan_path = plan_of_report(report, report_path)
+        plan = read_artifact(plan_path, PLAN_FORMAT)
+        source = f"plan '{plan_path}'"
+        validate(plan, "plan", source)
+        planned = plan_chunks(plan, source)
+    chunks = []
+    for c, chunk in enumerate(report["chunks"]):
+        elsewhere = planned is not None and (c >= len(planned) or chunk["stage"] != planned[c]["stage"])
+        if chunk["index"] != c or elsewhere:
+            raise BadInput(f"report '{report_path}': 'chunks[{c}]' is not chunk {c} of {source}: "
+                           "calibrate with the plan the run ran")
+        if chunk.get("layers"):
+            layers = chunk["layers"]
+        else:
+            assert planned is not None       # read above: some chunk names no layers
+            layers = planned[c]["layers"]
+        chunks.append({**chunk, "layers": layers, "what": f"chunk {c} (stage {chunk['stage']})"})
+    for k, stage in enumerate(report["stages"]):
+        held = [name for chunk in chunks if chunk["stage"] == k for name in chunk["layers"]]
+        if sorted(held) != sorted(stage["layers"]):
+            raise BadInput(f"report '{report_path}': stage {k}'s layers are not those of its chunks in {source}: "
+                           "calibrate with the plan the run ran")
+    return chunks
+
+
+def plan_of_report(report: dict[str, Any], report_path: str) -> str:
+    """The plan the report's run ran, as the report names it: found, and unchanged since."""
+    return named_file(report, "plan", f"report '{report_path}'", report_path, "a run of plan",
+                      hint="keep the plan beside the report: its chunks say which layers each measured time is for")
 
 
 def _check_stages(stages: list[dict[str, Any]], report_path: str) -> None:
@@ -162,3 +241,29 @@ def shrink(ratio: float, spread: float | None) -> float:
     if not spread or deviation == 0.0:
         return ratio
     return 1.0 + deviation * max(0.0, 1.0 - (spread / deviation) ** 2)
+
+
+def named_file(doc: dict[str, Any], key: str, label: str, doc_path: str, relation: str, hint: str) -> str:
+    """The file ``doc[key]`` names (``path``, ``sha256``), found and unchanged; else one line ending in ``hint``."""
+    recorded = doc.get(key) if isinstance(doc.get(key), dict) else {}
+    if not recorded.get("path"):
+        raise BadInput(f"{label} does not name its {key}: {hint}")
+    path = locate(recorded["path"], doc_path)
+    if path is None:
+        raise BadInput(f"{label} is {relation} '{recorded['path']}', which is gone: {hint}")
+    if recorded.get("sha256") and file_sha256(path) != recorded["sha256"]:
+        raise BadInput(f"{key} '{path}' has changed since {label} was made from it: {hint}")
+    return path
+
+
+def locate(recorded: str, named_by: str) -> str | None:
+    """``recorded`` as written if it exists, else beside the file that names it, else None."""
+    try:
+        if Path(recorded).is_file():
+            return recorded
+        beside = Path(named_by).parent / recorded
+        if not Path(recorded).is_absolute() and beside.is_file():
+            return str(beside)
+    except (OSError, ValueError):   # a name no file can have (a NUL byte, too long)
+        return None
+    return None

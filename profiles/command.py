@@ -33,6 +33,7 @@ def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes
                     device: str = "cpu", threads: int = 1, warmup: int = 3, repeats: int = 10,
                     seed: int = 0, measure_link: bool = False, out: str = "profile.json",
                     quiet: bool = False, contention_processes: int | None = None, recompute_timing: bool = True,
+                    split_backward_timing: bool = True,
                     precision: str = "fp32", param_dtype: str = "fp32", measure_every_layer: bool = False,
                     whole_model_check: bool | None = None, layer_by_layer: bool | None = None,
                     global_batch_size: int | None = None,
@@ -59,6 +60,7 @@ def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes
     request = ProfileRequest(spec=spec, micro_batch_sizes=sizes, device=dev, threads=threads, warmup=warmup,
                              repeats=repeats, seed=seed, measure_link=measure_link, batch_size=batch,
                              contention_processes=contention_processes, recompute=recompute_timing,
+                             split_backward=split_backward_timing,
                              precision=chosen, share_figures=not measure_every_layer,
                              whole_model_check=whole_model_check, layer_by_layer=layer_by_layer)
 
@@ -179,13 +181,13 @@ class PhaseLines:
 def phase_of(description: str) -> str | None:
     """The phase a unit of the profiler's work belongs to: ``b=4 block0 (recompute)`` -> ``block0``.
 
-    Units are named by the runner that ran (``b=SIZE NAME``, ``NAME (recompute)``, ``NAME
-    optimizer step``, ``whole model``, ...); the timing harnesses run beside every layer and
+    Units are named by the runner that ran (``b=SIZE NAME``, ``NAME (recompute)``, ``NAME (split)``,
+    ``NAME optimizer step``, ``whole model``, ...); the timing harnesses run beside every layer and
     start no phase of their own (None).
     """
     name = re.sub(r"^b=\d+ ", "", description)
-    name = name.removesuffix(" (recompute)").removesuffix(" optimizer step")
-    if name in ("harness", "recompute harness"):
+    name = name.removesuffix(" (recompute)").removesuffix(" (split)").removesuffix(" optimizer step")
+    if name in ("harness", "recompute harness", "split harness"):
         return None
     return name
 

@@ -9,7 +9,7 @@ from rich.table import Table
 
 from ..artifacts import PLAN_FORMAT, REPORT_FORMAT, BadInput, file_sha256, read_artifact, write_json_atomic
 from ..schema import validate
-from .calibrate import calibrate
+from .calibrate import calibrate, locate, named_file
 
 
 def calibrate_command(report: str, profile: str | None, out: str | None, speed_correction: bool = False) -> None:
@@ -23,13 +23,7 @@ def calibrate_command(report: str, profile: str | None, out: str | None, speed_c
     target = out or str(Path(profile).with_suffix("")) + ".calibrated.json"
     write_json_atomic(target, doc)
     last = doc["calibration"][-1]
-    table = Table(title="calibration: measured / predicted, per stage", title_justify="left")
-    for col in ("stage", "layers", "forward", "backward", "optimizer"):
-        table.add_column(col, justify="left" if col == "layers" else "right")
-    for st in last["stages"]:
-        names = st["layers"][0] if len(st["layers"]) == 1 else f"{st['layers'][0]} .. {st['layers'][-1]}"
-        table.add_row(str(st["stage"]), names, *(_scale(st, kind) for kind in ("forward", "backward", "optimizer")))
-    console.print(table)
+    console.print(round_table(last))
     spread = last.get("run_spread")
     if spread:
         console.print(f"the run's steps spread by {spread:.1%}: each ratio is moved toward 1 by that much noise "
@@ -39,6 +33,19 @@ def calibrate_command(report: str, profile: str | None, out: str | None, speed_c
         console.print(f"the machine ran at {drift:.2f}x the profile's time during that run (speed probe): divided out",
                       highlight=False)
     console.print(f"wrote {target}: solve with it to plan with the measured costs", highlight=False)
+
+
+def round_table(calibration_round: dict) -> Table:
+    """One calibration round: per chunk its forward and backward scales, and its stage's optimizer scale."""
+    table = Table(title="calibration: measured / predicted, per chunk (optimizer: per stage)", title_justify="left")
+    for col in ("chunk", "stage", "layers", "forward", "backward", "optimizer"):
+        table.add_column(col, justify="left" if col == "layers" else "right")
+    stages = {st["stage"]: st for st in calibration_round["stages"]}
+    for ch in calibration_round["chunks"]:
+        names = ch["layers"][0] if len(ch["layers"]) == 1 else f"{ch['layers'][0]} .. {ch['layers'][-1]}"
+        table.add_row(str(ch["chunk"]), str(ch["stage"]), names, _scale(ch, "forward"), _scale(ch, "backward"),
+                      _scale(stages.get(ch["stage"], {}), "optimizer"))
+    return table
 
 
 def _scale(stage: dict, kind: str) -> str:
@@ -52,6 +59,9 @@ def _scale(stage: dict, kind: str) -> str:
     return f"{applied:.2f}x ({measured:.2f}x)"
 
 
+PROFILE_HINT = "give --profile PROFILE (the profile the run's plan was made from)"
+
+
 def profile_of_report(report_path: str) -> str:
     """The profile a run's plan was made from, as the report and its plan name them.
 
@@ -63,10 +73,10 @@ def profile_of_report(report_path: str) -> str:
     """
     report = read_artifact(report_path, REPORT_FORMAT)
     validate(report, "report", f"report '{report_path}'")
-    plan_path = _named_file(report, "plan", f"report '{report_path}'", report_path, "a run of plan")
+    plan_path = named_file(report, "plan", f"report '{report_path}'", report_path, "a run of plan", hint=PROFILE_HINT)
     plan = read_artifact(plan_path, PLAN_FORMAT)
     validate(plan, "plan", f"plan '{plan_path}'")
-    return _named_file(plan, "profile", f"plan '{plan_path}'", plan_path, "made from profile")
+    return named_file(plan, "profile", f"plan '{plan_path}'", plan_path, "made from profile", hint=PROFILE_HINT)
 
 
 def check_profile_of_plan(report_path: str, profile_path: str) -> None:
@@ -78,7 +88,7 @@ def check_profile_of_plan(report_path: str, profile_path: str) -> None:
     """
     report = read_artifact(report_path, REPORT_FORMAT)
     recorded = report.get("plan") if isinstance(report.get("plan"), dict) else {}
-    plan_path = _locate(recorded["path"], report_path) if isinstance(recorded.get("path"), str) else None
+    plan_path = locate(recorded["path"], report_path) if isinstance(recorded.get("path"), str) else None
     if plan_path is None:
         return
     plan = read_artifact(plan_path, PLAN_FORMAT)
@@ -87,30 +97,3 @@ def check_profile_of_plan(report_path: str, profile_path: str) -> None:
     if isinstance(expected, str) and file_sha256(profile_path) != expected:
         raise BadInput(f"profile '{profile_path}' is not the one plan '{plan_path}' was made from (its SHA-256 "
                        f"differs): calibrate with that profile ('{source.get('path')}'), or leave --profile out")
-
-
-def _named_file(doc: dict, key: str, label: str, doc_path: str, relation: str) -> str:
-    """The file ``doc[key]`` names (``path``, ``sha256``), found and unchanged; else one line."""
-    recorded = doc.get(key) if isinstance(doc.get(key), dict) else {}
-    hint = "give --profile PROFILE (the profile the run's plan was made from)"
-    if not recorded.get("path"):
-        raise BadInput(f"{label} does not name its {key}: {hint}")
-    path = _locate(recorded["path"], doc_path)
-    if path is None:
-        raise BadInput(f"{label} is {relation} '{recorded['path']}', which is gone: {hint}")
-    if recorded.get("sha256") and file_sha256(path) != recorded["sha256"]:
-        raise BadInput(f"{key} '{path}' has changed since {label} was made from it: {hint}")
-    return path
-
-
-def _locate(recorded: str, named_by: str) -> str | None:
-    """``recorded`` as written if it exists, else beside the file that names it, else None."""
-    try:
-        if Path(recorded).is_file():
-            return recorded
-        beside = Path(named_by).parent / recorded
-        if not Path(recorded).is_absolute() and beside.is_file():
-            return str(beside)
-    except (OSError, ValueError):   # a name no file can have (a NUL byte, too long)
-        return None
-    return None

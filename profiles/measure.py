@@ -22,6 +22,11 @@ docs/benchmarks.md, "Models larger than one process").
 Parameter gradients accumulate across rounds, as across the micro-batches of one step. The
 garbage collector is off while timing so that a collection does not land in one figure.
 
+The backward is also timed split in two, as zero-bubble schedules run it (:func:`split_runner`):
+the input gradient I, which the previous stage waits for, then the weight gradient W, which
+only the optimizer waits for, through torch.distributed.pipelining's own ``stage_backward_input``
+and ``stage_backward_weight``, so that what is timed is what both executors run.
+
 Warm-up is counted in rounds and, where asked, in seconds too: an idle GPU runs at a fraction
 of its clock and needs about a second of work before its figures mean anything, while a few
 short rounds on a small model take milliseconds.
@@ -40,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.utils.checkpoint import checkpoint
 
 from .clock import Clock, median
@@ -52,8 +57,12 @@ Tensors = tuple[torch.Tensor, ...]
 
 @dataclass
 class Timing:
+    """Median times of one runner; a split runner's backward also in its two halves."""
+
     forward_s: float
-    backward_s: float
+    backward_s: float                       # the whole backward (a split runner's: median of I + W)
+    backward_input_s: float | None = None   # split runners only: I
+    backward_weight_s: float | None = None  # split runners only: W
 
 
 @dataclass
@@ -73,6 +82,10 @@ class LayerFigures:
     # Timed again under activation checkpointing, as a recomputing stage runs it.
     recompute_forward_s: float | None = None
     recompute_backward_s: float | None = None
+    # The backward split as zero-bubble schedules run it (see split_runner and record_split).
+    backward_input_s: float | None = None
+    backward_weight_s: float | None = None
+    weight_kept_bytes: int | None = None
 
 
 @contextmanager
@@ -89,11 +102,16 @@ def no_gc() -> Iterator[None]:
 
 @dataclass
 class Runner:
-    """One thing to time: ``backward(forward())``, the two halves timed separately."""
+    """One thing to time: ``backward(forward())``, the two halves timed separately.
+
+    A split runner (``backward_weight`` set) runs its backward in two parts, each timed:
+    ``backward`` is the input gradient and returns what ``backward_weight`` then takes.
+    """
 
     name: str
     forward: Callable[[], object]
-    backward: Callable[[object], None]
+    backward: Callable[[object], object]
+    backward_weight: Callable[[object], None] | None = None
 
 
 def time_rounds(groups: list[list[Runner]], clock: Clock, warmup: int, repeats: int,
@@ -102,11 +120,15 @@ def time_rounds(groups: list[list[Runner]], clock: Clock, warmup: int, repeats: 
 
     The warm-up is ``warmup`` rounds, and more until ``warmup_s`` seconds have passed. Each
     round runs each group in turn: the group's forwards in order (results kept), then its
-    backwards in reverse order. ``after_run(name)`` is called after each forward and each
-    backward of the counted rounds, outside the timed spans (it drives a progress bar).
+    backwards in reverse order, then the weight halves of its split runners in reverse order
+    (a zero-bubble stage runs its W's after the I's that send gradients on). ``after_run(name)``
+    is called after each forward, backward and weight half of the counted rounds, outside the
+    timed spans (it drives a progress bar).
     """
-    forward_spans: list[list[list[tuple[object, object]]]] = [[[] for _ in group] for group in groups]
-    backward_spans: list[list[list[tuple[object, object]]]] = [[[] for _ in group] for group in groups]
+    Spans = list[list[list[tuple[object, object]]]]
+    forward_spans: Spans = [[[] for _ in group] for group in groups]
+    backward_spans: Spans = [[[] for _ in group] for group in groups]
+    weight_spans: Spans = [[[] for _ in group] for group in groups]
 
     def one_round(timed: bool, report: Callable[[str], None] | None) -> None:
         for g, group in enumerate(groups):
@@ -121,11 +143,25 @@ def time_rounds(groups: list[list[Runner]], clock: Clock, warmup: int, repeats: 
                     report(runner.name)
             for k in reversed(range(len(group))):
                 start = clock.mark()
-                group[k].backward(results[k])
+                state = group[k].backward(results[k])
                 end = clock.mark()
-                results[k] = None  # free the graph now, as the backward of training does
+                # Free the graph now, as the backward of training does (a split runner's W
+                # still needs what its I returned).
+                results[k] = state if group[k].backward_weight is not None else None
                 if timed:
                     backward_spans[g][k].append((start, end))
+                if report is not None:
+                    report(group[k].name)
+            for k in reversed(range(len(group))):
+                weight = group[k].backward_weight
+                if weight is None:
+                    continue
+                start = clock.mark()
+                weight(results[k])
+                end = clock.mark()
+                results[k] = None
+                if timed:
+                    weight_spans[g][k].append((start, end))
                 if report is not None:
                     report(group[k].name)
 
@@ -140,9 +176,19 @@ def time_rounds(groups: list[list[Runner]], clock: Clock, warmup: int, repeats: 
         for _ in range(repeats):
             one_round(timed=True, report=after_run)
         clock.sync()
-    return [[Timing(forward_s=median([clock.seconds(a, b) for a, b in fwd]),
-                    backward_s=median([clock.seconds(a, b) for a, b in bwd]))
-             for fwd, bwd in zip(forward_spans[g], backward_spans[g])] for g in range(len(groups))]
+
+    def timing(fwd: list[tuple[object, object]], bwd: list[tuple[object, object]],
+               wgt: list[tuple[object, object]]) -> Timing:
+        backward = [clock.seconds(a, b) for a, b in bwd]
+        if not wgt:
+            return Timing(median([clock.seconds(a, b) for a, b in fwd]), median(backward))
+        weight = [clock.seconds(a, b) for a, b in wgt]
+        return Timing(median([clock.seconds(a, b) for a, b in fwd]),
+                      median([i + w for i, w in zip(backward, weight)]),
+                      backward_input_s=median(backward), backward_weight_s=median(weight))
+
+    return [[timing(*spans) for spans in zip(forward_spans[g], backward_spans[g], weight_spans[g])]
+            for g in range(len(groups))]
 
 
 def as_leaves(xs: Tensors, requires_grad: bool) -> Tensors:
@@ -216,6 +262,99 @@ def recomputing_runner(name: str, plain: Runner, layer: nn.Module, xs: Tensors, 
     return Runner(name, _forward(checkpointed(layer), xs, first, loss, autocast), plain.backward)
 
 
+def split_runner(name: str, layer: nn.Module, xs: Tensors, figures: LayerFigures, *, first: bool,
+                 loss: Callable[[Tensors], torch.Tensor] | None, autocast: Autocast = no_autocast) -> Runner | None:
+    """The runner that times ``layer``'s backward split in two, as a zero-bubble stage runs it.
+
+    I is ``stage_backward_input``: the gradient of the layer's inputs, from the same output
+    gradients as the plain runner's (the last layer: from its loss), keeping the graph; it
+    drops the part of the graph above the operations that have weights and returns what
+    the weight half needs. W is ``stage_backward_weight``: the weights' gradients from there.
+    Both are torch.distributed.pipelining's functions, so what is timed is what runs.
+
+    Also weighs ``figures.weight_kept_bytes``, in one untimed pass: the saved tensors still
+    held after I, plus the gradients I left for W (each storage once, on the profiled device).
+
+    The first layer gets no runner (None): torch's pipeline stage runs no I on the first
+    chunk, whose inputs are data without gradients, and runs its W as the whole backward,
+    keeping every saved tensor until then (see :func:`record_split`).
+    """
+    if first:
+        figures.weight_kept_bytes = figures.activation_bytes
+        return None
+    state = [*layer.parameters(), *layer.buffers()]
+    device = xs[0].device if xs else None
+    forward, backward_input, backward_weight = _split_halves(layer, xs, loss, autocast)
+    saved = SavedTensors(exclude=state, device=device)
+    with saved.recording():
+        result = forward()
+    groups = backward_input(result)
+    del result   # the inputs and the (now detached) outputs: the stage's own, not the graph's
+    figures.weight_kept_bytes = saved.nbytes_alive() + _gradient_bytes(groups, device)
+    backward_weight(groups)
+    return Runner(name, forward, backward_input, backward_weight)
+
+
+def _split_halves(layer: nn.Module, xs: Tensors, loss: Callable[[Tensors], torch.Tensor] | None,
+                  autocast: Autocast) -> tuple[Callable[[], object], Callable[[object], object],
+                                               Callable[[object], None]]:
+    """Forward, I and W of ``layer`` on ``xs``, with torch pipelining's split backward."""
+    grads: list[torch.Tensor | None] | None = None
+
+    def forward() -> tuple[Tensors, Tensors]:
+        leaves = as_leaves(xs, requires_grad=True)
+        with autocast():
+            outputs = layer(*leaves)
+            if loss is not None:
+                return (loss(outputs),), leaves
+        # stage_backward_input detaches the outputs in place, which a view refuses: a view
+        # is copied into an output of its own (its backward passes the gradient through).
+        return tuple(o.clone() if o._is_view() else o for o in outputs), leaves
+
+    def backward_input(result: object) -> object:
+        nonlocal grads
+        outputs, leaves = result  # type: ignore[misc]
+        if grads is None and loss is None:   # like the next stage's: same shapes, arbitrary values
+            grads = [torch.ones_like(o) if o.requires_grad else None for o in outputs]
+        _, groups = stage_backward_input(list(outputs), grads, list(leaves), layer.parameters())
+        return groups
+
+    def backward_weight(groups: object) -> None:
+        stage_backward_weight(layer.parameters(), groups)  # type: ignore[arg-type]
+
+    return forward, backward_input, backward_weight
+
+
+def _gradient_bytes(param_groups: object, device: torch.device | None) -> int:
+    """Bytes of the gradients ``stage_backward_input`` left in its parameter groups for W."""
+    storages: dict[tuple[str, int], int] = {}
+    for group in param_groups:  # type: ignore[attr-defined]
+        for grads in group.get("grads") or ():
+            for g in grads:
+                if isinstance(g, torch.Tensor) and (device is None or g.device.type == device.type):
+                    storages[storage_key(g)] = g.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def record_split(figures: LayerFigures, split: Timing | None, split_harness: Timing | None,
+                 has_weights: bool) -> None:
+    """Set ``figures``' I and W times from a split runner's timing, the split harness's taken off.
+
+    ``split`` None: the first layer, for which torch runs no I and whose W is its whole
+    backward: the plain runner's ``figures.backward_s`` (already net of the plain harness).
+    A layer without weights has nothing for W to do: 0, not a harness-sized remainder of noise.
+    """
+    if split is None or split_harness is None:
+        figures.backward_input_s = 0.0
+        figures.backward_weight_s = figures.backward_s
+        return
+    assert split.backward_input_s is not None and split.backward_weight_s is not None
+    assert split_harness.backward_input_s is not None and split_harness.backward_weight_s is not None
+    figures.backward_input_s = max(0.0, split.backward_input_s - split_harness.backward_input_s)
+    figures.backward_weight_s = (max(0.0, split.backward_weight_s - split_harness.backward_weight_s)
+                                 if has_weights else 0.0)
+
+
 def _forward(call: Callable[..., Tensors], xs: Tensors, first: bool,
              loss: Callable[[Tensors], torch.Tensor] | None, autocast: Autocast) -> Callable[[], object]:
     if loss is not None:
@@ -276,6 +415,25 @@ def recompute_harness_runner(device: torch.device, autocast: Autocast = no_autoc
     layer, xs = _Touch(), (torch.zeros(1, device=device),)
     _, plain = prepare_layer("recompute harness", layer, xs, first=False, loss=None, autocast=autocast)
     return recomputing_runner("recompute harness", plain, layer, xs, first=False, loss=None, autocast=autocast)
+
+
+def has_weights(layer: nn.Module) -> bool:
+    """Whether ``layer`` has parameters to train, i.e. whether a weight gradient has work to do."""
+    return any(p.requires_grad for p in layer.parameters())
+
+
+def split_harness_runner(device: torch.device, autocast: Autocast = no_autocast) -> Runner:
+    """The harness's twin for the split backward: an empty layer through I and W.
+
+    I starts autograd's engine once, as the plain backward does; W over a layer without
+    weights only walks the (empty) parameter groups. Taken off every split runner's halves.
+    """
+    figures, _ = prepare_layer("split harness", _PassThrough(), (torch.zeros(1, device=device),), first=False,
+                               loss=None, autocast=autocast)
+    runner = split_runner("split harness", _PassThrough(), (torch.zeros(1, device=device),), figures, first=False,
+                          loss=None, autocast=autocast)
+    assert runner is not None
+    return runner
 
 
 def harness_runner(device: torch.device, autocast: Autocast = no_autocast) -> Runner:

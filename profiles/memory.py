@@ -17,10 +17,17 @@ A layer's input, when saved, counts: it is memory the layer keeps alive for its 
 Only storages on the profiled device count: on CUDA the attention kernels save two 8-byte
 CPU tensors (their random seed and offset), which are not the GPU's memory and do not grow
 with the micro-batch.
+
+A split backward (zero-bubble schedules) runs in two halves, the input gradient I and later the
+weight gradient W, and between them the stage keeps part of what it saved: the graph under
+the operations that have weights, which W starts from. Which part is a fact of autograd, not
+of shapes, so it is counted too: every saved tensor is handed to autograd as an alias of its
+own, and an alias still alive after I is one the retained graph holds (:meth:`SavedTensors.nbytes_alive`).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -34,6 +41,9 @@ class SavedTensors:
         self._excluded = {storage_key(t) for t in exclude}
         self._device = device
         self._storages: dict[tuple[str, int], int] = {}
+        # The alias handed to autograd for each saved tensor counted, by storage: it lives as
+        # long as the graph node that saved it, and nothing else holds it.
+        self._aliases: list[tuple[tuple[str, int], weakref.ref[torch.Tensor]]] = []
 
     @contextmanager
     def recording(self) -> Iterator["SavedTensors"]:
@@ -43,17 +53,31 @@ class SavedTensors:
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = storage_key(tensor)
         on_device = self._device is None or tensor.device.type == self._device.type
-        if key not in self._excluded and on_device:
-            self._storages[key] = tensor.untyped_storage().nbytes()
         # A detached alias: the same storage, nothing moved or copied. Handing autograd the
         # tensor itself would leak the graph: a saved *output* (attention saves its result)
         # would hold its own grad_fn, a cycle through C++ that Python's collector cannot see,
         # and with it the layer's parameters, which then cannot be given back (models/materialize.py).
-        return tensor.detach()
+        alias = tensor.detach()
+        if key not in self._excluded and on_device:
+            self._storages[key] = tensor.untyped_storage().nbytes()
+            self._aliases.append((key, weakref.ref(alias)))
+        return alias
 
     @property
     def nbytes(self) -> int:
         return sum(self._storages.values())
+
+    def nbytes_alive(self) -> int:
+        """Bytes of the saved storages the graph still holds: those with an alias not yet freed.
+
+        Right after the forward this is :attr:`nbytes`; after a backward that keeps its graph
+        (``retain_graph``, as the input half of a split backward does) and after the graph's
+        upper part is dropped, it is what the rest of the graph keeps alive. The storage
+        itself may live on elsewhere (a layer's input, which the caller holds): what counts is
+        whether the graph holds it.
+        """
+        alive = {key for key, alias in self._aliases if alias() is not None}
+        return sum(self._storages[key] for key in alive)
 
     def nbytes_except(self, tensors: Iterable[torch.Tensor]) -> int:
         """Bytes of the saved storages other than those of ``tensors`` (e.g. the layer's inputs)."""

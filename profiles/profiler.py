@@ -19,8 +19,10 @@ cost the same, so only the first of each kind is measured and the others take it
 (``measured_as`` in the profile). A transformer's 32 blocks are measured as one.
 
 Each measured layer is timed in rounds (:mod:`.measure`): every micro-batch size in turn,
-the plain layer, then the layer under checkpointing, each next to an empty layer (the
-harness) whose cost is taken off; a slow spell of the machine lands on all sizes alike.
+the plain layer, then the layer under checkpointing, then the layer with its backward split
+into the input and the weight gradient (as zero-bubble schedules run it), each next to an
+empty layer (the harness) whose cost is taken off; a slow spell of the machine lands on all
+sizes alike.
 
 The planner predicts a pipeline's step time by adding up per-layer figures, so the profile
 checks that adding up works on this machine: it times the unsplit model's forward+backward
@@ -50,8 +52,8 @@ from .clock import Clock, clock_for
 from ..cudamemory import outside_allocator_bytes
 from .device import describe
 from .measure import (Autocast, LayerFigures, Runner, Timing, harness_runner, model_step_runner, optimizer_step_s,
-                      peak_transient_bytes, prepare_layer, recompute_harness_runner, recomputing_runner,
-                      time_rounds)
+                      peak_transient_bytes, prepare_layer, record_split, recompute_harness_runner,
+                      recomputing_runner, has_weights, split_harness_runner, split_runner, time_rounds)
 from .memory import tensor_bytes, unique_bytes
 from .walk import walk_layers
 
@@ -79,6 +81,9 @@ class ProfileRequest:
     contention_processes: int = 0
     # Also time every layer under activation checkpointing (what recomputation really costs).
     recompute: bool = True
+    # Also time every layer's backward split into the input and the weight gradient, and
+    # weigh what stays alive between the two (what zero-bubble schedules need).
+    split_backward: bool = True
     precision: Precision = field(default_factory=Precision)
     # Warm up for at least this long (None: 1 s on a GPU, whose clock ramps up under load; 0 on a CPU).
     warmup_s: float | None = None
@@ -164,8 +169,11 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
     rounds = request.warmup + request.repeats
     check_whole = _checks_whole_model(request, model)
     contention = request.contention_processes > 1 and device.type == "cpu"
-    runners_per_size = 2 + (2 if request.recompute else 0)     # harness and layer; the same checkpointed
-    progress.begin(len(walk.measured) * (len(sizes) * rounds * 2 * runners_per_size + 1)
+    # Units per size and round: forward and backward of the harness and the layer; the same
+    # checkpointed; forward, I and W of both split (not for the first layer: see split_runner).
+    units_per_size = 4 + (4 if request.recompute else 0)
+    split_units = 6 * len(sizes) * rounds * sum(1 for i in walk.measured if i > 0) if request.split_backward else 0
+    progress.begin(len(walk.measured) * (len(sizes) * rounds * units_per_size + 1) + split_units
                    + (len(sizes) * rounds * 2 if check_whole else 0)
                    + (1 if request.measure_link else 0) + (1 if contention else 0))
     clock = clock_for(device, request.threads)
@@ -177,6 +185,9 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
     harnesses = [_median_timing([m.harness[s] for m in measured.values()]) for s in range(len(sizes))]
     recompute_harnesses = ([_median_timing([m.recompute_harness[s] for m in measured.values()])
                             for s in range(len(sizes))] if request.recompute else [])
+    split_timed = [m for m in measured.values() if m.split_harness]    # all but a first layer
+    split_harnesses = [_median_timing([m.split_harness[s] for m in split_timed]) for s in range(len(sizes))] \
+        if split_timed else []
     optimizer_s = [measured[walk.measured_as[i]].optimizer_s for i in range(len(model.layers))]
 
     probes = [probe_before, speed_probe_s(device.type)]
@@ -186,7 +197,7 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
 
         progress.step("link between two processes")
         link = measure_link(device)
-    doc = _document(model, request, sizes, per_size, steps, harnesses, recompute_harnesses,
+    doc = _document(model, request, sizes, per_size, steps, harnesses, recompute_harnesses, split_harnesses,
                     [tensor_bytes(inputs) for inputs, _ in batches], optimizer_s, link)
     for entry, rep in zip(doc["layers"], walk.measured_as):
         entry["measured_as"] = None if model.layers[rep][0] == entry["name"] else model.layers[rep][0]
@@ -246,11 +257,12 @@ def _profile_in_memory(model: LayeredModel, request: ProfileRequest, progress: P
     rounds = request.warmup + request.repeats
     contention = request.contention_processes > 1 and device.type == "cpu"
     runs_per_round = len(model.layers) + 2 + (len(model.layers) + 1 if request.recompute else 0)
-    progress.begin(len(sizes) * rounds * 2 * runs_per_round + 1 + (1 if request.measure_link else 0)
+    split_runs_per_round = len(model.layers) if request.split_backward else 0   # the harness, layers 1..
+    progress.begin(len(sizes) * rounds * (2 * runs_per_round + 3 * split_runs_per_round) + 1 + (1 if request.measure_link else 0)
                    + (1 if contention else 0))
     # Every size is prepared first and all are timed in the same rounds (see _time_sizes).
     prepared = [_prepare_size(model, *_batch(model, b, request.seed, device), request, b) for b in sizes]
-    _time_sizes(prepared, request, progress)
+    _time_sizes(prepared, model, request, progress)
 
     progress.step("optimizer steps")
     clock = clock_for(device, request.threads)
@@ -266,6 +278,7 @@ def _profile_in_memory(model: LayeredModel, request: ProfileRequest, progress: P
     doc = _document(model, request, sizes, [p.figures for p in prepared], [p.step for p in prepared],
                     [p.harness for p in prepared],
                     [p.recompute_harness for p in prepared if p.recompute_harness is not None],
+                    [p.split_harness for p in prepared if p.split_harness is not None],
                     [p.input_bytes for p in prepared], optimizer_s, link)
     for entry in doc["layers"]:
         entry["measured_as"] = None
@@ -283,13 +296,19 @@ class _Size:
     runners: list[Runner]                     # the plain harness, then every layer
     whole: Runner                             # the unsplit model
     recomputing: list[Runner]                 # the checkpointed harness, then every layer; or none
+    # The split harness, then every layer's split runner (None: the first layer's, which has
+    # none); or nothing when the split is not timed.
+    splitting: list[Runner | None]
     step: Timing = field(default_factory=lambda: Timing(0.0, 0.0))
     harness: Timing = field(default_factory=lambda: Timing(0.0, 0.0))
     recompute_harness: Timing | None = None
+    split_harness: Timing | None = None
 
     @property
     def groups(self) -> list[list[Runner]]:
-        return [self.runners, [self.whole]] + ([self.recomputing] if self.recomputing else [])
+        split = [r for r in self.splitting if r is not None]
+        return [self.runners, [self.whole]] + ([self.recomputing] if self.recomputing else []) + \
+            ([split] if split else [])
 
 
 def _prepare_size(model: LayeredModel, inputs: Tensors, targets: torch.Tensor, request: ProfileRequest,
@@ -311,6 +330,8 @@ def _prepare_size(model: LayeredModel, inputs: Tensors, targets: torch.Tensor, r
     runners: list[Runner] = [harness_runner(request.device, autocast)]
     # The same layers under checkpointing, as a third group of every round (same drift).
     recomputing: list[Runner] = [recompute_harness_runner(request.device, autocast)] if request.recompute else []
+    # The same layers with the backward split, as a fourth group (same drift again).
+    splitting: list[Runner | None] = [split_harness_runner(request.device, autocast)] if request.split_backward else []
     for i, (name, layer) in enumerate(model.layers):
         loss = (lambda outputs: model.loss(outputs, targets)) if i == last else None
         weighed, runner = prepare_layer(f"b={b} {name}", layer, layer_inputs[i], first=(i == 0), loss=loss,
@@ -320,12 +341,15 @@ def _prepare_size(model: LayeredModel, inputs: Tensors, targets: torch.Tensor, r
         if request.recompute:
             recomputing.append(recomputing_runner(f"b={b} {name} (recompute)", runner, layer, layer_inputs[i],
                                                   first=(i == 0), loss=loss, autocast=autocast))
+        if request.split_backward:
+            splitting.append(split_runner(f"b={b} {name} (split)", layer, layer_inputs[i], weighed, first=(i == 0),
+                                          loss=loss, autocast=autocast))
     whole = model_step_runner(lambda: model.loss(model.forward(*inputs), targets), autocast)
     whole.name = f"b={b} {whole.name}"
-    return _Size(b, tensor_bytes(inputs), figures, runners, whole, recomputing)
+    return _Size(b, tensor_bytes(inputs), figures, runners, whole, recomputing, splitting)
 
 
-def _time_sizes(prepared: list[_Size], request: ProfileRequest, progress: Progress) -> None:
+def _time_sizes(prepared: list[_Size], model: LayeredModel, request: ProfileRequest, progress: Progress) -> None:
     """Time every size's runners in the same rounds; fill in the figures' times.
 
     One round runs every size in turn, smallest first. The machine's speed drifts over
@@ -352,6 +376,12 @@ def _time_sizes(prepared: list[_Size], request: ProfileRequest, progress: Progre
             for weighed, timing in zip(p.figures, recompute_timings):
                 weighed.recompute_forward_s = max(0.0, timing.forward_s - recompute_harness.forward_s)
                 weighed.recompute_backward_s = max(0.0, timing.backward_s - recompute_harness.backward_s)
+        if p.splitting:
+            split_harness, *split_timings = next(timed)
+            p.split_harness = split_harness
+            timings = iter(split_timings)
+            for weighed, runner, (_, layer) in zip(p.figures, p.splitting[1:], model.layers):
+                record_split(weighed, None if runner is None else next(timings), split_harness, has_weights(layer))
         if request.device.type == "cuda":
             for weighed, runner in zip(p.figures, p.runners[1:]):
                 weighed.peak_transient_bytes = peak_transient_bytes(runner, request.device, weighed)
@@ -375,6 +405,7 @@ class _Measured:
     figures: list[LayerFigures]
     harness: list[Timing]
     recompute_harness: list[Timing]
+    split_harness: list[Timing]         # empty for the first layer, which has no split runner
     optimizer_s: float
 
 
@@ -384,27 +415,35 @@ def _measure_layer(model: LayeredModel, i: int, inputs: list[Tensors], targets: 
 
     Per size, one group runs the harness and the layer (the harness is taken off the layer's
     times: per-call costs a stage pays once, not per layer); with recompute timing, a second
-    group runs both again under checkpointing.
+    group runs both again under checkpointing; with split-backward timing, a third runs both
+    with the backward split in two.
     """
     name = model.layers[i][0]
     last = i == len(model.layers) - 1
     autocast: Autocast = request.autocast
     with layer_materialized(model, i, request.device) as layer:
         figures: list[LayerFigures] = []
-        groups = []
+        plain: list[Runner] = []
+        groups: list[list[Runner]] = []
         for b, xs, y in zip(sizes, inputs, targets):
             loss = (lambda outputs, y=y: model.loss(outputs, y)) if last else None
             weighed, runner = prepare_layer(f"b={b} {name}", layer, xs, first=(i == 0), loss=loss, autocast=autocast)
             figures.append(weighed)
+            plain.append(runner)
             groups.append([harness_runner(request.device, autocast), runner])
             if request.recompute:
                 groups.append([recompute_harness_runner(request.device, autocast),
                                recomputing_runner(f"b={b} {name} (recompute)", runner, layer, xs, first=(i == 0),
                                                   loss=loss, autocast=autocast)])
+            if request.split_backward:
+                split = split_runner(f"b={b} {name} (split)", layer, xs, weighed, first=(i == 0), loss=loss,
+                                     autocast=autocast)
+                if split is not None:
+                    groups.append([split_harness_runner(request.device, autocast), split])
         timed = iter(time_rounds(groups, clock, request.warmup, request.repeats,
                                  after_run=lambda what: progress.step(what), warmup_s=request.warmup_duration_s))
-        harnesses, recompute_harnesses = [], []
-        for s, weighed in enumerate(figures):
+        harnesses, recompute_harnesses, split_harnesses = [], [], []
+        for weighed, runner in zip(figures, plain):
             harness, timing = next(timed)
             harnesses.append(harness)
             weighed.forward_s = max(0.0, timing.forward_s - harness.forward_s)
@@ -414,14 +453,20 @@ def _measure_layer(model: LayeredModel, i: int, inputs: list[Tensors], targets: 
                 recompute_harnesses.append(recompute_harness)
                 weighed.recompute_forward_s = max(0.0, recomputed.forward_s - recompute_harness.forward_s)
                 weighed.recompute_backward_s = max(0.0, recomputed.backward_s - recompute_harness.backward_s)
+            if request.split_backward:
+                if i == 0:
+                    record_split(weighed, None, None, has_weights(layer))
+                else:
+                    split_harness, split_timing = next(timed)
+                    split_harnesses.append(split_harness)
+                    record_split(weighed, split_timing, split_harness, has_weights(layer))
             if request.device.type == "cuda":
-                weighed.peak_transient_bytes = peak_transient_bytes(groups[s * (len(groups) // len(sizes))][1],
-                                                                    request.device, weighed)
-        del groups, timed
+                weighed.peak_transient_bytes = peak_transient_bytes(runner, request.device, weighed)
+        del groups, plain, timed
         layer.zero_grad(set_to_none=True)   # gradients of the timing rounds: freed before the next layer
         progress.step(f"{name} optimizer step")
         optimizer_s = optimizer_step_s(_distinct(layer.parameters()), clock, request.warmup, request.repeats)
-    return _Measured(figures, harnesses, recompute_harnesses, optimizer_s)
+    return _Measured(figures, harnesses, recompute_harnesses, split_harnesses, optimizer_s)
 
 
 def _time_whole_model(model: LayeredModel, batches: list[tuple[Tensors, torch.Tensor]], sizes: list[int],
@@ -446,7 +491,13 @@ def _time_whole_model(model: LayeredModel, batches: list[tuple[Tensors, torch.Te
 
 
 def _median_timing(timings: list[Timing]) -> Timing:
-    return Timing(statistics.median(t.forward_s for t in timings), statistics.median(t.backward_s for t in timings))
+    """Each field's median over ``timings`` (the split halves too, when every one has them)."""
+    def of(values: list[float | None]) -> float | None:
+        return None if None in values else statistics.median(v for v in values if v is not None)
+
+    return Timing(statistics.median(t.forward_s for t in timings), statistics.median(t.backward_s for t in timings),
+                  backward_input_s=of([t.backward_input_s for t in timings]),
+                  backward_weight_s=of([t.backward_weight_s for t in timings]))
 
 
 def _distinct(params: Any) -> list[torch.Tensor]:
@@ -462,7 +513,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _document(model: LayeredModel, request: ProfileRequest, sizes: list[int],
               per_size: list[list[LayerFigures]], steps: list[Timing] | None, harnesses: list[Timing],
-              recompute_harnesses: list[Timing], input_bytes: list[int],
+              recompute_harnesses: list[Timing], split_harnesses: list[Timing], input_bytes: list[int],
               optimizer_s: list[float], link: dict[str, Any] | None) -> dict[str, Any]:
     layers = []
     for i, (name, layer) in enumerate(model.layers):
@@ -490,6 +541,10 @@ def _document(model: LayeredModel, request: ProfileRequest, sizes: list[int],
         if request.recompute:
             entry["recompute_forward_s"] = [f.recompute_forward_s for f in at]
             entry["recompute_backward_s"] = [f.recompute_backward_s for f in at]
+        if request.split_backward:
+            entry["backward_input_s"] = [f.backward_input_s for f in at]
+            entry["backward_weight_s"] = [f.backward_weight_s for f in at]
+            entry["weight_kept_bytes"] = [f.weight_kept_bytes for f in at]
         layers.append(entry)
 
     layer_sum = [sum(f.forward_s + f.backward_s for f in figures) for figures in per_size]
@@ -526,6 +581,9 @@ def _document(model: LayeredModel, request: ProfileRequest, sizes: list[int],
                                    for r, h in zip(recompute_harnesses, harnesses)]
         doc["measurement"]["recompute_harness_forward_s"] = [t.forward_s for t in recompute_harnesses]
         doc["measurement"]["recompute_harness_backward_s"] = [t.backward_s for t in recompute_harnesses]
+    if split_harnesses:
+        doc["measurement"]["split_harness_backward_input_s"] = [t.backward_input_s for t in split_harnesses]
+        doc["measurement"]["split_harness_backward_weight_s"] = [t.backward_weight_s for t in split_harnesses]
     if link is not None:
         doc["link"] = link
     tied = model.tied_parameters()

@@ -51,6 +51,10 @@ def render_profile(doc: dict[str, Any], console: Console) -> None:
     table.add_row("total", format_seconds(total_f), format_seconds(total_b), format_bytes(total_act),
                   "", format_bytes(total_params))
     console.print(table)
+    # Version 7: the backward split into I (input gradient) and W (weight gradient).
+    if all(_at(layer.get("backward_input_s"), column) is not None for layer in layers):
+        console.print(_split_table(layers, column, sizes[column], longest))
+        console.print(_split_line(layers, sizes), highlight=False)
     sharing = _sharing_line(layers)
     if sharing:
         console.print(sharing, highlight=False)
@@ -103,6 +107,42 @@ def _recompute_line(doc: dict[str, Any], layers: list[dict[str, Any]], sizes: li
             parts.append(f"{checkpointed / plain:.2f}x at {size}")
     return (f"recomputation: the whole model under checkpointing takes {', '.join(parts)} its plain forward+backward "
             f"(one checkpoint call: {format_seconds(_at(calls, len(sizes) - 1))}); plans that recompute charge it")
+
+
+def _split_table(layers: list[dict[str, Any]], column: int, size: int, longest: int) -> Table:
+    """Per layer, the backward as zero-bubble schedules split it: I, W, and what W keeps alive."""
+    table = Table(title=f"backward split in two at micro-batch size {size}", title_justify="left",
+                  caption="I: input gradient (what the previous stage waits for); W: weight gradient; "
+                          "kept: bytes alive from I until W", caption_justify="left")
+    table.add_column("layer", min_width=min(longest, 40), overflow="fold")
+    for heading in ("backward", "I", "W", "saved", "kept"):
+        table.add_column(heading, justify="right", no_wrap=True)
+    totals = [0.0, 0.0, 0.0, 0, 0]
+    for layer in layers:
+        values = [_at(layer.get(key), column) for key in ("backward_s", "backward_input_s", "backward_weight_s",
+                                                          "activation_bytes", "weight_kept_bytes")]
+        totals = [t + (v or 0) for t, v in zip(totals, values)]
+        table.add_row(str(layer.get("name", "?")), *(format_seconds(v) for v in values[:3]),
+                      *(format_bytes(v) for v in values[3:]))
+    table.add_section()
+    table.add_row("total", *(format_seconds(v) for v in totals[:3]), *(format_bytes(v) for v in totals[3:]))
+    return table
+
+
+def _split_line(layers: list[dict[str, Any]], sizes: list[int]) -> str:
+    """What splitting the backward costs in time and keeps in memory, whole model, per size (version 7)."""
+    times, kept = [], []
+    for i, size in enumerate(sizes):
+        plain = sum(_at(l.get("backward_s"), i) or 0.0 for l in layers)
+        split = sum((_at(l.get("backward_input_s"), i) or 0.0) + (_at(l.get("backward_weight_s"), i) or 0.0)
+                    for l in layers)
+        saved = sum(_at(l.get("activation_bytes"), i) or 0 for l in layers)
+        if plain > 0:
+            times.append(f"{split / plain:.2f}x at {size}")
+        if saved > 0:
+            kept.append(f"{sum(_at(l.get('weight_kept_bytes'), i) or 0 for l in layers) / saved:.2f}x at {size}")
+    return (f"split backward: I + W take {', '.join(times) or '-'} the plain backward; between them a micro-batch "
+            f"keeps {', '.join(kept) or '-'} its saved activations; zero-bubble plans (zb-h1, zb-v) charge both")
 
 
 def _header(doc: dict[str, Any]) -> str:

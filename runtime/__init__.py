@@ -3,10 +3,11 @@
 ``gpipe-plan run plan.json`` (:mod:`.command`) starts K ranks (:mod:`.launch`), or is one
 rank under ``torchrun``. Each rank (:mod:`.train`):
 
-1. rebuilds the whole model from the plan's spec and the seed, keeps its stage (:mod:`.stage`),
-   and loads its stage's part of ``--init-from`` weights (:mod:`.init_from`);
-2. runs its share of every step in the schedule's order (:mod:`.schedule`, :mod:`.executor`),
-   sending activations forward and gradients back to its neighbours (:mod:`.p2p`);
+1. rebuilds the whole model from the plan's spec and the seed, keeps its stage's chunks
+   (:mod:`.stage`), and loads their part of ``--init-from`` weights (:mod:`.init_from`);
+2. runs its stage's list of the schedule's actions every step (``gpipe_plan.schedules``,
+   :mod:`.executor`), sending activations forward and gradients back to the stages holding
+   the neighbouring chunks (:mod:`.p2p`);
 3. steps its optimizer, saves checkpoints (:mod:`.checkpoint`), records spans (:mod:`.timing`);
 4. at the end, sends what it measured to rank 0, which writes the report (:mod:`.report`),
    the trace (:mod:`.trace`) and the saved model.

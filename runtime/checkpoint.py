@@ -65,7 +65,7 @@ import torch.distributed as dist
 from ..artifacts import BadInput, named_first_line, write_json_atomic
 from .loss_scale import LossScaler
 from .objects import all_gather_objects
-from .stage import Stage
+from .stage import StageChunks
 
 FORMAT = "gpipe-plan.checkpoint"
 # Version 2: one DCP checkpoint per step, keyed like the unsplit model (resumable under any
@@ -86,7 +86,7 @@ def partial_folder(folder: Path, step: int) -> Path:
 
 
 # ---------------------------------------------------------------------- saving
-def save(folder: Path, step: int, stage: Stage, optimizer: torch.optim.Optimizer, identity: dict[str, Any],
+def save(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Optimizer, identity: dict[str, Any],
          saved_by: dict[str, Any], scaler: LossScaler | None = None, device: torch.device | None = None,
          group: dist.ProcessGroup | None = None) -> Path:
     """Save the state after ``step`` completed steps; every rank calls this, together.
@@ -114,7 +114,7 @@ def save(folder: Path, step: int, stage: Stage, optimizer: torch.optim.Optimizer
     return final
 
 
-def _optimizer_tensors(stage: Stage, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+def _optimizer_tensors(stage: StageChunks, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """``optim/<unsplit key>/<name>`` for every per-parameter state; numbers become 0-d tensors."""
     out: dict[str, torch.Tensor] = {}
     for key, param in stage.named_parameters():
@@ -210,7 +210,7 @@ def newest_complete_step(folder: Path, group: dist.ProcessGroup | None = None) -
 
 
 # ---------------------------------------------------------------------- loading
-def load(folder: Path, step: int, stage: Stage, optimizer: torch.optim.Optimizer, identity: dict[str, Any],
+def load(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Optimizer, identity: dict[str, Any],
          seed: int, scaler: LossScaler | None = None, device: torch.device | None = None,
          group: dist.ProcessGroup | None = None) -> dict[str, Any]:
     """Restore this stage's parameters, buffers and optimizer state, the loss scale and the RNG.

@@ -152,23 +152,22 @@ def _show_plan(console: Console, plan_path: Path, plan: dict[str, Any]) -> None:
 def text_timeline(plan: dict[str, Any], width: int = 72) -> str:
     """The plan's predicted step, one row of characters per stage.
 
-    ``F3==`` is the forward of micro-batch 3, ``B3====`` its backward (``R`` a recomputation),
-    ``o`` the optimizer step, ``.`` idle: the dots are the bubble.
+    ``F3==`` is the forward of micro-batch 3, ``B3====`` its backward (``I3`` and ``W3`` its
+    halves under a zero-bubble schedule, ``R`` a recomputation), ``o`` the optimizer step,
+    ``.`` idle: the dots are the bubble.
     """
-    from ..planner.schedule import simulate_times
+    from ..planner.render import plan_timeline
 
-    stages = plan["stages"]
-    timeline = simulate_times(plan["schedule"], [s["forward_s"] for s in stages], [s["backward_s"] for s in stages],
-                              [s.get("send_s", 0.0) for s in stages[:-1]], plan["micro_batches"],
-                              optimizer_s=[s.get("optimizer_s", 0.0) for s in stages], record=True)
+    timeline = plan_timeline(plan)
     span = timeline.step_s or 1.0
     rows = []
-    for k in range(len(stages)):
+    for k in range(len(plan["stages"])):
         cells = ["."] * width
         for event in timeline.events:
             if event.stage != k or event.kind == "send":
                 continue
-            letter = {"forward": "F", "backward": "B", "recompute": "R", "optimizer": "o"}[event.kind]
+            letter = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W",
+                      "recompute": "R", "optimizer": "o"}[event.kind]
             label = letter if event.micro_batch < 0 else f"{letter}{event.micro_batch}"
             a = int(event.start_s / span * width)
             b = max(int(event.end_s / span * width), a + 1)

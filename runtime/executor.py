@@ -1,198 +1,303 @@
-"""The executor: run one stage's share of a training step, in the schedule's order.
+"""The executor: run one stage's share of a training step, in the order of its action list.
 
-A training step on stage k is the list of operations the schedule gives it (:mod:`.schedule`),
-run one after the other:
+A training step on stage k is the list of actions the schedule gives it
+(``gpipe_plan.schedules.all_actions(...)[k]``), each on one of the stage's chunks for one
+micro-batch, run one after the other:
 
-- ``F m``: take micro-batch m's inputs (from the data on stage 0, else the activations stage
-  k-1 sent), run the stage's layers, and send the outputs to stage k+1; the last stage
+- ``F``: take the micro-batch's inputs (the data, for chunk 0; else the activations chunk
+  c-1 produced), run the chunk's layers, and hand the outputs to chunk c+1; the last chunk
   instead computes the loss. Keep the inputs and outputs: the backward needs them.
-- ``B m``: take the gradient of the outputs (from stage k+1; on the last stage, of the loss),
-  run autograd back through the stage, which adds into every parameter's ``.grad``, and send
-  the gradient of the inputs back to stage k-1.
+- ``B``: take the gradient of the outputs (from chunk c+1; on the last chunk, of the loss),
+  run autograd back through the chunk, which adds into every parameter's ``.grad``, and hand
+  the gradient of the inputs back to chunk c-1.
+- ``I`` then ``W``: B in two halves, as the zero-bubble schedules run it. ``I`` computes only
+  the gradient of the chunk's input (what chunk c-1 waits for) and keeps the graph; ``W``,
+  later, the gradients of the chunk's weights from what I left (nobody waits for it, so it
+  fills idle time). Both are ``torch.distributed.pipelining``'s own functions
+  (``stage_backward_input``, ``stage_backward_weight``), as its executor runs them. Chunk 0
+  has no input gradient to send: like torch, its I does nothing and its W runs the whole B.
+
+Chunks next to each other on different stages exchange tensors as messages (:mod:`.p2p`);
+on the same stage (the bottom of a ``zb-v`` V) the executor hands them over itself: the
+receiving chunk takes them detached, as new leaves, exactly as if they had travelled, and
+the gradient comes back the same way.
 
 That is the whole of pipeline parallelism: the stages overlap because stage k+1 runs F m
 while stage k runs F m+1. Nothing is averaged across stages: each parameter lives on one
 stage, and its ``.grad`` after the last backward is the sum over micro-batches of
 d(loss_m / M)/dparam, which is exactly the gradient of the mean loss over the whole batch.
-That is why the trained weights do not depend on K or M (GPipe is synchronous).
+That is why the trained weights do not depend on K, M, the schedule or the chunks.
 
 Two executors share this interface: :class:`NativeExecutor` below (gloo, receives posted
-ahead, see :mod:`.p2p`) and :class:`.torch_executor.TorchExecutor`, which drives the same
-stage with ``torch.distributed.pipelining``. ``docs/runtime.md`` has the measurements that
-chose the default.
+ahead, see :mod:`.p2p`) and :class:`.torch_executor.TorchExecutor`, which runs the same
+action lists with ``torch.distributed.pipelining``. ``docs/runtime.md`` has the measurements
+that chose the default.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
+from ..schedules import Action, in_flight
 from .faults import Fault
 from .memory import ActivationMeter, element_bytes
 from .p2p import ACTIVATION, GRADIENT, Neighbours, PendingReceive
-from .schedule import stage_ops
-from .stage import Stage, TensorMeta
+from .stage import Chunk, TensorMeta
 from .timing import SpanRecorder
 
 Tensors = tuple[torch.Tensor, ...]
 LossFn = Callable[[Tensors, torch.Tensor], torch.Tensor]
 
+# The span kind of each action.
+SPAN_KIND = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
+
 
 class Executor(Protocol):
     meters_activations: bool  # whether step() measures activation memory with a meter
-    loss_scale: float         # the last stage backpropagates loss x loss_scale (fp16; see .loss_scale)
+    loss_scale: float         # the last chunk backpropagates loss x loss_scale (fp16; see .loss_scale)
 
     def step(self, step: int, inputs: Tensors | None, targets: torch.Tensor | None,
              meter: ActivationMeter | None = None) -> list[torch.Tensor]:
-        """Run one step's forwards and backwards; return the micro-batch losses (last stage)."""
+        """Run one step's actions; return the micro-batch losses (on the stage holding the last chunk)."""
         ...
 
 
+@dataclass
+class _Saved:
+    """What a chunk keeps of one micro-batch between its actions."""
+
+    inputs: Tensors                          # the chunk's inputs (leaves that want their gradient)
+    outputs: Tensors | torch.Tensor          # its outputs (the loss, for the last chunk)
+    output_grads: Tensors | None = None      # I -> W on chunk 0: its W runs the whole backward
+    param_groups: list[dict[str, Any]] = field(default_factory=list)   # I -> W: what W starts from
+
+
 class NativeExecutor:
-    """Runs a stage's operations with asynchronous sends and receives posted one ahead."""
+    """Runs a stage's action list with asynchronous sends and receives posted ahead."""
 
     meters_activations = True
     loss_scale = 1.0
 
-    def __init__(self, stage: Stage, schedule: str, micro_batches: int, loss_fn: LossFn,
-                 neighbours: Neighbours, recorder: SpanRecorder, fault: Fault | None = None) -> None:
+    def __init__(self, chunks: list[Chunk], actions: Sequence[Sequence[Action]], stage: int, micro_batches: int,
+                 loss_fn: LossFn, neighbours: Neighbours, recorder: SpanRecorder, fault: Fault | None = None) -> None:
+        self.chunks = {chunk.index: chunk for chunk in chunks}
         self.stage = stage
-        self.schedule = schedule
-        self.ops = stage_ops(schedule, stage.index, stage.num_stages, micro_batches)
+        self.actions = list(actions[stage])
+        # Where every chunk runs, read off the lists: whom to send to, whom to receive from.
+        self.stage_of = {a.chunk: k for k, stage_list in enumerate(actions) for a in stage_list}
         self.micro_batches = micro_batches
         self.loss_fn = loss_fn
         self.links = neighbours
         self.recorder = recorder
         self.fault = fault
+        self.first_chunk = min(self.chunks)   # the fault fires in its first forward
         # Gradients flow only through floating tensors; the others (token ids) need none.
-        self.grad_inputs = [m.carries_grad for m in stage.input_meta]
-        self.grad_outputs = [m.carries_grad for m in stage.output_meta]
-        self.grad_output_meta = tuple(m for m in stage.output_meta if m.carries_grad)
+        self.grad_inputs = {c: [m.carries_grad for m in chunk.input_meta] for c, chunk in self.chunks.items()}
+        self.grad_outputs = {c: [m.carries_grad for m in chunk.output_meta] for c, chunk in self.chunks.items()}
+        self.grad_output_meta = {c: tuple(m for m in chunk.output_meta if m.carries_grad)
+                                 for c, chunk in self.chunks.items()}
+
+    def local(self, a: int, b: int) -> bool:
+        """Whether chunks ``a`` and ``b`` run on the same stage (tensors pass without a message)."""
+        return self.stage_of.get(a) == self.stage_of.get(b)
 
     def step(self, step: int, inputs: Tensors | None, targets: torch.Tensor | None,
              meter: ActivationMeter | None = None) -> list[torch.Tensor]:
-        stage, M = self.stage, self.micro_batches
-        input_chunks = list(zip(*(x.chunk(M) for x in inputs))) if inputs is not None else []
-        target_chunks = list(targets.chunk(M)) if targets is not None else []
-        # Receives are posted ahead, in the order the schedule consumes them, so that the data
-        # lands while we compute. gloo moves a message only once its receive is posted (the
-        # sender's data waits until then), so a receive posted when it is needed costs a
-        # round trip on the critical path; posted early, nothing.
-        activations = ReceiveQueue(self.links, ACTIVATION, stage.input_meta, self._order("F"),
-                                   self.activation_lookahead, active=not stage.is_first)
-        gradients = ReceiveQueue(self.links, GRADIENT, self.grad_output_meta, self._order("B"),
-                                 self.gradient_lookahead, active=not stage.is_last)
-        saved: dict[int, tuple[Tensors, Tensors | torch.Tensor]] = {}
+        M = self.micro_batches
+        micro_inputs = list(zip(*(x.chunk(M) for x in inputs))) if inputs is not None else []
+        micro_targets = list(targets.chunk(M)) if targets is not None else []
+        # Receives are posted ahead, per chunk and kind, in the order the actions consume
+        # them, so that the data lands while we compute. gloo moves a message only once its
+        # receive is posted (the sender's data waits until then), so a receive posted when it
+        # is needed costs a round trip on the critical path; posted early, nothing.
+        queues = self._receive_queues()
+        handed: dict[tuple[int, int, int], Tensors] = {}   # (kind, chunk, m): tensors from a chunk on this stage
+        saved: dict[tuple[int, int], _Saved] = {}
         losses: list[torch.Tensor] = []
-        for op in self.ops:
-            m = op.micro_batch
-            if op.kind == "F":
-                xs = input_chunks[m] if stage.is_first else self._wait(m, activations)
-                saved[m] = self._forward(step, m, xs, target_chunks[m] if stage.is_last else None, meter)
-                if stage.is_last:
-                    losses.append(saved[m][1].detach())  # type: ignore[union-attr]
-            else:
-                grads = None if stage.is_last else self._wait(m, gradients)
-                self._backward(m, *saved.pop(m), grads)
-                if meter is not None:
-                    meter.release(m)
+        for action in self.actions:
+            c, m = action.chunk, action.micro_batch
+            chunk = self.chunks[c]
+            if action.kind == "F":
+                if chunk.is_first:
+                    xs = micro_inputs[m]
+                else:
+                    xs = self._take(ACTIVATION, c, m, queues, handed)
+                saved[(c, m)] = self._forward(step, chunk, m, xs, micro_targets[m] if chunk.is_last else None,
+                                              meter, handed)
+                if chunk.is_last:
+                    losses.append(saved[(c, m)].outputs.detach())  # type: ignore[union-attr]
+                continue
+            if action.kind in ("B", "I"):
+                grads = None if chunk.is_last else self._take(GRADIENT, c, m, queues, handed)
+                if action.kind == "B":
+                    self._backward(chunk, m, saved.pop((c, m)), grads, handed)
+                else:
+                    self._backward_input(chunk, m, saved[(c, m)], grads, handed)
+                    continue   # the activations stay held until W
+            else:  # W
+                self._backward_weight(chunk, m, saved.pop((c, m)))
+            if meter is not None:
+                meter.release((c, m))
         self.links.finish_sends()
         return losses
 
-    @property
-    def activation_lookahead(self) -> int:
-        """Activation receives in flight: as many as the stage keeps inputs of anyway.
+    # ------------------------------------------------------------------ receiving
+    def _receive_queues(self) -> dict[tuple[int, int], ReceiveQueue]:
+        """One queue per (kind, chunk) whose tensors come from another stage."""
+        queues: dict[tuple[int, int], ReceiveQueue] = {}
+        for c, chunk in self.chunks.items():
+            if not chunk.is_first and not self.local(c - 1, c):
+                order = [a.micro_batch for a in self.actions if a.chunk == c and a.kind == "F"]
+                queues[(ACTIVATION, c)] = ReceiveQueue(self.links, ACTIVATION, c - 1, self.stage_of[c - 1],
+                                                       chunk.input_meta, order, self.activation_lookahead(c))
+            if not chunk.is_last and not self.local(c, c + 1):
+                order = [a.micro_batch for a in self.actions if a.chunk == c and a.kind in ("B", "I")]
+                queues[(GRADIENT, c)] = ReceiveQueue(self.links, GRADIENT, c, self.stage_of[c + 1],
+                                                     self.grad_output_meta[c], order, self.gradient_lookahead)
+        return queues
+
+    def activation_lookahead(self, chunk: int) -> int:
+        """Activation receives in flight for ``chunk``: one more than the micro-batches whose
+        inputs it holds at its peak anyway (``schedules.in_flight``), at most M.
 
         A GPipe stage holds the inputs of all M micro-batches until its backwards, so posting
         all M receives at once costs no memory, and the previous stage's forwards, run back to
         back, all go straight through. A 1F1B stage holds K - k; one more is posted ahead.
         """
-        stage, M = self.stage, self.micro_batches
-        if self.schedule == "gpipe":
-            return M
-        return min(M, stage.num_stages - stage.index + 1)
+        return min(self.micro_batches, in_flight(self.actions, chunk) + 1)
 
-    # Gradient receives in flight: the next one and the one after. Each is a buffer the size of
-    # the stage's output that the plan's memory model does not count, so keep them few.
+    # Gradient receives in flight per chunk: the next one and the one after. Each is a buffer
+    # the size of the chunk's output that the plan's memory model does not count, so keep them few.
     gradient_lookahead = 2
 
-    def _order(self, kind: str) -> list[int]:
-        return [op.micro_batch for op in self.ops if op.kind == kind]
-
-    # ------------------------------------------------------------------ operations
-    def _wait(self, m: int, queue: "ReceiveQueue") -> Tensors:
+    def _take(self, kind: int, c: int, m: int, queues: dict[tuple[int, int], ReceiveQueue],
+              handed: dict[tuple[int, int, int], Tensors]) -> Tensors:
+        """Chunk ``c``'s activations (or output gradients) of micro-batch ``m``, from wherever they come."""
+        if (kind, c) not in queues:
+            return handed.pop((kind, c, m))
         start = self.recorder.mark()
-        tensors = queue.take(m)
-        self.recorder.add("wait", m, start, self.recorder.mark())
+        tensors = queues[(kind, c)].take(m)
+        self.recorder.add("wait", m, start, self.recorder.mark(), chunk=c)
         return tensors
 
-    def _forward(self, step: int, m: int, xs: Tensors, target: torch.Tensor | None,
-                 meter: ActivationMeter | None) -> tuple[Tensors, Tensors | torch.Tensor]:
-        stage = self.stage
+    def _hand(self, kind: int, c: int, m: int, tensors: Tensors, handed: dict[tuple[int, int, int], Tensors]) -> None:
+        """Give chunk ``c``'s activations (to c+1) or input gradients (to c-1) to their receiver."""
+        receiver = c + 1 if kind == ACTIVATION else c - 1
+        boundary = c if kind == ACTIVATION else c - 1
+        if self.local(c, receiver):
+            handed[(kind, receiver, m)] = tuple(t.detach() for t in tensors)
+        else:
+            self.links.send(kind, boundary, m, tensors, self.stage_of[receiver])
+
+    # ------------------------------------------------------------------ actions
+    def _forward(self, step: int, chunk: Chunk, m: int, xs: Tensors, target: torch.Tensor | None,
+                 meter: ActivationMeter | None, handed: dict[tuple[int, int, int], Tensors]) -> _Saved:
         start = self.recorder.mark()
-        if self.fault is not None and m == 0 and self.fault.due(stage.index, step):
-            self.fault.fire(stage.index, step)
-        if not stage.is_first:
-            # The received activations are leaves of this stage's graph: ask for their
-            # gradient, which the backward sends back to the stage before.
-            xs = tuple(x.requires_grad_() if g else x for x, g in zip(xs, self.grad_inputs))
-        with self._metering(meter, m, xs):
-            outputs = stage.module(*xs)
-        if stage.is_last:
+        if self.fault is not None and m == 0 and chunk.index == self.first_chunk and self.fault.due(self.stage, step):
+            self.fault.fire(self.stage, step)
+        if not chunk.is_first:
+            # The received activations are leaves of this chunk's graph: ask for their
+            # gradient, which the backward hands back to the chunk before.
+            xs = tuple(x.requires_grad_() if g else x for x, g in zip(xs, self.grad_inputs[chunk.index]))
+        with self._metering(meter, chunk, m, xs):
+            outputs = chunk.module(*xs)
+        if chunk.is_last:
             assert target is not None
             loss = self.loss_fn(outputs, target)
-            if self.fault is not None and self.fault.due(stage.index, step):
+            if self.fault is not None and self.fault.due(self.stage, step):
                 loss = self.fault.poison(loss)
-            result: tuple[Tensors, Tensors | torch.Tensor] = (xs, loss)
+            result = _Saved(xs, loss)
         else:
-            self.links.send(ACTIVATION, m, outputs)
-            result = (xs, outputs)
-        self.recorder.add("forward", m, start, self.recorder.mark())
+            self._hand(ACTIVATION, chunk.index, m, outputs, handed)
+            result = _Saved(xs, outputs)
+        self.recorder.add("forward", m, start, self.recorder.mark(), chunk=chunk.index)
         return result
 
-    def _backward(self, m: int, xs: Tensors, out: Tensors | torch.Tensor, grads: Tensors | None) -> None:
-        stage = self.stage
-        start = self.recorder.mark()
-        if stage.is_last:
-            assert isinstance(out, torch.Tensor)
+    def _roots(self, chunk: Chunk, saved: _Saved,
+               grads: Tensors | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Where the chunk's backward starts: its outputs that carry a gradient and those gradients
+        (on the last chunk, the loss scaled by 1/M, times the fp16 loss scale, and a gradient of one)."""
+        if chunk.is_last:
+            assert isinstance(saved.outputs, torch.Tensor)
             # d(mean over the batch)/d(loss of micro-batch m) = 1/M (times the fp16 loss scale).
-            (out * (self.loss_scale / self.micro_batches)).backward()
-        else:
-            assert grads is not None and isinstance(out, tuple)
-            carrying = [o for o, g in zip(out, self.grad_outputs) if g]
-            pairs = [(o, g) for o, g in zip(carrying, grads) if o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        if not stage.is_first:
-            # An input the stage did not use has no gradient: send zeros, the sender waits.
-            input_grads = tuple(x.grad if x.grad is not None else torch.zeros_like(x)
-                                for x, g in zip(xs, self.grad_inputs) if g)
-            self.links.send(GRADIENT, m, input_grads)
-        self.recorder.add("backward", m, start, self.recorder.mark())
+            loss = saved.outputs * (self.loss_scale / self.micro_batches)
+            return [loss], [torch.ones_like(loss)]
+        assert grads is not None and isinstance(saved.outputs, tuple)
+        carrying = [o for o, g in zip(saved.outputs, self.grad_outputs[chunk.index]) if g]
+        pairs = [(o, g) for o, g in zip(carrying, grads) if o.requires_grad]
+        return [o for o, _ in pairs], [g for _, g in pairs]
 
-    def _metering(self, meter: ActivationMeter | None, m: int, xs: Tensors) -> contextlib.AbstractContextManager[None]:
+    def _input_grads(self, chunk: Chunk, xs: Tensors, grads: Sequence[torch.Tensor | None]) -> Tensors:
+        # An input the chunk did not use has no gradient: send zeros, the receiver waits for them.
+        return tuple(g if g is not None else torch.zeros_like(x)
+                     for x, g, carries in zip(xs, grads, self.grad_inputs[chunk.index]) if carries)
+
+    def _backward(self, chunk: Chunk, m: int, saved: _Saved, grads: Tensors | None,
+                  handed: dict[tuple[int, int, int], Tensors]) -> None:
+        start = self.recorder.mark()
+        roots, root_grads = self._roots(chunk, saved, grads)
+        if roots:
+            torch.autograd.backward(roots, root_grads)
+        if not chunk.is_first:
+            self._hand(GRADIENT, chunk.index, m, self._input_grads(chunk, saved.inputs,
+                                                                    [x.grad for x in saved.inputs]), handed)
+        self.recorder.add("backward", m, start, self.recorder.mark(), chunk=chunk.index)
+
+    def _backward_input(self, chunk: Chunk, m: int, saved: _Saved, grads: Tensors | None,
+                        handed: dict[tuple[int, int, int], Tensors]) -> None:
+        start = self.recorder.mark()
+        roots, root_grads = self._roots(chunk, saved, grads)
+        if chunk.is_first:
+            # No input gradient to compute: W runs the whole backward (torch does the same).
+            saved.outputs, saved.output_grads = tuple(roots), tuple(root_grads)
+        else:
+            # stage_backward_input detaches the roots in place when done, which a view refuses:
+            # give it a copy of those (the copy's gradient is the identity).
+            roots = [r.clone() if r._is_view() else r for r in roots]
+            dinputs, saved.param_groups = stage_backward_input(roots, root_grads, list(saved.inputs),
+                                                               chunk.module.parameters())
+            self._hand(GRADIENT, chunk.index, m, self._input_grads(chunk, saved.inputs, dinputs), handed)
+            saved.outputs = ()
+        saved.inputs = ()   # W needs only what I kept
+        self.recorder.add("backward_input", m, start, self.recorder.mark(), chunk=chunk.index)
+
+    def _backward_weight(self, chunk: Chunk, m: int, saved: _Saved) -> None:
+        start = self.recorder.mark()
+        if chunk.is_first:
+            roots = list(saved.outputs)
+            if roots:
+                torch.autograd.backward(roots, list(saved.output_grads or ()))
+        else:
+            stage_backward_weight(chunk.module.parameters(), saved.param_groups)
+        self.recorder.add("backward_weight", m, start, self.recorder.mark(), chunk=chunk.index)
+
+    def _metering(self, meter: ActivationMeter | None, chunk: Chunk, m: int,
+                  xs: Tensors) -> contextlib.AbstractContextManager[None]:
         if meter is None:
             return contextlib.nullcontext()
-        if self.stage.module.recompute:
+        if chunk.module.recompute:
             # Checkpointing keeps only the inputs; while it recomputes one micro-batch in the
             # backward, that one's activations are live too: measure them once.
-            meter.hold(m, sum(element_bytes(x) for x in xs))
+            meter.hold((chunk.index, m), sum(element_bytes(x) for x in xs))
             if meter.transient_bytes == 0:
-                meter.transient_bytes = meter.measure_once(self.stage.module.run_layers, *xs)
+                meter.transient_bytes = meter.measure_once(chunk.module.run_layers, *xs)
             return contextlib.nullcontext()
-        return meter.forward(m)
+        return meter.forward((chunk.index, m))
 
 
 class ReceiveQueue:
-    """Receives of one kind (activations or gradients), posted ``depth`` ahead of their use."""
+    """Receives of one kind for one chunk, from one peer stage, posted ``depth`` ahead of their use."""
 
-    def __init__(self, links: Neighbours, kind: int, metas: tuple[TensorMeta, ...], order: list[int], depth: int,
-                 active: bool) -> None:
-        self.links, self.kind, self.metas = links, kind, metas
-        self.order = order if active else []
+    def __init__(self, links: Neighbours, kind: int, boundary: int, peer: int, metas: tuple[TensorMeta, ...],
+                 order: list[int], depth: int) -> None:
+        self.links, self.kind, self.boundary, self.peer, self.metas = links, kind, boundary, peer, metas
+        self.order = order
         self.depth = depth
         self.posted: dict[int, PendingReceive] = {}
         self.next = 0
@@ -207,5 +312,5 @@ class ReceiveQueue:
     def _refill(self) -> None:
         while self.next < len(self.order) and len(self.posted) < self.depth:
             m = self.order[self.next]
-            self.posted[m] = self.links.post_receive(self.kind, m, self.metas)
+            self.posted[m] = self.links.post_receive(self.kind, self.boundary, m, self.metas, self.peer)
             self.next += 1

@@ -1,9 +1,10 @@
-"""A plan written by hand: a given split, no predictions.
+"""A plan written by hand: a given split and schedule, no predictions.
 
 ``gpipe-plan solve`` makes plans from profiles. To run a split of one's own choosing (a
 torchgpipe ``balance``), or in tests that must not depend on timing, this writes the same
 document (docs/plan-format.md) with the predictions left out; ``run`` then reports measured
-figures only.
+figures only. ``balance`` counts the layers of each chunk, in pipeline order; the schedule
+places the chunks on stages (``gpipe_plan.schedules``).
 """
 
 from __future__ import annotations
@@ -11,18 +12,31 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ..artifacts import PLAN_FORMAT, FORMAT_VERSIONS
+from ..schedules import chunks_of_stage, chunks_per_stage, problem, stage_of_chunk
 from ..models import Precision, build_model
 from ..models.layered import batch_dimensions
 
 
 def hand_plan(spec: dict[str, Any], balance: Sequence[int], micro_batches: int, micro_batch_size: int,
               schedule: str = "gpipe", recompute: bool | Sequence[bool] = False, threads: int = 1,
-              with_shapes: bool = True, precision: str = "fp32", param_dtype: str = "fp32") -> dict[str, Any]:
-    """A runnable plan for ``spec`` cut by ``balance`` (layers per stage), in ``precision``.
+              with_shapes: bool = True, precision: str = "fp32", param_dtype: str = "fp32",
+              virtual_stages: int | None = None) -> dict[str, Any]:
+    """A runnable plan for ``spec`` cut by ``balance`` (layers per chunk), in ``precision``.
 
-    ``with_shapes``: the tensors crossing each cut, as this CPU computes them in that precision
-    (a CUDA run in bf16 may differ: leave them out there and the ranks derive them).
+    The stages are ``len(balance)`` over the schedule's chunks per stage: ``virtual_stages``
+    for ``interleaved`` (2 unless given), 2 for ``zb-v``, else 1. ``recompute``: one flag for
+    every chunk, or one per chunk. ``with_shapes``: the tensors crossing each cut, as this CPU
+    computes them in that precision (a CUDA run in bf16 may differ: leave them out there and
+    the ranks derive them).
     """
+    v = virtual_stages if virtual_stages is not None else chunks_per_stage(schedule, 2)
+    per_stage = chunks_per_stage(schedule, v)
+    K = len(balance) // per_stage
+    reason = problem(schedule, K, micro_batches, v)
+    if len(balance) != K * per_stage or K < 1:
+        reason = f"{schedule} puts {per_stage} chunk(s) on each stage: {len(balance)} chunks do not divide into stages"
+    if reason:
+        raise ValueError(reason)
     model = build_model(spec, seed=0)
     chosen = Precision(precision, param_dtype)
     chosen.cast(model)
@@ -35,20 +49,21 @@ def hand_plan(spec: dict[str, Any], balance: Sequence[int], micro_batches: int, 
             outputs, more = model.check(batch_size=2), model.check(batch_size=3)
     else:
         outputs = more = None
-    stages = []
+    chunks = []
     first = 0
-    for k, count in enumerate(balance):
-        stage: dict[str, Any] = {"index": k, "layers": names[first:first + count], "first_layer": first,
-                                 "recompute": bool(flags[k])}
+    for c, count in enumerate(balance):
+        chunk: dict[str, Any] = {"index": c, "stage": stage_of_chunk(schedule, c, K),
+                                 "layers": names[first:first + count], "first_layer": first,
+                                 "recompute": bool(flags[c])}
         if outputs is not None and more is not None:
             last = first + count - 1
             out = outputs[last]
             batched = batch_dimensions(names[last], [t.shape for t in out], 2, [t.shape for t in more[last]], 3)
-            stage["output_shapes"] = [list(t.shape[1:] if b else t.shape) for t, b in zip(out, batched)]
-            stage["output_dtypes"] = [str(t.dtype).replace("torch.", "") for t in out]
+            chunk["output_shapes"] = [list(t.shape[1:] if b else t.shape) for t, b in zip(out, batched)]
+            chunk["output_dtypes"] = [str(t.dtype).replace("torch.", "") for t in out]
             if not all(batched):
-                stage["output_batched"] = batched
-        stages.append(stage)
+                chunk["output_batched"] = batched
+        chunks.append(chunk)
         first += count
     return {
         "format": PLAN_FORMAT,
@@ -57,12 +72,14 @@ def hand_plan(spec: dict[str, Any], balance: Sequence[int], micro_batches: int, 
         "precision": precision,
         "param_dtype": param_dtype,
         "profile": {"path": None, "sha256": None, "device": {"type": "cpu", "name": "hand-written", "threads": threads}},
-        "options": {"stages": len(balance)},
+        "options": {"stages": K, "virtual_stages": v},
         "balance": list(balance),
         "micro_batches": micro_batches,
         "micro_batch_size": micro_batch_size,
         "global_batch_size": micro_batches * micro_batch_size,
         "schedule": schedule,
-        "stages": stages,
+        "virtual_stages": v,
+        "chunks": chunks,
+        "stages": [{"index": k, "chunks": chunks_of_stage(schedule, k, K, v)} for k in range(K)],
         "predicted": {},
     }

@@ -5,7 +5,7 @@ The file holds the unsplit model's ``state_dict``, keyed as ``model.state_dict()
 ``.safetensors`` file. A pipeline never needs the whole of it in one process: each rank opens
 the file lazily (``torch.load(mmap=True)`` maps it, ``safetensors.safe_open`` reads one tensor
 on request) and copies only its stage's tensors into its layers; stage 0 also takes the
-tensors no layer uses (``Stage.unowned``), which it keeps for ``--save``.
+tensors no layer uses (``Chunk.unowned``), which it keeps for ``--save``.
 
 Before any tensor is copied, every rank checks the file's keys against the whole model's, so
 that all ranks refuse a file of another model with the same one line. Keys that the model ties
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..artifacts import BadInput, named_first_line
-from .stage import Stage
+from .stage import StageChunks
 
 _EXAMPLES = 3  # keys named in a mismatch message
 
@@ -37,7 +37,7 @@ class WeightFile(Protocol):
     def tensor(self, key: str) -> torch.Tensor: ...
 
 
-def load_initial_weights(path: str, stage: Stage, whole_model: nn.Module) -> int:
+def load_initial_weights(path: str, stage: StageChunks, whole_model: nn.Module) -> int:
     """Copy this stage's tensors from ``path`` into it; return how many were copied.
 
     ``whole_model`` is the unsplit model (its layers of other stages may be released: only its

@@ -8,9 +8,11 @@ so we measure each part directly:
 
 - parameters, gradients, optimizer state and buffers: the bytes of those very tensors;
 - activations: the bytes autograd saves for backward (``saved_tensors_hooks``, the profiler's
-  own definition; parameters excluded), summed over the micro-batches whose backward has not
-  run yet, at its largest. A stage that recomputes keeps only its inputs per micro-batch,
-  plus one micro-batch's activations while it recomputes; we measure that one once.
+  own definition; parameters excluded), summed over the (chunk, micro-batch) pairs whose
+  backward has not finished yet (under a split backward, until the weight half W: the graph
+  I leaves behind holds them), at its largest. A chunk that recomputes keeps only its inputs
+  per micro-batch, plus one micro-batch's activations while it recomputes; we measure that
+  one once.
 
 On CUDA the allocated peak is not all a stage costs the card: the caching allocator reserves
 more than it hands out (``max_memory_reserved``), and the CUDA context, NCCL's buffers and
@@ -31,6 +33,9 @@ from torch import nn
 from ..cudamemory import outside_allocator_bytes
 
 
+Key = tuple[int, int]   # (chunk, micro-batch)
+
+
 def element_bytes(t: torch.Tensor) -> int:
     """Bytes of one tensor's elements (profiles.memory.tensor_bytes sums a list of them)."""
     return t.numel() * t.element_size()
@@ -38,10 +43,10 @@ def element_bytes(t: torch.Tensor) -> int:
 
 @dataclass
 class ActivationMeter:
-    """Live bytes saved for backward, per micro-batch in flight, and their peak."""
+    """Live bytes saved for backward, per (chunk, micro-batch) in flight, and their peak."""
 
     exclude: set[int] = field(default_factory=set)   # storages not to count (parameters)
-    live: dict[int, int] = field(default_factory=dict)
+    live: dict[Key, int] = field(default_factory=dict)
     peak_bytes: int = 0           # most bytes held at once by the micro-batches in flight
     transient_bytes: int = 0      # recomputing stages: one micro-batch's activations
 
@@ -54,8 +59,8 @@ class ActivationMeter:
         return cls(exclude={p.untyped_storage().data_ptr() for p in module.parameters()})
 
     @contextlib.contextmanager
-    def forward(self, micro_batch: int) -> Iterator[None]:
-        """Count what autograd saves during this micro-batch's forward."""
+    def forward(self, key: Key) -> Iterator[None]:
+        """Count what autograd saves during this (chunk, micro-batch)'s forward."""
         seen: set[tuple[int, int]] = set()
         total = 0
 
@@ -73,19 +78,19 @@ class ActivationMeter:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
-        self.hold(micro_batch, total)
+        self.hold(key, total)
 
-    def hold(self, micro_batch: int, nbytes: int) -> None:
-        self.live[micro_batch] = self.live.get(micro_batch, 0) + nbytes
+    def hold(self, key: Key, nbytes: int) -> None:
+        self.live[key] = self.live.get(key, 0) + nbytes
         self.peak_bytes = max(self.peak_bytes, sum(self.live.values()))
 
-    def release(self, micro_batch: int) -> None:
-        self.live.pop(micro_batch, None)
+    def release(self, key: Key) -> None:
+        self.live.pop(key, None)
 
     def measure_once(self, fn: Callable[..., object], *xs: torch.Tensor) -> int:
         """Bytes ``fn(*xs)`` saves for backward (run with gradients, then thrown away)."""
         meter = ActivationMeter(exclude=self.exclude)
-        with meter.forward(0):
+        with meter.forward((0, 0)):
             fn(*xs)
         return meter.peak_bytes
 

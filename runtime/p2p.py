@@ -1,20 +1,27 @@
-"""Point-to-point messages between neighbouring stages, with receives posted ahead.
+"""Point-to-point messages between the stages that hold neighbouring chunks, with receives posted ahead.
 
-Stage k sends activations to k+1 and receives gradients from it; it receives activations
-from k-1 and sends gradients back. Every message's shape is known in advance (static
-shapes), so a stage can post a receive into a buffer of the right size *before* the sender
-is ready: when the sender's data comes, gloo writes it straight into that buffer, and the
-receiving stage finds it there when it needs it instead of paying a round trip on the
-critical path. How many receives of each kind are in flight is the executor's choice
-(:class:`.executor.NativeExecutor`: every activation receive a stage keeps inputs for anyway,
-and two gradient receives); this module only posts and waits.
+Chunk c sends its outputs (activations) to chunk c+1 and receives their gradients back from
+it; it receives activations from chunk c-1 and sends it the gradients of its inputs. When
+the two chunks of a cut ("boundary" c, between chunk c and c+1) are on different stages,
+that is a message between those two ranks; on one stage the executor hands the tensors over
+itself, no message. With one chunk per stage the peers are the stages k-1 and k+1; with
+several (``interleaved``, ``zb-v``) a stage exchanges with whichever stages hold the chunks
+next to its own, so every call names its peer.
+
+Every message's shape is known in advance (static shapes), so a stage can post a receive
+into a buffer of the right size *before* the sender is ready: when the sender's data comes,
+gloo writes it straight into that buffer, and the receiving stage finds it there when it
+needs it instead of paying a round trip on the critical path. How many receives are in
+flight is the executor's choice (:class:`.executor.NativeExecutor`): per chunk, activation
+receives for one more micro-batch than the chunk holds at its peak (``schedules.in_flight``
+of the stage's actions, at most M), and two gradient receives. This module only posts and waits.
 
 Sends are asynchronous: a stage posts the send and goes on computing. The tensor must stay
 alive until the send completes, so the sends are kept, and waited on at the end of the step.
 
-Tags keep the messages apart: activations and gradients of each micro-batch and each tensor
-of the tuple have their own tag, so a message can never be mistaken for another even when
-several are in flight.
+Tags keep the messages apart: activations and gradients of each boundary, each micro-batch
+and each tensor of the tuple have their own tag, so a message can never be mistaken for
+another even when several are in flight.
 
 This is for gloo (CPU). NCCL queues sends and receives to one peer on one stream, where a
 receive posted early can block a later send; the CUDA path therefore uses
@@ -35,9 +42,19 @@ from .stage import TensorMeta
 ACTIVATION, GRADIENT = 0, 1
 
 
-def tag(kind: int, micro_batch: int, index: int, width: int) -> int:
-    """A unique tag per (kind, micro-batch, tensor of the tuple)."""
-    return ((micro_batch * width) + index) * 2 + kind
+# Bounds that keep every tag below the step's loss message (sync.LOSS_TAG, 2^30).
+MAX_BOUNDARIES = 256     # cuts between chunks: chunks - 1
+MAX_TENSORS = 64         # tensors crossing one cut
+MAX_MICRO_BATCHES = 32767
+
+
+def tag(kind: int, boundary: int, micro_batch: int, index: int) -> int:
+    """A unique tag per (kind, boundary between chunk ``boundary`` and the next, micro-batch,
+    tensor of the tuple)."""
+    if not (0 <= boundary < MAX_BOUNDARIES and 0 <= index < MAX_TENSORS and 0 <= micro_batch < MAX_MICRO_BATCHES):
+        raise RunFailure(f"a pipeline of more than {MAX_BOUNDARIES + 1} chunks, {MAX_MICRO_BATCHES} micro-batches or "
+                         f"{MAX_TENSORS} tensors crossing one cut is beyond the native executor; use --executor torch")
+    return ((micro_batch * MAX_BOUNDARIES + boundary) * MAX_TENSORS + index) * 2 + kind
 
 
 @dataclass
@@ -50,27 +67,27 @@ class PendingReceive:
 
 
 class Neighbours:
-    """The messages of one stage with the stage before it and the stage after it."""
+    """The messages of one stage with the stages holding the chunks next to its own."""
 
     def __init__(self, rank: int, world_size: int, device: torch.device, timeout_s: float,
                  group: dist.ProcessGroup | None = None) -> None:
         self.rank = rank
-        self.prev = rank - 1 if rank > 0 else None
-        self.next = rank + 1 if rank < world_size - 1 else None
+        self.world_size = world_size
         self.device = device
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.group = group
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []
 
-    def post_receive(self, kind: int, micro_batch: int, metas: tuple[TensorMeta, ...]) -> PendingReceive:
-        """Start receiving the activations (from prev) or gradients (from next) of a micro-batch."""
-        peer = self.prev if kind == ACTIVATION else self.next
-        assert peer is not None
-        width = len(metas)
+    def post_receive(self, kind: int, boundary: int, micro_batch: int, metas: tuple[TensorMeta, ...],
+                     peer: int) -> PendingReceive:
+        """Start receiving, from stage ``peer``, the activations crossing cut ``boundary``
+        forward (chunk boundary to boundary+1) or the gradients crossing it backward."""
         buffers = tuple(m.empty(self.device) for m in metas)
-        works = [dist.irecv(buf, src=peer, group=self.group, tag=tag(kind, micro_batch, i, width))
+        works = [dist.irecv(buf, src=peer, group=self.group, tag=tag(kind, boundary, micro_batch, i))
                  for i, buf in enumerate(buffers)]
-        what = f"{'activations' if kind == ACTIVATION else 'gradients'} of micro-batch {micro_batch} from rank {peer}"
+        receiver = boundary + 1 if kind == ACTIVATION else boundary
+        what = (f"{'activations' if kind == ACTIVATION else 'gradients'} of micro-batch {micro_batch} for chunk "
+                f"{receiver} from rank {peer}")
         return PendingReceive(what, buffers, [w for w in works if w is not None])
 
     def wait(self, pending: PendingReceive) -> tuple[torch.Tensor, ...]:
@@ -78,14 +95,12 @@ class Neighbours:
             self._wait(work, f"waiting for the {pending.what}")
         return pending.buffers
 
-    def send(self, kind: int, micro_batch: int, tensors: tuple[torch.Tensor, ...]) -> None:
-        """Post the sends of a micro-batch's outputs (to next) or input gradients (to prev)."""
-        peer = self.next if kind == ACTIVATION else self.prev
-        assert peer is not None
-        width = len(tensors)
+    def send(self, kind: int, boundary: int, micro_batch: int, tensors: tuple[torch.Tensor, ...], peer: int) -> None:
+        """Post the sends, to stage ``peer``, of a micro-batch's tensors crossing cut ``boundary``
+        (outputs forward, input gradients backward)."""
         for i, t in enumerate(tensors):
             t = t.detach().contiguous()
-            work = dist.isend(t, dst=peer, group=self.group, tag=tag(kind, micro_batch, i, width))
+            work = dist.isend(t, dst=peer, group=self.group, tag=tag(kind, boundary, micro_batch, i))
             if work is not None:
                 self.sends.append((work, t))
 

@@ -1,7 +1,10 @@
 """The plan as the runtime reads it: checked once, up front, then plain attributes.
 
-A plan (docs/plan-format.md) says which layers each stage holds, how the batch is split into
-micro-batches, in which order the stages run them, and what the planner predicted. The
+A plan (docs/plan-format.md) says how the layers are cut into chunks and which stage (device,
+rank) holds each, how the batch is split into micro-batches, the schedule whose action lists
+(``gpipe_plan.schedules``) order every stage's work, and what the planner predicted. Plans
+of format 4 and before, whose stages each held one run of layers, read as one chunk per
+stage (``gpipe_plan.plan_layout``). The
 runtime trusts nothing it has not checked: a hand-edited or truncated plan is refused here,
 in one line that names the key, before any process starts. Checks that need the model (do
 the layer names match it?) happen on each rank, in :mod:`.stage`.
@@ -18,27 +21,41 @@ from typing import Any
 
 from ..artifacts import PLAN_FORMAT, BadInput, file_sha256, precision_of, read_artifact
 from ..schema import validate
-from .schedule import SCHEDULES
+from ..plan_layout import plan_chunks, virtual_stages
+from ..schedules import SPLIT_BACKWARD, Action, all_actions, chunks_of_stage
 
 
 @dataclass(frozen=True)
-class StagePlan:
-    """One stage of the plan: its layers and what the planner predicted for it."""
+class ChunkPlan:
+    """One chunk of the plan (a contiguous run of layers), the stage that runs it, and what the
+    planner predicted for it, per micro-batch."""
 
-    index: int
+    index: int                       # place in the pipeline (model) order
+    stage: int                       # the stage (device, rank) that runs it
     layers: tuple[str, ...]
     first_layer: int
     recompute: bool
-    forward_s: float | None          # predicted, per micro-batch
-    backward_s: float | None         # predicted, per micro-batch (with recomputation)
-    memory_bytes: float | None       # predicted peak
-    memory_parts: dict[str, float]   # the parts of memory_bytes (params_bytes, activations_bytes, ...)
-    idle_fraction: float | None
+    forward_s: float | None
+    backward_s: float | None         # the whole backward B (with recomputation); I + W when split
+    backward_input_s: float | None   # I: the gradient of the chunk's input
+    backward_weight_s: float | None  # W: the gradient of the chunk's weights
     output_shapes: tuple[tuple[int, ...], ...] | None   # per sample; None: derive by running
     output_dtypes: tuple[str, ...] | None
     # Per output: True (the default) when it is made per sample, its shape above without the
     # batch; False when it is the same for every micro-batch, its shape above whole.
     output_batched: tuple[bool, ...] | None = None
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage (device, rank) of the plan: the chunks it holds and its predicted memory and idle time."""
+
+    index: int
+    chunks: tuple[int, ...]          # chunk indices, pipeline order
+    memory_bytes: float | None       # predicted peak
+    memory_parts: dict[str, float]   # the parts of memory_bytes (params_bytes, activations_bytes, ...)
+    idle_fraction: float | None
+    in_flight: int | None = None     # most micro-batches whose activations it holds at once
 
 
 @dataclass(frozen=True)
@@ -49,11 +66,13 @@ class RunPlan:
     sha256: str
     doc: dict[str, Any]
     model: dict[str, Any]
+    chunks: tuple[ChunkPlan, ...]
     stages: tuple[StagePlan, ...]
     micro_batches: int
     micro_batch_size: int
     global_batch_size: int
     schedule: str
+    virtual_stages: int              # chunks per stage: v for interleaved, 2 for zb-v, else 1
     predicted_step_s: float | None
     predicted_bubble_fraction: float | None
     predicted_samples_per_s: float | None
@@ -67,13 +86,30 @@ class RunPlan:
         return len(self.stages)
 
     @property
+    def num_chunks(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether the schedule runs the backward as I then W (zero bubble) instead of B."""
+        return self.schedule in SPLIT_BACKWARD
+
+    @property
     def profile_threads(self) -> int | None:
         threads = self.profile_device.get("threads")
         return threads if isinstance(threads, int) and threads >= 1 else None
 
     @property
     def layer_names(self) -> list[str]:
-        return [name for stage in self.stages for name in stage.layers]
+        return [name for chunk in self.chunks for name in chunk.layers]
+
+    def chunks_of(self, stage: int) -> list[ChunkPlan]:
+        """The chunks stage ``stage`` holds, in pipeline order."""
+        return [self.chunks[c] for c in self.stages[stage].chunks]
+
+    def actions(self) -> list[list[Action]]:
+        """Every stage's actions for one step, in order (``all_actions(...)[k]`` is stage k's)."""
+        return all_actions(self.schedule, self.num_stages, self.micro_batches, self.virtual_stages)
 
 
 def load_plan(path: str | os.PathLike[str]) -> RunPlan:
@@ -96,59 +132,43 @@ def load_plan(path: str | os.PathLike[str]) -> RunPlan:
     if model.get("source") == "pipedream":
         raise BadInput(f"{where} was made from an imported PipeDream profile ('{model.get('name')}'): "
                        f"it can be planned and shown, but there is no PyTorch model to run")
-    balance = need(doc, "balance", list)
+    need(doc, "balance", list)
     M = need(doc, "micro_batches", int)
     b = need(doc, "micro_batch_size", int)
     B = need(doc, "global_batch_size", int)
     schedule = need(doc, "schedule", str)
     raw_stages = need(doc, "stages", list)
-    if schedule not in SCHEDULES:
-        raise BadInput(f"{where}: schedule '{schedule}' is not one of {', '.join(SCHEDULES)}")
     if M < 1 or b < 1 or M * b != B:
         raise BadInput(f"{where}: micro_batches {M} x micro_batch_size {b} must equal global_batch_size {B}")
-    if not raw_stages:
-        raise BadInput(f"{where} has no stages")
-    if len(balance) != len(raw_stages) or not all(isinstance(n, int) and n >= 1 for n in balance):
-        raise BadInput(f"{where}: balance {balance} must have one positive count per stage ({len(raw_stages)} stages)")
-
+    # The chunks, each on its stage, whatever the plan's version; refuses a schedule that
+    # cannot run this many stages and micro-batches, and chunks that do not fit together.
+    chunks = tuple(ChunkPlan(
+        index=raw["index"],
+        stage=raw["stage"],
+        layers=tuple(raw["layers"]),
+        first_layer=raw["first_layer"],
+        recompute=raw["recompute"],
+        forward_s=_number(raw["forward_s"]),
+        backward_s=_number(raw["backward_s"]),
+        backward_input_s=_number(raw["backward_input_s"]),
+        backward_weight_s=_number(raw["backward_weight_s"]),
+        output_shapes=tuple(tuple(int(d) for d in s) for s in raw["output_shapes"])
+        if raw["output_shapes"] is not None else None,
+        output_dtypes=tuple(str(d) for d in raw["output_dtypes"]) if raw["output_shapes"] is not None else None,
+        output_batched=tuple(raw["output_batched"]) if raw["output_batched"] is not None else None,
+    ) for raw in plan_chunks(doc, where))
+    K, v = len(raw_stages), virtual_stages(doc)
     stages = []
-    first = 0
     for k, raw in enumerate(raw_stages):
-        ctx = f"stages[{k}]."
-        if not isinstance(raw, dict):
-            raise BadInput(f"{where}: stages[{k}] is not an object")
-        names = need(raw, "layers", list, ctx)
-        if len(names) != balance[k] or not all(isinstance(n, str) for n in names):
-            raise BadInput(f"{where}: stages[{k}].layers has {len(names)} names, balance says {balance[k]}")
-        shapes = raw.get("output_shapes")
-        dtypes = raw.get("output_dtypes")
-        if shapes is not None:
-            if not isinstance(shapes, list) or not all(isinstance(s, list) for s in shapes):
-                raise BadInput(f"{where}: stages[{k}].output_shapes must be a list of shapes")
-            if not isinstance(dtypes, list) or len(dtypes) != len(shapes):
-                raise BadInput(f"{where}: stages[{k}].output_dtypes must give one dtype per output shape")
-        batched = raw.get("output_batched")
-        if batched is not None and (shapes is None or not isinstance(batched, list) or len(batched) != len(shapes)
-                                    or not all(isinstance(b, bool) for b in batched)):
-            raise BadInput(f"{where}: stages[{k}].output_batched must give true or false per output shape")
+        in_flight = raw.get("in_flight")
         stages.append(StagePlan(
             index=k,
-            layers=tuple(names),
-            first_layer=first,
-            recompute=bool(raw.get("recompute", False)),
-            forward_s=_number(raw.get("forward_s")),
-            backward_s=_number(raw.get("backward_s")),
+            chunks=tuple(chunks_of_stage(schedule, k, K, v)),
             memory_bytes=_number(raw.get("memory_bytes")),
             memory_parts={k: float(v) for k, v in (raw.get("memory") or {}).items() if _number(v) is not None},
             idle_fraction=_number(raw.get("idle_fraction")),
-            output_shapes=tuple(tuple(int(d) for d in s) for s in shapes) if shapes is not None else None,
-            output_dtypes=tuple(str(d) for d in dtypes) if shapes is not None else None,
-            output_batched=tuple(batched) if batched is not None else None,
+            in_flight=in_flight if isinstance(in_flight, int) and not isinstance(in_flight, bool) else None,
         ))
-        first += len(names)
-    all_names = [n for s in stages for n in s.layers]
-    if len(set(all_names)) != len(all_names):
-        raise BadInput(f"{where}: a layer name appears in more than one place")
 
     predicted = doc.get("predicted") if isinstance(doc.get("predicted"), dict) else {}
     profile = doc.get("profile") if isinstance(doc.get("profile"), dict) else {}
@@ -160,11 +180,13 @@ def load_plan(path: str | os.PathLike[str]) -> RunPlan:
         sha256=file_sha256(path),
         doc=doc,
         model=model,
+        chunks=chunks,
         stages=tuple(stages),
         micro_batches=M,
         micro_batch_size=b,
         global_batch_size=B,
         schedule=schedule,
+        virtual_stages=v,
         predicted_step_s=_number(predicted.get("step_s")),
         predicted_bubble_fraction=_number(predicted.get("bubble_fraction")),
         predicted_samples_per_s=_number(predicted.get("samples_per_s")),

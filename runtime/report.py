@@ -7,11 +7,14 @@ compares them with the plan's predictions (docs/report-format.md):
   for warm-up: first-touch allocation, gloo's connection set-up) of rank 0's step time.
   Rank 0 runs the first forward and the last backward of every step, so its step is the
   pipeline's;
-- per stage and micro-batch, the forward and backward time (medians of the spans), as the
-  plan predicts them (per-micro-batch overhead included);
+- per chunk and micro-batch (``chunks``), the forward and backward time (medians of the
+  spans), as the plan predicts them (per-micro-batch overhead included); under a split
+  backward also its halves, I and W, and B as their sum per micro-batch;
+- per stage (``stages``, one per device), its busy and idle time and its peak memory, in
+  the plan's terms (see :mod:`.memory`);
 - the bubble: the share of stage-time spent idle, ``1 - sum(busy) / (K * step)``, the
-  planner's own definition, with busy = forwards + backwards + the optimizer step;
-- peak memory, in the plan's terms (see :mod:`.memory`).
+  planner's own definition, with busy = forwards + backwards (B, or I and W) + the
+  optimizer step.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from rich.console import Console
 from rich.table import Table
 
 from ..artifacts import REPORT_FORMAT, FORMAT_VERSIONS
+from ..schedules import label as schedule_label
 from ..planner.units import format_percent
 from ..speedprobe import profile_probe_s, speed_ratio
-from .plan import RunPlan
+from .plan import ChunkPlan, RunPlan
 
 if TYPE_CHECKING:   # timing imports torch; `gpipe-plan show report.json` must start without it
     from .timing import Span
@@ -57,34 +61,34 @@ def measured_steps(steps: list[int]) -> list[int]:
     return steps[1:] if len(steps) > 1 else steps
 
 
+# The span kinds that are a stage's work (the rest is waiting, data, the step's sync).
+BUSY_KINDS = ("forward", "backward", "backward_input", "backward_weight", "optimizer")
+
+
 def build_report(plan: RunPlan, results: list[RankResult], *, losses: dict[int, float], run: dict[str, Any],
                  tokens_per_sample: int | None) -> dict[str, Any]:
-    """The report document (format ``gpipe-plan.report``, version 1)."""
+    """The report document (format ``gpipe-plan.report``, version 3)."""
     results = sorted(results, key=lambda r: r.rank)
     K = plan.num_stages
     steps = measured_steps(sorted(results[0].step_s))
+    counted = set(steps)
     step_times = [results[0].step_s[s] for s in steps]
     measured_step = _median(step_times)
+    spans = {res.rank: [s for s in res.spans if s.step in counted] for res in results}
+    chunks = [_chunk_report(cp, spans.get(cp.stage, []), plan.split_backward) for cp in plan.chunks]
     stages = []
     busy_total = 0.0
     for sp, res in zip(plan.stages, results):
-        spans = [s for s in res.spans if s.step in set(steps)]
-        fwd = [s.duration_s for s in spans if s.kind == "forward"]
-        bwd = [s.duration_s for s in spans if s.kind == "backward"]
-        opt = [s.duration_s for s in spans if s.kind == "optimizer"]
-        busy = [sum(s.duration_s for s in spans if s.step == st and s.kind in ("forward", "backward", "optimizer"))
-                for st in steps]
-        waits = [sum(s.duration_s for s in spans if s.step == st and s.kind == "wait") for st in steps]
+        mine = spans[res.rank]
+        opt = [s.duration_s for s in mine if s.kind == "optimizer"]
+        busy = [sum(s.duration_s for s in mine if s.step == st and s.kind in BUSY_KINDS) for st in steps]
+        waits = [sum(s.duration_s for s in mine if s.step == st and s.kind == "wait") for st in steps]
         busy_s = _median(busy) or 0.0
         busy_total += busy_s
         stages.append({
             "index": sp.index,
-            "layers": list(sp.layers),
-            "recompute": sp.recompute,
-            "predicted_forward_s": sp.forward_s,
-            "measured_forward_s": _median(fwd),
-            "predicted_backward_s": sp.backward_s,
-            "measured_backward_s": _median(bwd),
+            "chunks": list(sp.chunks),
+            "layers": [name for c in sp.chunks for name in plan.chunks[c].layers],
             "measured_optimizer_s": _median(opt),
             "predicted_memory_bytes": sp.memory_bytes,
             "measured_peak_memory_bytes": res.memory.get("peak_bytes"),
@@ -107,6 +111,7 @@ def build_report(plan: RunPlan, results: list[RankResult], *, losses: dict[int, 
         "plan": {"path": plan.path, "sha256": plan.sha256},
         "model": plan.model,
         "schedule": plan.schedule,
+        "virtual_stages": plan.virtual_stages,
         "num_stages": K,
         "micro_batches": plan.micro_batches,
         "micro_batch_size": plan.micro_batch_size,
@@ -132,7 +137,43 @@ def build_report(plan: RunPlan, results: list[RankResult], *, losses: dict[int, 
             "last": losses[loss_steps[-1]] if loss_steps else None,
             "per_step": {str(s): losses[s] for s in loss_steps},
         },
+        "chunks": chunks,
         "stages": stages,
+    }
+
+
+def _chunk_report(cp: ChunkPlan, spans: list[Span], split: bool) -> dict[str, Any]:
+    """One chunk's measured times per micro-batch (medians over steps and micro-batches) beside
+    the plan's; ``backward`` is B, or under a split backward I + W of the same micro-batch."""
+    def durations(kind: str) -> dict[tuple[int, int], float]:
+        out: dict[tuple[int, int], float] = {}
+        for s in spans:
+            if s.kind == kind and s.chunk == cp.index:
+                out[(s.step, s.micro_batch)] = out.get((s.step, s.micro_batch), 0.0) + s.duration_s
+        return out
+
+    forward = durations("forward")
+    if split:
+        halves = durations("backward_input"), durations("backward_weight")
+        whole = {key: halves[0].get(key, 0.0) + halves[1].get(key, 0.0) for key in halves[0].keys() | halves[1].keys()}
+        measured_input = _median(list(halves[0].values()))
+        measured_weight = _median(list(halves[1].values()))
+    else:
+        whole = durations("backward")
+        measured_input = measured_weight = None
+    return {
+        "index": cp.index,
+        "stage": cp.stage,
+        "layers": list(cp.layers),
+        "recompute": cp.recompute,
+        "predicted_forward_s": cp.forward_s,
+        "measured_forward_s": _median(list(forward.values())),
+        "predicted_backward_s": cp.backward_s,
+        "measured_backward_s": _median(list(whole.values())),
+        "predicted_backward_input_s": cp.backward_input_s if split else None,
+        "measured_backward_input_s": measured_input,
+        "predicted_backward_weight_s": cp.backward_weight_s if split else None,
+        "measured_backward_weight_s": measured_weight,
     }
 
 
@@ -192,26 +233,35 @@ def headline(predicted_step_s: float | None, plan_noise: dict[str, float] | None
 
 
 def print_summary(report: dict[str, Any], console: Console) -> None:
-    """The measured-vs-predicted table, one row per stage, and the step below it."""
+    """The measured-vs-predicted table, one row per chunk (its stage's memory and idle time on
+    the stage's first row), and the step below it."""
+    chunks = report_chunks(report)
+    split = any(c.get("measured_backward_input_s") is not None for c in chunks)
     # Units in the headings, plain numbers in the cells: the table fits 80 columns.
-    table = Table(title="measured vs predicted, per stage and micro-batch (measured / predicted)",
+    table = Table(title="measured vs predicted, per chunk and micro-batch (measured / predicted)",
                   title_justify="left", box=box.SIMPLE_HEAD,
                   collapse_padding=True, pad_edge=False)
-    for column in ("stage", "layers", "forward ms", "backward ms", "peak MiB", "idle"):
+    columns = ("stage", "chunk", "layers", "forward ms", "I+W ms" if split else "backward ms", "peak MiB", "idle")
+    for column in columns:
         table.add_column(column, justify="right" if column != "layers" else "left", no_wrap=column != "layers")
-    for st in report["stages"]:
-        layers = st["layers"]
-        names = layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]} ({len(layers)})"
-        if st.get("recompute"):
+    stages = {st.get("index"): st for st in report["stages"]}
+    shown: set[Any] = set()
+    for chunk in sorted(chunks, key=lambda c: (c.get("stage", 0), c.get("index", 0))):
+        layers = chunk.get("layers") or []
+        names = "-" if not layers else layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]} ({len(layers)})"
+        if chunk.get("recompute"):
             names += " [recompute]"
         # A report's keys are checked by gpipe_plan/schema.py; those a run always writes may
         # still be absent from a hand-made one, and are shown as "-".
+        st = stages.get(chunk.get("stage"), {}) if chunk.get("stage") not in shown else None
+        shown.add(chunk.get("stage"))
         table.add_row(
-            str(st["index"]), names,
-            _pair(st.get("measured_forward_s"), st.get("predicted_forward_s"), _ms_number),
-            _pair(st.get("measured_backward_s"), st.get("predicted_backward_s"), _ms_number),
-            _pair(st.get("measured_peak_memory_bytes"), st.get("predicted_memory_bytes"), _mib_number),
-            _pair(st.get("measured_idle_fraction"), st.get("predicted_idle_fraction"), _pct),
+            str(chunk.get("stage", "-")), str(chunk.get("index", "-")), names,
+            _pair(chunk.get("measured_forward_s"), chunk.get("predicted_forward_s"), _ms_number),
+            _pair(chunk.get("measured_backward_s"), chunk.get("predicted_backward_s"), _ms_number),
+            _pair(st.get("measured_peak_memory_bytes"), st.get("predicted_memory_bytes"), _mib_number)
+            if st is not None else "",
+            _pair(st.get("measured_idle_fraction"), st.get("predicted_idle_fraction"), _pct) if st is not None else "",
         )
     console.print(table)
     console.print(step_line(report), highlight=False)
@@ -227,6 +277,14 @@ def print_summary(report: dict[str, Any], console: Console) -> None:
         steps = sorted(int(s) for s in per_step)
         console.print(f"loss {loss['first']:.4f} at step {steps[0] + 1} -> {loss['last']:.4f} at step {steps[-1] + 1}",
                       highlight=False)
+
+
+def report_chunks(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The report's chunks; a report before version 3 has none, and its stages (which carry the
+    times) are each one chunk on its own stage."""
+    if report.get("chunks") is not None:
+        return list(report["chunks"])
+    return [{**st, "stage": st.get("index")} for st in report.get("stages") or []]
 
 
 def step_line(report: dict[str, Any]) -> str:
@@ -296,8 +354,9 @@ def show_report(report: dict[str, Any], path: str, console: Console | None = Non
     name = model.get("name") or model.get("factory") or "model"
     plan = (report.get("plan") or {}).get("path") or "?"
     K = report.get("num_stages")
+    schedule = schedule_label(str(report.get("schedule")), report.get("virtual_stages") or 1)
     console.print(f"[bold]report[/bold] {path}: {name} on {K} stage{'s' if K != 1 else ''} (plan {plan}), "
                   f"global batch {report.get('global_batch_size')} = {report.get('micro_batches')} micro-batches of "
-                  f"{report.get('micro_batch_size')}, {report.get('schedule')}; {report.get('steps_run')} steps, "
+                  f"{report.get('micro_batch_size')}, {schedule}; {report.get('steps_run')} steps, "
                   f"medians over {report.get('steps_measured')}", highlight=False)
     print_summary(report, console)

@@ -1,11 +1,12 @@
 """The once-a-step exchange: every rank learns the step's loss, and the gradient norm to clip by.
 
-Only the last stage computes the loss, but every rank needs it: to show progress (rank 0), and
+Only the stage holding the last chunk computes the loss (the last stage; stage 0 under
+``zb-v``, whose V ends where it starts), but every rank needs it: to show progress (rank 0), and
 to stop together, before any optimizer step, when it is NaN. Clipping by the global gradient
 norm also needs every stage's share of it.
 
 With clipping, and in fp16 (an overflow shows as a non-finite norm, and every stage must skip
-the same steps: .loss_scale), one all-reduce of (loss, squared norm) does both. Otherwise the last stage
+the same steps: .loss_scale), one all-reduce of (loss, squared norm) does both. Otherwise that stage
 just sends its loss to the others, and each of them posts that receive when the step starts,
 so the message is waiting for them when they finish: a gloo all-reduce of two numbers costs
 a few round trips (milliseconds on a busy machine), a pre-posted receive nothing. On NCCL a
@@ -27,9 +28,10 @@ LOSS_TAG = 1 << 30  # far above the tags of activations and gradients (see p2p.t
 
 
 class StepSync:
-    def __init__(self, rank: int, world_size: int, device: torch.device, clip: bool, timeout_s: float) -> None:
+    def __init__(self, rank: int, world_size: int, device: torch.device, clip: bool, timeout_s: float,
+                 loss_rank: int | None = None) -> None:
         self.rank, self.world_size, self.device = rank, world_size, device
-        self.last = world_size - 1
+        self.last = world_size - 1 if loss_rank is None else loss_rank   # the rank that computes the loss
         self.all_reduce = clip or device.type != "cpu"
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.buffer = torch.zeros(1, dtype=torch.float64)
@@ -37,13 +39,13 @@ class StepSync:
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []
 
     def begin_step(self) -> None:
-        """Post the receive of this step's loss (ranks other than the last, without clipping)."""
+        """Post the receive of this step's loss (ranks other than the loss's, without clipping)."""
         if self.world_size > 1 and not self.all_reduce and self.rank != self.last:
             self.buffer = torch.zeros(1, dtype=torch.float64)
             self.pending = dist.irecv(self.buffer, src=self.last, tag=LOSS_TAG)
 
     def finish_step(self, loss: float, grad_sq: float) -> tuple[float, float]:
-        """(mean loss, global gradient norm) on every rank; ``loss`` counts on the last rank only."""
+        """(mean loss, global gradient norm) on every rank; ``loss`` counts on the loss's rank only."""
         if self.world_size == 1:
             return loss, math.sqrt(grad_sq)
         if self.all_reduce:
@@ -55,7 +57,8 @@ class StepSync:
             for work, _ in self.sends:  # last step's, long done: keep their buffers until then
                 work.wait(self.timeout)
             value = torch.tensor([loss], dtype=torch.float64)
-            self.sends = [(dist.isend(value, dst=r, tag=LOSS_TAG), value) for r in range(self.world_size - 1)]
+            self.sends = [(dist.isend(value, dst=r, tag=LOSS_TAG), value) for r in range(self.world_size)
+                          if r != self.last]
             return loss, 0.0
         assert self.pending is not None
         try:

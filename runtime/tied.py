@@ -36,7 +36,7 @@ class Tie:
 
 def find_ties(model: LayeredModel, plan: RunPlan) -> list[Tie]:
     """Every parameter used by layers of more than one stage, in the model's parameter order."""
-    stage_of = {name: sp.index for sp in plan.stages for name in sp.layers}
+    stage_of = {name: cp.stage for cp in plan.chunks for name in cp.layers}
     ties = []
     for tied in model.tied_parameters():
         stages = tuple(sorted({stage_of[name] for name in tied["layers"]}))

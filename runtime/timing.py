@@ -1,8 +1,10 @@
 """Spans: what each stage did, when, measured on its own clock.
 
-Every forward and backward of every micro-batch is one :class:`Span` on the rank that ran it.
-The spans are the raw material of the report (per-stage forward/backward time, busy time and
-so the measured bubble) and of the Chrome trace (the timeline).
+Every forward and backward (or its two halves: ``backward_input``, the gradient of the
+chunk's input, and ``backward_weight``, of its weights) of every chunk and micro-batch is one
+:class:`Span` on the rank that ran it. The spans are the raw material of the report
+(per-chunk forward/backward time, per-stage busy time and so the measured bubble) and of
+the Chrome trace (the timeline).
 
 Clocks: ranks share no clock, so each measures ``time.perf_counter()`` from its own origin,
 taken right after a barrier that all ranks leave together; the origins then agree to within
@@ -29,7 +31,8 @@ import torch
 
 @dataclass(frozen=True)
 class Span:
-    """One operation of one stage: forward, backward, optimizer, wait (for a neighbour), data, sync."""
+    """One operation of one stage: forward, backward, backward_input, backward_weight, optimizer,
+    wait (for a neighbour), data, sync."""
 
     stage: int
     step: int
@@ -37,6 +40,7 @@ class Span:
     micro_batch: int          # -1 for whole-step spans (optimizer, data, sync)
     start_s: float            # seconds since the rank's origin
     end_s: float
+    chunk: int = -1           # the chunk it ran (or waited) for; -1 for whole-step spans
 
     @property
     def duration_s(self) -> float:
@@ -56,7 +60,7 @@ class SpanRecorder:
     step: int = 0
     spans: list[Span] = field(default_factory=list)
     _origin_event: Any = None
-    _pending: list[tuple[str, int, int, Any, Any]] = field(default_factory=list)
+    _pending: list[tuple[str, int, int, Any, Any, int]] = field(default_factory=list)
 
     @property
     def _events(self) -> bool:
@@ -83,16 +87,16 @@ class SpanRecorder:
         event.record()
         return event
 
-    def add(self, kind: str, micro_batch: int, start: Mark, end: Mark) -> None:
+    def add(self, kind: str, micro_batch: int, start: Mark, end: Mark, chunk: int = -1) -> None:
         if self._events:
-            self._pending.append((kind, micro_batch, self.step, start, end))
+            self._pending.append((kind, micro_batch, self.step, start, end, chunk))
         else:
-            self.spans.append(Span(self.stage, self.step, kind, micro_batch, start, end))
+            self.spans.append(Span(self.stage, self.step, kind, micro_batch, start, end, chunk))
 
     def end_step(self) -> None:
         """Turn the step's event pairs into spans; call after :meth:`now` (the device is done)."""
-        for kind, micro_batch, step, start, end in self._pending:
+        for kind, micro_batch, step, start, end, chunk in self._pending:
             start_s = self._origin_event.elapsed_time(start) / 1000.0   # elapsed_time is in ms
             end_s = self._origin_event.elapsed_time(end) / 1000.0
-            self.spans.append(Span(self.stage, step, kind, micro_batch, start_s, end_s))
+            self.spans.append(Span(self.stage, step, kind, micro_batch, start_s, end_s, chunk))
         self._pending = []

@@ -1,90 +1,125 @@
-"""The same stage, driven by ``torch.distributed.pipelining`` (``ScheduleGPipe``, ``Schedule1F1B``).
+"""The same chunks and the same action lists, run by ``torch.distributed.pipelining``.
 
-PyTorch's pipelining package runs a ``PipelineStage`` under a schedule object. Three things
-make it work on gloo/CPU, each learnt the hard way (docs/runtime.md, "Executors"):
+torch's pipelining package runs ``PipelineStage`` objects (one per chunk: torch's "stage" is
+our chunk) under a schedule object. Its ``_PipelineScheduleRuntime`` executes any per-rank
+list of compute actions (F, B, I, W on a chunk and micro-batch): it adds the sends and
+receives itself (``_prepare_schedule_with_comms``), hands tensors between two adjacent chunks
+of one rank without a message, and splits the backward with ``stage_backward_input`` and
+``stage_backward_weight``. We give it the planner's own lists (gpipe_plan.schedules), not one
+of torch's built-in schedule classes, so that what runs is what the planner simulated, for
+every schedule, whatever orders torch's classes would build.
 
-- static metadata: left to infer shapes, stages exchange them with blocking sends that
-  deadlock on gloo. We pass ``input_args`` (requiring gradients on every stage but the first)
+Three things make it work on gloo/CPU, each learnt the hard way (docs/runtime.md, "Executors"):
+
+- static metadata: left to infer shapes, chunks exchange them with blocking sends that
+  deadlock on gloo. We pass ``input_args`` (requiring gradients on every chunk but the first)
   and ``output_args``; torch 2.13 also takes the gradients' metadata, ``output_grads`` (every
-  stage but the last) and ``input_grads`` (every stage but the first), and without them its
-  first stage receives ``None`` gradients;
-- ``loss_fn`` on every rank: a schedule built without it skips that stage's backward;
-- the schedule splits the batch itself and divides the gradients by M at the end
-  (``scale_grads``), which is the same mean-over-the-batch gradient as the native executor's.
+  chunk but the last) and ``input_grads`` (every chunk but the first), and without them its
+  first chunk receives ``None`` gradients;
+- ``loss_fn`` on every rank: a schedule built without it skips the backward;
+- the gradient of the mean over the batch: the loss each last-chunk backward starts from is
+  the micro-batch's loss / M, as in the native executor, and torch's own division by M is
+  off (``scale_grads=False``). torch divides each chunk's ``.grad`` after its last backward,
+  so a parameter two chunks of one rank share (a tied embedding at both ends of a ``zb-v``
+  V) would be divided twice.
 
 The torch that runs us is not always the one we develop with (a GPU image may ship an older
-one), so we read which of these arguments its classes take (:func:`pipelining_features`)
-and pass only those, refusing in one line what a plan needs and it lacks.
+one), so we read which of these arguments and classes it has (:func:`pipelining_features`),
+pass only those, and refuse in one line what a run needs and it lacks.
 
-We time each stage's forward and backward by overriding the stage's ``forward_one_chunk`` and
-``backward_one_chunk``: the spans cover the computation, not the waits for neighbours.
+We time each chunk's forward, backward and, under a split backward, input and weight halves
+by overriding ``forward_one_chunk``, ``backward_one_chunk`` and ``backward_weight_one_chunk``:
+the spans cover the computation, not the waits for neighbours.
 
-This is the executor the CUDA/NCCL path uses: its schedules pair each send with the matching
-receive in one batch (``batch_isend_irecv``), which NCCL needs.
+This is the executor the CUDA/NCCL path uses: torch orders every rank's sends and receives
+so that matching pairs meet, which NCCL needs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as torch_schedules
 
 from ..artifacts import BadInput
+from ..schedules import Action
 from .executor import LossFn, Tensors
 from .faults import Fault
 from .memory import ActivationMeter, element_bytes
-from .stage import Stage
+from .stage import Chunk
 from .timing import SpanRecorder
 
+# The runtime that executes a given per-rank action list: private in torch, so looked up
+# rather than imported (an older torch lacks it; pipelining_features says so).
+_RUNTIME = getattr(torch_schedules, "_PipelineScheduleRuntime", None)
 
-class _TimedStage(PipelineStage):
-    """A ``PipelineStage`` that records a span for every forward and backward it runs."""
+
+class _TimedChunk(PipelineStage):
+    """A ``PipelineStage`` (one chunk) that records a span for every computation it runs."""
 
     recorder: SpanRecorder
-    fault: Fault | None
+    rank: int = 0
+    fault: Fault | None = None        # fires in the rank's first forward of its step
+    fault_here: bool = False          # whether that forward is this chunk's (micro-batch 0)
     meter: ActivationMeter | None = None
+    measured_transient_for: ActivationMeter | None = None
     step_index: int = 0
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):  # type: ignore[override]
         start = self.recorder.mark()
-        if self.fault is not None and fwd_chunk_id == 0 and self.fault.due(self.stage_index, self.step_index):
-            self.fault.fire(self.stage_index, self.step_index)
+        fault = self.fault if self.fault_here and fwd_chunk_id == 0 else None
+        if fault is not None and fault.due(self.rank, self.step_index):
+            fault.fire(self.rank, self.step_index)
         with self._metering(fwd_chunk_id, args):
             out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
-        self.recorder.add("forward", fwd_chunk_id, start, self.recorder.mark())
+        self.recorder.add("forward", fwd_chunk_id, start, self.recorder.mark(), chunk=self.stage_index)
         return out
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):  # type: ignore[override]
         start = self.recorder.mark()
         super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
-        if self.meter is not None:
-            self.meter.release(bwd_chunk_id)
-        self.recorder.add("backward", bwd_chunk_id, start, self.recorder.mark())
+        if full_backward and self.meter is not None:
+            self.meter.release((self.stage_index, bwd_chunk_id))
+        kind = "backward" if full_backward else "backward_input"
+        self.recorder.add(kind, bwd_chunk_id, start, self.recorder.mark(), chunk=self.stage_index)
 
-    def _metering(self, chunk: int, args: Tensors) -> contextlib.AbstractContextManager[None]:
-        if self.meter is None:
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):  # type: ignore[override]
+        start = self.recorder.mark()
+        super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        # The graph the input half leaves for the weight half holds the activations until now.
+        if self.meter is not None:
+            self.meter.release((self.stage_index, bwd_chunk_id))
+        self.recorder.add("backward_weight", bwd_chunk_id, start, self.recorder.mark(), chunk=self.stage_index)
+
+    def _metering(self, micro_batch: int, args: Tensors) -> contextlib.AbstractContextManager[None]:
+        meter, key = self.meter, (self.stage_index, micro_batch)
+        if meter is None:
             return contextlib.nullcontext()
         if self.submod.recompute:  # as in the native executor: inputs kept, one rerun live
-            xs = args if self.is_first else tuple(info.buffer for info in self.args_recv_info[chunk])
-            self.meter.hold(chunk, sum(element_bytes(x) for x in xs if isinstance(x, torch.Tensor)))
-            if self.meter.transient_bytes == 0:
-                self.meter.transient_bytes = self.meter.measure_once(self.submod.run_layers, *xs)
+            xs = args if self.is_first else tuple(info.buffer for info in self.args_recv_info[micro_batch])
+            meter.hold(key, sum(element_bytes(x) for x in xs if isinstance(x, torch.Tensor)))
+            if self.measured_transient_for is not meter:   # once per chunk: the largest rerun counts
+                self.measured_transient_for = meter
+                meter.transient_bytes = max(meter.transient_bytes, meter.measure_once(self.submod.run_layers, *xs))
             return contextlib.nullcontext()
-        return self.meter.forward(chunk)
+        return meter.forward(key)
 
 
 @dataclass(frozen=True)
 class PipeliningFeatures:
-    """What the installed ``torch.distributed.pipelining`` takes, read off its signatures."""
+    """What the installed ``torch.distributed.pipelining`` has, read off its classes."""
 
+    action_runtime: bool  # _PipelineScheduleRuntime._prepare_schedule_with_comms: runs a given action list
     static_shapes: bool   # PipelineStage(input_args=, output_args=): no shape inference at run time
     grad_metas: bool      # PipelineStage(output_grads=, input_grads=): torch 2.13's gradient metadata
-    scale_grads: bool     # Schedule*(scale_grads=): the gradient of the mean, not the sum
-    losses: bool          # schedule.step(losses=, return_outputs=)
+    scale_grads: bool     # the runtime takes scale_grads= (we turn torch's division by M off)
+    return_outputs: bool  # step(return_outputs=): the last chunk need not keep every output
 
 
 def _parameters(fn: Any) -> set[str]:
@@ -94,78 +129,128 @@ def _parameters(fn: Any) -> set[str]:
         return set()
 
 
-def pipelining_features(stage_class: type = PipelineStage, schedule_class: type = Schedule1F1B) -> PipeliningFeatures:
-    """Which of the arguments this executor relies on the installed torch has."""
+def _init_parameters(cls: type) -> set[str]:
+    """The keyword arguments ``cls(...)`` takes, up its bases (the runtime's own ``__init__``
+    takes ``*args, **kwargs`` and passes them on)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if "__init__" in vars(klass):
+            names |= _parameters(vars(klass)["__init__"])
+    return names
+
+
+def pipelining_features(stage_class: type = PipelineStage, runtime_class: type | None = _RUNTIME) -> PipeliningFeatures:
+    """Which of the classes and arguments this executor relies on the installed torch has."""
     stage = _parameters(stage_class.__init__)
-    schedule = _parameters(schedule_class.__init__)
-    step = _parameters(schedule_class.step)
-    return PipeliningFeatures(static_shapes={"input_args", "output_args"} <= stage,
-                              grad_metas={"output_grads", "input_grads"} <= stage,
-                              scale_grads="scale_grads" in schedule,
-                              losses={"losses", "return_outputs"} <= step)
+    runtime = _init_parameters(runtime_class) if runtime_class is not None else set()
+    step = _parameters(runtime_class.step) if runtime_class is not None else set()
+    lowering = getattr(runtime_class, "_prepare_schedule_with_comms", None) if runtime_class is not None else None
+    return PipeliningFeatures(
+        action_runtime=callable(lowering),
+        static_shapes={"input_args", "output_args"} <= stage,
+        grad_metas={"output_grads", "input_grads"} <= stage,
+        scale_grads="scale_grads" in runtime,
+        return_outputs="return_outputs" in step)
 
 
-def stage_arguments(stage: Stage, device: torch.device, features: PipeliningFeatures) -> dict[str, Any]:
-    """The keyword arguments of ``PipelineStage`` for ``stage``, as far as this torch takes them.
-
-    Refuses in one line (:class:`BadInput`) when torch lacks what any run needs.
-    """
-    missing = [what for what, have in (("PipelineStage(input_args=, output_args=)", features.static_shapes),
-                                       ("Schedule1F1B(scale_grads=)", features.scale_grads),
-                                       ("schedule.step(losses=, return_outputs=)", features.losses)) if not have]
+def check_features(features: PipeliningFeatures) -> None:
+    """Refuse in one line (:class:`BadInput`) a torch that lacks what every run needs."""
+    missing = [what for what, have in (
+        ("_PipelineScheduleRuntime._prepare_schedule_with_comms (it runs a given action list)", features.action_runtime),
+        ("PipelineStage(input_args=, output_args=)", features.static_shapes)) if not have]
     if missing:
         raise BadInput(f"the installed torch {torch.__version__} lacks {missing[0]}, which --executor torch needs: "
                        f"upgrade torch (2.11 and 2.13 are tested), or use --executor native (CPU)")
 
+
+def pipeline_stage_arguments(chunk: Chunk, device: torch.device, features: PipeliningFeatures) -> dict[str, Any]:
+    """The keyword arguments of ``PipelineStage`` for ``chunk``, as far as this torch takes them."""
+
     def example(metas: tuple[Any, ...], grad: bool) -> Tensors:
         return tuple(m.empty(device).requires_grad_(grad and m.carries_grad) for m in metas)
 
-    arguments: dict[str, Any] = {"input_args": example(stage.input_meta, grad=not stage.is_first),
-                                 "output_args": example(stage.output_meta, grad=False)}
+    arguments: dict[str, Any] = {"input_args": example(chunk.input_meta, grad=not chunk.is_first),
+                                 "output_args": example(chunk.output_meta, grad=False)}
     if features.grad_metas:
-        arguments["output_grads"] = None if stage.is_last else example(stage.output_meta, grad=False)
-        arguments["input_grads"] = None if stage.is_first else example(stage.input_meta, grad=False)
+        arguments["output_grads"] = None if chunk.is_last else example(chunk.output_meta, grad=False)
+        arguments["input_grads"] = None if chunk.is_first else example(chunk.input_meta, grad=False)
     return arguments
 
 
+def torch_actions(actions: Sequence[Sequence[Action]]) -> dict[int, list[Any]]:
+    """Every stage's list as torch's compute-only schedule: ``{rank: [_Action, ...]}``.
+
+    The two spell an action alike (chunk, kind F/B/I/W, micro-batch: torch's stage_index is
+    our chunk), so this is a change of type only.
+    """
+    kind = torch_schedules._ComputationType
+    return {rank: [torch_schedules._Action(a.chunk, kind(a.kind), a.micro_batch) for a in row]
+            for rank, row in enumerate(actions)}
+
+
+def _action_list_runtime(chunks: list[_TimedChunk], micro_batches: int, loss_fn: LossFn,
+                         actions: Sequence[Sequence[Action]], features: PipeliningFeatures) -> Any:
+    """torch's runtime, set to run ``actions`` (every rank's list: torch lowers them all, to
+    place each receive against its send)."""
+    assert _RUNTIME is not None  # check_features refused a torch without it
+    options: dict[str, Any] = {"loss_fn": loss_fn}
+    if features.scale_grads:
+        options["scale_grads"] = False
+    runtime = _RUNTIME(chunks, micro_batches, **options)
+    order = torch_actions(actions)
+    runtime.pipeline_order = {rank: list(row) for rank, row in order.items()}   # what _dump_csv writes
+    runtime._prepare_schedule_with_comms(order)
+    return runtime
+
+
 class TorchExecutor:
-    """Runs a stage with ``torch.distributed.pipelining``'s GPipe or 1F1B schedule."""
+    """Runs one stage's chunks under ``torch.distributed.pipelining``, in the planner's order."""
 
     meters_activations = True
     loss_scale = 1.0
 
-    def __init__(self, stage: Stage, schedule: str, micro_batches: int, loss_fn: LossFn,
-                 device: torch.device, recorder: SpanRecorder, fault: Fault | None = None,
+    def __init__(self, chunks: list[Chunk], actions: Sequence[Sequence[Action]], stage: int, micro_batches: int,
+                 loss_fn: LossFn, device: torch.device, recorder: SpanRecorder, fault: Fault | None = None,
                  features: PipeliningFeatures | None = None) -> None:
-        if schedule == "1f1b" and micro_batches < stage.num_stages:
-            raise BadInput(f"torch's Schedule1F1B needs at least as many micro-batches as stages "
-                           f"({micro_batches} < {stage.num_stages}): use --executor native or a GPipe plan")
+        features = features or pipelining_features()
+        check_features(features)
+        # In pipeline order: torch's start-up exchange between ranks walks the chunks that way.
+        self.chunks = sorted(chunks, key=lambda c: c.index)
         self.stage = stage
-        arguments = stage_arguments(stage, device, features or pipelining_features())
-        pipe_stage = _TimedStage(stage.module, stage.index, stage.num_stages, device, **arguments)
-        pipe_stage.recorder = recorder
-        pipe_stage.fault = fault
-        self.pipe_stage = pipe_stage
+        self.micro_batches = micro_batches
+        self.holds_first = any(c.is_first for c in self.chunks)
+        self.holds_last = any(c.is_last for c in self.chunks)
         self.fault = fault
-        self.loss_fn = loss_fn
-        self.poison_step: int | None = None
+        self.return_outputs = features.return_outputs
+        first_chunk = self.chunks[0].index   # every schedule starts a stage on its first chunk
+        self.pipe_chunks: list[_TimedChunk] = []
+        for chunk in self.chunks:
+            pipe_chunk = _TimedChunk(chunk.module, chunk.index, chunk.num_chunks, device,
+                                     **pipeline_stage_arguments(chunk, device, features))
+            pipe_chunk.recorder, pipe_chunk.rank, pipe_chunk.fault = recorder, stage, fault
+            pipe_chunk.fault_here = chunk.index == first_chunk
+            self.pipe_chunks.append(pipe_chunk)
+        self.poison = False
+        self.losses: list[torch.Tensor] = []
 
         def loss(outputs: Tensors, target: torch.Tensor) -> torch.Tensor:
             value = loss_fn(outputs, target)
-            if self.fault is not None and self.poison_step is not None:
+            if self.poison and self.fault is not None:
                 value = self.fault.poison(value)
-            return value * self.loss_scale if self.loss_scale != 1.0 else value
+            self.losses.append(value.detach())
+            # What the backward starts from: the mean over the batch (see the module's docstring).
+            return value * (self.loss_scale / self.micro_batches)
 
-        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-        self.schedule = kind(pipe_stage, micro_batches, loss_fn=loss, scale_grads=True)
+        self.runtime = _action_list_runtime(self.pipe_chunks, micro_batches, loss, actions, features)
 
     def step(self, step: int, inputs: Tensors | None, targets: torch.Tensor | None,
              meter: ActivationMeter | None = None) -> list[torch.Tensor]:
-        self.pipe_stage.meter = meter
-        self.pipe_stage.step_index = step
-        self.poison_step = step if self.fault is not None and self.fault.due(self.stage.index, step) else None
-        losses: list[torch.Tensor] = []
-        args = inputs if self.stage.is_first and inputs is not None else ()
-        self.schedule.step(*args, target=targets if self.stage.is_last else None, losses=losses,
-                           return_outputs=False)
-        return [loss.detach() / self.loss_scale for loss in losses]
+        for pipe_chunk in self.pipe_chunks:
+            pipe_chunk.meter = meter
+            pipe_chunk.step_index = step
+        self.poison = self.fault is not None and self.fault.due(self.stage, step)
+        self.losses = []
+        args = inputs if self.holds_first and inputs is not None else ()
+        options: dict[str, Any] = {"return_outputs": False} if self.return_outputs else {}
+        self.runtime.step(*args, target=targets if self.holds_last else None, **options)
+        return self.losses

@@ -1,10 +1,12 @@
 """One rank's training run, top to bottom.
 
-Every rank runs :func:`train`; rank k runs stage k. It reads like a single-process training
-script because it nearly is one, in three parts: :func:`_set_up` (build the model, keep our
-stage, the optimizer, resume), :func:`_run_steps` (for each step, :func:`_one_step`: draw the
-batch, run our share of the pipeline schedule, learn the loss, step the optimizer), and
-:func:`_write_outputs`. Everything pipeline-specific hides in the executor (:mod:`.executor`).
+Every rank runs :func:`train`; rank k runs stage k, which holds one chunk of layers or
+several (``interleaved``, ``zb-v``). It reads like a single-process training script because it
+nearly is one, in three parts: :func:`_set_up` (build the model, keep our stage's chunks, one
+optimizer over all of them, resume), :func:`_run_steps` (for each step, :func:`_one_step`:
+draw the batch, run our stage's actions of the pipeline schedule, learn the loss, step the
+optimizer), and :func:`_write_outputs`. Everything pipeline-specific hides in the executor
+(:mod:`.executor`), which runs the schedule's action list (``gpipe_plan.schedules``).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from .p2p import Neighbours
 from .plan import RunPlan, check_precision_matches, load_plan
 from .progress import TrainingProgress
 from .report import RankResult, build_report, print_summary
-from .stage import Stage, build_stage
+from .stage import StageChunks, build_stage_chunks
 from .sync import StepSync
 from .timing import SpanRecorder
 from .trace import chrome_trace
@@ -70,7 +72,7 @@ class _Training:
     warnings: list[str]
     probes: list[float]        # speed probe before the steps (and after, once done)
     model: LayeredModel
-    stage: Stage
+    stage: StageChunks         # this rank's chunks
     scaler: LossScaler
     data: BatchSource
     tokens_per_sample: int | None
@@ -99,7 +101,7 @@ class _History:
 
 
 def train(options: RunOptions, world: World) -> None:
-    """Set up this rank's stage, run the steps, write the outputs (rank 0), leave the group."""
+    """Set up this rank's chunks, run the steps, write the outputs (rank 0), leave the group."""
     run = _set_up(options, world)
     history = _run_steps(run)
     _write_outputs(run, history)
@@ -140,7 +142,7 @@ def _set_up(options: RunOptions, world: World) -> _Training:
 
     # ------------------------------------------------------------------ model, data, optimizer
     # Every rank builds the model on the meta device (no memory for its parameters) and makes
-    # only its own stage's layers real, each from the seed and the layer's place in the model
+    # only its own chunks' layers real, each from the seed and the layer's place in the model
     # (models/materialize.py): the unsplit model's initial values, no weights sent, a rank's
     # memory its stage's share. Parameters are kept in the plan's dtype; forwards and the loss
     # run in the plan's precision (models.precision).
@@ -151,7 +153,8 @@ def _set_up(options: RunOptions, world: World) -> _Training:
         err.print(f"[yellow]note:[/] every rank builds the whole model before keeping its stage ({whole})",
                   highlight=False)
     ties = find_ties(model, plan)  # a parameter several stages use: one copy each (runtime.tied)
-    stage = build_stage(model, plan, world.rank, precision, device.type)
+    # A parameter two chunks of this stage use is one object here: one .grad, one optimizer entry.
+    stage = build_stage_chunks(model, plan, world.rank, precision, device.type)
     stage.module.to(device)
     # --resume looks for its checkpoint before any weights are read: an existing one wins over --init-from.
     folder = Path(options.checkpoint_dir) if options.checkpoint_dir else None
@@ -167,7 +170,8 @@ def _set_up(options: RunOptions, world: World) -> _Training:
     executor = _make_executor(executor_name, stage, plan, loss_fn, device, recorder, options, world)
     # The global gradient norm is needed to clip by it, and under fp16 to see an overflow.
     needs_norm = options.grad_clip is not None or scaler.enabled
-    sync = StepSync(world.rank, world.world_size, device, clip=needs_norm, timeout_s=options.timeout)
+    sync = StepSync(world.rank, world.world_size, device, clip=needs_norm, timeout_s=options.timeout,
+                    loss_rank=plan.chunks[-1].stage)
     tied = TiedGradients(ties, stage.index, {id(p): p for p in stage.parameters()})
 
     # ------------------------------------------------------------------ resume
@@ -262,17 +266,18 @@ def _one_step(run: _Training, step: int, meter: ActivationMeter | None) -> float
     set_learning_rate(run.optimizer, lr)
     run.sync.begin_step()
 
-    # The whole batch is a function of (seed, step); stage 0 needs its inputs, the last stage
-    # its targets, the stages between neither.
+    # The whole batch is a function of (seed, step); the stage holding chunk 0 needs its
+    # inputs, the one holding the last chunk its targets (under zb-v both are stage 0), the
+    # others neither.
     inputs = targets = None
-    if stage.is_first or stage.is_last:
+    if stage.holds_first or stage.holds_last:
         t_data = recorder.mark()
         batch_inputs, batch_targets = run.data.batch(step)
-        inputs = tuple(x.to(run.device) for x in batch_inputs) if stage.is_first else None
-        targets = batch_targets.to(run.device) if stage.is_last else None
+        inputs = tuple(x.to(run.device) for x in batch_inputs) if stage.holds_first else None
+        targets = batch_targets.to(run.device) if stage.holds_last else None
         recorder.add("data", -1, t_data, recorder.mark())
 
-    # Our share of the pipeline: forwards and backwards of the M micro-batches.
+    # Our share of the pipeline: our actions on our chunks for the M micro-batches.
     scale = run.executor.loss_scale = run.scaler.scale
     micro_losses = run.executor.step(step, inputs, targets, meter)
     if run.tied.mine:
@@ -280,9 +285,9 @@ def _one_step(run: _Training, step: int, meter: ActivationMeter | None) -> float
         run.tied.all_reduce()
         recorder.add("tied", -1, t_tied, recorder.mark())
 
-    # Every rank learns the loss (the last stage has it) and, for clipping or fp16, the global
+    # Every rank learns the loss (the stage holding the last chunk has it) and, for clipping or fp16, the global
     # gradient norm; so every rank stops here, together, when the loss is NaN.
-    local_loss = float(sum(float(v) for v in micro_losses) / plan.micro_batches) if stage.is_last else 0.0
+    local_loss = float(sum(float(v) for v in micro_losses) / plan.micro_batches) if stage.holds_last else 0.0
     t_sync = recorder.mark()
     loss, grad_norm = run.sync.finish_step(local_loss, squared_grad_norm(run.tied.counted(stage.parameters()))
                                            if run.needs_norm else 0.0)
@@ -367,18 +372,20 @@ def _executor_name(requested: str, device: torch.device) -> str:
     return requested
 
 
-def _make_executor(name: str, stage: Stage, plan: RunPlan, loss_fn: Any, device: torch.device,
+def _make_executor(name: str, stage: StageChunks, plan: RunPlan, loss_fn: Any, device: torch.device,
                    recorder: SpanRecorder, options: RunOptions, world: World) -> Executor:
+    """Either executor, running this stage's list of the schedule's actions (the same lists)."""
     fault = Fault.from_env()
+    actions = plan.actions()
     if name == "torch":
         from .torch_executor import TorchExecutor
 
-        return TorchExecutor(stage, plan.schedule, plan.micro_batches, loss_fn, device, recorder, fault)
+        return TorchExecutor(stage.chunks, actions, world.rank, plan.micro_batches, loss_fn, device, recorder, fault)
     neighbours = Neighbours(world.rank, world.world_size, device, options.timeout)
-    return NativeExecutor(stage, plan.schedule, plan.micro_batches, loss_fn, neighbours, recorder, fault)
+    return NativeExecutor(stage.chunks, actions, world.rank, plan.micro_batches, loss_fn, neighbours, recorder, fault)
 
 
-def _memory(stage: Stage, optimizer: torch.optim.Optimizer, meter: ActivationMeter | None,
+def _memory(stage: StageChunks, optimizer: torch.optim.Optimizer, meter: ActivationMeter | None,
             device: torch.device, context_bytes: int | None) -> dict[str, Any]:
     parts: dict[str, Any] = static_bytes(stage.module, optimizer)
     parts["activations_bytes"] = meter.total_bytes if meter is not None else None
@@ -440,7 +447,7 @@ def _identity(plan: RunPlan, options: RunOptions, precision: Precision, optimize
 
 def _saved_by(plan: RunPlan, world: World) -> dict[str, Any]:
     """The plan a checkpoint was saved under (``ranks`` decides whether RNG states are restored)."""
-    return {"plan": plan.path, "stages": plan.num_stages, "balance": [len(sp.layers) for sp in plan.stages],
+    return {"plan": plan.path, "stages": plan.num_stages, "balance": [len(cp.layers) for cp in plan.chunks],
             "global_batch_size": plan.global_batch_size, "micro_batches": plan.micro_batches,
             "ranks": world.world_size}
 
@@ -451,7 +458,8 @@ def _resume_note(meta: dict[str, Any], plan: RunPlan, world: World) -> str | Non
     ours = _saved_by(plan, world)
     notes = []
     if (saved.get("stages"), saved.get("balance")) != (ours["stages"], ours["balance"]):
-        notes.append(f"the checkpoint was saved by {saved.get('stages')} stage(s) holding {saved.get('balance')} "
+        held = "holding" if len(saved.get("balance") or []) == saved.get("stages") else "whose chunks held"
+        notes.append(f"the checkpoint was saved by {saved.get('stages')} stage(s) {held} {saved.get('balance')} "
                      f"layers; each stage loaded its own layers' tensors")
     if saved.get("global_batch_size") != ours["global_batch_size"]:
         notes.append(f"the global batch was {saved.get('global_batch_size')}, it is {ours['global_batch_size']} now")
@@ -477,7 +485,9 @@ def _banner(plan: RunPlan, options: RunOptions, optimizer: str, lr: float, threa
     where = f"{device.type}, {threads} thread(s) per rank" if device.type == "cpu" else str(device)
     if plan.precision != "fp32":
         where += f", {precision_label(plan.precision, plan.param_dtype)}"
-    text = (f"training {name} on {plan.num_stages} stage(s) ({where}), {plan.schedule}, "
+    schedule = plan.schedule if plan.num_chunks == plan.num_stages else \
+        f"{plan.schedule} over {plan.num_chunks} chunks"
+    text = (f"training {name} on {plan.num_stages} stage(s) ({where}), {schedule}, "
             f"{plan.micro_batches} x {plan.micro_batch_size} samples per step, {optimizer} lr {lr:g}, "
             f"{data}, {executor} executor")
     if start:

@@ -102,9 +102,9 @@ def spec_of(folder: Path, factory: str, monkeypatch: pytest.MonkeyPatch) -> dict
 def test_a_plan_records_the_table_whole_and_the_hidden_state_per_sample(folder: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     plan = hand_plan(spec_of(folder, "sequential", monkeypatch), [2, 1, 2], micro_batches=2, micro_batch_size=2)
-    first = plan["stages"][0]
+    first = plan["chunks"][0]
     assert first["output_shapes"] == [[8, 16], [1, 8, 16]] and first["output_batched"] == [True, False]
-    assert "output_batched" not in plan["stages"][2]  # the logits: per sample, as every plan had it
+    assert "output_batched" not in plan["chunks"][2]  # the logits: per sample, as every plan had it
 
 
 def test_three_stages_train_a_table_passing_model_exactly_like_one(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -28,7 +28,7 @@ from gpipe_plan.runtime.data import step_generator
 from gpipe_plan.runtime.handplan import hand_plan
 from gpipe_plan.runtime.options import RunOptions, check_options
 from gpipe_plan.runtime.plan import load_plan
-from gpipe_plan.runtime.stage import build_stage
+from gpipe_plan.runtime.stage import build_chunk
 
 BIN = Path(sys.executable).parent
 GPT = model_spec("gpt", layers=2, width=16, heads=2, seq_len=8, vocab_size=256)   # 4 layers
@@ -155,7 +155,7 @@ def test_optimizer_state_is_keyed_by_the_unsplit_parameter_names(tmp_path: Path)
     """In one process: a stage's Adam state and the RNG round-trip (Adam's under
     ``optim/<unsplit key>/<name>``), the identity must match, and a version 1 folder is refused."""
     plan = load_plan(plan_file(tmp_path, "one"))
-    stage = build_stage(build_model(GPT, seed=0), plan, 0)
+    stage = build_chunk(build_model(GPT, seed=0), plan, 0)
     optimizer = torch.optim.Adam(stage.parameters(), lr=LR)
     model = build_model(GPT, seed=0)
     inputs, targets = model.synthetic_batch(4, step_generator(0, 0))
@@ -169,7 +169,7 @@ def test_optimizer_state_is_keyed_by_the_unsplit_parameter_names(tmp_path: Path)
     assert {"optim/embed.tokens.weight/exp_avg", "optim/embed.tokens.weight/step"} <= keys
     assert {f"model/{k}" for k in model.module.state_dict()} <= keys
 
-    fresh = build_stage(build_model(GPT, seed=1), plan, 0)
+    fresh = build_chunk(build_model(GPT, seed=1), plan, 0)
     fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=LR)
     with pytest.raises(BadInput, match="was made with optimizer = 'adam', this run has 'sgd'"):
         checkpoint.load(tmp_path / "ckpt", 1, fresh, fresh_optimizer, identity | {"optimizer": "sgd"}, seed=0)
@@ -217,7 +217,7 @@ def test_each_rank_reads_only_its_stage_tensors(runs: Path, initial_weights: dic
     original = init_from._SafetensorsFile.tensor
     monkeypatch.setattr(init_from._SafetensorsFile, "tensor", lambda self, key: read.append(key) or original(self, key))
     model = build_model(GPT, seed=1)
-    stage = build_stage(model, load_plan(runs / "b.json"), 1)
+    stage = build_chunk(model, load_plan(runs / "b.json"), 1)
     assert init_from.load_initial_weights(str(initial_weights["safetensors"]), stage, model.module) == len(read)
     assert sorted(read) == sorted(stage.state_dict()) and not any(key.startswith("embed.") for key in read)
     saved = torch.load(initial_weights["pt"])
@@ -244,7 +244,7 @@ def test_init_from_a_tensor_of_another_shape_is_one_line(tmp_path: Path) -> None
     state["blocks.0.attn.qkv.weight"] = torch.zeros(3, 5)
     torch.save(state, tmp_path / "reshaped.pt")
     model = build_model(GPT, seed=0)
-    stage = build_stage(model, load_plan(plan_file(tmp_path, "b")), 1)
+    stage = build_chunk(model, load_plan(plan_file(tmp_path, "b")), 1)
     with pytest.raises(BadInput, match=r"'blocks.0.attn.qkv.weight' is \[3, 5\] in the file but \[48, 16\] in the model"):
         init_from.load_initial_weights(str(tmp_path / "reshaped.pt"), stage, model.module)
 

@@ -13,6 +13,7 @@ from gpipe_plan.planner.costmodel import CostModel, Setting
 from gpipe_plan.planner.explore import explore, find_repeated_block
 from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.profile import Profile
+from gpipe_plan.schedules import SCHEDULES
 
 SIZES = [1, 2, 4, 8, 16]
 
@@ -110,7 +111,7 @@ def test_cli_writes_json_rows_and_chart(tmp_path):
     assert result.exit_code == 0, result.output
     doc = json.loads(out.read_text())
     rows = doc["rows"]
-    assert len(rows) == 3 * 4 * 2 * 2
+    assert len(rows) == 3 * 4 * 2 * len(SCHEDULES)          # auto: every schedule
     for key in ("stages", "micro_batches", "schedule", "recompute", "throughput_per_s", "normalized_throughput",
                 "bubble_fraction", "peak_memory_bytes", "fits"):
         assert all(key in r for r in rows)
@@ -132,3 +133,20 @@ def test_cli_bad_input(tmp_path, args, message):
     result = CliRunner().invoke(main, ["explore", str(path), *args])
     assert result.exit_code == 2
     assert message in result.output and "Traceback" not in result.output
+
+
+def test_the_tables_show_the_new_schedules_and_interleaveds_chunks_per_stage():
+    from rich.console import Console
+
+    from gpipe_plan.planner.explore_view import render_exploration
+
+    ex = explore(Profile(transformer_like()), [2], [4, 8], 16, schedules=("1f1b", "interleaved", "zb-h1", "zb-v"),
+                 recomputes=("never",), time_budget_s=2.0)
+    console = Console(record=True, width=200)
+    render_exploration(ex, console, None)
+    text = console.export_text()
+    for schedule in ("1f1b", "interleaved", "zb-h1", "zb-v"):
+        assert f"{schedule}, recompute never" in text
+    interleaved = [c for c in ex.cells if c.schedule == "interleaved" and c.step_s is not None]
+    assert interleaved and all(f"v={c.virtual_stages}" in text for c in interleaved)
+    assert text.count(" v=") == len(interleaved)             # only interleaved cells say their v

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 
 from gpipe_plan.artifacts import FORMAT_VERSIONS, PROFILE_FORMAT, REPORT_FORMAT, BadInput
 from gpipe_plan.cli import main
+from gpipe_plan.plan_layout import plan_chunks
 from gpipe_plan.runtime.plan import load_plan
 
 from planner_helpers import profile_doc
@@ -78,10 +79,13 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def report_of(plan: dict[str, Any]) -> dict[str, Any]:
-    """What ``run --report`` would write for ``plan`` if every stage ran 10% slower than predicted."""
-    stages = [{"index": s["index"], "layers": s["layers"], "recompute": s["recompute"],
-               "predicted_forward_s": s["forward_s"], "measured_forward_s": s["forward_s"] * 1.1,
-               "predicted_backward_s": s["backward_s"], "measured_backward_s": s["backward_s"] * 1.1,
+    """What ``run --report`` would write for ``plan`` if every chunk ran 10% slower than predicted."""
+    chunks = [{"index": c["index"], "stage": c["stage"], "layers": c["layers"], "recompute": c["recompute"],
+               "predicted_forward_s": c["forward_s"], "measured_forward_s": c["forward_s"] * 1.1,
+               "predicted_backward_s": c["backward_s"], "measured_backward_s": c["backward_s"] * 1.1}
+              for c in plan_chunks(plan, "plan")]
+    stages = [{"index": s["index"], "chunks": s["chunks"],
+               "layers": [name for c in s["chunks"] for name in chunks[c]["layers"]],
                "measured_optimizer_s": s["optimizer_s"] * 1.1, "predicted_memory_bytes": s["memory_bytes"],
                "measured_peak_memory_bytes": s["memory_bytes"], "predicted_idle_fraction": s["idle_fraction"],
                "measured_idle_fraction": s["idle_fraction"], "predicted_memory": s["memory"]}
@@ -96,7 +100,7 @@ def report_of(plan: dict[str, Any]) -> dict[str, Any]:
             "measured_step_s_per_step": {str(i): step * (1.1 + 0.01 * i) for i in range(6)},
             "predicted_bubble_fraction": 0.2, "measured_bubble_fraction": 0.25, "samples_per_s": 10.0,
             "tokens_per_s": None, "loss": {"first": 5.5, "last": 5.0, "per_step": {"0": 5.5, "5": 5.0}},
-            "stages": stages}
+            "stages": stages, "chunks": chunks}
 
 
 GRAPH = """node1 -- Input0 -- forward_compute_time=0.000, backward_compute_time=0.000, activation_size=602112.0, parameter_size=0.000
@@ -234,18 +238,28 @@ def _corpus(artifacts: dict[str, Any]) -> dict[str, tuple[str, Any]]:
         "profile: empty file": ("profile", ""),
         "profile: invalid UTF-8": ("profile", b"\xff\xfe{}"),
         # plans (hand-edited)
-        "plan: output_shapes a string": L(("stages", 0, "output_shapes"), "[2, 16]"),
-        "plan: output_shapes negative dim": L(("stages", 0, "output_shapes"), [[-1, 16]]),
-        "plan: output_shapes huge dim": L(("stages", 0, "output_shapes"), [[HUGE_INT]]),
-        "plan: output_shapes float dim": L(("stages", 0, "output_shapes"), [[2.5]]),
-        "plan: output_dtypes unknown": L(("stages", 0, "output_dtypes"), ["float8"]),
+        "plan: output_shapes a string": L(("chunks", 0, "output_shapes"), "[2, 16]"),
+        "plan: output_shapes negative dim": L(("chunks", 0, "output_shapes"), [[-1, 16]]),
+        "plan: output_shapes huge dim": L(("chunks", 0, "output_shapes"), [[HUGE_INT]]),
+        "plan: output_shapes float dim": L(("chunks", 0, "output_shapes"), [[2.5]]),
+        "plan: output_dtypes unknown": L(("chunks", 0, "output_dtypes"), ["float8"]),
+        "plan: output_shapes without dtypes": L(("chunks", 0), {**plan["chunks"][0], "output_shapes": [[2, 16]],
+                                                                "output_dtypes": None}),
         "plan: memory a list": L(("stages", 0, "memory"), [1, 2]),
         "plan: memory part a string": L(("stages", 0, "memory", "params_bytes"), "4KB"),
         "plan: memory part infinite": L(("stages", 1, "memory", "activations_bytes"), HUGE_INT),
         "plan: micro_batch_size 1.5": L(("micro_batch_size",), 1.5),
         "plan: balance of strings": L(("balance",), ["2", "2"]),
         "plan: stages an object": L(("stages",), {"0": {}}),
-        "plan: stage layers a string": L(("stages", 1, "layers"), "layer2"),
+        "plan: chunk layers a string": L(("chunks", 1, "layers"), "layer2"),
+        "plan: chunks an object": L(("chunks",), {"0": {}}),
+        "plan: a chunk on another stage": L(("chunks", 1, "stage"), 0),
+        "plan: a stage holding another chunk": L(("stages", 0, "chunks"), [1]),
+        "plan: chunk index out of order": L(("chunks", 0, "index"), 1),
+        "plan: balance one short": L(("balance",), [2]),
+        "plan: virtual_stages a string": L(("virtual_stages",), "2"),
+        "plan: virtual_stages 2 for gpipe": L(("virtual_stages",), 2),
+        "plan: a schedule it cannot run": L(("schedule",), "zb-v"),
         "plan: predicted step a string": L(("predicted", "step_s"), "fast"),
         "plan: profile device a string": L(("profile", "device"), "cpu"),
         "plan: deep nesting": ("plan", NESTED),
@@ -255,6 +269,9 @@ def _corpus(artifacts: dict[str, Any]) -> dict[str, tuple[str, Any]]:
         "report: stage index a string": R(("stages", 1, "index"), "1"),
         "report (calibrate): stage indices repeated": R(("stages", 1, "index"), 0),
         "report: a time as a string": R(("stages", 0, "measured_forward_s"), "12ms"),
+        "report: a chunk's time as a string": R(("chunks", 0, "measured_forward_s"), "12ms"),
+        "report (calibrate): a chunk on another stage": R(("chunks", 1, "stage"), 0),
+        "report (calibrate): a chunk's layers not its stage's": R(("chunks", 1, "layers"), ["layer0"]),
         "report: a time huge": R(("stages", 0, "measured_backward_s"), HUGE_INT),
         "report: speed a string": R(("speed",), "fast"),
         "report: speed ratio a string": R(("speed", "ratio"), "1.0"),
@@ -285,8 +302,10 @@ def _corpus(artifacts: dict[str, Any]) -> dict[str, tuple[str, Any]]:
 def _case_names() -> list[str]:
     """The corpus's names, from a stand-in of the artifacts (the real ones need a solve)."""
     stand_in = {"profile": valid_profile(),
-                "plan": {"stages": [{"memory": {}}, {"memory": {}}], "predicted": {}, "profile": {}},
-                "report": {"stages": [{"layers": []}, {}], "speed": {}, "measured_step_s_per_step": {}}}
+                "plan": {"stages": [{"memory": {}}, {"memory": {}}], "chunks": [{}, {}], "predicted": {},
+                         "profile": {}},
+                "report": {"stages": [{"layers": []}, {}], "chunks": [{}, {}], "speed": {},
+                           "measured_step_s_per_step": {}}}
     return sorted(_corpus(stand_in))
 
 
@@ -336,7 +355,8 @@ def test_messages_name_the_key_path(artifacts: dict[str, Any], tmp_path: Path) -
         "profile: negative overhead": "'overhead.per_microbatch_s' must be a number (>= 0",
         "report: speed a string": "'speed' must be an object, found 'fast'",
         "report: stage without index": "has no 'stages[0].index'",
-        "plan: output_shapes negative dim": "'stages[0].output_shapes[0][0]' must be an integer (>= 0",
+        "plan: output_shapes negative dim": "'chunks[0].output_shapes[0][0]' must be an integer (>= 0",
+        "plan: a stage holding another chunk": "'stages[0].chunks' is [1], expected [0]",
         "profile: deep nesting": "nests its JSON too deeply",
     }
     corpus = _corpus(artifacts)

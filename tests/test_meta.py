@@ -19,7 +19,7 @@ from gpipe_plan.profiles.kinds import layer_kind
 from gpipe_plan.profiles.profiler import ProfileRequest, profile_model
 from gpipe_plan.runtime.handplan import hand_plan
 from gpipe_plan.runtime.plan import load_plan
-from gpipe_plan.runtime.stage import build_stage
+from gpipe_plan.runtime.stage import build_chunk
 
 GPT = model_spec("gpt", layers=3, width=16, heads=2, seq_len=8, vocab_size=32)
 RESNET = model_spec("resnet", blocks=[2, 1], width=8, image_size=8, num_classes=3)
@@ -156,7 +156,7 @@ def test_a_stage_makes_only_its_own_layers_real(tmp_path: Path) -> None:
     for k, mine in ((0, range(0, 2)), (1, range(2, 5))):
         model = build_model(GPT, seed=4, materialize=())       # as runtime/train.py builds it
         Precision().cast(model)
-        stage = build_stage(model, plan, k)
+        stage = build_chunk(model, plan, k)
         assert [real(model, i) for i in range(5)] == [i in mine for i in range(5)]
         held = sum(p.numel() for p in model.module.parameters() if not p.is_meta)
         assert held == sum(p.numel() for p in stage.parameters()) < sum(p.numel() for p in model.module.parameters())

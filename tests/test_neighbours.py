@@ -38,8 +38,8 @@ def test_plans_scale_stage_times_by_the_profiles_slowdown() -> None:
     scaled = search(Profile(crowded), options).best.solution.evaluation
     factor = 1.5
     # One factor on every layer time: the same optimal cut, every time scaled by it.
-    assert [s.end for s in scaled.stages] == [s.end for s in base.stages]
-    for a, b in zip(base.stages, scaled.stages):
+    assert [s.end for s in scaled.chunks] == [s.end for s in base.chunks]
+    for a, b in zip(base.chunks, scaled.chunks):
         assert b.forward_s == pytest.approx(a.forward_s * factor)
         assert b.backward_s == pytest.approx(a.backward_s * factor)
     assert scaled.step_s == pytest.approx(base.step_s * factor)
@@ -105,7 +105,7 @@ def test_profile_records_contention_only_when_asked() -> None:
     assert "contention" not in profile_model(request)
     doc = profile_model(ProfileRequest(spec=TINY_GPT, micro_batch_sizes=[1, 2], warmup=0, repeats=1,
                                        contention_processes=2))
-    assert doc["version"] == FORMAT_VERSIONS[PROFILE_FORMAT] == 6
+    assert doc["version"] == FORMAT_VERSIONS[PROFILE_FORMAT] == 7
     assert doc["contention"]["processes"] == 2 and doc["contention"]["micro_batch_size"] == 2
     Profile(doc)   # the planner reads what the profiler wrote
 

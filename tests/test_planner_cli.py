@@ -16,16 +16,22 @@ from pathlib import Path
 import pytest
 
 from gpipe_plan.artifacts import FORMAT_VERSIONS, PLAN_FORMAT
+from gpipe_plan.planner.plan import MAX_RUNNERS_UP
+from gpipe_plan.schedules import (SPLIT_BACKWARD, all_actions, chunks_of_stage, chunks_per_stage, in_flight,
+                                  stage_of_chunk)
 
+from plan_docs import as_version_4, chunked_plan
 from planner_helpers import cli, REPO, profile_doc, write_json
 
 # planner/ilp.py uses pulp APIs that pulp deprecates for its 4.0 (thousands of warnings a run).
 pytestmark = pytest.mark.filterwarnings("ignore:.*PuLP 4:DeprecationWarning")
 
 PLAN_KEYS = {"format", "version", "model", "profile", "options", "balance", "micro_batches", "micro_batch_size",
-             "global_batch_size", "schedule", "stages", "predicted", "optimality", "runners_up"}
-STAGE_KEYS = {"index", "layers", "first_layer", "recompute", "forward_s", "backward_s", "send_s", "optimizer_s",
-              "memory_bytes", "memory", "in_flight", "busy_s", "idle_fraction"}
+             "global_batch_size", "schedule", "virtual_stages", "chunks", "stages", "predicted", "optimality",
+             "runners_up"}
+CHUNK_KEYS = {"index", "stage", "layers", "first_layer", "recompute", "forward_s", "backward_s", "backward_input_s",
+              "backward_weight_s", "recompute_s", "send_s"}
+STAGE_KEYS = {"index", "chunks", "optimizer_s", "memory_bytes", "memory", "in_flight", "busy_s", "idle_fraction"}
 MEMORY_KEYS = {"params_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes", "transient_bytes"}
 PREDICTED_KEYS = {"step_s", "makespan_s", "bubble_fraction", "samples_per_s", "peak_memory_bytes"}
 OPTIONS_KEYS = {"stages", "global_batch_size", "micro_batches", "schedule", "recompute", "memory_limit_bytes",
@@ -43,7 +49,7 @@ def test_solve_writes_a_plan_with_the_documented_keys(profile_path: Path):
     assert result.exit_code == 0, result.output
     plan = json.loads(Path("plan.json").read_text())
     assert PLAN_KEYS <= plan.keys()
-    assert plan["format"] == "gpipe-plan.plan" and plan["version"] == FORMAT_VERSIONS[PLAN_FORMAT] == 4
+    assert plan["format"] == "gpipe-plan.plan" and plan["version"] == FORMAT_VERSIONS[PLAN_FORMAT] == 5
     assert OPTIONS_KEYS <= plan["options"].keys()
     assert PREDICTED_KEYS <= plan["predicted"].keys()
     assert {"proven", "method", "lower_bound_s", "gap"} <= plan["optimality"].keys()
@@ -53,25 +59,34 @@ def test_solve_writes_a_plan_with_the_documented_keys(profile_path: Path):
     assert plan["profile"]["sha256"] == hashlib.sha256(profile_path.read_bytes()).hexdigest()
     assert plan["options"]["link_bandwidth_bytes_per_s"] == pytest.approx(1000.0)   # 1e-6 GB/s
 
-    # balance: torchgpipe's list of layers per stage, consistent with the stages
+    # balance: layers per chunk, consistent with the chunks; the stages hold the chunks their schedule says
     names = [layer["name"] for layer in doc["layers"]]
-    K, M = 3, plan["micro_batches"]
-    assert len(plan["balance"]) == K == len(plan["stages"]) and sum(plan["balance"]) == len(names)
-    assert [n for st in plan["stages"] for n in st["layers"]] == names
+    K, M, v, schedule = 3, plan["micro_batches"], plan["virtual_stages"], plan["schedule"]
+    chunks = plan["chunks"]
+    assert v == chunks_per_stage(schedule, v) and len(plan["balance"]) == len(chunks) == K * v
+    assert sum(plan["balance"]) == len(names) and [n for ch in chunks for n in ch["layers"]] == names
     assert plan["micro_batch_size"] * M == plan["global_batch_size"] == 8
-    assert plan["schedule"] in ("gpipe", "1f1b")
     first = 0
+    for c, ch in enumerate(chunks):
+        assert CHUNK_KEYS <= ch.keys()
+        assert ch["index"] == c and ch["stage"] == stage_of_chunk(schedule, c, K)
+        assert ch["first_layer"] == first and len(ch["layers"]) == plan["balance"][c]
+        first += len(ch["layers"])
+        # the link is 1000 B/s and output bytes are 100 (1 + i % 4) per sample (profile_doc)
+        last = names.index(ch["layers"][-1])
+        crosses = c < len(chunks) - 1 and chunks[c + 1]["stage"] != ch["stage"]
+        expected_send = 100 * (1 + last % 4) * plan["micro_batch_size"] / 1000.0 if crosses else 0.0
+        assert ch["send_s"] == pytest.approx(expected_send, rel=1e-9)
+        if schedule in SPLIT_BACKWARD:
+            assert ch["backward_s"] == pytest.approx(ch["backward_input_s"] + ch["backward_weight_s"])
+    actions = all_actions(schedule, K, M, v)
     for k, st in enumerate(plan["stages"]):
         assert STAGE_KEYS <= st.keys() and MEMORY_KEYS <= st["memory"].keys()
-        assert st["index"] == k and st["first_layer"] == first and len(st["layers"]) == plan["balance"][k]
-        first += len(st["layers"])
+        assert st["index"] == k and st["chunks"] == chunks_of_stage(schedule, k, K, v)
         assert st["memory_bytes"] == pytest.approx(sum(st["memory"].values()), abs=2)
-        assert st["in_flight"] == (M if plan["schedule"] == "gpipe" else min(M, K - k))
-        assert st["busy_s"] == pytest.approx(M * (st["forward_s"] + st["backward_s"]) + st["optimizer_s"])
-        # the link is 1000 B/s and output bytes are 100 (1 + i % 4) per sample (profile_doc)
-        last = names.index(st["layers"][-1])
-        expected_send = 0.0 if k == K - 1 else 100 * (1 + last % 4) * plan["micro_batch_size"] / 1000.0
-        assert st["send_s"] == pytest.approx(expected_send, rel=1e-9)
+        assert st["in_flight"] == in_flight(actions[k])
+        work = sum(chunks[c]["forward_s"] + chunks[c]["backward_s"] for c in st["chunks"])
+        assert st["busy_s"] == pytest.approx(M * work + st["optimizer_s"])
     pred = plan["predicted"]
     busy = sum(st["busy_s"] for st in plan["stages"])
     assert pred["bubble_fraction"] == pytest.approx(1 - busy / (K * pred["step_s"]))
@@ -81,19 +96,19 @@ def test_solve_writes_a_plan_with_the_documented_keys(profile_path: Path):
     assert opt["lower_bound_s"] <= pred["step_s"] * (1 + 1e-12)
     assert opt["gap"] == pytest.approx(pred["step_s"] / opt["lower_bound_s"] - 1, abs=1e-12)
     assert opt["proven"] and opt["gap"] == pytest.approx(0, abs=1e-9)     # nothing timed out here
-    assert opt["settings_searched"] == 4 * 2          # divisors of 8, times two schedules
     assert isinstance(plan["warnings"], list)
-    # runners-up: the other (M, schedule) settings, best first, none better than the plan
+    # runners-up: the other (M, schedule, v) settings, best first, none better than the plan
     runners = plan["runners_up"]
-    assert len(runners) == 4 * 2 - 1
-    assert {(r["micro_batches"], r["schedule"]) for r in runners} | {(M, plan["schedule"])} == \
-        {(m, s) for m in (1, 2, 4, 8) for s in ("gpipe", "1f1b")}
+    assert len(runners) == min(opt["settings_searched"] - 1, MAX_RUNNERS_UP)
+    settings = {(r["micro_batches"], r["schedule"], r["virtual_stages"]) for r in runners}
+    assert len(settings) == len(runners) and (M, schedule, v) not in settings
     for r in runners:
         assert r["micro_batch_size"] * r["micro_batches"] == 8
-        assert r["fits"]                               # no memory limit
-        assert {"step_s", "samples_per_s", "bubble_fraction", "peak_memory_bytes", "balance", "recompute",
-                "proven"} <= r.keys()
-        assert sum(r["balance"]) == len(names) and len(r["recompute"]) == K
+        if r["fits"]:
+            assert {"step_s", "samples_per_s", "bubble_fraction", "peak_memory_bytes", "balance", "recompute",
+                    "proven"} <= r.keys()
+            assert sum(r["balance"]) == len(names)
+    runners = [r for r in runners if r["fits"]]
     steps = [r["step_s"] for r in runners]
     assert steps == sorted(steps) and all(s >= pred["step_s"] for s in steps)
 
@@ -172,6 +187,71 @@ def test_show_plan_and_profile(profile_path: Path):
     assert all(f"layer{i}" in shown.stdout for i in range(6))
 
 
+@pytest.mark.parametrize("schedule, v, held", [("zb-v", 2, ["0, 3", "1, 2"]), ("interleaved", 2, ["0, 2", "1, 3"]),
+                                                ("zb-h1", 1, ["0", "1"])])
+def test_show_prints_each_chunk_and_what_each_stage_holds(user_dir: Path, schedule: str, v: int, held: list[str]):
+    write_json(user_dir / "plan.json", chunked_plan(schedule, 2, v))
+    shown = cli("show", "plan.json")
+    assert shown.exit_code == 0, shown.output
+    rows = [line for line in shown.stdout.splitlines() if re.search(r"layer\d", line)]
+    assert len(rows) == 2 * v                                  # one row per chunk
+    split = schedule.startswith("zb")
+    assert ("input (I)" in shown.stdout and "weight (W)" in shown.stdout) == split
+    stage_rows = [line.split("│") for line in shown.stdout.splitlines() if re.search(r"│\s+\d+ │ \d", line)
+                  and not re.search(r"layer\d", line)]
+    assert [cells[2].strip() for cells in stage_rows] == held  # the chunks column of the stages table
+    label = "interleaved v=2" if schedule == "interleaved" else schedule
+    assert f"schedule {label}" in shown.stdout
+
+
+def test_a_version_4_plan_is_shown_as_one_chunk_per_stage(user_dir: Path):
+    write_json(user_dir / "old.json", as_version_4(chunked_plan("1f1b", 3, send_s=0.002)))
+    shown = cli("show", "old.json", "--timeline", "old.svg")
+    assert shown.exit_code == 0, shown.output
+    rows = [line.split("│") for line in shown.stdout.splitlines() if re.search(r"layer\d", line)]
+    assert [(cells[1].strip(), cells[2].strip(), cells[3].strip()) for cells in rows] == \
+        [("0", "0", "layer0"), ("1", "1", "layer1"), ("2", "2", "layer2")]
+    assert [cells[-2].strip() for cells in rows] == ["2.00 ms", "2.00 ms", "-"]     # sends to the next stage
+    titles = [t.text for t in ET.fromstring(Path("old.svg").read_text()).iter() if t.tag.endswith("title")]
+    assert sum(1 for t in titles if t.startswith("backward micro-batch")) == 3 * 4
+
+
+def test_show_refuses_a_plan_whose_chunks_and_stages_disagree(user_dir: Path):
+    doc = chunked_plan("interleaved", 2, 2)
+    doc["chunks"][1]["stage"] = 0
+    write_json(user_dir / "bad.json", doc)
+    before = {p.name for p in user_dir.iterdir()}
+    assert_one_line_error(cli("show", "bad.json", "--timeline", "t.svg"),
+                          r"plan 'bad.json': 'chunks\[1\].stage' is 0, expected 1", user_dir, before)
+    doc = chunked_plan("zb-h1", 2)
+    doc["chunks"][1]["backward_weight_s"] = None       # a split schedule needs both halves
+    write_json(user_dir / "bad.json", doc)
+    assert_one_line_error(cli("show", "bad.json", "--timeline", "t.svg"),
+                          r"zb-h1 runs the backward as I and W, but 'chunks\[1\].backward_weight_s' is missing",
+                          user_dir, before)
+
+
+def test_timeline_draws_input_and_weight_gradients_apart_and_names_chunks(user_dir: Path):
+    K, M = 2, 4
+    write_json(user_dir / "plan.json", chunked_plan("zb-v", K, micro_batches=M))
+    assert cli("show", "plan.json", "--timeline", "t.svg").exit_code == 0
+    root = ET.fromstring(Path("t.svg").read_text())
+    titles = [t.text for t in root.iter() if t.tag.endswith("title")]
+    for kind in ("forward", "backward_input", "backward_weight"):    # every chunk, every micro-batch
+        assert sum(1 for t in titles if t.startswith(f"{kind} micro-batch")) == 2 * K * M
+    assert not any(t.startswith("backward micro-batch") for t in titles)
+    fills = {r.get("fill") for r in root.iter() if r.tag.endswith("rect") and r.find("{*}title") is not None
+             and r.find("{*}title").text.startswith(("backward_input", "backward_weight"))}
+    assert len(fills) == 2                                       # I and W in their own colours
+    texts = [t.text for t in root.iter() if t.tag.endswith("text")]
+    assert "input grad (I)" in texts and "weight grad (W)" in texts
+    assert any(re.fullmatch(r"[0-3][FIW][0-3]", t or "") for t in texts)   # two chunks a stage: boxes say which
+    write_json(user_dir / "gpipe.json", chunked_plan("gpipe", K, micro_batches=M))
+    assert cli("show", "gpipe.json", "--timeline", "g.svg").exit_code == 0
+    texts = [t.text for t in ET.fromstring(Path("g.svg").read_text()).iter() if t.tag.endswith("text")]
+    assert "input grad (I)" not in texts and not any(re.fullmatch(r"\d[FB]\d", t or "") for t in texts)
+
+
 # --------------------------------------------------------------------------- bad input
 def _drop_field(doc):
     del doc["layers"][3]["backward_s"]
@@ -182,7 +262,7 @@ BAD_PROFILES = {
     "malformed JSON": ('{"format": "gpipe-plan.profile", "version": 1, "layers": [', r"not valid JSON \(line 1"),
     "missing field": (_drop_field, r"has no 'layers\[3\]\.backward_s'"),
     "wrong format": (lambda d: {**d, "format": "gpipe-plan.plan"}, r"not a gpipe-plan profile.*it is a plan"),
-    "wrong version": (lambda d: {**d, "version": 7}, r"version 7.*reads versions 1, 2, 3, 4, 5 or 6"),
+    "wrong version": (lambda d: {**d, "version": 99}, r"version 99.*reads versions 1, 2, 3, 4, 5, 6 or 7"),
     "wrong list length": (lambda d: (d["layers"][1].update(forward_s=[1.0]), d)[1],
                           r"'layers\[1\]\.forward_s' must be a list of 3 numbers"),
 }
@@ -309,21 +389,21 @@ for args in ARGS:
 """
 
 
-def test_solve_show_and_help_do_not_import_torch(profile_path: Path, user_dir: Path):
+def test_solve_show_export_and_help_do_not_import_torch(profile_path: Path, user_dir: Path):
     if importlib.util.find_spec("torch") is None:   # the check means something only where torch exists
         pytest.skip("torch is not installed")
     runs = [["--help"], ["solve", "--help"], ["solve", "profile.json", "-k", "2", "--out", "plan.json", "-q",
                                               "--timeline", "t.svg"],
             ["show", "plan.json"], ["show", "profile.json"], ["solve", "profile.json", "-k", "9"],
             ["import-pipedream", str(REPO / "data" / "pipedream-profiles" / "alexnet.graph.txt"),
-             "--out", "alexnet.json"]]
+             "--out", "alexnet.json"], ["export", "plan.json", "--schedule-csv", "s.csv"]]
     script = _NO_TORCH.replace("ARGS", repr(runs))
     proc = subprocess.run([sys.executable, "-c", script], cwd=user_dir, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     seen = [eval(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]  # noqa: S307
-    assert [code for _, code, _ in seen] == [0, 0, 0, 0, 0, 2, 0], proc.stdout + proc.stderr
+    assert [code for _, code, _ in seen] == [0, 0, 0, 0, 0, 2, 0, 0], proc.stdout + proc.stderr
     assert not any(torch for _, _, torch in seen), seen
-    assert (user_dir / "plan.json").exists() and (user_dir / "alexnet.json").exists()
+    assert (user_dir / "plan.json").exists() and (user_dir / "alexnet.json").exists() and (user_dir / "s.csv").exists()
 
 
 def test_show_refuses_what_it_cannot_show(user_dir: Path):

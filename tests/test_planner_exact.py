@@ -26,7 +26,8 @@ from gpipe_plan.planner.ilp import solve_ilp
 from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.onefoneb import OneFOneBSolver
 from gpipe_plan.planner.profile import Profile, interpolate
-from gpipe_plan.planner.search import SolveOptions, search
+from gpipe_plan.planner.search import SolveOptions, schedule_shapes, search
+from gpipe_plan.schedules import problem
 
 from planner_helpers import close, hyp, instances, make_figures, profile_doc, ref_brute, ref_evaluate
 
@@ -356,24 +357,27 @@ def test_search_picks_the_best_setting(case):
     options = SolveOptions(stages=K, recompute=recompute, memory_limit_bytes=limit, time_budget_s=60)
     expected = {}
     for m in [d for d in range(1, batch + 1) if batch % d == 0]:
-        for schedule in ("gpipe", "1f1b"):
+        for schedule, v in schedule_shapes(options, L):
+            if problem(schedule, K, m, v):
+                continue
             # the per-micro-batch overhead is charged only when there is a pipeline (K > 1)
             setting = Setting(stages=K, micro_batches=m, schedule=schedule, recompute=recompute,
-                              memory_limit_bytes=limit, overhead_s=overhead if K > 1 else 0.0)
+                              memory_limit_bytes=limit, overhead_s=overhead if K > 1 else 0.0, virtual_stages=v)
             best = brute_force(CostModel(exact_figures(coeff, batch // m, optimizer), setting))
-            expected[(m, schedule)] = best.step_s if best else math.inf
+            expected[(m, schedule, v)] = best.step_s if best else math.inf
     if all(v == math.inf for v in expected.values()):
         with pytest.raises(BadInput, match="no plan fits"):
             search(profile, options)
         return
     result = search(profile, options)
-    assert {(c.setting.micro_batches, c.setting.schedule) for c in result.candidates} == set(expected)
+    assert {(c.setting.micro_batches, c.setting.schedule, c.setting.virtual_stages)
+            for c in result.candidates} == set(expected)
     chosen = result.best
     assert chosen.solution is not None
     assert close(chosen.step_s, min(expected.values()), 1e-9), (chosen.setting, chosen.step_s, expected)
     assert result.proven and result.lower_bound_s <= chosen.step_s * (1 + 1e-9)
     for c in result.candidates:
-        want = expected[(c.setting.micro_batches, c.setting.schedule)]
+        want = expected[(c.setting.micro_batches, c.setting.schedule, c.setting.virtual_stages)]
         assert (c.solution is None) == (want == math.inf)
         if c.solution is None:
             continue

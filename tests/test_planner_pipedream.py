@@ -177,7 +177,8 @@ def test_import_command_writes_a_profile_that_solves(tmp_path: Path, monkeypatch
     result = cli("solve", "r18.json", "--stages", "4", "--out", "plan.json", "-q")
     assert result.exit_code == 0, result.output
     plan = json.loads((tmp_path / "plan.json").read_text())
-    assert sum(plan["balance"]) == 70 and len(plan["balance"]) == 4
+    # balance is per chunk (plan format 5): 4 stages of virtual_stages chunks each
+    assert sum(plan["balance"]) == 70 and len(plan["balance"]) == 4 * plan["virtual_stages"] == len(plan["chunks"])
 
 
 @pytest.mark.parametrize("text,pattern", [

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from gpipe_plan.planner.costmodel import CostModel, Setting
 from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.onefoneb import OneFOneBSolver
-from gpipe_plan.planner.schedule import gpipe_makespan, operation_order, simulate_times
+from gpipe_plan.planner.schedule import gpipe_makespan, simulate_times
+from gpipe_plan.schedules import all_actions
 
 from planner_helpers import (bounds_strategy, close, hyp, instances, make_figures, ref_evaluate,
                              ref_gpipe_closed_form, ref_makespan, ref_stage)
@@ -111,8 +112,8 @@ def test_1f1b_holds_less_memory_than_gpipe(instance, data):
     assume(M > K)
     bounds = data.draw(bounds_strategy(fig.num_layers, K))
     recompute = data.draw(st.lists(st.booleans(), min_size=K, max_size=K))
-    gpipe = CostModel(fig, setting).stages(bounds, recompute)
-    onefoneb = CostModel(fig, Setting(**{**setting.__dict__, "schedule": "1f1b"})).stages(bounds, recompute)
+    gpipe = CostModel(fig, setting).layout(bounds, recompute)[1]
+    onefoneb = CostModel(fig, Setting(**{**setting.__dict__, "schedule": "1f1b"})).layout(bounds, recompute)[1]
     for k in range(K):
         s, e = bounds[k], bounds[k + 1]
         saved_per_microbatch = ((fig.input_bytes if s == 0 else fig.output_bytes[s - 1]) if recompute[k]
@@ -136,18 +137,19 @@ def test_cost_model_matches_the_reference(instance, data):
     recompute = data.draw(st.lists(st.booleans(), min_size=setting.stages, max_size=setting.stages))
     ev = evaluate(cm, bounds, recompute)
     ref = ref_evaluate(fig, setting, bounds, recompute)
-    for k, stage in enumerate(ev.stages):
+    for k, (chunk, stage) in enumerate(zip(ev.chunks, ev.stages)):
         want = ref["stages"][k]
-        assert stage.forward_s == pytest.approx(want["F"], rel=1e-9, abs=1e-15)
-        assert stage.backward_s == pytest.approx(want["B"], rel=1e-9, abs=1e-15)
-        assert stage.send_s == pytest.approx(want["C"], rel=1e-9, abs=1e-15)
+        assert chunk.stage == stage.index == k and stage.chunks == (k,)
+        assert chunk.forward_s == pytest.approx(want["F"], rel=1e-9, abs=1e-15)
+        assert chunk.backward_s == pytest.approx(want["B"], rel=1e-9, abs=1e-15)
+        assert chunk.send_s == pytest.approx(want["C"], rel=1e-9, abs=1e-15)
         assert stage.memory_bytes == pytest.approx(want["memory"], rel=1e-12)
         assert stage.in_flight == want["in_flight"]
     assert close(ev.step_s, ref["step"], 1e-9)
     assert ev.fits == ref["fits"]
     # With recompute left to the cost model, a stage recomputes exactly when it must.
     if setting.recompute == "auto" and setting.memory_limit_bytes is not None:
-        for k, stage in enumerate(cm.stages(bounds)):
+        for k, stage in enumerate(cm.layout(bounds)[1]):
             plain_fits = ref_stage(fig, setting, bounds, k, False)["memory"] <= setting.memory_limit_bytes
             assert stage.recompute == (not plain_fits)
 
@@ -157,8 +159,9 @@ def test_cost_model_matches_the_reference(instance, data):
 def test_every_operation_order_runs_each_micro_batch_forward_then_backward(schedule):
     for K in range(1, 8):
         for M in range(1, 13):
-            for k in range(K):
-                order = operation_order(schedule, K, M, k)
+            for k, actions in enumerate(all_actions(schedule, K, M)):
+                order = [(a.kind, a.micro_batch) for a in actions]
+                assert {a.chunk for a in actions} == {k}
                 assert Counter(order) == Counter([("F", m) for m in range(M)] + [("B", m) for m in range(M)])
                 where = {op: i for i, op in enumerate(order)}
                 assert all(where[("B", m)] > where[("F", m)] for m in range(M)), (K, M, k, order)
@@ -178,10 +181,9 @@ def test_every_operation_order_runs_each_micro_batch_forward_then_backward(sched
 
 def test_1f1b_order_by_hand():
     """K = 3, M = 4, stage 0: three warm-up forwards, then one backward one forward, then drain."""
-    assert operation_order("1f1b", 3, 4, 0) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3),
-                                                ("B", 1), ("B", 2), ("B", 3)]
-    assert operation_order("1f1b", 3, 4, 2) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2),
-                                                ("B", 2), ("F", 3), ("B", 3)]
+    order = [[(a.kind, a.micro_batch) for a in actions] for actions in all_actions("1f1b", 3, 4)]
+    assert order[0] == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)]
+    assert order[2] == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3), ("B", 3)]
 
 
 # --------------------------------------------------------------------------- the 1F1B lower bound

@@ -151,7 +151,7 @@ def _two_stages_and_one(tmp_path: Path, precision: str, steps: int) -> dict[str,
 @pytest.mark.slow
 def test_bf16_pipeline_learns_and_matches_one_stage(tmp_path: Path) -> None:
     report = _two_stages_and_one(tmp_path, "bf16", steps=30)["report"]
-    assert report["run"]["precision"] == "bf16" and report["version"] == 2
+    assert report["run"]["precision"] == "bf16" and report["version"] == 3
     first, last = report["loss"]["first"], report["loss"]["last"]
     assert first > math.log(256) - 0.3 and last < first - 1.0, (first, last)
     # A matching fp32 run learns about as well: bf16 is not training something else.
@@ -168,12 +168,12 @@ def test_a_stage_computing_other_dtypes_than_the_plan_declares_is_refused(tmp_pa
     """A plan's cut dtypes come from its profile; a run that computes others (another precision
     or device) stops at the first forward in one line, instead of gloo aborting the next rank."""
     plan = hand_plan(TINY, [2, 2], micro_batches=2, micro_batch_size=2, precision="bf16")
-    assert plan["stages"][0]["output_dtypes"] == ["float32"]      # the residual stream stays fp32
-    plan["stages"][0]["output_dtypes"] = ["bfloat16"]              # as if profiled elsewhere
+    assert plan["chunks"][0]["output_dtypes"] == ["float32"]      # the residual stream stays fp32
+    plan["chunks"][0]["output_dtypes"] = ["bfloat16"]              # as if profiled elsewhere
     write_json_atomic(tmp_path / "plan.json", plan)
     result = gpipe_plan("run", "plan.json", "--steps", "1", "--report", "r.json", cwd=tmp_path)
     assert result.returncode == 2, result.stderr
-    assert "stage 0's output 0 is float32 [2, 16, 32] but the plan declares bfloat16 [2, 16, 32]" in result.stderr
+    assert "chunk 0's output 0 is float32 [2, 16, 32] but the plan declares bfloat16 [2, 16, 32]" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "r.json").exists()
 
 
@@ -203,7 +203,7 @@ def test_the_last_stage_backpropagates_the_scaled_loss() -> None:
     from gpipe_plan.models import build_model
     from gpipe_plan.runtime.executor import NativeExecutor
     from gpipe_plan.runtime.plan import load_plan
-    from gpipe_plan.runtime.stage import build_stage
+    from gpipe_plan.runtime.stage import build_chunk
     from gpipe_plan.runtime.timing import SpanRecorder
 
     class NoNeighbours:   # one stage: nothing to send or receive
@@ -211,8 +211,9 @@ def test_the_last_stage_backpropagates_the_scaled_loss() -> None:
 
     def gradients(loss_scale: float) -> list[torch.Tensor]:
         model = build_model(TINY)
-        stage = build_stage(model, load_plan(plan_path), 0)
-        executor = NativeExecutor(stage, "gpipe", 2, model.loss, NoNeighbours(),  # type: ignore[arg-type]
+        plan = load_plan(plan_path)
+        stage = build_chunk(model, plan, 0)
+        executor = NativeExecutor([stage], plan.actions(), 0, 2, model.loss, NoNeighbours(),  # type: ignore[arg-type]
                                   SpanRecorder(0, torch.device("cpu")))
         executor.loss_scale = loss_scale
         inputs, targets = model.synthetic_batch(4, torch.Generator().manual_seed(0))
@@ -349,13 +350,13 @@ class _Planted:
 
 def test_a_crafted_checkpoint_runs_no_code(tmp_path: Path) -> None:
     from gpipe_plan.runtime import checkpoint
-    from gpipe_plan.runtime.stage import build_stage
+    from gpipe_plan.runtime.stage import build_chunk
     from gpipe_plan.runtime.plan import load_plan
     from gpipe_plan.models import build_model
 
     write_json_atomic(tmp_path / "plan.json", hand_plan(TINY, [4], micro_batches=1, micro_batch_size=1))
     plan = load_plan(tmp_path / "plan.json")
-    stage = build_stage(build_model(TINY), plan, 0)
+    stage = build_chunk(build_model(TINY), plan, 0)
     planted = tmp_path / "planted"
     # A complete step folder whose DCP index (.metadata, a pickle) would run code when unpickled.
     folder = checkpoint.step_folder(tmp_path / "ckpt", 2)

@@ -67,7 +67,7 @@ def test_a_plan_reports_the_measured_recompute_time(tmp_path: Path) -> None:
     profile.write_text(json.dumps(with_recompute(profile_doc(6, sizes=(1, 2, 4), batch_size=8))))
     plan = solve_file(str(profile), None, stages=2, micro_batches=4, schedule="gpipe", recompute="always")
     assert plan["micro_batch_size"] == 2
-    for stage in plan["stages"]:
+    for stage in plan["chunks"]:   # plan format 5: times per chunk
         # the rerun (3 ms x b=2 per layer) + what checkpointing added to the forward + one call
         assert stage["recompute"] is True
         assert stage["recompute_s"] == pytest.approx(len(stage["layers"]) * 6e-3 + 0.1 * stage["forward_s"] + 5e-4)

@@ -23,8 +23,7 @@ from gpipe_plan.runtime.handplan import hand_plan
 from gpipe_plan.runtime.memory import ActivationMeter
 from gpipe_plan.runtime.options import RunOptions, check_options
 from gpipe_plan.runtime.plan import load_plan
-from gpipe_plan.runtime.schedule import max_in_flight, stage_ops
-from gpipe_plan.runtime.stage import build_stage
+from gpipe_plan.runtime.stage import build_chunk
 from gpipe_plan.runtime.trace import chrome_trace
 from gpipe_plan.runtime.timing import Span
 
@@ -38,43 +37,67 @@ def write_plan(tmp_path: Path, doc: dict, name: str = "plan.json") -> Path:
 
 
 # ---------------------------------------------------------------------- schedules
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_every_stage_runs_each_forward_then_its_backward_once(schedule: str) -> None:
-    for K in range(1, 5):
-        for M in range(1, 7):
-            for k in range(K):
-                ops = stage_ops(schedule, k, K, M)
-                assert sorted((op.kind, op.micro_batch) for op in ops) == sorted(
-                    [("F", m) for m in range(M)] + [("B", m) for m in range(M)])
-                done = set()
-                for op in ops:
-                    if op.kind == "B":
-                        assert op.micro_batch in done, "backward before its forward"
-                    done.add(op.micro_batch)
+@pytest.mark.parametrize("schedule, balance, stages", [("gpipe", [2, 2], 2), ("interleaved", [1, 1, 1, 1], 2),
+                                                       ("zb-h1", [2, 2], 2), ("zb-v", [1, 1, 1, 1], 2)])
+def test_a_plan_places_its_chunks_where_its_actions_run_them(tmp_path: Path, schedule: str, balance: list[int],
+                                                             stages: int) -> None:
+    """Every stage holds exactly the chunks its action list works on, and runs them in the
+    schedule's own order: the executors take their lists from the plan."""
+    plan = load_plan(write_plan(tmp_path, hand_plan(TINY_GPT, balance, micro_batches=4, micro_batch_size=1,
+                                                    schedule=schedule)))
+    assert plan.num_stages == stages and plan.num_chunks == len(balance)
+    for k, actions in enumerate(plan.actions()):
+        assert {a.chunk for a in actions} == set(plan.stages[k].chunks)
+        assert all(plan.chunks[a.chunk].stage == k for a in actions)
+        assert {a.kind for a in actions} == ({"F", "I", "W"} if plan.split_backward else {"F", "B"})
+    if schedule == "zb-v":   # the V: stage 0 holds both ends, so it reads the inputs and computes the loss
+        assert plan.stages[0].chunks == (0, 3) and plan.stages[1].chunks == (1, 2)
 
 
-def test_in_flight_is_what_the_memory_model_charges() -> None:
-    """The executor's deepest stash of micro-batches is the cost model's in-flight depth."""
-    from gpipe_plan.planner.costmodel import CostModel, Setting
-    from planner_helpers import make_figures
-
-    for schedule in ("gpipe", "1f1b"):
-        for K in range(1, 5):
-            for M in range(1, 9):
-                cost = CostModel(make_figures([1.0] * K, [1.0] * K), Setting(stages=K, micro_batches=M,
-                                                                              schedule=schedule))
-                for k in range(K):
-                    assert max_in_flight(stage_ops(schedule, k, K, M)) == cost.in_flight(k), (schedule, K, M, k)
+def test_a_schedule_that_cannot_run_these_micro_batches_is_refused(tmp_path: Path) -> None:
+    doc = hand_plan(TINY_GPT, [1, 1, 1, 1], micro_batches=4, micro_batch_size=1, schedule="interleaved")
+    # Interleaved takes micro-batches in rounds of about K = 2: 5 is not a multiple of 2 rounds.
+    bad = {**doc, "micro_batches": 5, "global_batch_size": 5}
+    with pytest.raises(BadInput, match="rounds") as info:
+        load_plan(write_plan(tmp_path, bad))
+    assert "\n" not in str(info.value)
 
 
-def test_orders_are_the_planners() -> None:
-    from gpipe_plan.planner import schedule as planner
-    for schedule in ("gpipe", "1f1b"):
-        for K in range(1, 5):
-            for M in range(1, 7):
-                for k in range(K):
-                    ours = [(op.kind, op.micro_batch) for op in stage_ops(schedule, k, K, M)]
-                    assert ours == planner.operation_order(schedule, K, M, k)
+class NoNeighbours:
+    """One stage: every chunk's neighbour is on it, nothing is sent or received."""
+
+    def finish_sends(self) -> None: ...
+
+
+@pytest.mark.parametrize("schedule, balance", [("gpipe", [4]), ("zb-h1", [4]), ("interleaved", [1, 2, 1]),
+                                               ("zb-v", [2, 2])])
+def test_one_stage_running_several_chunks_computes_the_whole_models_gradients(tmp_path: Path, schedule: str,
+                                                                           balance: list[int]) -> None:
+    """Chunks on one stage hand tensors over without messages (the bottom of a V), and I then W
+    add up to B: the gradients are the unsplit model's, whatever the schedule."""
+    from gpipe_plan.runtime.executor import NativeExecutor
+    from gpipe_plan.runtime.stage import build_stage_chunks
+    from gpipe_plan.runtime.timing import SpanRecorder
+
+    virtual = 3 if schedule == "interleaved" else None
+    plan = load_plan(write_plan(tmp_path, hand_plan(TINY_GPT, balance, micro_batches=2, micro_batch_size=2,
+                                                    schedule=schedule, virtual_stages=virtual)))
+    model = build_model(TINY_GPT, seed=5)
+    stage = build_stage_chunks(model, plan, 0)
+    assert [c.index for c in stage.chunks] == list(range(len(balance)))
+    recorder = SpanRecorder(0, torch.device("cpu"))
+    executor = NativeExecutor(stage.chunks, plan.actions(), 0, 2, model.loss, NoNeighbours(),  # type: ignore[arg-type]
+                              recorder)
+    inputs, targets = model.synthetic_batch(4, step_generator(0, 0))
+    executor.step(0, inputs, targets)
+    reference = build_model(TINY_GPT, seed=5)
+    reference.loss(reference.forward(*inputs), targets).backward()
+    expected = dict(reference.module.named_parameters())
+    for key, p in stage.named_parameters():
+        torch.testing.assert_close(p.grad, expected[key].grad, rtol=1e-5, atol=1e-7)
+    kinds = {s.kind for s in recorder.spans}
+    assert kinds >= ({"forward", "backward_input", "backward_weight"} if plan.split_backward else {"forward", "backward"})
+    assert "wait" not in kinds   # nothing came from another stage
 
 
 # ---------------------------------------------------------------------- plans
@@ -85,7 +108,7 @@ def test_plan_checks_refuse_bad_plans_in_one_line(tmp_path: Path) -> None:
         "micro_batches 3 x micro_batch_size 2 must equal": {**good, "micro_batches": 3},
         "has no 'schedule'": {k: v for k, v in good.items() if k != "schedule"},
         "balance [3, 1] must have": {**good, "balance": [3, 1]},
-        "stages[1].layers has 2 names, balance says 1": {**good, "balance": [2, 1]},
+        "chunks[1].layers' has 2 names, balance says 1": {**good, "balance": [2, 1]},
         "schedule 'zb' is not one of": {**good, "schedule": "zb"},
         "no PyTorch model to run": {**good, "model": {"source": "pipedream", "name": "resnet50"}},
         "is not a gpipe-plan plan": {**good, "format": "gpipe-plan.profile"},
@@ -98,10 +121,10 @@ def test_plan_checks_refuse_bad_plans_in_one_line(tmp_path: Path) -> None:
 
 def test_layer_names_that_do_not_match_the_model_are_refused(tmp_path: Path) -> None:
     doc = hand_plan(TINY_GPT, [2, 2], micro_batches=2, micro_batch_size=2)
-    doc["stages"][1]["layers"][0] = "block7"
+    doc["chunks"][1]["layers"][0] = "block7"
     plan = load_plan(write_plan(tmp_path, doc))
     with pytest.raises(BadInput, match="layer 2 is 'block7' in the plan but 'block1' in the rebuilt model"):
-        build_stage(build_model(plan.model), plan, 0)
+        build_chunk(build_model(plan.model), plan, 0)
 
 
 def test_world_size_must_be_the_number_of_stages(tmp_path: Path) -> None:
@@ -119,7 +142,7 @@ def test_stages_partition_the_model_and_save_as_the_unsplit_model(tmp_path: Path
     reference = build_model(spec, seed=3).module.state_dict()
     merged: dict[str, torch.Tensor] = {}
     for k in range(3):
-        stage = build_stage(build_model(spec, seed=3), plan, k)
+        stage = build_chunk(build_model(spec, seed=3), plan, k)
         part = stage.state_dict()
         assert not set(part) & set(merged), "a tensor in two stages"
         merged.update(part)
@@ -136,8 +159,8 @@ def test_static_shapes_are_derived_when_the_plan_has_none(tmp_path: Path) -> Non
     with_shapes = load_plan(write_plan(tmp_path, hand_plan(TINY_GPT, [1, 3], 2, 3), "a.json"))
     without = load_plan(write_plan(tmp_path, hand_plan(TINY_GPT, [1, 3], 2, 3, with_shapes=False), "b.json"))
     for k in range(2):
-        a = build_stage(build_model(TINY_GPT), with_shapes, k)
-        b = build_stage(build_model(TINY_GPT), without, k)
+        a = build_chunk(build_model(TINY_GPT), with_shapes, k)
+        b = build_chunk(build_model(TINY_GPT), without, k)
         assert (a.input_meta, a.output_meta) == (b.input_meta, b.output_meta)
     assert a.input_meta[0].shape == (3, 8, 16)  # micro-batch 3, seq 8, width 16
 
@@ -148,11 +171,11 @@ def test_recomputing_stage_computes_the_same_gradients(tmp_path: Path) -> None:
     grads = []
     for plan in (plain, recompute):
         model = build_model(TINY_GPT)
-        stage = build_stage(model, plan, 0)
-        assert stage.module.recompute == plan.stages[0].recompute
+        stage = build_chunk(model, plan, 0)
+        assert stage.module.recompute == plan.chunks[0].recompute
         (x,), y = model.synthetic_batch(2, step_generator(0, 0))
         meter = ActivationMeter.for_module(stage.module)
-        with meter.forward(0):
+        with meter.forward((0, 0)):
             out = stage.module(x)
         model.loss(out, y).backward()
         grads.append([p.grad.clone() for p in stage.parameters()])
@@ -221,6 +244,50 @@ def test_trace_is_chrome_trace_format() -> None:
         ("F0", 0, 0.0, 1000.0), ("B0", 0, 2000.0, 2000.0), ("F0", 1, 1000.0, 1000.0)]
 
 
+def test_trace_names_each_action_as_the_schedule_csv_does() -> None:
+    """Chunk, kind, micro-batch: I and W of a split backward are spans of their own."""
+    spans = [[Span(0, 0, "forward", 3, 0.0, 1.0, chunk=2), Span(0, 0, "backward_input", 3, 1.0, 2.0, chunk=2),
+              Span(0, 0, "backward_weight", 3, 2.0, 3.0, chunk=2), Span(0, 0, "wait", 1, 3.0, 4.0, chunk=1),
+              Span(0, 0, "optimizer", -1, 4.0, 5.0)]]
+    events = [e for e in chrome_trace(spans, {})["traceEvents"] if e["ph"] == "X"]
+    assert [e["name"] for e in events] == ["2F3", "2I3", "2W3", "wait 1", "optimizer"]
+    assert events[1]["cat"] == "backward_input" and events[1]["args"]["chunk"] == 2
+
+
+def test_show_report_reads_per_chunk_times_and_older_per_stage_ones() -> None:
+    """Version 3 keeps the times per chunk (a zb-v stage 0 holds chunks 0 and 3); a version-2
+    report kept them on its stages, each one chunk: both show as rows per chunk."""
+    stage = {"measured_peak_memory_bytes": 2**20, "measured_idle_fraction": 0.25}
+    v3 = {"schedule": "zb-v", "virtual_stages": 2, "num_stages": 2, "measured_step_s": 0.01,
+          "chunks": [{"index": c, "stage": s, "layers": [f"l{c}"], "measured_forward_s": 0.001 * (c + 1),
+                      "measured_backward_s": 0.002, "measured_backward_input_s": 0.001,
+                      "measured_backward_weight_s": 0.001} for c, s in enumerate([0, 1, 1, 0])],
+          "stages": [{"index": 0, "chunks": [0, 3], "layers": ["l0", "l3"], **stage},
+                     {"index": 1, "chunks": [1, 2], "layers": ["l1", "l2"], **stage}]}
+    v2 = {"schedule": "1f1b", "num_stages": 2, "measured_step_s": 0.01,
+          "stages": [{"index": k, "layers": [f"l{k}"], "measured_forward_s": 0.005, "measured_backward_s": 0.007,
+                      **stage} for k in range(2)]}
+    rows = {3: [("0", "0", "l0"), ("0", "3", "l3"), ("1", "1", "l1"), ("1", "2", "l2")], 2: [("0", "0", "l0"),
+                                                                                          ("1", "1", "l1")]}
+    for version, report in ((3, v3), (2, v2)):
+        text = _shown(report)
+        shown = [tuple(line.split()[:3]) for line in text.splitlines()]
+        assert [row for row in shown if row in rows[version]] == rows[version], text
+    assert "I+W ms" in _shown(v3) and "4.00 /" in _shown(v3) and "7.00 /" in _shown(v2)
+
+
+def _shown(report: dict) -> str:
+    import io
+
+    from rich.console import Console
+
+    from gpipe_plan.runtime.report import show_report
+
+    out = io.StringIO()
+    show_report(report, "r.json", Console(file=out, width=100))
+    return out.getvalue()
+
+
 def test_run_help_does_not_import_torch() -> None:
     code = ("import sys; from click.testing import CliRunner; from gpipe_plan.cli import main; "
             "r = CliRunner().invoke(main, ['run', '--help']); assert r.exit_code == 0, r.output; "
@@ -231,8 +298,10 @@ def test_run_help_does_not_import_torch() -> None:
 def test_demo_draws_the_predicted_timeline() -> None:
     from gpipe_plan.runtime.demo import text_timeline
 
-    plan = {"schedule": "gpipe", "micro_batches": 2, "stages": [
-        {"forward_s": 1.0, "backward_s": 2.0, "optimizer_s": 0.0}, {"forward_s": 1.0, "backward_s": 2.0}]}
+    plan = {"schedule": "gpipe", "micro_batches": 2, "balance": [1, 1],
+             "chunks": [{"layers": ["a"], "forward_s": 1.0, "backward_s": 2.0},
+                        {"layers": ["b"], "forward_s": 1.0, "backward_s": 2.0}],
+             "stages": [{"optimizer_s": 0.0}, {}]}
     _, first, second = text_timeline(plan, width=18).splitlines()  # 9 s: 2 characters a second
     # Stage 1 starts one forward late; stage 0 waits for stage 1's backwards: the bubble.
     assert first == "stage 0 |F0F1......B0==B1==|"

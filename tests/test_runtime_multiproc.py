@@ -169,10 +169,15 @@ def test_two_stages_train_exactly_like_the_unsplit_model(group_runs: dict[str, A
 def test_report_compares_measured_with_predicted(group_runs: dict[str, Any]) -> None:
     jobs = group_runs["jobs"]
     gpipe, one_f_one_b = (json.loads(Path(jobs[i]["report"]).read_text()) for i in (0, 1))
-    assert gpipe["format"] == REPORT_FORMAT and gpipe["version"] == 2
+    assert gpipe["format"] == REPORT_FORMAT and gpipe["version"] == 3
     assert gpipe["steps_measured"] == STEPS - 1 and gpipe["measured_step_s"] > 0
+    assert [(c["index"], c["stage"]) for c in gpipe["chunks"]] == [(0, 0), (1, 1)]
+    for chunk in gpipe["chunks"]:
+        for key in ("measured_forward_s", "measured_backward_s"):
+            assert chunk[key] > 0, key
+        assert chunk["measured_backward_input_s"] is None   # GPipe runs whole backwards
     for stage in gpipe["stages"]:
-        for key in ("measured_forward_s", "measured_backward_s", "measured_peak_memory_bytes", "measured_idle_fraction"):
+        for key in ("measured_peak_memory_bytes", "measured_idle_fraction"):
             assert stage[key] > 0, key
     assert 0 <= gpipe["measured_bubble_fraction"] < 1
     # 1F1B keeps fewer micro-batches in flight on stage 0 (2 instead of 4): less activation memory.
@@ -236,8 +241,9 @@ def test_trace_shows_every_stage_every_micro_batch(workdir: Path, group_runs: di
     trace = json.loads((workdir / "full-trace.json").read_text())
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert {e["pid"] for e in spans} == {0, 1}
-    for name in ("F0", "F1", "B0", "B1"):
-        assert sum(e["name"] == name for e in spans) == 2 * 6  # each stage, each step
+    for stage in (0, 1):   # named as the schedule's CSV names the actions: chunk, kind, micro-batch
+        for name in (f"{stage}F0", f"{stage}F1", f"{stage}B0", f"{stage}B1"):
+            assert sum(e["name"] == name and e["pid"] == stage for e in spans) == 6  # each step
     report = json.loads((workdir / "full-report.json").read_text())
     assert report["steps_run"] == 6 and len(report["stages"]) == 2
 
@@ -260,7 +266,7 @@ def test_a_nan_loss_stops_the_run(group_runs: dict[str, Any]) -> None:
 
 def test_a_plan_for_another_model_is_refused_before_training(workdir: Path) -> None:
     doc = hand_plan(GPT, [2, 2], micro_batches=2, micro_batch_size=2)
-    doc["stages"][0]["layers"][1] = "blockzero"
+    doc["chunks"][0]["layers"][1] = "blockzero"
     write_json_atomic(workdir / "renamed.json", doc)
     result = gpipe_plan("run", "renamed.json", cwd=workdir)
     assert result.returncode == 2

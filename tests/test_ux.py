@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.progress import Progress, TimeRemainingColumn
 
 from gpipe_plan.artifacts import FORMAT_VERSIONS, PLAN_FORMAT, PROFILE_FORMAT, REPORT_FORMAT, BadInput
+from gpipe_plan.plan_layout import plan_chunks
 from gpipe_plan.planner.command import CountColumn, solve_file
 from gpipe_plan.planner.explore import explore
 from gpipe_plan.planner.explore_view import exploration_chart, never_fitting
@@ -107,7 +108,7 @@ def test_plan_compares_itself_with_the_best_one_device_plan(user_dir: Path) -> N
     assert pred["one_stage_peak_memory_bytes"] == one["predicted"]["peak_memory_bytes"]
     assert pred["speedup_over_one_stage"] == pytest.approx(one["predicted"]["step_s"] / pred["step_s"])
     assert pred["speedup_over_one_stage"] > 1.3                 # balanced layers, 8 micro-batches
-    assert plan["version"] == FORMAT_VERSIONS[PLAN_FORMAT] == 4
+    assert plan["version"] == FORMAT_VERSIONS[PLAN_FORMAT] == 5
     shown = cli("show", "plan.json")
     assert shown.exit_code == 0, shown.output
     assert f"{pred['speedup_over_one_stage']:.2f}x faster than one device" in shown.stdout
@@ -209,15 +210,18 @@ def test_headline_is_the_speed_adjusted_prediction_with_its_band() -> None:
 
 def report_doc(plan: dict, factor: float = 1.0, step_times: list[float] | None = None,
                speed_ratio: float | None = None, bubble: float = 0.2) -> dict:
-    """What a run of ``plan`` reports if every stage ran ``factor`` times its prediction."""
+    """What a run of ``plan`` reports if every chunk ran ``factor`` times its prediction."""
     predicted = plan["predicted"]["step_s"]
     times = step_times or [predicted * factor] * 8
     measured = statistics.median(times[1:])
     speed = {"ratio": speed_ratio, "per_rank_probe_s": {"0": [0.01, 0.01]},
              "predicted_step_s_at_run_speed": predicted * speed_ratio if speed_ratio else None}
-    stages = [{"index": st["index"], "layers": st["layers"], "recompute": st["recompute"],
-               "predicted_forward_s": st["forward_s"], "measured_forward_s": st["forward_s"] * factor,
-               "predicted_backward_s": st["backward_s"], "measured_backward_s": st["backward_s"] * factor,
+    chunks = [{"index": c["index"], "stage": c["stage"], "layers": c["layers"], "recompute": c["recompute"],
+               "predicted_forward_s": c["forward_s"], "measured_forward_s": c["forward_s"] * factor,
+               "predicted_backward_s": c["backward_s"], "measured_backward_s": c["backward_s"] * factor}
+              for c in plan_chunks(plan, "plan")]
+    stages = [{"index": st["index"], "chunks": st["chunks"],
+               "layers": [name for c in st["chunks"] for name in chunks[c]["layers"]],
                "measured_optimizer_s": None, "predicted_memory_bytes": st["memory_bytes"],
                "measured_peak_memory_bytes": st["memory_bytes"], "predicted_idle_fraction": st["idle_fraction"],
                "measured_idle_fraction": -0.001} for st in plan["stages"]]
@@ -231,7 +235,7 @@ def report_doc(plan: dict, factor: float = 1.0, step_times: list[float] | None =
               "predicted_bubble_fraction": plan["predicted"]["bubble_fraction"], "measured_bubble_fraction": bubble,
               "predicted_samples_per_s": None, "samples_per_s": 100.0, "tokens_per_s": None,
               "loss": {"first": 5.5, "last": 2.5, "per_step": {str(i): 5.5 - 3 * i / 7 for i in range(8)}},
-              "stages": stages}
+              "stages": stages, "chunks": chunks}
     report["headline"] = headline(predicted, plan["predicted"].get("noise_sources"), speed, measured)
     return report
 
@@ -276,8 +280,8 @@ def test_a_noisy_run_moves_the_calibration_less_than_a_steady_one(user_dir: Path
     for name, report in (("steady", steady), ("noisy", noisy)):
         write_json(user_dir / f"{name}.json", report)
         doc = calibrate("profile.json", f"{name}.json")
-        scales[name] = doc["calibration"][-1]["stages"][0]["forward_scale"]
-        assert doc["calibration"][-1]["stages"][0]["measured_forward_ratio"] == pytest.approx(1.1)
+        scales[name] = doc["calibration"][-1]["chunks"][0]["forward_scale"]
+        assert doc["calibration"][-1]["chunks"][0]["measured_forward_ratio"] == pytest.approx(1.1)
     assert scales["steady"] == pytest.approx(1.1)
     assert 1.0 <= scales["noisy"] < 1.1 - 0.02
 
@@ -312,7 +316,7 @@ def test_show_reprints_a_reports_table(user_dir: Path) -> None:
     write_json(user_dir / "report.json", report_doc(plan, factor=1.02))
     result = cli("show", "report.json")
     assert result.exit_code == 0, result.output
-    assert "measured vs predicted, per stage" in result.stdout and "layer0" in result.stdout
+    assert "measured vs predicted, per chunk" in result.stdout and "layer0" in result.stdout
     assert "+2%" in result.stdout and "loss 5.5000" in result.stdout
     assert "-0%" not in result.stdout
 

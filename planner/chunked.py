@@ -1,0 +1,363 @@
+"""The solver for interleaved 1F1B, ZB-H1 and ZB-V: a lower bound per stage, and branch and bound.
+
+These schedules cut the layers into C = K v chunks (v chunks per stage: v for ``interleaved``,
+2 for ``zb-v``, 1 for ``zb-h1``) and run a fixed list of actions on each stage
+(:mod:`gpipe_plan.schedules`). Their step time is what the event simulator finds; what we
+have without simulating is a lower bound for every stage k, because the stage runs its list
+in order, one action at a time, and some waits are forced:
+
+* ``before``: its first action (F of its lowest chunk c0, micro-batch 0) waits for micro-batch
+  0 to pass every chunk below c0 and the links between them;
+* the warm-up wait: its first backward (B or I of chunk cb for micro-batch mb) waits for that
+  micro-batch's forward to run down to the last chunk and its gradient to come back to cb;
+  meanwhile the stage can only run the actions its list puts before that backward;
+* the drain: after its last backward of c0, that gradient still goes down every chunk below
+  c0 (and, for a split backward, chunk 0's W follows its I);
+* in between, all of its own work.
+
+So, writing ``pre(x)`` for the work of the stage's first x actions and ``chain`` for the
+waits above (sums of chunk times and sends)::
+
+    step >= before + max(pre(first B), pre(F of mb) + down-and-back)
+                   + max(pre(last B of c0) - pre(first B) + drain, all - pre(first B))
+           + stage 0's optimizer step
+
+Every term is a sum of chunk times with non-negative counts read off the stage's list once
+per setting, so a bound costs O(chunks); and a chunk not chosen yet contributes at least 0,
+so the same formula bounds a partial cut. What the chunks not cut yet will add is bounded on
+its own: every stage's makespan covers its idle time (before its first action, and the part
+of the drain its last actions do not cover) and all its work, and the work of the layers not
+cut yet goes to the stages that still have chunks to fill, at best evened out among them
+(a water level), with the heaviest of those layers whole on one of them.
+
+The search seeds itself (chunks of equal work, of equal layer count, given seeds) and moves
+single cuts while that helps, then cuts the chunks left to right, drops a prefix whose bound
+cannot beat the best plan simulated so far, and simulates the cuts that survive. When it
+finishes, the plan is proven optimal; when its time budget runs out, the plan carries the least
+bound of what was left open, and the gap.
+
+Recomputation is decided per stage, for all its chunks alike: a stage recomputes only when it
+does not fit in memory without (recomputing only adds time to its backward, and with fixed
+action lists a longer action never makes the step shorter). A stage's memory is known once
+its last chunk is cut; until then its chunks are bounded with their cheaper, plain times.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from itertools import accumulate
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from ..schedules import all_actions
+from .costmodel import CostModel
+from .dp import Solution
+from .objective import Evaluation, evaluate
+
+INF = math.inf
+_RELATIVE_SLACK = 1e-12
+# The search is budgeted in work, not in wall time, so that a plan is the same on every run:
+# this many units per second of budget (a bound is one unit, a simulation one per 64 actions
+# it plays out), about half what the 2-core development VM does, so that the wall-time
+# budget, still checked, rarely binds first.
+WORK_PER_SECOND = 20000
+_KIND = {"F": 0, "B": 1, "I": 1, "W": 2}    # forward, the backward the previous chunk waits for, W
+
+
+@dataclass(frozen=True)
+class _StageShape:
+    """What the bound needs of one stage's list: counts of (kind, chunk) up to a few positions."""
+
+    lowest: int                                   # its lowest chunk c0
+    first_backward_chunk: int                     # cb
+    to_first_backward: tuple[tuple[int, int, int], ...]        # pre(first B): (kind, chunk, count)
+    to_first_backward_forward: tuple[tuple[int, int, int], ...]  # pre(F of mb) incl. that F
+    to_last_lowest_backward: tuple[tuple[int, int, int], ...]  # pre(last B of c0) incl. it
+    total: tuple[tuple[int, int, int], ...]
+    after_last_lowest_chunks: tuple[int, ...]     # the chunks of the actions after the last B of c0
+    before_first_backward_chunks: tuple[int, ...]  # the chunks of the actions before its first B
+
+
+def _counts(actions, upto: int) -> tuple[tuple[int, int, int], ...]:
+    tally: dict[tuple[int, int], int] = {}
+    for a in actions[:upto]:
+        key = (_KIND[a.kind], a.chunk)
+        tally[key] = tally.get(key, 0) + 1
+    return tuple((kind, chunk, n) for (kind, chunk), n in sorted(tally.items()))
+
+
+def stage_shapes(schedule: str, stages: int, micro_batches: int, virtual_stages: int) -> list[_StageShape]:
+    shapes = []
+    for actions in all_actions(schedule, stages, micro_batches, virtual_stages):
+        lowest = min(a.chunk for a in actions)
+        first_b = next(i for i, a in enumerate(actions) if a.kind in ("B", "I"))
+        cb, mb = actions[first_b].chunk, actions[first_b].micro_batch
+        forward_of_mb = next(i for i, a in enumerate(actions) if a.kind == "F" and a.chunk == cb and a.micro_batch == mb)
+        last_lowest = max(i for i, a in enumerate(actions) if a.kind in ("B", "I") and a.chunk == lowest)
+        shapes.append(_StageShape(lowest, cb, _counts(actions, first_b), _counts(actions, forward_of_mb + 1),
+                                  _counts(actions, last_lowest + 1), _counts(actions, len(actions)),
+                                  tuple(sorted({a.chunk for a in actions[last_lowest + 1:]})),
+                                  tuple(sorted({a.chunk for a in actions[:first_b]}))))
+    return shapes
+
+
+class ChunkedSolver:
+    """Branch and bound over the C - 1 cuts of a chunked or split-backward schedule."""
+
+    def __init__(self, cm: CostModel, seeds: Iterable[Sequence[int]] = (), time_budget_s: float = 10.0,
+                 cutoff_s: float = INF, work_budget_s: float | None = None):
+        """``time_budget_s``: wall time at most; ``work_budget_s`` (default the same): the
+        seconds of work (WORK_PER_SECOND) after which the search stops, whatever the clock."""
+        self.cm = cm
+        self.L, self.K, self.M, self.C = cm.L, cm.K, cm.M, cm.C
+        self.seeds = [tuple(s) for s in seeds]
+        self.time_budget_s = time_budget_s
+        self.work_budget = (time_budget_s if work_budget_s is None else work_budget_s) * WORK_PER_SECOND
+        self.work_done = 0.0
+        # a simulation's share of work: one unit per 64 of its actions (at least one)
+        self.simulation_work = max(1.0, 3 * cm.C * cm.M / 64)
+        self.cutoff_s = cutoff_s
+        self.shapes = stage_shapes(cm.schedule, cm.K, cm.M, cm.virtual_stages)
+        self.stage_of = cm.stage_of_chunk
+        self.last_chunk_of = [max(cm.peaks[k].chunks) for k in range(cm.K)]
+        self.plain = cm.allowed_recompute[0]      # the cheaper choice (False unless only True is allowed)
+        # Prefix sums of each layer's backward at its least (B, or I + W), for the work not cut yet.
+        if cm.split:
+            # Per layer the least of I + W and B: chunk 0 runs B (its W is the whole backward),
+            # and the layers not cut yet may still fall in it.
+            first = cm.pgir if self.plain else cm.pgi
+            whole = cm.pgr if self.plain else cm.pg
+            least = [min(first[i + 1] - first[i] + cm.pgw[i + 1] - cm.pgw[i], whole[i + 1] - whole[i])
+                     for i in range(cm.L)]
+            self.plain_backward = [0.0, *accumulate(least)]
+        else:
+            self.plain_backward = cm.pgr if self.plain else cm.pg
+        self.per_chunk_overhead = (3 if cm.split else 2) * cm.overhead
+        self.layer_work = [f + b for f, b in zip(cm.pf, self.plain_backward)]   # prefix of F + B per layer
+        # heaviest_from[s]: the most work (F + B, plain) of one layer among layers s..L-1
+        self.heaviest_from = [0.0] * (self.L + 1)
+        for i in range(self.L - 1, -1, -1):
+            self.heaviest_from[i] = max(self.heaviest_from[i + 1], self.layer_work[i + 1] - self.layer_work[i])
+        self.simulations = 0
+        self.nodes = 0
+
+    # ----------------------------------------------------------------- the bound
+    def _times(self, bounds: Sequence[int], recompute: Sequence[bool | None]) -> tuple[list[list[float]], list[float]]:
+        """Per chunk [F, B or I, W] and send times of the chunks cut so far (zeros beyond)."""
+        cm, C = self.cm, self.C
+        times = [[0.0] * C for _ in range(3)]
+        send = [0.0] * C
+        for c in range(len(bounds) - 1):
+            s, e = bounds[c], bounds[c + 1]
+            r = recompute[self.stage_of[c]]
+            r = self.plain if r is None else r
+            times[0][c] = cm.forward(s, e)
+            if cm.split:
+                times[1][c] = cm.backward_input(s, e, r)
+                times[2][c] = cm.backward_weight(s, e, r)
+            else:
+                times[1][c] = cm.backward(s, e, r)
+            if c < C - 1 and self.stage_of[c + 1] != self.stage_of[c]:
+                send[c] = cm.comm[e]
+        return times, send
+
+    def _spent(self, started: float, share: float = 1.0) -> bool:
+        """Whether ``share`` of the budget is used up: in work, or (a safety net) in wall time."""
+        return (self.work_done >= share * self.work_budget
+                or time.perf_counter() - started > share * self.time_budget_s)
+
+    def bound(self, bounds: Sequence[int], recompute: Sequence[bool | None]) -> float:
+        """A lower bound on the step of every cut that begins with ``bounds`` (chunk boundaries
+        0 = b0 < ... < bj; the rest not chosen), recompute per stage (None: not chosen)."""
+        self.work_done += 1
+        times, send = self._times(bounds, recompute)
+        F, BI, W = times
+        C = self.C
+        # fwd[c]: micro-batch 0's arrival at chunk c's forward; bwd[c]: the backward chain.
+        fwd = [0.0] * (C + 1)
+        for c in range(C):
+            fwd[c + 1] = fwd[c] + F[c] + send[c]
+        down = [0.0] * (C + 1)        # down[c]: from F(c) done to its gradient arriving back at c
+        for c in range(C - 2, -1, -1):
+            down[c] = down[c + 1] + send[c] + F[c + 1] + BI[c + 1] + send[c]
+        drain = [0.0] * C              # after chunk c's B/I: the rest of the backward below it
+        for c in range(1, C):
+            drain[c] = drain[c - 1] + send[c - 1] + BI[c - 1]
+        w0 = W[0]
+        decided = len(bounds) - 1
+        # Any first backward waits for its micro-batch's forward through every chunk (whose
+        # forwards are known in sum even before they are cut) and the backward chain back.
+        cm = self.cm
+        forward_all = fwd[decided]
+        if decided < C:
+            forward_all += cm.pf[self.L] - cm.pf[bounds[-1]] + (C - decided) * cm.overhead
+        back = [0.0] * C               # back[c]: from the last chunk's B/I start to the gradient at c
+        for c in range(C - 2, -1, -1):
+            back[c] = back[c + 1] + BI[c + 1] + send[c]
+        worst = 0.0
+        busy_floor = []              # per stage: its idle time and its known work, a floor on the makespan
+        for k, shape in enumerate(self.shapes):
+            def pre(counts):
+                return sum(n * times[kind][chunk] for kind, chunk, n in counts)
+            first_b = pre(shape.to_first_backward)
+            lowest = shape.lowest
+            start_b = max(fwd[lowest] + first_b,
+                          fwd[lowest] + pre(shape.to_first_backward_forward) + down[shape.first_backward_chunk],
+                          forward_all + back[shape.first_backward_chunk])
+            to_last = pre(shape.to_last_lowest_backward)
+            drain_after = drain[lowest] + (w0 if lowest > 0 else 0.0)
+            total = pre(shape.total)
+            value = start_b + max(to_last - first_b + drain_after, total - first_b)
+            if value > worst:
+                worst = value
+            # The stage idles before its first action (before its first backward, less the work
+            # it does before it, once that work is known), and after its own work for as much of
+            # the drain as its remaining actions (all known) do not cover.
+            idle = fwd[min(lowest, decided)]
+            if all(c < decided for c in shape.before_first_backward_chunks):
+                idle = max(idle, start_b - first_b)
+            if all(c < decided for c in shape.after_last_lowest_chunks):
+                idle += max(0.0, drain_after - (total - to_last))
+            busy_floor.append(idle + total)
+        worst = max(worst, self._water_level(busy_floor, bounds[-1], decided))
+        # stage 0's optimizer: its complete spans' step (tied exchanges only once it is complete)
+        if recompute[0] is not None:
+            opt = cm.stage_optimizer(cm.spans(bounds, 0))
+        else:
+            opt = sum(cm.popt[bounds[c + 1]] - cm.popt[bounds[c]] for c in cm.peaks[0].chunks if c < len(bounds) - 1)
+        return worst + opt
+
+    def _water_level(self, floors: list[float], start: int, decided: int) -> float:
+        """The least makespan that leaves room for the work not cut yet.
+
+        Every stage's makespan covers its idle time and all its work (``floors``: what is known
+        of both). The layers from ``start`` on, in the chunks not cut yet, add ``rest`` of work
+        (plain times), spread over the stages that hold those chunks as evenly as helps most:
+        the makespan is at least the level T with sum over them of max(0, T - floor) = rest.
+        """
+        if decided >= self.C:
+            return max(floors)
+        cm = self.cm
+        rest = self.M * (cm.pf[self.L] - cm.pf[start] + self.plain_backward[self.L] - self.plain_backward[start]
+                         + (self.C - decided) * self.per_chunk_overhead)
+        open_stages = sorted(floors[k] for k in {self.stage_of[c] for c in range(decided, self.C)})
+        # ... and the heaviest layer left lands whole on one of them
+        heaviest = open_stages[0] + self.M * self.heaviest_from[start]
+        level = open_stages[0]
+        for n, floor in enumerate(open_stages[1:], start=1):
+            if (floor - level) * n >= rest:
+                break
+            rest -= (floor - level) * n
+            level = floor
+        else:
+            n = len(open_stages)
+        return max(max(floors), level + rest / n, heaviest)
+
+    # ----------------------------------------------------------------- search
+    def solve(self) -> Solution | None:
+        cm, L, C, K = self.cm, self.L, self.C, self.K
+        started = time.perf_counter()
+        if C > L:
+            return None
+        best: Evaluation | None = None
+
+        def consider(bounds: tuple[int, ...]) -> None:
+            nonlocal best
+            ev = evaluate(cm, bounds)
+            self.simulations += 1
+            self.work_done += self.simulation_work
+            if ev.fits and (best is None or ev.step_s < best.step_s):
+                best = ev
+
+        for seed in [*self.seeds, *self._heuristic_seeds()]:
+            if len(seed) == C + 1 and seed[0] == 0 and seed[-1] == L and all(a < b for a, b in zip(seed, seed[1:])):
+                consider(tuple(seed))
+        # A first incumbent worth pruning with: move one cut at a time by one layer while that
+        # helps (a quarter of the budget at most; the search below is what proves anything).
+        improved = best is not None
+        while improved and not self._spent(started, 0.25):
+            current = best
+            for step in (1, 2, 4, 8):
+                for j in range(1, C):
+                    for move in (-step, step):
+                        cuts = list(current.bounds)
+                        cuts[j] += move
+                        if cuts[j - 1] < cuts[j] < cuts[j + 1]:
+                            consider(tuple(cuts))
+                if best is not current:
+                    break
+            improved = best is not current
+        global_bound = self.bound((0,), [None] * K)
+        out_of_time = False
+        open_bound = INF
+
+        def incumbent() -> float:
+            return min(best.step_s if best else INF, self.cutoff_s) * (1 - _RELATIVE_SLACK)
+
+        def dfs(cuts: list[int], recompute: list[bool | None]) -> None:
+            nonlocal out_of_time, open_bound
+            self.nodes += 1
+            j = len(cuts) - 1                  # the chunk to cut next
+            s = cuts[-1]
+            if out_of_time or self._spent(started):
+                out_of_time = True
+                open_bound = min(open_bound, self.bound(cuts, recompute))
+                return
+            k = self.stage_of[j]
+            completes = self.last_chunk_of[k] == j
+            ends = [L] if j == C - 1 else range(s + 1, L - (C - 1 - j) + 1)
+            children = []
+            for e in ends:
+                # With many layers one node scans thousands of ends: the budget is checked per end,
+                # and the ends left unscanned keep this node's own bound.
+                if self._spent(started):
+                    out_of_time = True
+                    open_bound = min(open_bound, self.bound(cuts, recompute))
+                    break
+                child_cuts = cuts + [e]
+                child_recompute = recompute
+                if completes:
+                    r = cm.choose_stage_recompute(k, cm.spans(child_cuts, k))
+                    if r is None:
+                        continue
+                    child_recompute = recompute.copy()
+                    child_recompute[k] = r
+                b = self.bound(child_cuts, child_recompute)
+                if b < incumbent():
+                    children.append((b, e, child_cuts, child_recompute))
+            children.sort(key=lambda item: (item[0], item[1]))
+            for b, e, child_cuts, child_recompute in children:
+                if b >= incumbent():
+                    continue
+                if out_of_time:
+                    open_bound = min(open_bound, b)
+                    continue
+                if j == C - 1:
+                    consider(tuple(child_cuts))
+                else:
+                    dfs(child_cuts, child_recompute)
+
+        if global_bound < incumbent():
+            dfs([0], [None] * K)
+        if best is None:
+            return None
+        lower = max(global_bound, min(best.step_s, self.cutoff_s, open_bound))
+        return Solution(best, lower >= best.step_s, lower,
+                        f"{cm.schedule} event simulation; per-stage lower bounds + branch and bound over the chunk cuts",
+                        {"simulations": self.simulations, "nodes": self.nodes, "work": round(self.work_done),
+                         "seconds": round(time.perf_counter() - started, 3)})
+
+    def _heuristic_seeds(self) -> list[tuple[int, ...]]:
+        """First incumbents: chunks of equal work, and of equal layer counts."""
+        L, C = self.L, self.C
+        work = self.layer_work
+        total = work[L]
+        cuts = [0]
+        for j in range(1, C):
+            e = bisect.bisect_left(work, total * j / C)
+            e = min(max(e, cuts[-1] + 1), L - (C - j))
+            cuts.append(e)
+        even = tuple(j * L // C for j in range(C + 1))
+        return [tuple(cuts + [L]), even]
