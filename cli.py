@@ -14,6 +14,7 @@ import click
 
 from . import __version__
 from .artifacts import LOSSES, PARAM_DTYPES, PRECISIONS, BadInput, RunFailure
+from .schedules import SCHEDULES
 
 
 class _Group(click.Group):
@@ -168,7 +169,7 @@ def profile(**options: Any) -> None:
               help="Micro-batches per step M, or 'auto' to search the divisors of the global batch.")
 @click.option("--global-batch-size", "-b", type=int, default=None,
               help="Samples per training step. Default: the profile's largest micro-batch size.")
-@click.option("--schedule", type=click.Choice(["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "auto"]),
+@click.option("--schedule", type=click.Choice([*SCHEDULES, "auto"]),
               default="auto", show_default=True,
               help="Pipeline schedule (docs/planner.md, 'Schedules'); 'auto' picks the fastest that fits.")
 @click.option("--virtual-stages", default="auto", show_default=True, metavar="N|auto",

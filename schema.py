@@ -365,18 +365,22 @@ def _layer_run(solved: bool) -> dict[str, Any]:
     }
 
 
-def _plan_stage(solved: bool) -> Object:
-    """A version-4 plan's stage: its one chunk's keys, and the stage's own predictions."""
+def _stage_needs(solved: bool) -> dict[str, Any]:
+    """What a stage (a device) needs and does, in a plan of any version."""
     predicted = need if solved else may
-    return Object({
-        **_layer_run(solved),
+    return {
         "optimizer_s": may(_seconds(nullable=True)),
         "memory_bytes": predicted(_bytes(nullable=not solved)),
         "memory": may(Table(_bytes(nullable=True), nullable=True)),
         "in_flight": may(_count(0, nullable=True)),
         "busy_s": may(_seconds(nullable=True)),
         "idle_fraction": may(_ratio()),
-    })
+    }
+
+
+def _plan_stage(solved: bool) -> Object:
+    """A version-4 plan's stage: its one chunk's keys, and the stage's own predictions."""
+    return Object({**_layer_run(solved), **_stage_needs(solved)})
 
 
 def _plan_chunk(solved: bool) -> Object:
@@ -397,12 +401,7 @@ def _plan_device(solved: bool) -> Object:
     return Object({
         "index": predicted(_count(0)),
         "chunks": predicted(Items(_count(0), min_len=1)),
-        "optimizer_s": may(_seconds(nullable=True)),
-        "memory_bytes": predicted(_bytes(nullable=not solved)),
-        "memory": may(Table(_bytes(nullable=True), nullable=True)),
-        "in_flight": may(_count(0, nullable=True)),
-        "busy_s": may(_seconds(nullable=True)),
-        "idle_fraction": may(_ratio()),
+        **_stage_needs(solved),
     })
 
 
