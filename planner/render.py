@@ -135,7 +135,9 @@ def render_plan(plan: dict[str, Any], console: Console, where: str = "plan") -> 
     if runners:
         rt = Table(title="runners-up", header_style="bold")
         for col in ("M", "size", "schedule", "step", "vs best", "bubble", "peak memory", "balance"):
-            rt.add_column(col, justify="right" if col not in ("schedule", "balance") else "left")
+            # The schedule whole ("interleaved v=3"); the rest may wrap in a narrow terminal.
+            rt.add_column(col, justify="right" if col not in ("schedule", "balance") else "left",
+                          no_wrap=col == "schedule")
         for r in runners:
             if not r.get("fits"):
                 rt.add_row(str(r["micro_batches"]), str(r["micro_batch_size"]), runner_schedule(r),
