@@ -160,7 +160,7 @@ def check_features(features: PipeliningFeatures) -> None:
         ("PipelineStage(input_args=, output_args=)", features.static_shapes)) if not have]
     if missing:
         raise BadInput(f"the installed torch {torch.__version__} lacks {missing[0]}, which --executor torch needs: "
-                       f"upgrade torch (2.11 and 2.13 are tested), or use --executor native (CPU)")
+                       f"upgrade torch (2.13 is tested), or use --executor native (CPU)")
 
 
 def pipeline_stage_arguments(chunk: Chunk, device: torch.device, features: PipeliningFeatures) -> dict[str, Any]:
