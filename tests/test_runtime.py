@@ -141,15 +141,16 @@ def test_stages_partition_the_model_and_save_as_the_unsplit_model(tmp_path: Path
     plan = load_plan(write_plan(tmp_path, doc))
     reference = build_model(spec, seed=3).module.state_dict()
     merged: dict[str, torch.Tensor] = {}
+    previous = None
     for k in range(3):
-        stage = build_chunk(build_model(spec, seed=3), plan, k)
-        part = stage.state_dict()
-        assert not set(part) & set(merged), "a tensor in two stages"
+        chunk = build_chunk(build_model(spec, seed=3), plan, k)
+        part = chunk.state_dict()
+        assert not set(part) & set(merged), "a tensor in two chunks"
         merged.update(part)
-        # Shapes are static: stage k receives exactly what stage k-1 sends.
-        if k:
-            assert stage.input_meta == previous.output_meta  # noqa: F821
-        previous = stage  # noqa: F841
+        # Shapes are static: chunk k receives exactly what chunk k-1 sends.
+        if previous is not None:
+            assert chunk.input_meta == previous.output_meta
+        previous = chunk
     assert list(reference) == [k for k in reference if k in merged] and set(merged) == set(reference)
     for key, value in reference.items():
         assert torch.equal(merged[key], value), key
