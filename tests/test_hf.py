@@ -14,10 +14,9 @@ pytest.importorskip("transformers")
 
 from gpipe_plan.artifacts import BadInput, write_json_atomic  # noqa: E402
 from gpipe_plan.models import build_model, model_spec  # noqa: E402
-from gpipe_plan.runtime.data import step_generator  # noqa: E402
 from gpipe_plan.runtime.handplan import hand_plan  # noqa: E402
 from hf_models import SEQ, VOCAB  # noqa: E402
-from test_runtime_multiproc import BIN, LR, assert_same_parameters, gpipe_plan, run_in_one_group  # noqa: E402
+from test_runtime_multiproc import BIN, LR, assert_same_parameters, gpipe_plan, run_in_one_group, unsplit_training  # noqa: E402
 
 GPT2 = model_spec("hf_models:make_gpt2", input_shape=[SEQ], vocab_size=VOCAB, loss="lm")
 LLAMA = model_spec("hf_models:make_llama", input_shape=[SEQ], vocab_size=VOCAB, loss="lm")
@@ -102,21 +101,6 @@ def test_cut_at_chooses_the_layers() -> None:
 
 
 # ---------------------------------------------------------------------- training
-def unsplit_lm_training(spec: dict[str, Any], global_batch: int, grad_clip: float | None = None) -> dict[str, torch.Tensor]:
-    """The reference: the whole Hugging Face model, whole batches, plain PyTorch."""
-    torch.set_num_threads(1)
-    model = build_model(spec, seed=0)
-    optimizer = torch.optim.Adam(model.module.parameters(), lr=LR)
-    for step in range(STEPS):
-        inputs, targets = model.synthetic_batch(global_batch, step_generator(0, step))
-        model.loss(model.forward(*inputs), targets).backward()
-        if grad_clip is not None:  # module.parameters() holds a tied parameter once
-            torch.nn.utils.clip_grad_norm_(model.module.parameters(), grad_clip)
-        optimizer.step()
-        optimizer.zero_grad()
-    return model.module.state_dict()
-
-
 def test_two_stages_train_gpt2_and_llama_exactly_like_the_unsplit_model(tmp_path: Path) -> None:
     """K = 2, M = 4 equals K = 1 within 1e-5: GPT-2 with its tied embedding in both stages (and a
     clipped gradient norm that counts the tie once; and under torch.distributed.pipelining),
@@ -133,7 +117,7 @@ def test_two_stages_train_gpt2_and_llama_exactly_like_the_unsplit_model(tmp_path
     for job, (spec, _, _, _, clip) in zip(jobs, cases):
         assert outcome[job["save"]] == "ok", outcome[job["save"]]
         saved = torch.load(job["save"])
-        assert_same_parameters(saved, unsplit_lm_training(spec, global_batch=8, grad_clip=clip), atol=1e-5)
+        assert_same_parameters(saved, unsplit_training(spec, global_batch=8, steps=STEPS, grad_clip=clip), atol=1e-5)
         if spec is GPT2:  # the two copies of the tied matrix ended equal
             assert torch.equal(saved["transformer.wte.weight"], saved["lm_head.weight"])
 

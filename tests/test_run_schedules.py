@@ -145,7 +145,6 @@ def test_a_tied_embedding_on_both_ends_of_the_v_is_one_parameter(tmp_path: Path)
     norm. Under interleaved they are on two stages: two copies, gradients summed."""
     pytest.importorskip("transformers")
     from hf_models import SEQ, VOCAB
-    from test_hf import unsplit_lm_training
 
     gpt2 = model_spec("hf_models:make_gpt2", input_shape=[SEQ], vocab_size=VOCAB, loss="lm")
     jobs = []
@@ -155,7 +154,7 @@ def test_a_tied_embedding_on_both_ends_of_the_v_is_one_parameter(tmp_path: Path)
         jobs.append({"plan": str(plan), "steps": STEPS, "lr": LR, "optimizer": "adam", "grad_clip": 0.05,
                      "executor": "native", "save": str(tmp_path / f"{schedule}.pt"), "quiet": True})
     outcome = run_in_one_group(jobs, tmp_path)
-    reference = unsplit_lm_training(gpt2, global_batch=8, grad_clip=0.05)
+    reference = unsplit_training(gpt2, global_batch=8, grad_clip=0.05)
     for job in jobs:
         assert outcome[job["save"]] == "ok", outcome[job["save"]]
         saved = torch.load(job["save"])

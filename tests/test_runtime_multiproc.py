@@ -54,16 +54,20 @@ def user_spec(workdir: Path) -> dict[str, Any]:
         os.chdir(old)
 
 
-def unsplit_training(spec: dict[str, Any], global_batch: int, steps: int = STEPS, seed: int = 0) -> dict[str, torch.Tensor]:
+def unsplit_training(spec: dict[str, Any], global_batch: int, steps: int = STEPS, seed: int = 0,
+                     optimizer: str = "adam", lr: float = LR, grad_clip: float | None = None) -> dict[str, torch.Tensor]:
     """The reference: the whole model, whole batches, plain PyTorch (K = 1, M = 1)."""
     torch.set_num_threads(1)
     model = build_model(spec, seed=seed)
-    optimizer = torch.optim.Adam(model.module.parameters(), lr=LR)
+    kind = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}[optimizer]
+    optimizer_ = kind(model.module.parameters(), lr=lr)
     for step in range(steps):
         inputs, targets = model.synthetic_batch(global_batch, step_generator(seed, step))
         model.loss(model.forward(*inputs), targets).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        if grad_clip is not None:  # module.parameters() holds a tied parameter once
+            torch.nn.utils.clip_grad_norm_(model.module.parameters(), grad_clip)
+        optimizer_.step()
+        optimizer_.zero_grad()
     return model.module.state_dict()
 
 

@@ -20,8 +20,6 @@ import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from gpipe_plan.artifacts import write_json_atomic
-from gpipe_plan.models import build_model
-from gpipe_plan.runtime.data import step_generator
 from gpipe_plan.runtime.handplan import hand_plan
 from gpipe_plan.runtime.torch_executor import torch_actions
 from gpipe_plan.schedules import SCHEDULES, all_actions, chunks_per_stage, problem, stage_of_chunk
@@ -29,6 +27,7 @@ from gpipe_plan.schedules import SCHEDULES, all_actions, chunks_per_stage, probl
 from test_run_schedules import GPT, STEPS, even_balance
 from test_run_schedules import SCHEDULES as PLANNED   # (schedule, chunks per stage)
 from test_runtime_multiproc import assert_same_parameters, run_in_one_group
+from test_runtime_multiproc import unsplit_training as unsplit_reference
 
 # Plain SGD: Adam divides each gradient by its own size, so it would not see gradients that
 # are all M times too large (or small); SGD moves by the gradient itself.
@@ -72,16 +71,8 @@ def test_torch_reads_every_list_as_we_wrote_it_and_can_place_its_messages() -> N
 
 # ---------------------------------------------------------------------- training
 def unsplit_training(spec: dict[str, Any], global_batch: int) -> dict[str, torch.Tensor]:
-    """The reference: the whole model, whole batches, plain PyTorch and SGD (K = 1, M = 1)."""
-    torch.set_num_threads(1)
-    model = build_model(spec, seed=0)
-    optimizer = torch.optim.SGD(model.module.parameters(), lr=LR)
-    for step in range(STEPS):
-        inputs, targets = model.synthetic_batch(global_batch, step_generator(0, step))
-        model.loss(model.forward(*inputs), targets).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return model.module.state_dict()
+    """The reference: the whole model, whole batches, plain SGD (Adam would hide a gradient-scale bug)."""
+    return unsplit_reference(spec, global_batch, steps=STEPS, optimizer="sgd", lr=LR)
 
 
 def torch_jobs(folder: Path, stages: int, cases: list[tuple[str, dict[str, Any], int, int, Any]]) -> dict[str, Any]:
