@@ -224,14 +224,3 @@ def _record(events: list[Event], stage: int, kind: int, chunk: int, micro_batch:
         events.append(Event(stage, "recompute", micro_batch, start, start + recompute_s, chunk))
         start += recompute_s
     events.append(Event(stage, _KIND_OF_INDEX[kind], micro_batch, start, end, chunk))
-
-
-def simulate_times(schedule: str, forward_s: Sequence[float], backward_s: Sequence[float], send_s: Sequence[float],
-                   M: int, optimizer_s: Sequence[float] | None = None, recompute_s: Sequence[float] | None = None,
-                   record: bool = False) -> Timeline:
-    """:func:`simulate_plan` for a schedule that runs B with one chunk per stage (gpipe, 1f1b),
-    from per-stage lists: ``send_s`` has one entry per cut (K-1)."""
-    K = len(forward_s)
-    chunks = [ChunkTimes(forward_s[k], backward_s[k], 0.0, 0.0, send_s[k] if k < K - 1 else 0.0,
-                         recompute_s[k] if recompute_s else 0.0) for k in range(K)]
-    return simulate_plan(schedule, K, M, 1, chunks, optimizer_s, record)

@@ -4,6 +4,7 @@ and the 1F1B lower bound. The reference model in planner_helpers is written from
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 import pytest
 from hypothesis import assume, given
@@ -12,13 +13,24 @@ from hypothesis import strategies as st
 from gpipe_plan.planner.costmodel import CostModel, Setting
 from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.onefoneb import OneFOneBSolver
-from gpipe_plan.planner.schedule import gpipe_makespan, simulate_times
+from gpipe_plan.planner.schedule import ChunkTimes, Timeline, gpipe_makespan, simulate_plan
 from gpipe_plan.schedules import all_actions
 
 from planner_helpers import (bounds_strategy, close, hyp, instances, make_figures, ref_evaluate,
                              ref_gpipe_closed_form, ref_makespan, ref_stage)
 
 _t = st.floats(0.0, 0.01, allow_nan=False)
+
+
+def simulate_times(schedule: str, forward_s: Sequence[float], backward_s: Sequence[float], send_s: Sequence[float],
+                   M: int, optimizer_s: Sequence[float] | None = None, recompute_s: Sequence[float] | None = None,
+                   record: bool = False) -> Timeline:
+    """:func:`simulate_plan` of gpipe or 1f1b (one chunk per stage) from per-stage lists, as the
+    tests below state their cases: ``send_s`` has one entry per cut (K-1)."""
+    K = len(forward_s)
+    chunks = [ChunkTimes(forward_s[k], backward_s[k], 0.0, 0.0, send_s[k] if k < K - 1 else 0.0,
+                         recompute_s[k] if recompute_s else 0.0) for k in range(K)]
+    return simulate_plan(schedule, K, M, 1, chunks, optimizer_s, record)
 
 
 @st.composite
