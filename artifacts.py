@@ -41,13 +41,19 @@ REPORT_FORMAT = "gpipe-plan.report"
 # and weighs what stays alive between the halves (``weight_kept_bytes``).
 # Plan 5 lists ``chunks`` placed on ``stages`` (several per stage for interleaved and zb-v);
 # a plan before it reads as one chunk per stage (gpipe_plan/plan_layout.py).
+# Plan 6 runs d replicas of the pipeline (``data_parallel``, ``gradient_sync``, ``placement``,
+# ``factorisations``); a plan before it is one replica, stage k on rank k.
 # Report 3 moves the per-micro-batch times into ``chunks`` (with the halves of a split
 # backward); its ``stages`` are devices, with their memory and idle time.
+# Report 4 adds data parallel: ``data_parallel``, ``gradient_sync``, per stage its measured
+# gradient sync beside the plan's and its ``replicas``; the stages' figures are replica 0's.
+# Profile 8 adds the all-reduce to ``link`` (``allreduce_bandwidth_bytes_per_s``, ...), what a
+# data-parallel gradient sync costs.
 # Each only adds keys or refines a measurement, so older files still read (a version 1
 # profile plans as if neighbours cost nothing; anything before profile 5 / plan 3 ran fp32).
-FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 7, PLAN_FORMAT: 5, REPORT_FORMAT: 3}
-READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6, 7), PLAN_FORMAT: (1, 2, 3, 4, 5),
-                                                 REPORT_FORMAT: (1, 2, 3)}
+FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 8, PLAN_FORMAT: 6, REPORT_FORMAT: 4}
+READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8), PLAN_FORMAT: (1, 2, 3, 4, 5, 6),
+                                                 REPORT_FORMAT: (1, 2, 3, 4)}
 
 # Precision (docs/runtime.md, "Precision"): ``precision`` is the dtype the layers compute in
 # (fp32, or bf16/fp16 under autocast), ``param_dtype`` the dtype the parameters, their

@@ -124,7 +124,8 @@ def main() -> None:
 @click.option("--repeats", type=int, default=10, show_default=True, help="Timed runs; the median is kept.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the parameters and synthetic data.")
 @click.option("--measure-link", is_flag=True,
-              help="Also measure latency and bandwidth between two processes (gloo on CPU, NCCL on 2 GPUs).")
+              help="Also measure latency and bandwidth between two processes, and an all-reduce over them "
+                   "(gloo on CPU; NCCL on CUDA, the all-reduce over every GPU, at most 8).")
 @click.option("--contention-processes", type=int, default=None, metavar="N",
               help="CPU: also time the model with N processes computing at once (as N stages do), so "
                    "plans predict what neighbours cost; 0: do not. Default: cores / --threads, 2 to 8.")
@@ -164,11 +165,26 @@ def profile(**options: Any) -> None:
 # --------------------------------------------------------------------------- solve
 @main.command()
 @click.argument("profile", type=click.Path(dir_okay=False))
-@click.option("--stages", "-k", type=int, required=True, help="Number of pipeline stages K (one device each).")
+@click.option("--stages", "-k", type=int, default=None,
+              help="Number of pipeline stages K (one device each). Required unless --devices is given.")
+@click.option("--devices", type=int, default=None, metavar="N",
+              help="Plan N devices as K stages x d replicas (K x d = N): the best K and d unless fixed.")
+@click.option("--data-parallel", "-d", default=None, metavar="d|auto",
+              help="Replicas d of the pipeline, each on global batch / d samples, gradients synced once a "
+                   "step. Default: 1 without --devices, 'auto' (every d dividing N) with it.")
+@click.option("--nodes", type=int, default=1, show_default=True,
+              help="Machines the devices are spread over, N / nodes each (ranks node-major); must divide N.")
+@click.option("--network-bandwidth", default=None, metavar="GB/s",
+              help="Bandwidth between nodes in GB/s; required with --nodes > 1.")
+@click.option("--network-latency", default=0.0, type=float, metavar="SECONDS", show_default=True,
+              help="Per-message latency between nodes (each ring step of a gradient sync pays it).")
+@click.option("--gradient-sync", type=click.Choice(["ddp", "fsdp"]), default="ddp", show_default=True,
+              help="How a stage's replicas share gradients: all-reduce, whole copies (ddp), or sharded "
+                   "parameters, gradients and optimizer state (fsdp: less memory, same traffic).")
 @click.option("--micro-batches", "-m", default="auto", show_default=True,
-              help="Micro-batches per step M, or 'auto' to search the divisors of the global batch.")
+              help="Micro-batches per step M (per replica), or 'auto' to search the divisors of its batch.")
 @click.option("--global-batch-size", "-b", type=int, default=None,
-              help="Samples per training step. Default: the profile's largest micro-batch size.")
+              help="Samples per training step over all replicas. Default: the profile's largest micro-batch size.")
 @click.option("--schedule", type=click.Choice([*SCHEDULES, "auto"]),
               default="auto", show_default=True,
               help="Pipeline schedule (docs/planner.md, 'Schedules'); 'auto' picks the fastest that fits.")
@@ -185,8 +201,9 @@ def profile(**options: Any) -> None:
               help="Per-message link latency in seconds. Default: the profile's measured link, else 0.")
 @click.option("--optimizer", type=click.Choice(["adam", "sgd", "momentum"]), default="adam", show_default=True,
               help="Optimizer whose state the memory model counts (Adam 2x params, momentum 1x).")
-@click.option("--solver", type=click.Choice(["dp", "ilp"]), default="dp", show_default=True,
-              help="Exact dynamic programme (fast) or integer linear programme (pulp/CBC).")
+@click.option("--solver", type=click.Choice(["exact", "ilp", "dp"]), default="exact", show_default=True,
+              help="exact: the exact searches (GPipe's dynamic programme, branch and bound for the other "
+                   "schedules; 'dp' is its old name); ilp: an integer linear programme (pulp/CBC).")
 @click.option("--out", "-o", type=click.Path(dir_okay=False), default="plan.json", show_default=True,
               help="Where to write the plan JSON.")
 @click.option("--timeline", type=click.Path(dir_okay=False), default=None,
@@ -196,7 +213,7 @@ def profile(**options: Any) -> None:
                    "to the proven lower bound.")
 @click.option("--quiet", "-q", is_flag=True, help="Print only the plan's path, predicted step time and batch.")
 def solve(**options: Any) -> None:
-    """Compute the best plan for PROFILE: stages, micro-batches, schedule, recomputation."""
+    """Compute the best plan for PROFILE: stages, replicas, micro-batches, schedule, recomputation."""
     from .planner.command import solve_command
 
     solve_command(**options)
@@ -205,9 +222,23 @@ def solve(**options: Any) -> None:
 # --------------------------------------------------------------------------- explore
 @main.command()
 @click.argument("profile", type=click.Path(dir_okay=False))
-@click.option("--stages", "-k", default="1,2,4,8", show_default=True, help="Comma-separated stage counts K (rows).")
+@click.option("--stages", "-k", default=None,
+              help="Comma-separated stage counts K (rows). Default: 1,2,4,8; with --devices, every K dividing it.")
 @click.option("--micro-batches", "-m", default="auto", show_default=True,
               help="Comma-separated micro-batch counts M (columns), or 'auto': the powers of two dividing the batch.")
+@click.option("--devices", type=int, default=None, metavar="N",
+              help="Explore N devices as K stages x d replicas (every K x d = N): rows are the factorisations, "
+                   "each replica takes the global batch / d. Default: one replica, rows K.")
+@click.option("--nodes", type=int, default=None,
+              help="With --devices: machines the devices are spread over, N / nodes each; must divide N. Default: 1.")
+@click.option("--network-bandwidth", default=None, metavar="GB/s",
+              help="With --devices: bandwidth between nodes in GB/s; required with --nodes > 1.")
+@click.option("--network-latency", default=None, type=float, metavar="SECONDS",
+              help="With --devices: per-message latency between nodes (each ring step of a gradient sync pays "
+                   "it). Default: 0.")
+@click.option("--gradient-sync", type=click.Choice(["ddp", "fsdp"]), default=None,
+              help="With --devices: how a stage's replicas share gradients: all-reduce (ddp, the default) or "
+                   "sharded (fsdp).")
 @click.option("--global-batch-size", "-b", type=int, default=None,
               help="Samples per step. Default: the profile's largest micro-batch size.")
 @click.option("--memory-limit", default=None, metavar="SIZE",
@@ -227,7 +258,8 @@ def solve(**options: Any) -> None:
 def explore(**options: Any) -> None:
     """What-if tables for PROFILE: throughput and memory for each K, M, schedule, recompute.
 
-    Every cell holds the planner's optimal plan for that setting, not a uniform split.
+    Every cell holds the planner's optimal plan for that setting, not a uniform split. With
+    --devices N the rows are every K stages x d replicas = N, led by each one's best plan.
     """
     from .planner.command import explore_command
 
@@ -274,15 +306,34 @@ def import_pipedream(graph: str, batch_size: int | None, out: str | None) -> Non
 # --------------------------------------------------------------------------- export
 @main.command()
 @click.argument("plan", type=click.Path(dir_okay=False))
-@click.option("--schedule-csv", type=click.Path(dir_okay=False), required=True, metavar="FILE",
+@click.option("--to", "target", default=None, metavar="torch|torchtitan|megatron|deepspeed",
+              help="The trainer to hand the plan to: torch (a torchrun script), torchtitan (its parallelism "
+                   "settings), megatron (its arguments), deepspeed (its config and partition).")
+@click.option("--out", "-o", type=click.Path(dir_okay=False), default=None,
+              help="Where to write the export (default: beside the plan, e.g. plan.torchtitan.toml).")
+@click.option("--schedule-csv", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="Write the plan's per-stage action lists as the CSV torch's _PipelineScheduleRuntime "
                    "and torchtitan's pipeline_parallel_schedule_csv read.")
-def export(plan: str, schedule_csv: str) -> None:
-    """Export a PLAN's schedule for another executor (no torch needed)."""
-    from .planner.export import describe, export_schedule_csv
+def export(plan: str, target: str | None, out: str | None, schedule_csv: str | None) -> None:
+    """Export a PLAN for another trainer, or its schedule as torch's CSV (no torch needed).
 
-    for line in describe(export_schedule_csv(plan, schedule_csv)):
-        click.echo(line)
+    \b
+    gpipe-plan export plan.json --to torchtitan       plan.torchtitan.toml
+    gpipe-plan export plan.json --to torch -o train.py
+    gpipe-plan export plan.json --schedule-csv schedule.csv
+    """
+    from .planner.export import describe, describe_export, export_plan, export_schedule_csv
+
+    if target is None and schedule_csv is None:
+        raise BadInput("say what to export: --to torch|torchtitan|megatron|deepspeed, or --schedule-csv FILE")
+    if target is None and out is not None:
+        raise BadInput("--out goes with --to TARGET; the schedule's CSV is written to --schedule-csv FILE")
+    if schedule_csv is not None:
+        for line in describe(export_schedule_csv(plan, schedule_csv)):
+            click.echo(line)
+    if target is not None:
+        for line in describe_export(export_plan(plan, target, out)):
+            click.echo(line)
 
 
 # --------------------------------------------------------------------------- show
@@ -381,12 +432,14 @@ def show(file: str, timeline: str | None) -> None:
               help="When the output is not a terminal: print a progress line every N steps.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress line or table (errors and warnings still show).")
 def run(**options: Any) -> None:
-    """Train with PLAN: one process per stage, measured against the prediction.
+    """Train with PLAN: one process per stage of each replica, measured against the prediction.
 
     \b
-    Runs the plan's K stages as K local processes (gloo on CPU, NCCL on CUDA).
+    Runs the plan's K stages x d replicas (data_parallel) as K*d local
+    processes (gloo on CPU, NCCL on CUDA); each stage's replicas average
+    their gradients once a step.
     Across machines, start it with torchrun instead (see docs/runtime.md):
-      torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
+      torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \\
                --rdzv-endpoint HOST:29500 -m gpipe_plan.cli run plan.json
     """
     from .runtime.command import run_command

@@ -117,3 +117,60 @@ def _check_outputs(item: dict[str, Any], prefix: str) -> None:
         raise BadInput(f"{prefix}.output_dtypes' must give one dtype per output shape")
     if batched is not None and (shapes is None or len(batched) != len(shapes)):
         raise BadInput(f"{prefix}.output_batched' must give true or false per output shape")
+
+
+# ---------------------------------------------------------------------- replicas (plan format 6)
+GRADIENT_SYNCS = ("ddp", "fsdp")
+PLACEMENT_ORDERS = ("pipeline-inner", "data-inner")
+
+
+def data_parallel(doc: dict[str, Any]) -> int:
+    """How many replicas of the pipeline the plan runs side by side (``data_parallel``; 1 before version 6)."""
+    d = doc.get("data_parallel", 1)
+    return d if isinstance(d, int) and not isinstance(d, bool) and d >= 1 else 1
+
+
+def gradient_sync(doc: dict[str, Any]) -> str:
+    """How each stage's replicas share their gradients: ``ddp`` (all-reduce) or ``fsdp`` (sharded)."""
+    mode = doc.get("gradient_sync", "ddp")
+    return mode if mode in GRADIENT_SYNCS else "ddp"
+
+
+def placement_ranks(doc: dict[str, Any], where: str) -> list[list[int]]:
+    """``ranks[k][r]``: the global rank (process) that runs stage k of replica r.
+
+    From the plan's ``placement.ranks`` (format 6); a plan without one (before version 6, or
+    one replica) runs stage k on rank k. Raises :class:`BadInput` unless it is K lists of d
+    ranks that use every rank 0 .. K*d-1 exactly once.
+    """
+    stages = doc.get("stages")
+    K, d = (len(stages) if isinstance(stages, list) else 0), data_parallel(doc)
+    placement = doc.get("placement")
+    if not isinstance(placement, dict) or "ranks" not in placement:
+        if d != 1:
+            raise BadInput(f"{where}: 'data_parallel' is {d} but the plan has no 'placement.ranks'; solve the "
+                           f"profile again")
+        return [[k] for k in range(K)]
+    ranks = placement["ranks"]
+    if (not isinstance(ranks, list) or len(ranks) != K
+            or any(not isinstance(row, list) or len(row) != d for row in ranks)):
+        raise BadInput(f"{where}: 'placement.ranks' must list, for each of the {K} stages, the ranks of its {d} "
+                       f"replica(s)")
+    flat = [r for row in ranks for r in row]
+    if sorted(flat) != list(range(K * d)) or any(isinstance(r, bool) for r in flat):
+        raise BadInput(f"{where}: 'placement.ranks' must use every rank 0..{K * d - 1} exactly once, found {flat}")
+    return [list(row) for row in ranks]
+
+
+def check_replicas(doc: dict[str, Any], where: str) -> list[list[int]]:
+    """The cross-key checks of plan format 6 for readers that take the plan whole (``show``):
+    the batch splits evenly (``global_batch_size == data_parallel * micro_batches *
+    micro_batch_size``: each replica runs M micro-batches of that size) and the placement is a
+    permutation of the ranks (:func:`placement_ranks`, which it returns)."""
+    d, M, size, batch = data_parallel(doc), doc.get("micro_batches"), doc.get("micro_batch_size"), \
+        doc.get("global_batch_size")
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in (M, size, batch)) and d * M * size != batch:
+        replicas = f"data_parallel {d} x " if d > 1 else ""
+        raise BadInput(f"{where}: {replicas}micro_batches {M} x micro_batch_size {size} must equal "
+                       f"global_batch_size {batch}")
+    return placement_ranks(doc, where)

@@ -282,6 +282,8 @@ DEVICE = Object({
 
 LAYER = Object({
     "name": need(Text(nonempty=True)),
+    # Version 8: the unsplit model's name of the module the layer is (null: not one module).
+    "module": may(Text(nonempty=True, nullable=True)),
     "forward_s": need(_per_size(_seconds())),
     "backward_s": need(_per_size(_seconds())),
     "activation_bytes": need(_per_size(_bytes())),
@@ -319,6 +321,12 @@ PROFILE = Object({
         "latency_s": may(_seconds(nullable=True)),
         "message_bytes": may(Items(_bytes(), nullable=True)),
         "one_way_s": may(Items(_seconds(), nullable=True)),
+        # Version 8: an all-reduce over `allreduce_processes`, fitted to the ring model.
+        "allreduce_bandwidth_bytes_per_s": may(Number(0.0, MAX_RATE, nullable=True)),
+        "allreduce_latency_s": may(_seconds(nullable=True)),
+        "allreduce_processes": may(_count(2, nullable=True)),
+        "allreduce_message_bytes": may(Items(_bytes(), nullable=True)),
+        "allreduce_s": may(Items(_seconds(), nullable=True)),
     }, nullable=True)),
     "contention": may(Object({
         "processes": need(_count(2)),
@@ -370,6 +378,7 @@ def _stage_needs(solved: bool) -> dict[str, Any]:
     predicted = need if solved else may
     return {
         "optimizer_s": may(_seconds(nullable=True)),
+        "gradient_sync_s": may(_seconds(nullable=True)),     # version 6: its part of optimizer_s
         "memory_bytes": predicted(_bytes(nullable=not solved)),
         "memory": may(Table(_bytes(nullable=True), nullable=True)),
         "in_flight": may(_count(0, nullable=True)),
@@ -392,6 +401,8 @@ def _plan_chunk(solved: bool) -> Object:
         "stage": predicted(_count(0)),
         "backward_input_s": may(_seconds(nullable=True)),
         "backward_weight_s": may(_seconds(nullable=True)),
+        # Version 6: per layer, the module it is in the unsplit model (null: none), for export.
+        "modules": may(Items(Text(nonempty=True, nullable=True))),
     })
 
 
@@ -416,7 +427,35 @@ RUNNER_UP = Object({
     "bubble_fraction": may(_ratio()),
     "peak_memory_bytes": may(_bytes(nullable=True)),
     "balance": may(Items(_count(1))),   # show: .get("balance", [])
+    "data_parallel": may(_count(1)),    # version 6
 }, when_true={"fits": ("step_s", "bubble_fraction", "peak_memory_bytes")})
+
+# Plan version 6: how N devices are used, K stages x d replicas (docs/plan-format.md).
+GRADIENT_SYNC_MODES = ("ddp", "fsdp")                     # plan_layout.GRADIENT_SYNCS
+PLACEMENT_ORDER_NAMES = ("pipeline-inner", "data-inner")  # plan_layout.PLACEMENT_ORDERS
+PLACEMENT = Object({
+    "nodes": need(_count(1)),
+    "devices_per_node": need(_count(1)),
+    "order": need(Text(choices=PLACEMENT_ORDER_NAMES)),
+    # ranks[k][r]: rank of stage k, replica r; plan_layout.placement_ranks checks it is a permutation
+    "ranks": need(Items(Items(_count(0), min_len=1), min_len=1)),
+    "reason": may(Text(nullable=True)),
+    # What each traffic was charged (null bandwidth: free): the pipeline's sends, the gradient sync.
+    "pipeline_bandwidth_bytes_per_s": may(Number(0.0, MAX_RATE, nullable=True)),
+    "sync_bandwidth_bytes_per_s": may(Number(0.0, MAX_RATE, nullable=True)),
+    "sync_latency_s": may(_seconds(nullable=True)),
+})
+# One (stages, data_parallel) pair ``solve`` searched (plan ``factorisations``), best first.
+FACTORISATION = Object({
+    "stages": need(_count(1)),
+    "data_parallel": need(_count(1)),
+    "order": may(Text(choices=PLACEMENT_ORDER_NAMES, nullable=True)),
+    "fits": need(Flag()),
+    "step_s": may(_seconds(nullable=True)),
+    "samples_per_s": may(Number(0.0, MAX_RATE, nullable=True)),
+    "proven": may(Flag(nullable=True)),
+    "reason": may(Text(nullable=True)),
+}, when_true={"fits": ("step_s",)})
 
 
 def _plan(solved: bool, chunked: bool) -> Object:
@@ -444,6 +483,12 @@ def _plan(solved: bool, chunked: bool) -> Object:
             "link_latency_s": may(_seconds(nullable=True)),
             "per_microbatch_overhead_s": may(_seconds(nullable=True)),
             "compute_scale": may(Number(0.0, MAX_RATIO, nullable=True)),
+            "devices": may(_count(1, nullable=True)),
+            "data_parallel": may(Anything()),        # an integer >= 1 or "auto", as asked: only printed
+            "nodes": may(_count(1, nullable=True)),
+            "network_bandwidth_bytes_per_s": may(Number(0.0, MAX_RATE, nullable=True)),
+            "network_latency_s": may(_seconds(nullable=True)),
+            "gradient_sync": may(Text(choices=GRADIENT_SYNC_MODES, nullable=True)),
         })),
         "balance": need(Items(_count(1), min_len=1)),
         "micro_batches": need(_count(1)),
@@ -451,6 +496,10 @@ def _plan(solved: bool, chunked: bool) -> Object:
         "global_batch_size": need(_count(1)),
         "schedule": need(Text()),
         "virtual_stages": may(_count(1)),
+        "data_parallel": may(_count(1)),               # version 6 (absent: 1)
+        "gradient_sync": may(Text(choices=GRADIENT_SYNC_MODES)),
+        "placement": may(PLACEMENT),
+        "factorisations": may(Items(FACTORISATION, nullable=True)),
         **layout,
         "predicted": predicted_key(Object({
             "step_s": predicted_key(_seconds(nullable=not solved)),
@@ -463,6 +512,7 @@ def _plan(solved: bool, chunked: bool) -> Object:
             "one_stage_peak_memory_bytes": may(_bytes(nullable=True)),
             "noise_fraction": may(_ratio()),
             "noise_sources": may(Table(_ratio(), nullable=True)),
+            "gradient_sync_s": may(_seconds(nullable=True)),
         }, nullable=not solved)),
         "optimality": may(Object({
             "proven": may(Flag(nullable=True)),
@@ -495,6 +545,17 @@ REPORT_STAGE = Object({
     "measured_cpu_s": may(_seconds(nullable=True)),
     "predicted_idle_fraction": may(_ratio()),
     "measured_idle_fraction": may(_ratio()),
+    # Version 4 (data parallel): the stage's gradient sync per step, and each replica's figures.
+    "predicted_gradient_sync_s": may(_seconds(nullable=True)),
+    "measured_gradient_sync_s": may(_seconds(nullable=True)),
+    "replicas": may(Items(Object({
+        "replica": need(_count(0)),
+        "rank": need(_count(0)),
+        "measured_busy_s": may(_seconds(nullable=True)),
+        "measured_wait_s": may(_seconds(nullable=True)),
+        "measured_gradient_sync_s": may(_seconds(nullable=True)),
+        "measured_peak_memory_bytes": may(_bytes(nullable=True)),
+    }), nullable=True)),
 })
 
 # A version-3 report's chunk: per micro-batch, the forward and the backward (B, or I + W)
@@ -517,6 +578,10 @@ REPORT = Object({
     "schedule": may(Text(nullable=True)),
     "virtual_stages": may(_count(1, nullable=True)),
     "num_stages": may(_count(1, nullable=True)),
+    "data_parallel": may(_count(1, nullable=True)),            # version 4 (absent: 1)
+    "gradient_sync": may(Text(choices=GRADIENT_SYNC_MODES, nullable=True)),   # null with one replica
+    "predicted_gradient_sync_s": may(_seconds(nullable=True)),
+    "measured_gradient_sync_s": may(_seconds(nullable=True)),  # the slowest stage's
     "micro_batches": may(_count(1, nullable=True)),
     "micro_batch_size": may(_count(1, nullable=True)),
     "global_batch_size": may(_count(1, nullable=True)),

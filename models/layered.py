@@ -125,6 +125,29 @@ class LayeredModel:
         self.data = data
         self.loss_fn = loss_fn  # the user's loss (models.hooks); None: cross-entropy
 
+    def module_names(self) -> list[str | None]:
+        """Per layer, the unsplit model's fully qualified name of the module it is, None if none.
+
+        Other trainers name a model's parts this way (torchtitan's ``module_fqns_per_model_part``,
+        torch's ``split_spec``). A layer is module ``m`` when it wraps ``m`` itself (the built-in
+        models, an ``nn.Sequential``'s children) or is named by ``m``'s path and holds exactly
+        ``m``'s parameters (a captured Hugging Face block, ``model.layers.3``). A piece of a
+        captured graph, or a module reused under another name (``relu_1``), is none.
+        """
+        by_id = {id(m): path for path, m in self.module.named_modules() if path}
+        paths = dict(self.module.named_modules())
+        names: list[str | None] = []
+        for name, layer in self.layers:
+            inner = getattr(layer, "module", None)      # AsTuple's wrapped module
+            if isinstance(inner, nn.Module) and id(inner) in by_id:
+                names.append(by_id[id(inner)])
+            elif name in paths and name and \
+                    {id(p) for p in paths[name].parameters()} == {id(p) for p in layer.parameters()}:
+                names.append(name)
+            else:
+                names.append(None)
+        return names
+
     # ----------------------------------------------------------------- inputs and targets
     @property
     def input_shapes(self) -> list[list[int]]:

@@ -53,8 +53,7 @@ from typing import Iterable, Sequence
 
 from ..schedules import all_actions
 from .costmodel import CostModel
-from .dp import Solution
-from .objective import Evaluation, evaluate
+from .objective import Evaluation, Solution, evaluate
 
 INF = math.inf
 _RELATIVE_SLACK = 1e-12

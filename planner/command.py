@@ -18,6 +18,7 @@ from ..schedules import SCHEDULES
 from .plan import build_plan
 from .profile import Profile
 from .render import batch_line, plan_timeline_svg, render_plan
+from .replicas import search_devices
 from .search import SolveOptions, device_memory_limit, one_stage_baseline, search
 from .units import format_seconds, parse_bandwidth, parse_size
 
@@ -51,8 +52,19 @@ def parse_virtual_stages(text: str | int) -> int | str:
     return _int_or_auto(text, "--virtual-stages", 2, "an integer of at least 2")
 
 
+# ``--solver dp`` was the exact searches' first name (when GPipe's dynamic programme was all of them).
+SOLVER_ALIASES = {"dp": "exact"}
+
+
+def parse_data_parallel(text: str | int | None, devices: int | None) -> int | str:
+    """``--data-parallel``: replicas d >= 1 or ``auto``; unset: auto with --devices, else 1."""
+    if text is None:
+        return "auto" if devices is not None else 1
+    return _int_or_auto(text, "--data-parallel", 1, "a positive integer")
+
+
 def solve_options(
-    stages: int,
+    stages: int | None,
     micro_batches: int | str = "auto",
     global_batch_size: int | None = None,
     schedule: str = "auto",
@@ -62,12 +74,24 @@ def solve_options(
     link_bandwidth: str | float | None = None,
     link_latency: float | None = None,
     optimizer: str = "adam",
-    solver: str = "dp",
+    solver: str = "exact",
     time_budget_s: float = 30.0,
+    devices: int | None = None,
+    data_parallel: str | int | None = None,
+    nodes: int = 1,
+    network_bandwidth: str | float | None = None,
+    network_latency: float = 0.0,
+    gradient_sync: str = "ddp",
 ) -> SolveOptions:
     """Options as typed on the command line -> :class:`SolveOptions` (one-line errors)."""
     if not (math.isfinite(time_budget_s) and time_budget_s > 0):
         raise BadInput(f"--time-budget must be a positive number of seconds, got {time_budget_s}")
+    if stages is None and devices is None:
+        raise BadInput("give --stages K (one pipeline of K devices) or --devices N (K stages x d replicas)")
+    if devices is not None and devices < 1:
+        raise BadInput(f"--devices must be at least 1, got {devices}")
+    if network_latency is None or not (math.isfinite(network_latency) and network_latency >= 0):
+        raise BadInput(f"--network-latency must be a finite number of seconds >= 0, got {network_latency}")
     if link_latency is not None and not (math.isfinite(link_latency) and link_latency >= 0):
         raise BadInput(f"--link-latency must be a finite number of seconds >= 0, got {link_latency}")
     return SolveOptions(
@@ -83,48 +107,69 @@ def solve_options(
             float(link_bandwidth) * 1e9 if isinstance(link_bandwidth, (int, float)) else parse_bandwidth(link_bandwidth)),
         link_latency_s=link_latency,
         optimizer=optimizer,
-        solver=solver,
+        solver=SOLVER_ALIASES.get(solver, solver),
         time_budget_s=time_budget_s,
+        devices=devices,
+        data_parallel=parse_data_parallel(data_parallel, devices),
+        nodes=nodes,
+        network_bandwidth_bytes_per_s=None if network_bandwidth is None else (
+            float(network_bandwidth) * 1e9 if isinstance(network_bandwidth, (int, float))
+            else parse_bandwidth(network_bandwidth)),
+        network_latency_s=network_latency,
+        gradient_sync=gradient_sync,
     )
 
 
-def solve_file(profile_path: str, plan_path: str | None = None, *, stages: int, progress: bool = False,
-               **options: Any) -> dict[str, Any]:
+def solve_file(profile_path: str, plan_path: str | None = None, *, stages: int | None = None,
+               progress: bool = False, **options: Any) -> dict[str, Any]:
     """Plan from a profile file; writes the plan (atomically) when ``plan_path`` is given.
 
     ``options`` are those of :func:`solve_options` (e.g. ``global_batch_size=32``,
-    ``micro_batches="auto"``, ``memory_limit="16GiB"``). Returns the plan document.
+    ``micro_batches="auto"``, ``memory_limit="16GiB"``, ``devices=8``). Returns the plan document.
     """
     started = time.perf_counter()
     profile = load_profile(profile_path)
     opts = device_memory_limit(profile, solve_options(stages, **options))
+    # One pipeline on one node (no --devices, d = 1) is the search it always was; else every
+    # (K, d) and placement.
+    replicated = opts.devices is not None or opts.data_parallel != 1 or opts.nodes != 1
+    run = (lambda hook: search_devices(profile, opts, progress=hook)) if replicated else \
+        (lambda hook: search(profile, opts, progress=hook))
     if progress:
         with _progress() as bar:
             task = bar.add_task("solving", total=None)
-            result = search(profile, opts, progress=lambda done, total, what: bar.update(
+            found = run(lambda done, total, what: bar.update(
                 task, completed=done, total=total, description=f"solving {what}"))
     else:
-        result = search(profile, opts)
+        found = run(None)
+    devices = found if replicated else None
+    result = found.best.result if replicated else found
     # What the pipeline must beat: the best plan of the same batch on one device.
     # It shares the time budget: what the pipeline's search left of it (a tenth of a second at least).
     left = max(0.1, opts.time_budget_s - (time.perf_counter() - started))
-    baseline = one_stage_baseline(profile, replace(opts, time_budget_s=left)) if opts.stages > 1 else None
-    plan = build_plan(profile, profile_path, file_sha256(profile_path), result, one_stage=baseline)
+    used = len(result.best.solution.evaluation.stages) * (devices.best.data_parallel if devices else 1)
+    single = replace(opts, stages=1, devices=None, data_parallel=1, time_budget_s=left)
+    baseline = one_stage_baseline(profile, single) if used > 1 else None
+    plan = build_plan(profile, profile_path, file_sha256(profile_path), result, one_stage=baseline, devices=devices)
     if plan_path is not None:
         write_json_atomic(plan_path, plan)
     return plan
 
 
-def solve_command(profile: str, stages: int, micro_batches: str, global_batch_size: int | None, schedule: str,
+def solve_command(profile: str, stages: int | None, micro_batches: str, global_batch_size: int | None, schedule: str,
                   recompute: str, memory_limit: str | None, link_bandwidth: str | None, link_latency: float | None,
                   optimizer: str, solver: str, out: str, timeline: str | None, quiet: bool,
-                  time_budget: float = 30.0, virtual_stages: str = "auto") -> None:
+                  time_budget: float = 30.0, virtual_stages: str = "auto", devices: int | None = None,
+                  data_parallel: str | None = None, nodes: int = 1, network_bandwidth: str | None = None,
+                  network_latency: float = 0.0, gradient_sync: str = "ddp") -> None:
     started = time.perf_counter()
     check_output_paths({"--out": out, "--timeline": timeline})   # both files or neither
     plan = solve_file(profile, out, stages=stages, progress=not quiet and sys.stderr.isatty(),
                       micro_batches=micro_batches, global_batch_size=global_batch_size, schedule=schedule,
                       virtual_stages=virtual_stages, recompute=recompute, memory_limit=memory_limit, link_bandwidth=link_bandwidth,
-                      link_latency=link_latency, optimizer=optimizer, solver=solver, time_budget_s=time_budget)
+                      link_latency=link_latency, optimizer=optimizer, solver=solver, time_budget_s=time_budget,
+                      devices=devices, data_parallel=data_parallel, nodes=nodes, network_bandwidth=network_bandwidth,
+                      network_latency=network_latency, gradient_sync=gradient_sync)
     if timeline:
         write_text_atomic(timeline, plan_timeline_svg(plan))
     console = Console()
@@ -163,26 +208,42 @@ def import_pipedream_command(graph: str, batch_size: int | None, out: str | None
                     f"batch {doc['batch_size']}", highlight=False)
 
 
-def explore_command(profile: str, stages: str, micro_batches: str, global_batch_size: int | None,
+def explore_command(profile: str, stages: str | None, micro_batches: str, global_batch_size: int | None,
                     memory_limit: str | None, schedule: str, recompute: str, link_bandwidth: str | None,
-                    optimizer: str, json_out: str | None, chart: str | None, time_budget: float) -> None:
+                    optimizer: str, json_out: str | None, chart: str | None, time_budget: float,
+                    devices: int | None = None, nodes: int | None = None, network_bandwidth: str | None = None,
+                    network_latency: float | None = None, gradient_sync: str | None = None) -> None:
     from .explore import explore
     from .explore_view import exploration_chart, exploration_json, render_exploration
 
     check_output_paths({"--json": json_out, "--chart": chart})
+    if devices is None and (nodes is not None or network_bandwidth is not None or network_latency is not None
+                            or gradient_sync is not None):
+        raise BadInput("--nodes, --network-bandwidth, --network-latency and --gradient-sync describe the devices "
+                       "of --devices N: give --devices too")
+    if devices is not None and devices < 1:
+        raise BadInput(f"--devices must be at least 1, got {devices}")
+    if nodes is not None and (nodes < 1 or devices % nodes):
+        raise BadInput(f"--nodes {nodes} must be at least 1 and divide --devices {devices} (each node holds "
+                       f"the same number of devices)")
+    if network_latency is not None and not (math.isfinite(network_latency) and network_latency >= 0):
+        raise BadInput(f"--network-latency must be a finite number of seconds >= 0, got {network_latency}")
     prof = load_profile(profile)
-    ks = _int_list(stages, "--stages")
+    ks = None if stages is None else _int_list(stages, "--stages")
     ms: list[int] | str = "auto" if micro_batches.strip().lower() == "auto" else _int_list(micro_batches, "--micro-batches")
     schedules = list(SCHEDULES) if schedule == "auto" else _choices(schedule, SCHEDULES, "--schedule")
     recomputes = _choices(recompute, ("never", "always", "auto"), "--recompute")
     limit = parse_size(memory_limit) if memory_limit else prof.usable_memory_bytes   # see device_memory_limit
     bandwidth = parse_bandwidth(link_bandwidth) if link_bandwidth else None
+    network = _network_bandwidth(network_bandwidth) if network_bandwidth else None
     with _progress() as bar:
         task = bar.add_task("exploring", total=None)
         ex = explore(prof, ks, ms, global_batch_size, limit, schedules, recomputes,
                      link_bandwidth_bytes_per_s=bandwidth, optimizer=optimizer, time_budget_s=time_budget,
                      progress=lambda done, total, what: bar.update(task, completed=done, total=total,
-                                                                   description=f"exploring {what}"))
+                                                                   description=f"exploring {what}"),
+                     devices=devices, nodes=nodes, network_bandwidth_bytes_per_s=network,
+                     network_latency_s=network_latency, gradient_sync=gradient_sync or "ddp")
     if json_out:
         write_json_atomic(json_out, exploration_json(ex))
     if chart:
@@ -192,6 +253,14 @@ def explore_command(profile: str, stages: str, micro_batches: str, global_batch_
     written = [p for p in (json_out, chart) if p]
     if written:
         console.print("wrote " + " and ".join(written), highlight=False)
+
+
+def _network_bandwidth(text: str) -> float:
+    """``--network-bandwidth`` in GB/s (or 'inf'), read as ``--link-bandwidth`` is."""
+    try:
+        return parse_bandwidth(text)
+    except BadInput as exc:
+        raise BadInput(str(exc).replace("--link-bandwidth", "--network-bandwidth")) from None
 
 
 def _int_list(text: str, flag: str) -> list[int]:

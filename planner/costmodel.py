@@ -55,6 +55,12 @@ k (schedules.in_flight: M for GPipe, ``min(M, K - k)`` for 1F1B). The peak is li
 per-chunk byte counts, so it is the largest of a few linear forms (:class:`_StagePeaks`), found
 once per schedule shape by replaying the lists: evaluating a stage is then O(chunks).
 
+Replicas (planner/replicas.py): with d copies of the pipeline, stage k averages its gradients
+over its d replicas once a step, a ring all-reduce of its parameter bytes
+(:func:`gpipe_plan.collectives.ring_allreduce_s`), charged after its last backward with the optimizer
+step (:meth:`CostModel.gradient_sync_s`); with FSDP, the parameters and optimizer state are
+sharded 1/d between steps (:func:`static_bytes`).
+
 Time of a whole step is a property of the schedule, not of one stage: see
 :mod:`planner.schedule` (GPipe closed form and the event simulator).
 """
@@ -70,6 +76,7 @@ from typing import Sequence
 
 from ..schedules import SCHEDULES, SPLIT_BACKWARD, all_actions, chunks_of_stage, chunks_per_stage, problem, stage_of_chunk
 from .profile import LayerFigures
+from ..collectives import ring_allreduce_s
 from .schedule import ChunkTimes
 
 OPTIMIZER_STATE_MULTIPLIER = {"adam": 2, "momentum": 1, "sgd": 0}
@@ -91,10 +98,34 @@ class Setting:
     overhead_s: float = 0.0
     compute_scale: float = 1.0    # neighbour_scale(...): every layer time is multiplied by it
     virtual_stages: int = 1       # chunks per stage of ``interleaved`` (2 for zb-v is implied)
+    # Data parallel (planner/replicas.py): d replicas of the pipeline; each stage averages its
+    # gradients over its d copies once a step, over the ring the placement gives it.
+    data_parallel: int = 1
+    sync_bandwidth_bytes_per_s: float = math.inf    # inf: the sync is free
+    sync_latency_s: float = 0.0                     # per ring step
+    gradient_sync: str = "ddp"                      # "ddp" | "fsdp" (plan_layout.GRADIENT_SYNCS)
 
     @property
     def comm_on(self) -> bool:
         return math.isfinite(self.link_bandwidth_bytes_per_s)
+
+
+def static_bytes(params_bytes: float, optimizer: str, data_parallel: int = 1,
+                 gradient_sync: str = "ddp") -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer state) in bytes, per rank, of a stage of ``params_bytes``.
+
+    ``ddp`` keeps everything whole on each of the d replicas: P + P + multiplier*P. ``fsdp``
+    (FSDP2 ``fully_shard``) keeps a 1/d shard of the parameters and of the optimizer state
+    between steps, but gathers the whole parameters for the step (the planner charges them
+    whole for all of it: conservative, a stage gathers per module in practice) and the
+    gradients whole until the reduce-scatter: P + P/d, P, multiplier*P/d. The one home of
+    this formula: :meth:`CostModel.static_memory` and the plan's memory breakdown both use it.
+    With one replica there is nothing to shard: fsdp is charged as ddp.
+    """
+    multiplier = OPTIMIZER_STATE_MULTIPLIER[optimizer]
+    if gradient_sync == "fsdp" and data_parallel > 1:
+        return params_bytes * (1 + 1 / data_parallel), params_bytes, params_bytes * multiplier / data_parallel
+    return params_bytes, params_bytes, params_bytes * multiplier
 
 
 def neighbour_scale(slowdown: float, processes: int, stages: int) -> float:
@@ -142,7 +173,8 @@ class StageCost:
     index: int
     chunks: tuple[int, ...]  # the chunk indices it holds, in pipeline order
     recompute: bool          # its chunks recompute (all alike)
-    optimizer_s: float
+    optimizer_s: float       # everything after its last backward: gradient sync + optimizer (+ ties)
+    gradient_sync_s: float   # the part of optimizer_s that syncs gradients over the replicas
     in_flight: int           # most micro-batches whose activations it holds at once
     params_bytes: float
     gradients_bytes: float
@@ -272,8 +304,13 @@ class CostModel:
         self.pp = _prefix(figures.param_bytes)
         self.pbuf = _prefix(figures.buffer_bytes)
         self.popt = _prefix(figures.optimizer_s)
-        self.static_per_param = 2 + state_mult     # parameters + gradients + optimizer state
+        # parameters + gradients + optimizer state per parameter byte (2 + multiplier for ddp)
+        self.static_per_param = sum(static_bytes(1.0, setting.optimizer, setting.data_parallel,
+                                                 setting.gradient_sync))
         self.state_mult = state_mult
+        # The gradient sync over the replicas: on when there are several and it costs something.
+        self.sync_on = setting.data_parallel > 1 and (
+            math.isfinite(setting.sync_bandwidth_bytes_per_s) or setting.sync_latency_s > 0)
         self.has_transient = any(figures.transient_bytes)
         # The sparse table takes O(L log L) to build: only when some layer has a transient peak.
         self.transient = _RangeMax(figures.transient_bytes if self.has_transient else [])
@@ -334,16 +371,31 @@ class CostModel:
         return self.overhead_recompute if recompute else self.overhead
 
     def optimizer(self, s: int, e: int) -> float:
-        """The step after the backward: the optimizer on layers [s, e), and tied-gradient exchanges."""
+        """The step after the backward: the gradient sync over the replicas, the optimizer on
+        layers [s, e), and tied-gradient exchanges."""
         if not self.figures.tied:
+            if self.sync_on:
+                return self.popt[e] - self.popt[s] + self.gradient_sync_s(((s, e),))
             return self.popt[e] - self.popt[s]
         return self.stage_optimizer(((s, e),))
+
+    def gradient_sync_s(self, spans: Sequence[tuple[int, int]]) -> float:
+        """One step's gradient sync of a stage holding the layer ranges ``spans`` over its d
+        replicas: one ring all-reduce (ddp) or reduce-scatter + all-gather (fsdp, the same time)
+        of all its parameter bytes (planner/replicas.py). It runs after the stage's last
+        backward, before its optimizer step, so it is charged in the same after-the-backward
+        term, which the schedule hides in the next step's fill when the stage has room."""
+        if not self.sync_on:
+            return 0.0
+        nbytes = sum(self.pp[e] - self.pp[s] for s, e in spans)
+        return _cost(ring_allreduce_s(nbytes, self.setting.data_parallel, self.setting.sync_bandwidth_bytes_per_s,
+                                      self.setting.sync_latency_s))
 
     def stage_optimizer(self, spans: Sequence[tuple[int, int]]) -> float:
         """The optimizer step of a stage holding the layer ranges ``spans``, and its tied-gradient
         exchanges: a stage holding some, not all, of a tie's layers sends and receives the
         parameter's gradient once a step (runtime.tied)."""
-        total = 0.0
+        total = self.gradient_sync_s(spans)
         for s, e in spans:
             total += self.popt[e] - self.popt[s]
         for t, (layers, _) in enumerate(self.figures.tied):
@@ -354,7 +406,8 @@ class CostModel:
 
     def least_first_optimizer(self) -> float:
         """A lower bound on stage 0's optimizer step over every partition: the least over its
-        possible ends (the optimizer time alone grows with the stage; a tie's exchange need not)."""
+        possible ends (the optimizer time and the gradient sync alone grow with the stage; a
+        tie's exchange need not)."""
         if not self.figures.tied:
             return self.optimizer(0, 1)
         return min(self.optimizer(0, e) for e in range(1, self.L - self.K + 2))
@@ -474,13 +527,16 @@ class CostModel:
         for s, e in spans:
             params += pp[e] - pp[s]
             buffers += pbuf[e] - pbuf[s]
+        held_params, gradients, state = static_bytes(params, self.setting.optimizer, self.setting.data_parallel,
+                                                     self.setting.gradient_sync)
         return StageCost(
             index=k, chunks=self.peaks[k].chunks, recompute=recompute,
             optimizer_s=self.stage_optimizer(spans),
+            gradient_sync_s=self.gradient_sync_s(spans),
             in_flight=self.peaks[k].in_flight,
-            params_bytes=params,
-            gradients_bytes=params,
-            optimizer_state_bytes=params * self.state_mult,
+            params_bytes=held_params,
+            gradients_bytes=gradients,
+            optimizer_state_bytes=state,
             buffers_bytes=buffers,
             activations_bytes=self.activations(k, spans, recompute),
             transient_bytes=max(self.transient.query(s, e) for s, e in spans) if self.has_transient else 0.0,

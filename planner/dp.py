@@ -43,10 +43,9 @@ import math
 import struct
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from .costmodel import CostModel
-from .objective import Evaluation, evaluate
+from .objective import Evaluation, Solution, evaluate
 from .costmodel import reach
 
 INF = math.inf
@@ -58,15 +57,6 @@ _MAX_BISECTION_STEPS = 256
 
 class _OutOfTime(Exception):
     """The time budget ran out inside a DP or a probe (see GPipeSolver.solve)."""
-
-
-@dataclass
-class Solution:
-    evaluation: Evaluation
-    proven: bool
-    lower_bound_s: float
-    method: str
-    stats: dict = field(default_factory=dict)
 
 
 def _bits(x: float) -> int:
@@ -111,7 +101,8 @@ class GPipeSolver:
         # Cut positions by send time, to count those a threshold allows (see _probe_greedy).
         self.sorted_comm = sorted(cm.comm[1:cm.L])
         self.window_ok = self.fixed_recompute is not None and shrink_safe
-        self.constant_additive = self.window_ok and not comm_on and cm.popt[-1] == 0.0
+        # no after-the-backward term at all (optimizer step, gradient sync): it only grows with a stage
+        self.constant_additive = self.window_ok and not comm_on and cm.optimizer(0, cm.L) == 0.0
         self.probes = 0
         self.dp_runs = 0
         self.deadline = INF              # set by solve()

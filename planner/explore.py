@@ -9,7 +9,12 @@ user's own profile, with the planner's optimal plan in every cell (not a uniform
   memory limit), with its bubble share and peak memory per device. Cells whose best plan
   does not fit the memory limit are marked with what they would need, not hidden;
 * capacity: for a model built of a repeated block, the most blocks that fit K devices of
-  the given memory, with and without recomputation, by replicating the profiled block.
+  the given memory, with and without recomputation, by replicating the profiled block;
+* devices (``--devices N``): rows are the factorisations K x d = N, d replicas of a K-stage
+  pipeline. A replica is one pipeline on the global batch / d, plus each stage's gradient
+  sync over its d copies; the placement (planner/replicas.py) decides whether the sends and
+  the syncs cross the fast link inside a node or the network. So more replicas trade the
+  bubble for syncs, and a slow network pushes the best K x d toward the pipeline.
 
 Work shared between cells: per-layer figures are computed once per micro-batch size, GPipe's
 optimal partition seeds the 1F1B search of the same cell, and 1F1B's suffix bounds depend on
@@ -23,13 +28,14 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..artifacts import BadInput
-from ..schedules import chunks_per_stage, problem
+from ..schedules import SCHEDULES, chunks_per_stage, problem
 from .chunked import ChunkedSolver
 from .costmodel import OPTIMIZER_STATE_MULTIPLIER, CostModel, Setting, neighbour_scale, stage_peaks
 from .dp import GPipeSolver, Solution
 from .onefoneb import OneFOneBSolver
 from .profile import LayerFigures, Profile
 from .search import AUTO_VIRTUAL_STAGES, MAX_MICRO_BATCHES, micro_batch_counts, profile_global_batch
+from .units import format_bytes
 
 
 @dataclass
@@ -49,6 +55,9 @@ class Cell:
     balance: list[int] = field(default_factory=list)   # layers per chunk
     note: str = ""
     virtual_stages: int = 1         # chunks per stage (interleaved: the best of 2..4; zb-v: 2)
+    data_parallel: int = 1          # d: replicas of the pipeline, each on global batch / d samples
+    order: str = ""                 # the replicas' placement order ("" for one replica alone)
+    gradient_sync_s: float | None = None   # the longest stage's gradient sync per step (0: one replica)
 
     def row(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -74,21 +83,41 @@ class Exploration:
     cells: list[Cell]
     capacity: list[Capacity]
     block: dict[str, Any] | None    # the repeated block found in the profile, if any
+    devices: int | None = None      # N of a --devices exploration (rows K x d = N), else None
+    factorisations: list["FactorisationSummary"] = field(default_factory=list)   # --devices: best first
 
 
-def explore(profile: Profile, stages: Sequence[int], micro_batches: Sequence[int] | str = "auto",
+def explore(profile: Profile, stages: Sequence[int] | None, micro_batches: Sequence[int] | str = "auto",
             global_batch_size: int | None = None, memory_limit_bytes: int | None = None,
             schedules: Sequence[str] = ("gpipe", "1f1b"), recomputes: Sequence[str] = ("never", "always"),
             link_bandwidth_bytes_per_s: float | None = None, link_latency_s: float | None = None,
             optimizer: str = "adam", capacity: bool = True, time_budget_s: float = 5.0,
-            progress=None) -> Exploration:
+            progress=None, devices: int | None = None, nodes: int | None = None,
+            network_bandwidth_bytes_per_s: float | None = None, network_latency_s: float | None = None,
+            gradient_sync: str = "ddp") -> Exploration:
+    """Every cell of the grid, each the planner's best plan for its setting.
+
+    Without ``devices`` the rows are the pipeline depths ``stages`` (one replica). With
+    ``devices`` = N the rows are the factorisations K x d = N (K among ``stages`` if given,
+    else every divisor of N): d replicas of a K-stage pipeline, each replica taking the global
+    batch / d samples a step, placed on ``nodes`` machines as the planner would place them
+    (planner/replicas.py), each stage's gradients synchronised over its d replicas.
+    """
     # The profile's own global batch unless told (older profiles: their largest micro-batch).
     batch = global_batch_size if global_batch_size is not None else profile_global_batch(profile)[0]
     if batch < 1:
         raise BadInput(f"--global-batch-size must be at least 1, got {batch}")
-    for K in stages:
+    for K in stages or ():
         if K < 1:
             raise BadInput(f"--stages values must be at least 1, got {K}")
+    bandwidth = link_bandwidth_bytes_per_s if link_bandwidth_bytes_per_s is not None else (
+        profile.link_bandwidth_bytes_per_s or math.inf)
+    latency = link_latency_s if link_latency_s is not None else profile.link_latency_s
+    if devices is None:
+        shapes = [_Shape(K, 1, None, "") for K in (stages or DEFAULT_STAGES)]
+    else:
+        shapes = replica_shapes(profile, devices, stages, batch, nodes, link_bandwidth_bytes_per_s, link_latency_s,
+                                network_bandwidth_bytes_per_s, network_latency_s, gradient_sync, optimizer)
     if micro_batches == "auto":
         ms = [m for m in micro_batch_counts(batch) if m & (m - 1) == 0]   # the powers of two that divide B
     else:
@@ -97,90 +126,251 @@ def explore(profile: Profile, stages: Sequence[int], micro_batches: Sequence[int
         if bad:
             raise BadInput(f"--micro-batches {bad[0]} does not divide the global batch of {batch}: "
                            f"use divisors of {batch}, at most {MAX_MICRO_BATCHES}, or 'auto'")
-    bandwidth = link_bandwidth_bytes_per_s if link_bandwidth_bytes_per_s is not None else (
-        profile.link_bandwidth_bytes_per_s or math.inf)
-    latency = link_latency_s if link_latency_s is not None else profile.link_latency_s
 
-    def setting(K: int, M: int, schedule: str, recompute: str, limit: int | None, virtual_stages: int = 1) -> Setting:
+    def setting(shape: _Shape, M: int, schedule: str, recompute: str, limit: int | None,
+                virtual_stages: int = 1) -> Setting:
+        K, placement = shape.stages, shape.placement
+        # One replica alone: the link as given. Replicas: the placement says which link the
+        # pipeline's sends and the gradient sync cross (inside a node, or the network).
+        pipe_bw = bandwidth if placement is None else placement.pipeline_bandwidth_bytes_per_s
+        pipe_lat = latency if placement is None else placement.pipeline_latency_s
+        replicas = {} if placement is None else dict(
+            data_parallel=shape.data_parallel, gradient_sync=gradient_sync,
+            sync_bandwidth_bytes_per_s=placement.sync_bandwidth_bytes_per_s, sync_latency_s=placement.sync_latency_s)
         return Setting(stages=K, micro_batches=M, schedule=schedule, recompute=recompute, virtual_stages=virtual_stages,
-                       memory_limit_bytes=limit, link_bandwidth_bytes_per_s=bandwidth,
-                       link_latency_s=latency if math.isfinite(bandwidth) else 0.0, optimizer=optimizer,
+                       memory_limit_bytes=limit, link_bandwidth_bytes_per_s=pipe_bw,
+                       link_latency_s=pipe_lat if math.isfinite(pipe_bw) else 0.0, optimizer=optimizer,
                        overhead_s=profile.per_microbatch_overhead_s if K > 1 else 0.0,
-                       compute_scale=neighbour_scale(profile.contention_slowdown, profile.contention_processes, K))
+                       # every process on a host is a neighbour: the stages of all replicas there
+                       compute_scale=neighbour_scale(profile.contention_slowdown, profile.contention_processes,
+                                                     shape.neighbours),
+                       **replicas)
 
-    reference = GPipeSolver(CostModel(profile.at(batch), setting(1, 1, "gpipe", "never", None))).solve()
+    one_device = _Shape(1, 1, None, "")
+    reference = GPipeSolver(CostModel(profile.at(batch), setting(one_device, 1, "gpipe", "never", None))).solve()
     assert reference is not None
     ref_step = reference.evaluation.step_s
     tables: dict[tuple, dict[int, list[float]]] = {}
     cells: list[Cell] = []
-    total = len(stages) * len(ms) * len(schedules) * len(recomputes)
-    for K in sorted(stages, reverse=True):       # the largest K fills the shared 1F1B tables
+    done = 0
+    total = len({(s.stages, s.data_parallel) for s in shapes}) * len(ms) * len(schedules) * len(recomputes)
+    # The largest K fills the shared 1F1B tables; a factorisation's placements follow each other.
+    for shape in sorted(shapes, key=lambda s: (-s.stages, s.data_parallel)):
+        K, d = shape.stages, shape.data_parallel
+        replica_batch = batch // d
         for M in ms:
-            size = batch // M
+            size = replica_batch // M if replica_batch % M == 0 else 0
             for recompute in recomputes:
                 gpipe_partition = None
                 for schedule in sorted(schedules, key=lambda s: s != "gpipe"):
+                    def note(text: str) -> None:
+                        cells.append(Cell(K, M, size, schedule, recompute, None, None, None, None, None, False, False,
+                                          note=text, data_parallel=d, order=shape.order))
+                    if shape.reason:
+                        note(shape.reason)
+                        continue
+                    if size == 0:
+                        note(f"M = {M} does not divide a replica's batch of {replica_batch}")
+                        continue
                     if K > profile.num_layers:
-                        cells.append(Cell(K, M, size, schedule, recompute, None, None, None, None, None, False,
-                                          False, note=f"more stages than the {profile.num_layers} layers"))
+                        note(f"more stages than the {profile.num_layers} layers")
                         continue
                     sol, fits, v = None, True, 1
                     for limit in ([memory_limit_bytes, None] if memory_limit_bytes else [None]):
                         if schedule in ("gpipe", "1f1b"):
-                            cm = CostModel(profile.at(size), setting(K, M, schedule, recompute, limit))
+                            cm = CostModel(profile.at(size), setting(shape, M, schedule, recompute, limit))
                             if schedule == "gpipe":
                                 sol = GPipeSolver(cm, time_budget_s=time_budget_s).solve()
                             else:
-                                # Tables depend on the layer times: share them only at one scale.
-                                key = (M, recompute, limit, cm.setting.compute_scale)
+                                # Tables depend on the layer times and links: share them only alike.
+                                st = cm.setting
+                                key = (M, size, recompute, limit, st.compute_scale, st.link_bandwidth_bytes_per_s,
+                                       st.link_latency_s, st.data_parallel, st.sync_bandwidth_bytes_per_s,
+                                       st.sync_latency_s, st.gradient_sync)
                                 sol = OneFOneBSolver(cm, seeds=[gpipe_partition] if gpipe_partition else [],
                                                      time_budget_s=time_budget_s,
                                                      suffix_tables=tables.setdefault(key, {})).solve()
                         else:
                             sol, v = _chunked(profile.at(size), K, M, schedule, profile.num_layers, time_budget_s,
-                                              lambda vs: setting(K, M, schedule, recompute, limit, vs),
+                                              lambda vs: setting(shape, M, schedule, recompute, limit, vs),
                                               [gpipe_partition] if gpipe_partition else [])
                         if sol is not None:
                             break
                         fits = False
                     if sol is None and not _runs(schedule, K, M, profile.num_layers):
-                        cells.append(Cell(K, M, size, schedule, recompute, None, None, None, None, None, False,
-                                          False, note=_why_not(schedule, K, M, profile.num_layers)))
-                        if progress:
-                            progress(len(cells), total, f"K={K} M={M} {schedule} {recompute}")
-                        continue
-                    cells.append(_cell(K, M, size, schedule, recompute, sol, fits, batch, ref_step, v))
-                    if schedule == "gpipe" and sol is not None and fits:
-                        gpipe_partition = sol.evaluation.bounds
-                    if progress:
-                        progress(len(cells), total, f"K={K} M={M} {schedule} {recompute}")
-    order = {(K, M, s, r): i for i, (K, M, s, r) in enumerate(
-        (K, M, s, r) for K in stages for M in ms for s in schedules for r in recomputes)}
-    cells.sort(key=lambda c: order[(c.stages, c.micro_batches, c.schedule, c.recompute)])
+                        note(_why_not(schedule, K, M, profile.num_layers))
+                    else:
+                        cells.append(_cell(K, M, size, schedule, recompute, sol, fits, batch, ref_step, v,
+                                           data_parallel=d, order=shape.order))
+                        if schedule == "gpipe" and sol is not None and fits:
+                            gpipe_partition = sol.evaluation.bounds
+                    done += not shape.later_placement
+                    if progress and not shape.later_placement:
+                        progress(done, total, f"K={K} d={d} M={M} {schedule} {recompute}"
+                                 if devices is not None else f"K={K} M={M} {schedule} {recompute}")
+    cells = _merge(cells)
+    order = {key: i for i, key in enumerate(
+        (s.stages, s.data_parallel, M, sc, r) for s in shapes for M in ms for sc in schedules for r in recomputes)}
+    cells.sort(key=lambda c: order[(c.stages, c.data_parallel, c.micro_batches, c.schedule, c.recompute)])
     block = find_repeated_block(profile)
     caps: list[Capacity] = []
     # Capacity counts one chunk per stage with a whole backward (gpipe, 1f1b): the greedy fill
-    # below cuts stages, not chunks spread through the model.
+    # below cuts stages, not chunks spread through the model. It is a one-replica question
+    # (how deep a pipeline a model needs), so a --devices exploration leaves it out.
     capacity_schedules = [s for s in schedules if s in ("gpipe", "1f1b")]
-    if capacity and block and memory_limit_bytes and capacity_schedules:
-        for K in stages:
+    if capacity and devices is None and block and memory_limit_bytes and capacity_schedules:
+        for K in (stages or DEFAULT_STAGES):
             for recompute in recomputes:
                 caps.append(block_capacity(profile, block, K, ms, batch, capacity_schedules, recompute,
-                                           memory_limit_bytes, lambda K, M, s, r, lim: setting(K, M, s, r, lim)))
-    return Exploration(batch, ref_step, cells, caps, block)
+                                           memory_limit_bytes,
+                                           lambda K, M, s, r, lim: setting(_Shape(K, 1, None, ""), M, s, r, lim)))
+    summaries = factorisation_summaries(shapes, cells) if devices is not None else []
+    return Exploration(batch, ref_step, cells, caps, block, devices=devices, factorisations=summaries)
+
+
+DEFAULT_STAGES = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """One way to lay out the devices: d replicas of a K-stage pipeline, and where they go."""
+
+    stages: int
+    data_parallel: int
+    placement: Any                  # planner.replicas.Placement, or None: one replica, the link as given
+    reason: str                     # why this K x d cannot run ("" if it can)
+    later_placement: bool = False   # a second placement of the same K x d (progress counts the first)
+
+    @property
+    def neighbours(self) -> int:
+        """The processes computing on one host: every rank of the node this pipeline's stages share."""
+        devices = self.stages * self.data_parallel
+        per_node = getattr(self.placement, "devices_per_node", None)
+        return min(devices, per_node) if per_node else devices
+
+    @property
+    def order(self) -> str:
+        return getattr(self.placement, "order", "") if self.placement is not None else ""
+
+
+def replica_shapes(profile: Profile, devices: int, stages: Sequence[int] | None, batch: int, nodes: int | None,
+                   link_bandwidth_bytes_per_s: float | None, link_latency_s: float | None,
+                   network_bandwidth_bytes_per_s: float | None, network_latency_s: float | None,
+                   gradient_sync: str, optimizer: str) -> list[_Shape]:
+    """Every K x d = ``devices`` to explore, with each placement the planner would consider.
+
+    The factorisations, the machines' topology and the placements are the planner's own
+    (planner/replicas.py), so that a row of the grid is a plan ``solve --devices`` could make.
+    """
+    from .replicas import factorisations, placements, topology_for
+    from .search import SolveOptions
+
+    if devices < 1:
+        raise BadInput(f"--devices must be at least 1, got {devices}")
+    given = {k: v for k, v in dict(nodes=nodes, network_latency_s=network_latency_s).items() if v is not None}
+    options = SolveOptions(stages=None, devices=devices, data_parallel="auto", global_batch_size=batch,
+                           link_bandwidth_bytes_per_s=link_bandwidth_bytes_per_s, link_latency_s=link_latency_s,
+                           network_bandwidth_bytes_per_s=network_bandwidth_bytes_per_s, gradient_sync=gradient_sync,
+                           optimizer=optimizer, **given)
+    topology = topology_for(profile, options, devices)
+    pairs = factorisations(devices, None, "auto", batch, profile.num_layers)
+    if stages:
+        unknown = [K for K in stages if devices % K]
+        if len(unknown) == len(list(stages)):
+            raise BadInput(f"--stages {','.join(map(str, stages))}: none divides --devices {devices}; a pipeline of "
+                           f"K stages runs devices / K replicas, so K must divide {devices}")
+        pairs = [(K, d, why) for K, d, why in pairs if K in stages]
+    shapes: list[_Shape] = []
+    for K, d, why in pairs:
+        if why:
+            shapes.append(_Shape(K, d, None, why))
+            continue
+        for i, placement in enumerate(placements(K, d, topology)):
+            shapes.append(_Shape(K, d, placement, "", later_placement=i > 0))
+    return shapes
+
+
+def _merge(cells: list[Cell]) -> list[Cell]:
+    """One cell per (K, d, M, schedule, recompute): of a factorisation's placements, the best plan
+    (one that fits before one that does not, then the faster)."""
+    best: dict[tuple, Cell] = {}
+    for c in cells:
+        key = (c.stages, c.data_parallel, c.micro_batches, c.schedule, c.recompute)
+        if key not in best or _better(c, best[key]):
+            best[key] = c
+    return list(best.values())
+
+
+def _better(a: Cell, b: Cell) -> bool:
+    if (a.step_s is None) != (b.step_s is None):
+        return a.step_s is not None
+    if a.step_s is None:
+        return False
+    if a.fits != b.fits:
+        return a.fits
+    return a.step_s < b.step_s
+
+
+@dataclass
+class FactorisationSummary:
+    """One K x d of a ``--devices`` exploration: its best cell and the cells that fit."""
+
+    stages: int
+    data_parallel: int
+    best: Cell | None               # the fastest cell that fits (None: none does)
+    fitting_cells: int
+    cells: int
+    reason: str                     # why none fits, or why it cannot run ("" when one fits)
+
+    def row(self) -> dict[str, Any]:
+        best = self.best
+        return {"stages": self.stages, "data_parallel": self.data_parallel, "fits": best is not None,
+                "order": best.order if best else None, "step_s": best.step_s if best else None,
+                "samples_per_s": best.throughput_per_s if best else None,
+                "micro_batches": best.micro_batches if best else None, "schedule": best.schedule if best else None,
+                "virtual_stages": best.virtual_stages if best else None, "recompute": best.recompute if best else None,
+                "gradient_sync_s": best.gradient_sync_s if best else None,
+                "proven": best.proven if best else False,
+                "fitting_cells": self.fitting_cells, "cells": self.cells, "reason": self.reason}
+
+
+def _rank(c: Cell) -> tuple:
+    """Ties broken as the planner's search breaks them (search.Candidate.sort_key): the faster,
+    then the one needing less memory, fewer micro-batches, the earlier schedule."""
+    return (c.step_s, c.peak_memory_bytes, c.micro_batches, SCHEDULES.index(c.schedule), c.virtual_stages)
+
+
+def factorisation_summaries(shapes: Sequence[_Shape], cells: Sequence[Cell]) -> list[FactorisationSummary]:
+    """Per K x d, best first (those with no fitting cell last): what the grid says of it."""
+    out = []
+    for K, d in dict.fromkeys((s.stages, s.data_parallel) for s in shapes):
+        mine = [c for c in cells if (c.stages, c.data_parallel) == (K, d)]
+        fitting = [c for c in mine if c.fits and c.step_s is not None]
+        best = min(fitting, key=_rank) if fitting else None
+        reason = ""
+        if best is None:
+            why = next((s.reason for s in shapes if (s.stages, s.data_parallel) == (K, d) and s.reason), "")
+            over = [c for c in mine if c.step_s is not None]
+            reason = why or ((f"over the memory limit at every M (needs "
+                              f"{format_bytes(min(c.peak_memory_bytes for c in over))})") if over
+                             else next((c.note for c in mine if c.note), "no plan"))
+        out.append(FactorisationSummary(K, d, best, len(fitting), len(mine), reason))
+    out.sort(key=lambda f: (f.best is None, f.best.step_s if f.best else 0.0, f.stages))
+    return out
 
 
 def _cell(K, M, size, schedule, recompute, sol: Solution | None, fits: bool, batch: int, ref_step: float,
-          virtual_stages: int = 1) -> Cell:
+          virtual_stages: int = 1, data_parallel: int = 1, order: str = "") -> Cell:
     if sol is None:
         return Cell(K, M, size, schedule, recompute, None, None, None, None, None, False, False,
-                    note="nothing fits even without a memory limit")
+                    note="nothing fits even without a memory limit", data_parallel=data_parallel, order=order)
     ev = sol.evaluation
     return Cell(K, M, size, schedule, recompute, ev.step_s, batch / ev.step_s, ref_step / ev.step_s,
                 ev.bubble_fraction(M), int(math.ceil(ev.peak_memory_bytes)), fits, sol.proven,
                 ev.balance,
                 note="" if fits else "exceeds the memory limit (shown: the best plan without it)",
-                virtual_stages=chunks_per_stage(schedule, virtual_stages))
+                virtual_stages=chunks_per_stage(schedule, virtual_stages), data_parallel=data_parallel, order=order,
+                gradient_sync_s=max((getattr(st, "gradient_sync_s", 0.0) for st in ev.stages), default=0.0))
 
 
 def _shapes(schedule: str, K: int, M: int, layers: int) -> list[int]:

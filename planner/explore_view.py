@@ -1,7 +1,9 @@
 """Show an exploration: GPipe-paper style tables, JSON rows, and a throughput chart (SVG).
 
 A table, and a line of the chart, is one schedule and one recomputation policy, across K
-and M. Interleaved cells say which chunks per stage (``v=2``) their best plan took.
+and M. Interleaved cells say which chunks per stage (``v=2``) their best plan took. An
+exploration of N devices (``--devices``) has a row per factorisation K x d = N (d replicas
+of a K-stage pipeline) and, first, a table of each factorisation's best plan.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from rich.table import Table
 
 from ..schedules import label as schedule_label
 from .explore import Cell, Exploration
-from .units import format_bytes, format_percent
+from .units import format_bytes, format_percent, format_seconds
 
 PALETTE = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#FF9DA6", "#9D755D"]
 
@@ -31,8 +33,14 @@ def distinct_colours(n: int) -> list[str]:
 
 
 def series_label(c: Cell) -> str:
-    """One line of the chart: a K, schedule and recompute setting across M."""
-    return f"K={c.stages} {c.schedule} rc={c.recompute}"
+    """One line of the chart: a K (and d, with replicas), schedule and recompute setting across M."""
+    replicas = f" d={c.data_parallel}" if c.data_parallel > 1 else ""
+    return f"K={c.stages}{replicas} {c.schedule} rc={c.recompute}"
+
+
+def shape_label(stages: int, data_parallel: int) -> str:
+    """``4x2``: 4 stages times 2 replicas."""
+    return f"{stages}x{data_parallel}"
 
 
 def never_fitting(ex: Exploration) -> dict[str, str]:
@@ -62,26 +70,29 @@ def never_fitting_line(never: dict[str, str]) -> str:
 
 
 def render_exploration(ex: Exploration, console: Console, memory_limit_bytes: int | None) -> None:
-    stages = sorted({c.stages for c in ex.cells})
+    replicas = ex.devices is not None
+    rows = sorted({(c.stages, c.data_parallel) for c in ex.cells}, key=lambda kd: (kd[0], kd[1]))
     ms = sorted({c.micro_batches for c in ex.cells})
     combos = []
     for c in ex.cells:
         if (c.schedule, c.recompute) not in combos:
             combos.append((c.schedule, c.recompute))
-    lookup = {(c.stages, c.micro_batches, c.schedule, c.recompute): c for c in ex.cells}
+    lookup = {(c.stages, c.data_parallel, c.micro_batches, c.schedule, c.recompute): c for c in ex.cells}
     console.print(f"global batch {ex.global_batch_size}; throughput normalised to one device with one "
                   f"micro-batch (K = 1, M = 1, gpipe, no recomputation): "
                   f"{ex.global_batch_size / ex.reference_step_s:,.1f} samples/s", highlight=False)
+    if replicas:
+        render_factorisations(ex, console)
     for schedule, recompute in combos:
         table = Table(title=f"{schedule}, recompute {recompute}: normalised throughput "
                             f"(bubble, peak memory per device)", header_style="bold")
-        table.add_column("K \\ M", justify="right")
+        table.add_column("K x d \\ M" if replicas else "K \\ M", justify="right")
         for M in ms:
             table.add_column(str(M), justify="right")
-        for K in stages:
-            row = [str(K)]
+        for K, d in rows:
+            row = [shape_label(K, d) if replicas else str(K)]
             for M in ms:
-                c = lookup.get((K, M, schedule, recompute))
+                c = lookup.get((K, d, M, schedule, recompute))
                 if c is None or c.step_s is None:
                     row.append("[dim]-[/dim]")
                     continue
@@ -99,6 +110,9 @@ def render_exploration(ex: Exploration, console: Console, memory_limit_bytes: in
     never = never_fitting(ex)
     if never:
         console.print(f"settings with no line in the chart, {never_fitting_line(never)}", highlight=False)
+    if replicas:
+        # How many blocks fit K devices is a one-replica question (explore without --devices).
+        return
     if ex.block is None:
         console.print("capacity: no repeated block found in this profile")
     elif ex.capacity:
@@ -116,13 +130,42 @@ def render_exploration(ex: Exploration, console: Console, memory_limit_bytes: in
         console.print("capacity: give --memory-limit to see how many blocks fit")
 
 
+def render_factorisations(ex: Exploration, console: Console) -> None:
+    """The --devices summary: per K x d (best first) its best plan that fits, or why none does."""
+    table = Table(title=f"{ex.devices} devices as K stages x d replicas: the best plan of each that fits "
+                        f"(samples/s: x one device)", header_style="bold")
+    for col in ("K x d", "best plan that fits", "step", "samples/s", "grad. sync", "memory", "fit"):
+        table.add_column(col, justify="left" if col in ("K x d", "best plan that fits") else "right",
+                         no_wrap=col != "best plan that fits")
+    for f in ex.factorisations:
+        c = f.best
+        if c is None:
+            table.add_row(shape_label(f.stages, f.data_parallel), f"[red]{f.reason}[/red]", "-", "-", "-", "-",
+                          f"0/{f.cells}")
+            continue
+        plan = f"M={c.micro_batches} {schedule_label(c.schedule, c.virtual_stages)} rc={c.recompute}"
+        if c.order and c.data_parallel > 1 and c.stages > 1:
+            plan += f" {c.order}"             # the order matters only with both stages and replicas
+        table.add_row(shape_label(f.stages, f.data_parallel), plan,
+                      f"{format_seconds(c.step_s, 3)}{'' if c.proven else '*'}",
+                      f"{c.throughput_per_s:,.1f} ({c.normalized_throughput:.2f}x)",
+                      format_seconds(c.gradient_sync_s or 0.0, 3), format_bytes(c.peak_memory_bytes),
+                      f"{f.fitting_cells}/{f.cells}")
+    console.print(table)
+
+
 def exploration_json(ex: Exploration) -> dict[str, Any]:
+    """The exploration as JSON (docs/planner.md, "What-if tables"). Version 2 added the replica
+    keys: ``devices``, ``factorisations`` and each row's ``data_parallel``, ``order`` and
+    ``gradient_sync_s`` (a version-1 reader's keys are all still there)."""
     return {
         "format": "gpipe-plan.exploration",
-        "version": 1,
+        "version": 2,
         "global_batch_size": ex.global_batch_size,
         "reference_step_s": ex.reference_step_s,
+        "devices": ex.devices,
         "rows": [c.row() for c in ex.cells],
+        "factorisations": [f.row() for f in ex.factorisations],
         "repeated_block": ex.block,
         "capacity": [c.row() for c in ex.capacity],
     }

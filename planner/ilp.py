@@ -33,17 +33,16 @@ except ImportError:  # pragma: no cover - pulp is a dependency; a GPU image may 
 
 from ..artifacts import BadInput
 from .costmodel import CostModel
-from .dp import Solution
-from .objective import evaluate
+from .objective import Solution, evaluate
 from ..schedules import all_actions
 
 
 def solve_ilp(cm: CostModel, time_limit_s: float = 60.0) -> Solution | None:
     if pulp is None:
         raise BadInput("--solver ilp needs the pulp package, which is not installed here: pip install pulp, "
-                       "or use --solver dp (exact too)")
+                       "or use --solver exact")
     if cm.schedule not in ("gpipe", "1f1b"):
-        raise BadInput(f"--solver ilp plans gpipe and 1f1b only, not {cm.schedule}: use --solver dp "
+        raise BadInput(f"--solver ilp plans gpipe and 1f1b only, not {cm.schedule}: use --solver exact "
                        "(the default), which plans every schedule")
     L, K, M = cm.L, cm.K, cm.M
     fig = cm.figures

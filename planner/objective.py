@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from .costmodel import ChunkCost, CostModel, StageCost
@@ -45,6 +45,20 @@ class Evaluation:
         K = len(self.stages)
         return 1.0 - sum(self.busy_s(micro_batches)) / (K * self.step_s) if self.step_s > 0 else 0.0
 
+
+
+@dataclass
+class Solution:
+    """A solver's answer for one setting: the best plan it found, and how sure it is.
+
+    ``proven``: no partition of the setting is faster; ``lower_bound_s``: none is faster than
+    this (the gap to ``evaluation.step_s`` when not proven); ``method``: how it was found."""
+
+    evaluation: Evaluation
+    proven: bool
+    lower_bound_s: float
+    method: str
+    stats: dict = field(default_factory=dict)
 
 def evaluate(cm: CostModel, bounds: Sequence[int], recompute: Sequence[bool] | None = None) -> Evaluation:
     """Step time and memory of the chunk boundaries ``bounds`` (recompute per stage; chosen per

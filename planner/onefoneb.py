@@ -29,8 +29,7 @@ import time
 from typing import Iterable
 
 from .costmodel import CostModel
-from .dp import Solution
-from .objective import Evaluation, evaluate
+from .objective import Evaluation, Solution, evaluate
 
 INF = math.inf
 _RELATIVE_SLACK = 1e-12

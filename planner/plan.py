@@ -9,25 +9,33 @@ from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import replace
 from typing import Any
 
 from ..artifacts import PLAN_FORMAT, FORMAT_VERSIONS
 from ..schedules import SPLIT_BACKWARD, chunks_per_stage
-from .objective import Evaluation
+from .costmodel import CostModel
+from .objective import Evaluation, evaluate
 from .profile import Profile
+from .replicas import DevicesResult, Factorisation, placements, Topology
 from .search import Candidate, OneStage, SearchResult, global_batch_source
 
 MAX_RUNNERS_UP = 12
 
 
 def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result: SearchResult,
-               one_stage: OneStage | None = None) -> dict[str, Any]:
+               one_stage: OneStage | None = None, devices: DevicesResult | None = None) -> dict[str, Any]:
     """The plan document for the search's best plan.
 
     ``one_stage``: the best plan of the same global batch on one device
     (:func:`.search.one_stage_baseline`), which the plan compares itself with; None leaves the
-    comparison out, except for a one-stage plan, which is its own baseline.
+    comparison out, except for a one-device plan, which is its own baseline. ``devices``: the
+    search over K stages x d replicas (:func:`.replicas.search_devices`); ``result`` is then its
+    best factorisation's pipeline search (batch global / d). Without it: one replica.
     """
+    chosen = devices.best if devices is not None else None
+    d = chosen.data_parallel if chosen is not None else 1
+    user_options = devices.options if devices is not None else result.options
     options = result.options
     best = result.best
     assert best.solution is not None
@@ -43,6 +51,8 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
             "index": ch.index,
             "stage": ch.stage,
             "layers": [layers[i]["name"] for i in range(ch.start, ch.end)],
+            # What other trainers call them (export): the unsplit model's module names.
+            "modules": [layers[i].get("module") for i in range(ch.start, ch.end)],
             "first_layer": ch.start,
             "recompute": ch.recompute,
             "forward_s": ch.forward_s,
@@ -67,6 +77,7 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
             "index": k,
             "chunks": list(st.chunks),
             "optimizer_s": st.optimizer_s,
+            "gradient_sync_s": st.gradient_sync_s,
             "memory_bytes": int(math.ceil(st.memory_bytes)),
             "memory": {
                 "params_bytes": int(st.params_bytes),
@@ -81,6 +92,13 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
             "idle_fraction": max(0.0, 1.0 - busy[k] / ev.step_s) if ev.step_s > 0 else 0.0,
         })
     sol = best.solution
+    K = len(ev.stages)
+    global_batch = devices.global_batch_size if devices is not None else result.global_batch_size
+    if devices is not None:
+        proven, lower_bound = devices.proven, devices.lower_bound_s
+        settings_searched = sum(len(f.result.candidates) for f in devices.factorisations if f.result is not None)
+    else:
+        proven, lower_bound, settings_searched = result.proven, result.lower_bound_s, len(result.candidates)
     lo, hi = profile.measured_range()
     warnings = []
     if not lo <= best.micro_batch_size <= hi:
@@ -91,7 +109,7 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
         warnings.append(
             f"a later stage's optimizer step outlasts the next step's fill by {ev.optimizer_wait_s:.3g} s "
             "(predicted.optimizer_wait_s): the step includes that wait")
-    if not result.proven:
+    if not proven:
         warnings.append("the search ran out of time before proving this plan optimal; see optimality.gap")
     if setting.schedule in SPLIT_BACKWARD and not profile.split_measured:
         warnings.append(
@@ -111,9 +129,9 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
             "micro_batch_sizes": profile.sizes,
         },
         "options": {
-            "stages": options.stages,
-            "global_batch_size": result.global_batch_size,
-            "global_batch_size_source": global_batch_source(profile, options),
+            "stages": user_options.stages,
+            "global_batch_size": global_batch,
+            "global_batch_size_source": global_batch_source(profile, user_options),
             "micro_batches": options.micro_batches,
             "schedule": options.schedule,
             "recompute": options.recompute,
@@ -126,27 +144,43 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
             "optimizer": options.optimizer,
             "solver": options.solver,
             "virtual_stages": options.virtual_stages,
+            "devices": user_options.devices,
+            "data_parallel": user_options.data_parallel,
+            "nodes": user_options.nodes,
+            "network_bandwidth_bytes_per_s": user_options.network_bandwidth_bytes_per_s,
+            "network_latency_s": user_options.network_latency_s,
+            "gradient_sync": user_options.gradient_sync,
         },
         "balance": ev.balance,
         "micro_batches": M,
         "micro_batch_size": best.micro_batch_size,
-        "global_batch_size": result.global_batch_size,
+        "global_batch_size": global_batch,
         "schedule": setting.schedule,
         "virtual_stages": chunks_per_stage(setting.schedule, setting.virtual_stages),
+        "data_parallel": d,
+        "gradient_sync": setting.gradient_sync,
+        "placement": placement_doc(chosen, K),
         "chunks": chunks,
         "stages": stages,
-        "predicted": {**predicted(ev, M, result.global_batch_size),
-                      **versus_one_stage(ev, one_stage, options.stages),
-                      **prediction_noise(profile, options.stages)},
+        "predicted": {**predicted(ev, M, global_batch),
+                      "gradient_sync_s": exposed_sync_s(profile, best.micro_batch_size, setting, ev),
+                      **versus_one_stage(ev, one_stage, K * d),
+                      **prediction_noise(profile, K * d if devices is None else
+                                         min(K * d, devices.topology.devices_per_node))},
         "optimality": {
-            # Over every setting searched (each M, schedule), not only the chosen one.
-            "proven": result.proven,
+            # Over every setting searched (each M, schedule) and every (K, d) and placement, not
+            # only the chosen one.
+            "proven": proven,
             "method": sol.method,
-            "settings_searched": len(result.candidates),
-            "lower_bound_s": result.lower_bound_s,
-            "gap": (ev.step_s / result.lower_bound_s - 1.0) if result.lower_bound_s > 0 else None,
+            "settings_searched": settings_searched,
+            "lower_bound_s": lower_bound,
+            "gap": (ev.step_s / lower_bound - 1.0) if lower_bound > 0 else None,
         },
-        "runners_up": [runner_up(c, result.global_batch_size) for c in result.candidates[1:MAX_RUNNERS_UP + 1]],
+        "factorisations": factorisation_rows(devices) if devices is not None else [
+            {"stages": K, "data_parallel": 1, "order": "pipeline-inner", "fits": True, "step_s": ev.step_s,
+             "samples_per_s": global_batch / ev.step_s if ev.step_s > 0 else None, "proven": result.proven,
+             "reason": None}],
+        "runners_up": [runner_up(c, global_batch, d) for c in result.candidates[1:MAX_RUNNERS_UP + 1]],
         "warnings": warnings,
     }
 
@@ -162,8 +196,10 @@ def predicted(ev: Evaluation, micro_batches: int, global_batch_size: int) -> dic
     }
 
 
-def runner_up(c: Candidate, global_batch_size: int) -> dict[str, Any]:
+def runner_up(c: Candidate, global_batch_size: int, data_parallel: int = 1) -> dict[str, Any]:
+    """A setting of the chosen (K, d) that lost; ``global_batch_size`` over all replicas."""
     row: dict[str, Any] = {
+        "data_parallel": data_parallel,
         "micro_batches": c.setting.micro_batches,
         "micro_batch_size": c.micro_batch_size,
         "schedule": c.setting.schedule,
@@ -182,6 +218,54 @@ def runner_up(c: Candidate, global_batch_size: int) -> dict[str, Any]:
             "proven": c.solution.proven,
         })
     return row
+
+
+def placement_doc(chosen: Factorisation | None, stages: int) -> dict[str, Any]:
+    """The plan's ``placement``: which rank runs stage k of replica r, and why that order.
+
+    One replica: stage k on rank k, on one node (plan_layout.placement_ranks reads it so)."""
+    if chosen is None or chosen.placement is None:
+        trivial = placements(stages, 1, Topology(devices_per_node=stages))[0]
+        return {"nodes": 1, "devices_per_node": stages, "order": trivial.order,
+                "ranks": [list(row) for row in trivial.ranks], "reason": trivial.reason}
+    p = chosen.placement
+    return {"nodes": p.nodes, "devices_per_node": p.devices_per_node, "order": p.order,
+            "ranks": [list(row) for row in p.ranks], "reason": p.reason,
+            "pipeline_bandwidth_bytes_per_s": _finite_or_none(p.pipeline_bandwidth_bytes_per_s),
+            "sync_bandwidth_bytes_per_s": _finite_or_none(p.sync_bandwidth_bytes_per_s),
+            "sync_latency_s": p.sync_latency_s}
+
+
+def _finite_or_none(value: float) -> float | None:
+    """A bandwidth for JSON: null for an infinite (free) one."""
+    return value if math.isfinite(value) else None
+
+
+def factorisation_rows(devices: DevicesResult) -> list[dict[str, Any]]:
+    """The plan's ``factorisations``: every (K, d) searched, best first, with why not if not."""
+    rows = []
+    for f in devices.factorisations:
+        rows.append({
+            "stages": f.stages,
+            "data_parallel": f.data_parallel,
+            "order": f.placement.order if f.placement is not None else None,
+            "fits": f.fits,
+            "step_s": f.step_s if f.fits else None,
+            "samples_per_s": f.samples_per_s(devices.global_batch_size),
+            "proven": f.proven if f.fits else None,
+            "reason": f.reason or None,
+        })
+    return rows
+
+
+def exposed_sync_s(profile: Profile, micro_batch_size: int, setting: Any, ev: Evaluation) -> float:
+    """How much the gradient syncs add to the step: the step of the same cut and recomputation
+    with the syncs left out, subtracted from the plan's. The schedule hides a stage's sync in
+    the next step's fill when it has room, so this is often less than any stage's sync."""
+    if setting.data_parallel <= 1 or not any(st.gradient_sync_s for st in ev.stages):
+        return 0.0
+    alone = CostModel(profile.at(micro_batch_size), replace(setting, data_parallel=1, memory_limit_bytes=None))
+    return max(0.0, ev.step_s - evaluate(alone, ev.bounds, ev.recompute).step_s)
 
 
 def versus_one_stage(ev: Evaluation, one_stage: OneStage | None, stages: int) -> dict[str, Any]:

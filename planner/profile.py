@@ -125,6 +125,13 @@ class Profile:
         link = doc.get("link") or {}
         self.link_bandwidth_bytes_per_s: float | None = _positive_or_none(link.get("bandwidth_bytes_per_s"))
         self.link_latency_s: float = float(link.get("latency_s") or 0.0)
+        # The measured all-reduce between this node's devices (profile format 8; optional): the
+        # bus bandwidth and per-ring-step latency that gpipe_plan.collectives.ring_allreduce_s takes.
+        self.allreduce_bandwidth_bytes_per_s: float | None = _positive_or_none(
+            link.get("allreduce_bandwidth_bytes_per_s"))
+        latency = link.get("allreduce_latency_s")
+        self.allreduce_latency_s: float | None = (float(latency) if isinstance(latency, (int, float))
+                                                  and not isinstance(latency, bool) and latency >= 0 else None)
         overhead = doc.get("overhead") or {}
         self.per_microbatch_overhead_s: float = float(overhead.get("per_microbatch_s") or 0.0)
         self.contention_slowdown, self.contention_processes = _contention(doc, where)

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..artifacts import BadInput, precision_label
-from ..plan_layout import plan_chunks, virtual_stages
+from ..plan_layout import check_replicas, data_parallel, gradient_sync, plan_chunks, virtual_stages
 from ..schedules import label as schedule_label
 from ..schedules import SPLIT_BACKWARD
 from .schedule import ChunkTimes, Timeline, simulate_plan
@@ -89,16 +89,21 @@ def render_plan(plan: dict[str, Any], console: Console, where: str = "plan") -> 
     pred = plan["predicted"]
     K = len(plan["stages"])
     chunks = timed_chunks(plan, where)
+    check_replicas(plan, where)
     device = plan.get("profile", {}).get("device", {})
+    d = data_parallel(plan)
     console.print(
-        f"[bold]{name}[/bold] on {K} stage{'s' if K > 1 else ''}, {batch_line(plan)} "
+        f"[bold]{name}[/bold] on {K} stage{'s' if K > 1 else ''}"
+        + (f" x {d} replicas ({K * d} devices)" if d > 1 else "") + f", {batch_line(plan)} "
         f"(profile: {device.get('type', '?')}, {device.get('name', '?')}; "
         f"{precision_label(plan.get('precision', 'fp32'), plan.get('param_dtype', 'fp32'))})")
     note = batch_source_note(plan)
     if note:
         console.print(note, highlight=False)
     console.print(chunk_table(chunks, split=plan["schedule"] in SPLIT_BACKWARD))
-    console.print(stage_table(plan["stages"], chunks, limit))
+    console.print(stage_table(plan["stages"], chunks, limit, sync=d > 1))
+    for line in replica_lines(plan):
+        console.print(line, highlight=False)
     samples = pred.get("samples_per_s")
     v = virtual_stages(plan)
     console.print(
@@ -124,8 +129,12 @@ def render_plan(plan: dict[str, Any], console: Console, where: str = "plan") -> 
     if opt.get("proven"):
         searched = opt.get("settings_searched")
         # Optimal among plans of K stages: whether K stages pay at all is the line above.
-        what = f"[green]proven optimal[/green] for {K} stage{'s' if K > 1 else ''}"
-        console.print(f"{what} over {searched} settings of M and schedule" if searched else what,
+        rows = plan.get("factorisations") or []
+        what = (f"[green]proven optimal[/green] for {K * d} devices over {len(rows)} (stages, replicas) pairs"
+                if len(rows) > 1 else f"[green]proven optimal[/green] for {K} stage{'s' if K > 1 else ''}"
+                + (f" x {d} replicas" if d > 1 else ""))
+        console.print(f"{what} and {searched} settings of M and schedule" if searched and len(rows) > 1 else
+                      f"{what} over {searched} settings of M and schedule" if searched else what,
                       f"({opt.get('method')})", highlight=False)
     elif opt:
         gap = opt.get("gap")
@@ -149,8 +158,43 @@ def render_plan(plan: dict[str, Any], console: Console, where: str = "plan") -> 
                        format_percent(r['bubble_fraction'], 1), format_bytes(r["peak_memory_bytes"]),
                        " ".join(map(str, r.get("balance", []))))
         console.print(rt)
+    factorisations = plan.get("factorisations") or []
+    if len(factorisations) > 1:
+        console.print(factorisation_table(factorisations, K, d))
     for w in plan.get("warnings") or []:
         console.print(f"[yellow]warning:[/yellow] {w}")
+
+
+def replica_lines(plan: dict[str, Any]) -> list[str]:
+    """With replicas or several nodes: the placement and its reason, and what the syncs cost."""
+    d = data_parallel(plan)
+    placement = plan.get("placement") or {}
+    lines = []
+    if d > 1 or (placement.get("nodes") or 1) > 1:
+        if placement.get("reason"):
+            lines.append(f"placement: {placement['reason']}")
+        exposed = (plan.get("predicted") or {}).get("gradient_sync_s")
+        syncs = [st.get("gradient_sync_s") or 0.0 for st in plan["stages"]]
+        if d > 1:
+            lines.append(f"gradient sync ({gradient_sync(plan)}) over {d} replicas: up to "
+                         f"{format_seconds(max(syncs), 3)} per stage, after its last backward"
+                         + (f"; adds {format_seconds(exposed, 3)} to the step (the rest hides in the next "
+                            "step's fill)" if exposed is not None else ""))
+    return lines
+
+
+def factorisation_table(rows: list[dict[str, Any]], stages: int, replicas: int) -> Table:
+    """Every (K, d) searched, best first: the chosen one marked, why the others lost or cannot run."""
+    table = Table(title="stages x replicas", header_style="bold")
+    for col in ("K", "d", "order", "step", "samples/s", "", "why not"):
+        table.add_column(col, justify="left" if col in ("order", "why not", "") else "right")
+    for r in rows:
+        chosen = r["stages"] == stages and r["data_parallel"] == replicas
+        step = format_seconds(r["step_s"]) if r.get("fits") and r.get("step_s") is not None else "-"
+        rate = f"{r['samples_per_s']:,.1f}" if r.get("samples_per_s") else "-"
+        table.add_row(str(r["stages"]), str(r["data_parallel"]), r.get("order") or "-", step, rate,
+                      "[green]chosen[/green]" if chosen else "", r.get("reason") or "")
+    return table
 
 
 def chunk_table(chunks: list[dict[str, Any]], split: bool) -> Table:
@@ -177,11 +221,13 @@ def chunk_table(chunks: list[dict[str, Any]], split: bool) -> Table:
     return table
 
 
-def stage_table(stages: list[dict[str, Any]], chunks: list[dict[str, Any]], limit: float | None) -> Table:
+def stage_table(stages: list[dict[str, Any]], chunks: list[dict[str, Any]], limit: float | None,
+                sync: bool = False) -> Table:
     """Per stage (device): the chunks it holds, its peak memory (against the limit), the
-    micro-batches whose activations it holds at once, and how busy it is in a step."""
+    micro-batches whose activations it holds at once, and how busy it is in a step;
+    ``sync``: also its gradient sync over the replicas (per rank, each replica alike)."""
     table = Table(title=None, show_lines=False, header_style="bold")
-    for col in ("stage", "chunks", "memory", "in flight", "busy", "idle"):
+    for col in ("stage", "chunks", "memory", "in flight", "busy", "idle") + (("sync",) if sync else ()):
         table.add_column(col, justify="left" if col == "chunks" else "right", no_wrap=True)
     for k, st in enumerate(stages):
         mem = format_bytes(st.get("memory_bytes"))
@@ -192,7 +238,8 @@ def stage_table(stages: list[dict[str, Any]], chunks: list[dict[str, Any]], limi
         held = ", ".join(str(c["index"]) for c in chunks if c["stage"] == k)
         in_flight = st.get("in_flight")
         table.add_row(str(k), held, mem, "-" if in_flight is None else str(in_flight),
-                      format_seconds(st.get("busy_s"), 3), format_percent(st.get("idle_fraction") or 0.0, 1))
+                      format_seconds(st.get("busy_s"), 3), format_percent(st.get("idle_fraction") or 0.0, 1),
+                      *((format_seconds(st.get("gradient_sync_s") or 0.0, 3),) if sync else ()))
     return table
 
 
@@ -207,7 +254,9 @@ def batch_line(plan: dict[str, Any]) -> str:
     Said first, because every figure of the plan holds for that batch only.
     """
     M, size, batch = plan["micro_batches"], plan["micro_batch_size"], plan["global_batch_size"]
-    return f"global batch {batch} = {M} micro-batch{'es' if M != 1 else ''} of {size}"
+    d = data_parallel(plan)
+    replicas = f"{d} replicas x " if d > 1 else ""
+    return f"global batch {batch} = {replicas}{M} micro-batch{'es' if M != 1 else ''} of {size}"
 
 
 def batch_source_note(plan: dict[str, Any]) -> str | None:
@@ -231,12 +280,13 @@ def one_device_line(plan: dict[str, Any]) -> str | None:
     prediction's own noise band (``predicted.noise_fraction``), the two are as fast as each other.
     """
     pred = plan["predicted"]
-    K = len(plan["stages"])
+    K = len(plan["stages"]) * data_parallel(plan)     # devices
     if K == 1 or "one_stage_fits" not in pred:
         return None
     step, mine = pred.get("one_stage_step_s"), pred["step_s"]
     one_memory = format_bytes(pred.get("one_stage_peak_memory_bytes"))
-    memory = f"{format_bytes(pred['peak_memory_bytes'])} per device on {K} stages"
+    memory = (f"{format_bytes(pred['peak_memory_bytes'])} per device on "
+              f"{K} {'devices' if data_parallel(plan) > 1 else 'stages'}")
     if not pred["one_stage_fits"] or step is None:
         return (f"one device does not fit: it needs {one_memory} ({memory}); "
                 f"pipelining is what makes this plan possible")

@@ -22,7 +22,8 @@ from ..artifacts import BadInput
 from ..schedules import SCHEDULES, chunks_per_stage, label, problem
 from .chunked import ChunkedSolver
 from .costmodel import CostModel, Setting, neighbour_scale
-from .dp import GPipeSolver, Solution
+from .dp import GPipeSolver
+from .objective import Solution
 from .onefoneb import OneFOneBSolver
 from .profile import LayerFigures, Profile
 from .units import format_bytes
@@ -30,8 +31,8 @@ from .units import format_bytes
 
 @dataclass(frozen=True)
 class SolveOptions:
-    stages: int
-    global_batch_size: int | None = None
+    stages: int | None = None     # pipeline stages K; None: any K with K * d = devices
+    global_batch_size: int | None = None   # samples per step over all replicas
     micro_batches: int | str = "auto"
     schedule: str = "auto"
     virtual_stages: int | str = "auto"     # interleaved's chunks per stage; auto tries 2..4
@@ -43,8 +44,32 @@ class SolveOptions:
     link_bandwidth_bytes_per_s: float | None = None   # None: the profile's link, else free
     link_latency_s: float | None = None
     optimizer: str = "adam"
-    solver: str = "dp"
+    solver: str = "exact"      # exact (dp.py, onefoneb.py, chunked.py) or ilp
     time_budget_s: float = 30.0
+    # Data parallel (planner/replicas.py): N devices as K stages x d replicas.
+    devices: int | None = None              # N; None: K * d (one pipeline when d = 1)
+    data_parallel: int | str = 1            # d, or "auto": every d dividing N
+    nodes: int = 1                          # machines; devices_per_node = N / nodes
+    network_bandwidth_bytes_per_s: float | None = None   # between nodes (required when nodes > 1)
+    network_latency_s: float = 0.0
+    gradient_sync: str = "ddp"              # "ddp" | "fsdp"
+
+
+@dataclass(frozen=True)
+class ReplicaSync:
+    """What one pipeline pays for being one of d replicas: each stage's gradient sync over the
+    ring its placement gives it (planner/replicas.py). d = 1: nothing."""
+
+    data_parallel: int = 1
+    gradient_sync: str = "ddp"
+    bandwidth_bytes_per_s: float = math.inf
+    latency_s: float = 0.0
+    devices_per_node: int | None = None     # processes sharing a host (None: all K * d)
+
+    def neighbours(self, stages: int) -> int:
+        """The processes computing on one host (costmodel.neighbour_scale's ``stages``)."""
+        devices = stages * self.data_parallel
+        return min(devices, self.devices_per_node) if self.devices_per_node else devices
 
 
 @dataclass
@@ -234,7 +259,8 @@ def schedule_shapes(options: SolveOptions, layers: int) -> list[tuple[str, int]]
     return shapes
 
 
-def settings_for(profile: Profile, options: SolveOptions, batch: int) -> list[tuple[Setting, int]]:
+def settings_for(profile: Profile, options: SolveOptions, batch: int,
+                 sync: ReplicaSync = ReplicaSync()) -> list[tuple[Setting, int]]:
     """Every setting the options leave open, with its micro-batch size (settings that
     schedules.problem rejects, such as interleaved with M not a multiple of its rounds, are
     left out: :func:`no_settings_reason` says why when none is left)."""
@@ -255,9 +281,14 @@ def settings_for(profile: Profile, options: SolveOptions, batch: int) -> list[tu
                 link_latency_s=latency if math.isfinite(bandwidth) else 0.0,
                 optimizer=options.optimizer,
                 overhead_s=profile.per_microbatch_overhead_s if options.stages > 1 else 0.0,
+                # every process on the host is a neighbour: the stages of all replicas there
                 compute_scale=neighbour_scale(profile.contention_slowdown, profile.contention_processes,
-                                              options.stages),
+                                              sync.neighbours(options.stages)),
                 virtual_stages=v,
+                data_parallel=sync.data_parallel,
+                sync_bandwidth_bytes_per_s=sync.bandwidth_bytes_per_s,
+                sync_latency_s=sync.latency_s,
+                gradient_sync=sync.gradient_sync,
             )
             out.append((setting, batch // m))
     return out
@@ -311,7 +342,8 @@ def share_of_budget(budget_s: float, started: float, settings_left: int) -> floa
     return max(_LEAST_SHARE_S, left / max(1, settings_left))
 
 
-def search(profile: Profile, options: SolveOptions, progress=None, explain: bool = True) -> SearchResult:
+def search(profile: Profile, options: SolveOptions, progress=None, explain: bool = True,
+           sync: ReplicaSync = ReplicaSync()) -> SearchResult:
     """Solve every open setting; the result's candidates are sorted best first.
 
     GPipe settings are solved first (their solver is fast and exact); each one's optimal
@@ -320,9 +352,13 @@ def search(profile: Profile, options: SolveOptions, progress=None, explain: bool
     the cutoff below which a later search must go to matter: settings that cannot beat it are
     settled by their lower bound alone. ``progress``, if given, is called with
     (done, total, description) as settings finish.
+
+    One pipeline: ``options.global_batch_size`` is its batch. As one of d replicas
+    (planner/replicas.py calls it so), the options carry the replica's share of the batch and
+    ``sync`` the gradient sync every stage then pays.
     """
     batch = check_options(profile, options)
-    settings = settings_for(profile, options, batch)
+    settings = settings_for(profile, options, batch, sync)
     if not settings:
         raise BadInput(no_settings_reason(profile, options, batch))
     result = SearchResult(options, batch)
@@ -354,7 +390,7 @@ def search(profile: Profile, options: SolveOptions, progress=None, explain: bool
     others = [(s, size) for s, size in settings if s.schedule != "gpipe"]
     best_so_far = math.inf
     gpipe_best: dict[int, Candidate] = {}
-    if options.solver == "dp":
+    if options.solver != "ilp":
         # A first, cheap pass (the staircase: a good plan and a lower bound per setting) orders
         # the exact searches best first, so that each can stop at what is already achieved.
         solvers = {s: GPipeSolver(CostModel(at(size), s)) for s, size in gpipe}
@@ -400,7 +436,7 @@ def search(profile: Profile, options: SolveOptions, progress=None, explain: bool
     if result.best.solution is None:
         # The explanation solves the memory problem again for each option that might help: worth
         # it for the user's request, not for the one-device comparison, which only needs to know.
-        raise BadInput(explain_infeasible(profile, options, batch) if explain else "no plan fits in memory")
+        raise BadInput(explain_infeasible(profile, options, batch, sync) if explain else "no plan fits in memory")
     return result
 
 
@@ -546,7 +582,7 @@ def _least_chunked_memory(cm: CostModel, budget: MemorySearch) -> float:
     return best
 
 
-def explain_infeasible(profile: Profile, options: SolveOptions, batch: int) -> str:
+def explain_infeasible(profile: Profile, options: SolveOptions, batch: int, sync: ReplicaSync = ReplicaSync()) -> str:
     """One line: the limit is too small; the least that works; which option would help.
 
     The chunked schedules (interleaved, zb-v) share LEAST_MEMORY_BUDGET_S for their searches;
@@ -556,7 +592,7 @@ def explain_infeasible(profile: Profile, options: SolveOptions, batch: int) -> s
     budget = MemorySearch(time.perf_counter() + LEAST_MEMORY_BUDGET_S)
 
     def least(opts: SolveOptions) -> float:
-        return min((least_memory(profile, s, size, budget) for s, size in settings_for(profile, opts, batch)),
+        return min((least_memory(profile, s, size, budget) for s, size in settings_for(profile, opts, batch, sync)),
                    default=math.inf)
 
     need = least(options)

@@ -31,6 +31,12 @@ speed"): folding a noisy run's ratios in whole once made the next prediction wor
 that ran 3% slow in a run whose steps spread by 5% is mostly noise and moves the profile a
 little; one that ran 30% slow in the same run moves it almost all the way.
 
+The runtime also spends time between its actions (choosing the next one, bookkeeping of sends
+and receives), in no span the report times per chunk. Calibration measures it per action from
+each stage's step, busy and waiting time (profiles/overhead.py) and writes it to the profile's
+``overhead.per_microbatch_s``, which the planner charges on every action of a pipeline; the
+chunk ratios are then taken against the predictions less the overhead they included.
+
 Pure JSON in, JSON out: no torch here.
 """
 
@@ -45,6 +51,7 @@ from ..artifacts import (PLAN_FORMAT, PROFILE_FORMAT, REPORT_FORMAT, BadInput, f
                          precision_of, read_artifact)
 from ..plan_layout import plan_chunks
 from ..schema import validate
+from .overhead import measure_overhead, overheads_in_prediction
 
 # A stage measured this far from its prediction is more likely a broken run than a slowdown.
 PLAUSIBLE = (0.2, 5.0)
@@ -79,11 +86,17 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
     out = copy.deepcopy(profile)
     layers = out["layers"]
     measured_any = False
+    previous_overhead = (profile.get("overhead") or {}).get("per_microbatch_s")
+    # The plan's chunk times include the profile's per-action overhead (K > 1 only), which the
+    # run measures between its spans, not in them: the layers' ratio is against the rest.
+    overhead_predicted = (previous_overhead or 0.0) if (report.get("num_stages") or len(report["stages"])) > 1 else 0.0
 
     def ratio_of(unit: dict[str, Any], kind: str, predicted: float | None, what: str) -> float | None:
         """The unit's measured / predicted ``kind`` time with the drift divided out (None: not measured)."""
         measured = unit.get(f"measured_{kind}_s")
-        if not measured or not predicted:
+        if predicted and kind != "optimizer":
+            predicted -= overhead_predicted * overheads_in_prediction(report.get("schedule"), kind)
+        if not measured or not predicted or predicted <= 0:
             return None
         ratio = measured / drift / predicted
         if not PLAUSIBLE[0] <= ratio <= PLAUSIBLE[1]:
@@ -125,6 +138,9 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
         chunk_rounds.append(entry)
     if not measured_any:
         raise BadInput(f"'{report_path}' has no per-stage measurements to calibrate with")
+    overhead = measure_overhead(report)
+    if overhead.per_microbatch_s is not None:
+        out["overhead"] = {**(out.get("overhead") or {}), "per_microbatch_s": overhead.per_microbatch_s}
     history = list(profile.get("calibration") or [])
     history.append({
         "report": report_path,
@@ -134,6 +150,7 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
         "run_spread": spread,
         "stages": stage_rounds,
         "chunks": chunk_rounds,
+        "overhead": overhead.record(previous_overhead),
     })
     out["calibration"] = history
     return out

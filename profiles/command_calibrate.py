@@ -28,6 +28,7 @@ def calibrate_command(report: str, profile: str | None, out: str | None, speed_c
     if spread:
         console.print(f"the run's steps spread by {spread:.1%}: each ratio is moved toward 1 by that much noise "
                       "(applied, with the measured ratio in brackets where they differ)", highlight=False)
+    console.print(overhead_line(last["overhead"]), highlight=False)
     drift = last["speed_ratio_divided_out"]
     if drift != 1.0:
         console.print(f"the machine ran at {drift:.2f}x the profile's time during that run (speed probe): divided out",
@@ -46,6 +47,19 @@ def round_table(calibration_round: dict) -> Table:
         table.add_row(str(ch["chunk"]), str(ch["stage"]), names, _scale(ch, "forward"), _scale(ch, "backward"),
                       _scale(stages.get(ch["stage"], {}), "optimizer"))
     return table
+
+
+def overhead_line(overhead: dict) -> str:
+    """What the round measured of the runtime's cost per action, or why it could not."""
+    before = overhead.get("previous_per_microbatch_s") if overhead.get("measured") else overhead.get("per_microbatch_s")
+    was = "none" if not before else f"{before * 1e3:.3f} ms"
+    if not overhead.get("measured"):
+        return f"per-action overhead not measured: {overhead.get('reason')}; left as it was ({was})"
+    per_stage = ", ".join(f"stage {g['stage']} {g['per_action_s'] * 1e3:.3f} ms over {g['actions']} actions"
+                          for g in overhead["stages"])
+    return (f"per-action overhead: {overhead['per_microbatch_s'] * 1e3:.3f} ms (was {was}), the median over stages "
+            f"of the step less the stage's actions, waits and gradient sync, per action ({per_stage}); plans with "
+            "more than one stage charge it on every forward and backward (I and W each)")
 
 
 def _scale(stage: dict, kind: str) -> str:

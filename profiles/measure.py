@@ -66,8 +66,9 @@ class Timing:
 
 
 @dataclass
-class LayerFigures:
-    """What one layer costs at one micro-batch size."""
+class LayerMeasurement:
+    """What one layer was measured to cost at one micro-batch size (a profile layer's figures at
+    that size; the planner reads them back as planner.profile.LayerFigures, a frozen table)."""
 
     forward_s: float
     backward_s: float
@@ -223,7 +224,7 @@ def checkpointed(layer: nn.Module) -> Callable[..., Tensors]:
 
 def prepare_layer(name: str, layer: nn.Module, xs: Tensors, *, first: bool,
                   loss: Callable[[Tensors], torch.Tensor] | None,
-                  autocast: Autocast = no_autocast) -> tuple[LayerFigures, Runner]:
+                  autocast: Autocast = no_autocast) -> tuple[LayerMeasurement, Runner]:
     """Weigh ``layer`` on inputs ``xs`` (one micro-batch) and make the runner that times it.
 
     The figures are complete but for the times, which :func:`time_rounds` measures.
@@ -240,7 +241,7 @@ def prepare_layer(name: str, layer: nn.Module, xs: Tensors, *, first: bool,
         outputs = layer(*leaves)
         tail = loss(outputs) if loss is not None else None
     outputs_kept = {storage_key(o): tensor_bytes([o]) for o in outputs}
-    figures = LayerFigures(
+    figures = LayerMeasurement(
         forward_s=0.0, backward_s=0.0,
         activation_bytes=saved.nbytes,
         output_bytes=tensor_bytes(outputs),
@@ -262,7 +263,7 @@ def recomputing_runner(name: str, plain: Runner, layer: nn.Module, xs: Tensors, 
     return Runner(name, _forward(checkpointed(layer), xs, first, loss, autocast), plain.backward)
 
 
-def split_runner(name: str, layer: nn.Module, xs: Tensors, figures: LayerFigures, *, first: bool,
+def split_runner(name: str, layer: nn.Module, xs: Tensors, figures: LayerMeasurement, *, first: bool,
                  loss: Callable[[Tensors], torch.Tensor] | None, autocast: Autocast = no_autocast) -> Runner | None:
     """The runner that times ``layer``'s backward split in two, as a zero-bubble stage runs it.
 
@@ -336,7 +337,7 @@ def _gradient_bytes(param_groups: object, device: torch.device | None) -> int:
     return sum(storages.values())
 
 
-def record_split(figures: LayerFigures, split: Timing | None, split_harness: Timing | None,
+def record_split(figures: LayerMeasurement, split: Timing | None, split_harness: Timing | None,
                  has_weights: bool) -> None:
     """Set ``figures``' I and W times from a split runner's timing, the split harness's taken off.
 
@@ -369,7 +370,7 @@ def _forward(call: Callable[..., Tensors], xs: Tensors, first: bool,
     return forward
 
 
-def peak_transient_bytes(runner: Runner, device: torch.device, figures: LayerFigures) -> int:
+def peak_transient_bytes(runner: Runner, device: torch.device, figures: LayerMeasurement) -> int:
     """CUDA: the peak of one forward+backward above what the layer holds by design.
 
     The baseline is what is allocated before (inputs, parameters, gradients) plus what the

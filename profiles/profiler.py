@@ -51,7 +51,7 @@ from ..speedprobe import speed_probe_s, workload
 from .clock import Clock, clock_for
 from ..cudamemory import outside_allocator_bytes
 from .device import describe
-from .measure import (Autocast, LayerFigures, Runner, Timing, harness_runner, model_step_runner, optimizer_step_s,
+from .measure import (Autocast, LayerMeasurement, Runner, Timing, harness_runner, model_step_runner, optimizer_step_s,
                       peak_transient_bytes, prepare_layer, record_split, recompute_harness_runner,
                       recomputing_runner, has_weights, split_harness_runner, split_runner, time_rounds)
 from .memory import tensor_bytes, unique_bytes
@@ -195,7 +195,7 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
     if request.measure_link:
         from .link import measure_link
 
-        progress.step("link between two processes")
+        progress.step("link: ping-pong and all-reduce")
         link = measure_link(device)
     doc = _document(model, request, sizes, per_size, steps, harnesses, recompute_harnesses, split_harnesses,
                     [tensor_bytes(inputs) for inputs, _ in batches], optimizer_s, link)
@@ -273,7 +273,7 @@ def _profile_in_memory(model: LayeredModel, request: ProfileRequest, progress: P
     if request.measure_link:
         from .link import measure_link
 
-        progress.step("link between two processes")
+        progress.step("link: ping-pong and all-reduce")
         link = measure_link(device)
     doc = _document(model, request, sizes, [p.figures for p in prepared], [p.step for p in prepared],
                     [p.harness for p in prepared],
@@ -292,7 +292,7 @@ class _Size:
 
     size: int
     input_bytes: int
-    figures: list[LayerFigures]
+    figures: list[LayerMeasurement]
     runners: list[Runner]                     # the plain harness, then every layer
     whole: Runner                             # the unsplit model
     recomputing: list[Runner]                 # the checkpointed harness, then every layer; or none
@@ -324,7 +324,7 @@ def _prepare_size(model: LayeredModel, inputs: Tensors, targets: torch.Tensor, r
             layer_inputs.append(xs)
             xs = layer(*xs)
     last = len(model.layers) - 1
-    figures: list[LayerFigures] = []
+    figures: list[LayerMeasurement] = []
     # The first runner times the harness itself around a trivial layer; see harness_runner.
     # Runner names carry the size: they are what the progress bar shows.
     runners: list[Runner] = [harness_runner(request.device, autocast)]
@@ -402,7 +402,7 @@ def _checks_whole_model(request: ProfileRequest, model: LayeredModel) -> bool:
 class _Measured:
     """One measured layer: its figures at every size, the harnesses timed beside it, its optimizer step."""
 
-    figures: list[LayerFigures]
+    figures: list[LayerMeasurement]
     harness: list[Timing]
     recompute_harness: list[Timing]
     split_harness: list[Timing]         # empty for the first layer, which has no split runner
@@ -422,7 +422,7 @@ def _measure_layer(model: LayeredModel, i: int, inputs: list[Tensors], targets: 
     last = i == len(model.layers) - 1
     autocast: Autocast = request.autocast
     with layer_materialized(model, i, request.device) as layer:
-        figures: list[LayerFigures] = []
+        figures: list[LayerMeasurement] = []
         plain: list[Runner] = []
         groups: list[list[Runner]] = []
         for b, xs, y in zip(sizes, inputs, targets):
@@ -512,15 +512,17 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _document(model: LayeredModel, request: ProfileRequest, sizes: list[int],
-              per_size: list[list[LayerFigures]], steps: list[Timing] | None, harnesses: list[Timing],
+              per_size: list[list[LayerMeasurement]], steps: list[Timing] | None, harnesses: list[Timing],
               recompute_harnesses: list[Timing], split_harnesses: list[Timing], input_bytes: list[int],
               optimizer_s: list[float], link: dict[str, Any] | None) -> dict[str, Any]:
     layers = []
+    modules = model.module_names()
     for i, (name, layer) in enumerate(model.layers):
         at = [figures[i] for figures in per_size]
         largest = at[-1]
         entry: dict[str, Any] = {
             "name": name,
+            "module": modules[i],
             "forward_s": [f.forward_s for f in at],
             "backward_s": [f.backward_s for f in at],
             "activation_bytes": [f.activation_bytes for f in at],

@@ -81,6 +81,10 @@ def render_profile(doc: dict[str, Any], console: Console) -> None:
     if link:
         console.print(f"link ({link.get('backend', '?')}): latency {format_seconds(link.get('latency_s'))}, "
                       f"bandwidth {format_rate(link.get('bandwidth_bytes_per_s'))}")
+        if link.get("allreduce_processes"):
+            console.print(f"all-reduce over {link['allreduce_processes']} processes (ring): latency "
+                          f"{format_seconds(link.get('allreduce_latency_s'))} per step, bus bandwidth "
+                          f"{format_rate(link.get('allreduce_bandwidth_bytes_per_s'))}", highlight=False)
 
 
 def _sharing_line(layers: list[dict[str, Any]]) -> str | None:

@@ -26,6 +26,13 @@ them: a run saved by 2 stages holding 2 + 2 layers resumes on 1 stage, or on 2 h
 Adam, SGD and momentum are per-parameter rules, so per-parameter state moves with its
 parameter and the resumed run steps as the uninterrupted one would.
 
+With d replicas (data parallel) every rank saves its stage's keys: under ``ddp`` the d
+replicas of a stage hold the same tensors, and DCP's planner writes each replicated key once;
+under ``fsdp`` the parameters and their optimizer state are DTensors, each rank holding a
+shard, which DCP saves and loads shard by shard (a state shaped like its parameter is loaded
+into a DTensor laid out like it). Either way the keys are the unsplit model's, so a checkpoint
+resumes under any d, either sync, or any split. RNG states stay per rank.
+
 What is not a tensor sits in ``checkpoint.json``: the number of steps done, the fp16 loss scale
 (the same on every stage), the identity the resuming run must match, and the plan that saved it.
 
@@ -247,6 +254,7 @@ def load(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Opt
     # Indices are the parameters' places in the optimizer (stage.parameters()' order), as torch's
     # Optimizer.load_state_dict expects them.
     index_of = {key: index for index, (key, _) in enumerate(stage.named_parameters())}
+    param_of = dict(stage.named_parameters())
     optim_state: dict[int, dict[str, torch.Tensor]] = {}
     for name, entry in entries.items():
         if not name.startswith("optim/") or "/" not in name[len("optim/"):] or \
@@ -254,7 +262,7 @@ def load(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Opt
             continue
         key, state_name = name[len("optim/"):].rsplit("/", 1)
         if key in index_of:
-            tensor = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+            tensor = _state_like(param_of[key], tuple(entry.size), entry.properties.dtype)
             optim_state.setdefault(index_of[key], {})[state_name] = wanted[name] = tensor
     restore_rng = meta.get("saved_by", {}).get("ranks") == ranks
     rng_keys = [f"rng/rank-{rank}/cpu"] + ([f"rng/rank-{rank}/cuda"] if device is not None and device.type == "cuda"
@@ -283,6 +291,18 @@ def load(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Opt
         reseed(seed, step, rank)
         meta["rng"] = "reseeded"
     return meta
+
+
+def _state_like(param: torch.Tensor, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor for a saved optimizer state of ``param``, for DCP to load into.
+
+    A state shaped like its parameter takes the parameter's layout: under fsdp the parameter
+    is a DTensor holding 1/d of it, and so is its state (``exp_avg``), so DCP loads only this
+    replica's shard. Any other state (Adam's 0-d ``step``) is a plain tensor of the saved size.
+    """
+    if tuple(param.shape) == size and type(param.data) is not torch.Tensor:   # a DTensor (fsdp)
+        return torch.empty_like(param.detach(), dtype=dtype)
+    return torch.empty(size, dtype=dtype)
 
 
 def reseed(seed: int, step: int, rank: int) -> None:

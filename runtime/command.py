@@ -29,5 +29,6 @@ def run_command(plan: str, **options: Any) -> None:
         os._exit(status)
     from .launch import launch_local
 
-    threads = threads_per_rank(opts.threads, run_plan, run_plan.num_stages)
-    launch_local(opts, run_plan.num_stages, threads)
+    # One process per stage of each replica: K·d ranks on this machine, the cores shared among them.
+    threads = threads_per_rank(opts.threads, run_plan, run_plan.world_size)
+    launch_local(opts, run_plan.world_size, threads)

@@ -1,6 +1,8 @@
 """Who am I in the pipeline, on which device, and how the ranks talk.
 
-One process per stage; rank k runs stage k. The process learns its rank the way ``torchrun``
+One process per stage of each replica: a plan with K stages and ``data_parallel`` = d runs on
+K·d ranks, rank ``placement.ranks[k][r]`` running stage k of replica r (with one replica, rank
+k runs stage k). The process learns its rank the way ``torchrun``
 tells it, from environment variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), and ``gpipe-plan run`` sets the same
 ones when it starts the ranks itself: one code path for both.
@@ -47,11 +49,75 @@ def world_from_env() -> World | None:
     return World(rank, world_size, local_rank, local_world_size, launcher)
 
 
-def check_world(world: World, plan: RunPlan) -> None:
-    """Refuse to start when the number of processes is not the plan's number of stages."""
-    if world.world_size != plan.num_stages:
-        raise BadInput(f"plan '{plan.path}' has {plan.num_stages} stages but {world.world_size} processes were "
-                       f"started: give torchrun --nnodes x --nproc-per-node = {plan.num_stages}")
+def check_world(world: World, plan: RunPlan) -> list[str]:
+    """Refuse to start when the number of processes is not the plan's K·d; return warnings.
+
+    Under torchrun, a machine holding another number of ranks than the plan's placement
+    assumed (``placement.devices_per_node``) is warned about: the ranks then fall on other
+    machines than planned, so pipeline sends or gradient syncs cross the network where the
+    plan expected a link, and its prediction will not hold.
+    """
+    need = plan.world_size
+    if world.world_size != need:
+        shape = f"{plan.num_stages} stages" if plan.data_parallel == 1 else \
+            f"{plan.num_stages} stages x {plan.data_parallel} replicas = {need} ranks"
+        raise BadInput(f"plan '{plan.path}' has {shape} but {world.world_size} processes were "
+                       f"started: give torchrun --nnodes x --nproc-per-node y with x*y = {need}")
+    per_node = plan.devices_per_node
+    if world.launcher == "torchrun" and per_node is not None and world.local_world_size != per_node:
+        return [f"the plan placed its {need} ranks {per_node} per machine, torchrun started "
+                f"{world.local_world_size} per machine: the placement is not the one planned, so the "
+                f"prediction may not hold (use --nproc-per-node {per_node})"]
+    return []
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """Where this rank stands among the K·d: its stage and replica, and the groups it talks in.
+
+    ``pp``: the ranks of this replica's K stages, in stage order (the pipeline's sends stay in
+    it); ``dp``: the ranks of this stage's d replicas (the gradient sync). ``pp_group`` and
+    ``dp_group`` are their process groups (None with one replica: the world is the pipeline
+    then, and nothing syncs); ``mesh`` the 2-D device mesh ``("dp", "pp")`` they come from.
+    """
+
+    stage: int
+    replica: int
+    pp_ranks: tuple[int, ...]
+    dp_ranks: tuple[int, ...]
+    pp_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None
+    mesh: object | None = None
+
+    @property
+    def data_parallel(self) -> int:
+        return len(self.dp_ranks)
+
+    def dp_mesh(self) -> object | None:
+        """The 1-D mesh of this stage's replicas (what FSDP2's ``fully_shard`` takes)."""
+        return self.mesh["dp"] if self.mesh is not None else None  # type: ignore[index]
+
+
+def replicas_of(plan: RunPlan, rank: int, device: torch.device) -> Replicas:
+    """This rank's stage and replica, and (d > 1) the device mesh and its two groups.
+
+    The mesh is a ``[d][K]`` tensor of global ranks, row r the pipeline of replica r: the
+    placement may put the ranks anywhere (``pipeline-inner``, ``data-inner`` or any other),
+    and ``DeviceMesh`` takes them as given. Building it is collective: every rank of the
+    world calls this, and it creates every replica's and every stage's group (each rank
+    belongs to one of each). With d = 1 no mesh and no group is made: the world is the one
+    pipeline, exactly as before data parallelism.
+    """
+    stage, replica = plan.position_of(rank)
+    pp_ranks, dp_ranks = tuple(plan.replica_ranks(replica)), tuple(plan.stage_ranks(stage))
+    if plan.data_parallel == 1:
+        return Replicas(stage, replica, pp_ranks, dp_ranks)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    layout = torch.tensor([plan.replica_ranks(r) for r in range(plan.data_parallel)], dtype=torch.int64)
+    mesh = DeviceMesh(device.type, mesh=layout, mesh_dim_names=("dp", "pp"))
+    return Replicas(stage, replica, pp_ranks, dp_ranks, pp_group=mesh.get_group("pp"),
+                    dp_group=mesh.get_group("dp"), mesh=mesh)
 
 
 def choose_device(requested: str, plan: RunPlan, local_rank: int) -> torch.device:

@@ -85,9 +85,11 @@ class NativeExecutor:
     loss_scale = 1.0
 
     def __init__(self, chunks: list[Chunk], actions: Sequence[Sequence[Action]], stage: int, micro_batches: int,
-                 loss_fn: LossFn, neighbours: Neighbours, recorder: SpanRecorder, fault: Fault | None = None) -> None:
+                 loss_fn: LossFn, neighbours: Neighbours, recorder: SpanRecorder, fault: Fault | None = None,
+                 rank: int | None = None) -> None:
         self.chunks = {chunk.index: chunk for chunk in chunks}
         self.stage = stage
+        self.rank = stage if rank is None else rank   # the global rank a fault names (data parallel: not the stage)
         self.actions = list(actions[stage])
         # Where every chunk runs, read off the lists: whom to send to, whom to receive from.
         self.stage_of = {a.chunk: k for k, stage_list in enumerate(actions) for a in stage_list}
@@ -199,8 +201,8 @@ class NativeExecutor:
     def _forward(self, step: int, chunk: Chunk, m: int, xs: Tensors, target: torch.Tensor | None,
                  meter: ActivationMeter | None, handed: dict[tuple[int, int, int], Tensors]) -> _Saved:
         start = self.recorder.mark()
-        if self.fault is not None and m == 0 and chunk.index == self.first_chunk and self.fault.due(self.stage, step):
-            self.fault.fire(self.stage, step)
+        if self.fault is not None and m == 0 and chunk.index == self.first_chunk and self.fault.due(self.rank, step):
+            self.fault.fire(self.rank, step)
         if not chunk.is_first:
             # The received activations are leaves of this chunk's graph: ask for their
             # gradient, which the backward hands back to the chunk before.
@@ -210,7 +212,7 @@ class NativeExecutor:
         if chunk.is_last:
             assert target is not None
             loss = self.loss_fn(outputs, target)
-            if self.fault is not None and self.fault.due(self.stage, step):
+            if self.fault is not None and self.fault.due(self.rank, step):
                 loss = self.fault.poison(loss)
             result = _Saved(xs, loss)
         else:

@@ -41,6 +41,7 @@ def hand_plan(spec: dict[str, Any], balance: Sequence[int], micro_batches: int, 
     chosen = Precision(precision, param_dtype)
     chosen.cast(model)
     names = [name for name, _ in model.layers]
+    modules = model.module_names()
     if sum(balance) != len(names):
         raise ValueError(f"balance {list(balance)} covers {sum(balance)} layers; the model has {len(names)}")
     flags = [recompute] * len(balance) if isinstance(recompute, bool) else list(recompute)
@@ -53,7 +54,8 @@ def hand_plan(spec: dict[str, Any], balance: Sequence[int], micro_batches: int, 
     first = 0
     for c, count in enumerate(balance):
         chunk: dict[str, Any] = {"index": c, "stage": stage_of_chunk(schedule, c, K),
-                                 "layers": names[first:first + count], "first_layer": first,
+                                 "layers": names[first:first + count], "modules": modules[first:first + count],
+                                 "first_layer": first,
                                  "recompute": bool(flags[c])}
         if outputs is not None and more is not None:
             last = first + count - 1

@@ -49,6 +49,10 @@ class ActivationMeter:
     live: dict[Key, int] = field(default_factory=dict)
     peak_bytes: int = 0           # most bytes held at once by the micro-batches in flight
     transient_bytes: int = 0      # recomputing stages: one micro-batch's activations
+    # Whose parameters are never activations, looked at when a forward saves its first tensor:
+    # under fsdp the parameters a forward uses are gathered for the step (other storages than
+    # the shards the meter was made with), and they are parameters, not activations.
+    module: nn.Module | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -56,20 +60,23 @@ class ActivationMeter:
 
     @classmethod
     def for_module(cls, module: nn.Module) -> "ActivationMeter":
-        return cls(exclude={p.untyped_storage().data_ptr() for p in module.parameters()})
+        return cls(exclude=parameter_storages(module), module=module)
 
     @contextlib.contextmanager
     def forward(self, key: Key) -> Iterator[None]:
         """Count what autograd saves during this (chunk, micro-batch)'s forward."""
         seen: set[tuple[int, int]] = set()
         total = 0
+        exclude: set[int] | None = None
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            nonlocal total
+            nonlocal total, exclude
+            if exclude is None:   # the parameters as this forward uses them (gathered, under fsdp)
+                exclude = self.exclude | (parameter_storages(self.module) if self.module is not None else set())
             storage = t.untyped_storage()
             key = (storage.data_ptr(), storage.nbytes())
             # Count each storage once (a tensor saved by two operations is held once).
-            if key not in seen and key[0] not in self.exclude:
+            if key not in seen and key[0] not in exclude:
                 seen.add(key)
                 total += storage.nbytes()
             # Detached: a saved output returned as itself would hold its own graph through
@@ -89,10 +96,19 @@ class ActivationMeter:
 
     def measure_once(self, fn: Callable[..., object], *xs: torch.Tensor) -> int:
         """Bytes ``fn(*xs)`` saves for backward (run with gradients, then thrown away)."""
-        meter = ActivationMeter(exclude=self.exclude)
+        meter = ActivationMeter(exclude=self.exclude, module=self.module)
         with meter.forward((0, 0)):
             fn(*xs)
         return meter.peak_bytes
+
+
+def parameter_storages(module: nn.Module) -> set[int]:
+    """Data pointers of the storages holding the module's parameters (a DTensor's: its local shard's)."""
+    out = set()
+    for p in module.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p   # a DTensor (fsdp) has no storage of its own
+        out.add(local.untyped_storage().data_ptr())
+    return out
 
 
 def static_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -70,19 +71,27 @@ class Neighbours:
     """The messages of one stage with the stages holding the chunks next to its own."""
 
     def __init__(self, rank: int, world_size: int, device: torch.device, timeout_s: float,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, stage_ranks: Sequence[int] | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.group = group
+        # The global rank of each stage of this rank's replica (data parallel: the pipeline of
+        # replica r is ranks[k][r], not rank k); a message to stage k goes to stage_ranks[k].
+        self.stage_ranks = list(stage_ranks) if stage_ranks is not None else None
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def rank_of(self, stage: int) -> int:
+        """The global rank of stage ``stage`` in this replica."""
+        return self.stage_ranks[stage] if self.stage_ranks is not None else stage
 
     def post_receive(self, kind: int, boundary: int, micro_batch: int, metas: tuple[TensorMeta, ...],
                      peer: int) -> PendingReceive:
         """Start receiving, from stage ``peer``, the activations crossing cut ``boundary``
         forward (chunk boundary to boundary+1) or the gradients crossing it backward."""
         buffers = tuple(m.empty(self.device) for m in metas)
+        peer = self.rank_of(peer)
         works = [dist.irecv(buf, src=peer, group=self.group, tag=tag(kind, boundary, micro_batch, i))
                  for i, buf in enumerate(buffers)]
         receiver = boundary + 1 if kind == ACTIVATION else boundary
@@ -98,6 +107,7 @@ class Neighbours:
     def send(self, kind: int, boundary: int, micro_batch: int, tensors: tuple[torch.Tensor, ...], peer: int) -> None:
         """Post the sends, to stage ``peer``, of a micro-batch's tensors crossing cut ``boundary``
         (outputs forward, input gradients backward)."""
+        peer = self.rank_of(peer)
         for i, t in enumerate(tensors):
             t = t.detach().contiguous()
             work = dist.isend(t, dst=peer, group=self.group, tag=tag(kind, boundary, micro_batch, i))

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..artifacts import PLAN_FORMAT, BadInput, file_sha256, precision_of, read_artifact
 from ..schema import validate
-from ..plan_layout import plan_chunks, virtual_stages
+from ..plan_layout import data_parallel, gradient_sync, placement_ranks, plan_chunks, virtual_stages
 from ..schedules import SPLIT_BACKWARD, Action, all_actions, chunks_of_stage
 
 
@@ -56,6 +56,7 @@ class StagePlan:
     memory_parts: dict[str, float]   # the parts of memory_bytes (params_bytes, activations_bytes, ...)
     idle_fraction: float | None
     in_flight: int | None = None     # most micro-batches whose activations it holds at once
+    gradient_sync_s: float | None = None   # predicted time per step of its replicas' gradient sync (format 6)
 
 
 @dataclass(frozen=True)
@@ -80,10 +81,45 @@ class RunPlan:
     optimizer: str | None            # the optimizer the plan's memory model counted
     precision: str = "fp32"          # the compute dtype the profile measured (artifacts.PRECISIONS)
     param_dtype: str = "fp32"        # the dtype the parameters were kept in
+    # Data parallel (plan format 6): d replicas of the pipeline, ranks[k][r] runs stage k of
+    # replica r; one replica on ranks 0..K-1 (stage k on rank k) before version 6.
+    data_parallel: int = 1
+    gradient_sync: str = "ddp"       # how a stage's replicas share gradients: "ddp" | "fsdp"
+    ranks: tuple[tuple[int, ...], ...] = ()
+    devices_per_node: int | None = None   # the placement's, when the plan says (format 6)
 
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    @property
+    def world_size(self) -> int:
+        """How many processes run the plan: K stages times d replicas."""
+        return self.num_stages * self.data_parallel
+
+    @property
+    def replica_batch_size(self) -> int:
+        """The samples of one step that one replica trains on: the global batch over d."""
+        return self.global_batch_size // self.data_parallel
+
+    def rank_of(self, stage: int, replica: int) -> int:
+        """The global rank that runs ``stage`` of ``replica``."""
+        return self.ranks[stage][replica] if self.ranks else stage
+
+    def position_of(self, rank: int) -> tuple[int, int]:
+        """``(stage, replica)`` that global rank ``rank`` runs."""
+        for k, row in enumerate(self.ranks or tuple((k,) for k in range(self.num_stages))):
+            if rank in row:
+                return k, row.index(rank)
+        raise BadInput(f"plan '{self.path}' places no stage on rank {rank}: it runs on {self.world_size} ranks")
+
+    def replica_ranks(self, replica: int) -> list[int]:
+        """The ranks of ``replica``'s stages, in stage order (its pipeline)."""
+        return [self.rank_of(k, replica) for k in range(self.num_stages)]
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        """The ranks of ``stage``'s replicas, in replica order (its gradient sync group)."""
+        return [self.rank_of(stage, r) for r in range(self.data_parallel)]
 
     @property
     def num_chunks(self) -> int:
@@ -138,8 +174,14 @@ def load_plan(path: str | os.PathLike[str]) -> RunPlan:
     B = need(doc, "global_batch_size", int)
     schedule = need(doc, "schedule", str)
     raw_stages = need(doc, "stages", list)
-    if M < 1 or b < 1 or M * b != B:
-        raise BadInput(f"{where}: micro_batches {M} x micro_batch_size {b} must equal global_batch_size {B}")
+    # Each of the d replicas runs M micro-batches of b samples: together the global batch.
+    d = data_parallel(doc)
+    if M < 1 or b < 1 or d * M * b != B:
+        times = f"data_parallel {d} x " if d > 1 else ""
+        raise BadInput(f"{where}: {times}micro_batches {M} x micro_batch_size {b} must equal global_batch_size {B}")
+    ranks = tuple(tuple(row) for row in placement_ranks(doc, where))
+    placement = doc.get("placement") if isinstance(doc.get("placement"), dict) else {}
+    per_node = placement.get("devices_per_node")
     # The chunks, each on its stage, whatever the plan's version; refuses a schedule that
     # cannot run this many stages and micro-batches, and chunks that do not fit together.
     chunks = tuple(ChunkPlan(
@@ -168,6 +210,7 @@ def load_plan(path: str | os.PathLike[str]) -> RunPlan:
             memory_parts={k: float(v) for k, v in (raw.get("memory") or {}).items() if _number(v) is not None},
             idle_fraction=_number(raw.get("idle_fraction")),
             in_flight=in_flight if isinstance(in_flight, int) and not isinstance(in_flight, bool) else None,
+            gradient_sync_s=_number(raw.get("gradient_sync_s")),
         ))
 
     predicted = doc.get("predicted") if isinstance(doc.get("predicted"), dict) else {}
@@ -194,6 +237,10 @@ def load_plan(path: str | os.PathLike[str]) -> RunPlan:
         optimizer=optimizer,
         precision=precision,
         param_dtype=param_dtype,
+        data_parallel=d,
+        gradient_sync=gradient_sync(doc),
+        ranks=ranks,
+        devices_per_node=per_node if isinstance(per_node, int) and not isinstance(per_node, bool) else None,
     )
 
 

@@ -50,6 +50,8 @@ class RankResult:
     cpu_s: dict[int, float] = field(default_factory=dict)   # step -> CPU seconds of the process
     speed_probe_s: list[float] = field(default_factory=list)  # before and after training (speedprobe)
     hostname: str = field(default_factory=lambda: os.uname().nodename)
+    stage: int | None = None          # the stage it ran (None: a report of before data parallel, = rank)
+    replica: int = 0                  # the replica of the pipeline it belonged to (data parallel)
 
 
 def _median(values: list[float]) -> float | None:
@@ -67,7 +69,12 @@ BUSY_KINDS = ("forward", "backward", "backward_input", "backward_weight", "optim
 
 def build_report(plan: RunPlan, results: list[RankResult], *, losses: dict[int, float], run: dict[str, Any],
                  tokens_per_sample: int | None) -> dict[str, Any]:
-    """The report document (format ``gpipe-plan.report``, version 3)."""
+    """The report document (format ``gpipe-plan.report``, version 4).
+
+    With d replicas (data parallel) the per-stage and per-chunk figures are replica 0's, each
+    stage's ``replicas`` lists every replica's, and ``measured_gradient_sync_s`` is the stage's
+    gradient sync (median over steps; the slowest replica), beside the plan's prediction.
+    """
     results = sorted(results, key=lambda r: r.rank)
     K = plan.num_stages
     steps = measured_steps(sorted(results[0].step_s))
@@ -75,10 +82,12 @@ def build_report(plan: RunPlan, results: list[RankResult], *, losses: dict[int, 
     step_times = [results[0].step_s[s] for s in steps]
     measured_step = _median(step_times)
     spans = {res.rank: [s for s in res.spans if s.step in counted] for res in results}
-    chunks = [_chunk_report(cp, spans.get(cp.stage, []), plan.split_backward) for cp in plan.chunks]
+    by_rank = {res.rank: res for res in results}
+    chunks = [_chunk_report(cp, spans.get(plan.rank_of(cp.stage, 0), []), plan.split_backward) for cp in plan.chunks]
     stages = []
     busy_total = 0.0
-    for sp, res in zip(plan.stages, results):
+    for sp in plan.stages:
+        res = by_rank[plan.rank_of(sp.index, 0)]
         mine = spans[res.rank]
         opt = [s.duration_s for s in mine if s.kind == "optimizer"]
         busy = [sum(s.duration_s for s in mine if s.step == st and s.kind in BUSY_KINDS) for st in steps]
@@ -100,6 +109,10 @@ def build_report(plan: RunPlan, results: list[RankResult], *, losses: dict[int, 
             "predicted_idle_fraction": sp.idle_fraction,
             "measured_idle_fraction": (1 - busy_s / measured_step) if measured_step else None,
             "host": res.hostname,
+            "predicted_gradient_sync_s": sp.gradient_sync_s,
+            "measured_gradient_sync_s": _slowest([_sync_s(spans[r], steps) for r in plan.stage_ranks(sp.index)]),
+            "replicas": [_replica_report(by_rank[r], spans[r], steps, replica) for replica, r in
+                         enumerate(plan.stage_ranks(sp.index))] if plan.data_parallel > 1 else None,
         })
     B = plan.global_batch_size
     samples_per_s = B / measured_step if measured_step else None
@@ -113,6 +126,10 @@ def build_report(plan: RunPlan, results: list[RankResult], *, losses: dict[int, 
         "schedule": plan.schedule,
         "virtual_stages": plan.virtual_stages,
         "num_stages": K,
+        "data_parallel": plan.data_parallel,
+        "gradient_sync": plan.gradient_sync if plan.data_parallel > 1 else None,
+        "predicted_gradient_sync_s": _number((plan.doc.get("predicted") or {}).get("gradient_sync_s")),
+        "measured_gradient_sync_s": _slowest([st["measured_gradient_sync_s"] for st in stages]),
         "micro_batches": plan.micro_batches,
         "micro_batch_size": plan.micro_batch_size,
         "global_batch_size": B,
@@ -140,6 +157,32 @@ def build_report(plan: RunPlan, results: list[RankResult], *, losses: dict[int, 
         "chunks": chunks,
         "stages": stages,
     }
+
+
+def _sync_s(spans: list[Span], steps: list[int]) -> float | None:
+    """A rank's gradient sync per step (its ``gradient_sync`` spans), median over ``steps``; None without any."""
+    if not any(s.kind == "gradient_sync" for s in spans):
+        return None
+    return _median([sum(s.duration_s for s in spans if s.step == st and s.kind == "gradient_sync") for st in steps])
+
+
+def _slowest(values: list[float | None]) -> float | None:
+    """The largest known value: a stage's replicas sync together, so the step waits for the slowest."""
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _replica_report(res: RankResult, spans: list[Span], steps: list[int], replica: int) -> dict[str, Any]:
+    """One replica of a stage: its rank and host, busy and waiting time, gradient sync, peak memory."""
+    busy = [sum(s.duration_s for s in spans if s.step == st and s.kind in BUSY_KINDS) for st in steps]
+    waits = [sum(s.duration_s for s in spans if s.step == st and s.kind == "wait") for st in steps]
+    return {"replica": replica, "rank": res.rank, "host": res.hostname, "measured_busy_s": _median(busy),
+            "measured_wait_s": _median(waits), "measured_gradient_sync_s": _sync_s(spans, steps),
+            "measured_peak_memory_bytes": res.memory.get("peak_bytes")}
 
 
 def _chunk_report(cp: ChunkPlan, spans: list[Span], split: bool) -> dict[str, Any]:
@@ -271,12 +314,27 @@ def print_summary(report: dict[str, Any], console: Console) -> None:
     if report.get("tokens_per_s"):
         line += f"   {report['tokens_per_s']:,.0f} tokens/s"
     console.print(line + "   (measured / predicted)", highlight=False)
+    sync = sync_line(report)
+    if sync:
+        console.print(sync, highlight=False)
     loss = report.get("loss") or {}
     per_step = loss.get("per_step") or {}
     if loss.get("first") is not None and loss.get("last") is not None and per_step:
         steps = sorted(int(s) for s in per_step)
         console.print(f"loss {loss['first']:.4f} at step {steps[0] + 1} -> {loss['last']:.4f} at step {steps[-1] + 1}",
                       highlight=False)
+
+
+def sync_line(report: dict[str, Any]) -> str | None:
+    """With d replicas: the gradient sync per step of each stage, measured / predicted (None with one)."""
+    d = report.get("data_parallel") or 1
+    if d == 1:
+        return None
+    parts = [f"stage {st.get('index')} "
+             f"{_pair(st.get('measured_gradient_sync_s'), st.get('predicted_gradient_sync_s'), _ms_number)}"
+             for st in report.get("stages") or []]
+    return (f"{d} replicas, gradient sync ({report.get('gradient_sync')}) per step in ms (measured / predicted): "
+            + ", ".join(parts))
 
 
 def report_chunks(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -353,10 +411,12 @@ def show_report(report: dict[str, Any], path: str, console: Console | None = Non
     model = report.get("model") or {}
     name = model.get("name") or model.get("factory") or "model"
     plan = (report.get("plan") or {}).get("path") or "?"
-    K = report.get("num_stages")
+    K, d = report.get("num_stages"), report.get("data_parallel") or 1
     schedule = schedule_label(str(report.get("schedule")), report.get("virtual_stages") or 1)
-    console.print(f"[bold]report[/bold] {path}: {name} on {K} stage{'s' if K != 1 else ''} (plan {plan}), "
-                  f"global batch {report.get('global_batch_size')} = {report.get('micro_batches')} micro-batches of "
+    replicas = f" x {d} replicas" if d > 1 else ""
+    console.print(f"[bold]report[/bold] {path}: {name} on {K} stage{'s' if K != 1 else ''}{replicas} (plan {plan}), "
+                  f"global batch {report.get('global_batch_size')} = {f'{d} x ' if d > 1 else ''}"
+                  f"{report.get('micro_batches')} micro-batches of "
                   f"{report.get('micro_batch_size')}, {schedule}; {report.get('steps_run')} steps, "
                   f"medians over {report.get('steps_measured')}", highlight=False)
     print_summary(report, console)

@@ -145,7 +145,9 @@ class Chunk:
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """Parameters under their whole-model names (what checkpoints and ``--save`` use)."""
-        local_to_global = {local: key for key, local in self.global_to_local.items()}
+        local_to_global: dict[str, str] = {}
+        for key, local in self.global_to_local.items():   # a tied weight: its first whole-model key
+            local_to_global.setdefault(local, key)
         return [(local_to_global[name], p) for name, p in self.module.named_parameters()]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -255,7 +257,11 @@ def build_chunk(model: LayeredModel, plan: RunPlan, index: int, precision: Preci
     input_meta, output_meta = _cut_metas(model, plan, index, lambda: precision.autocast("cpu"))
     module.expected_outputs, module.label = output_meta, f"chunk {index}"
     whole = model.module.state_dict(keep_vars=True)
-    local_name = {id(t): name for name, t in module.state_dict(keep_vars=True).items()}
+    # A tensor under two local names (a weight tied inside the chunk): the first, the one
+    # named_parameters() gives it.
+    local_name: dict[int, str] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        local_name.setdefault(id(t), name)
     global_to_local = {key: local_name[id(t)] for key, t in whole.items() if id(t) in local_name}
     unowned: dict[str, torch.Tensor] = {}
     if index == 0:

@@ -11,6 +11,10 @@ just sends its loss to the others, and each of them posts that receive when the 
 so the message is waiting for them when they finish: a gloo all-reduce of two numbers costs
 a few round trips (milliseconds on a busy machine), a pre-posted receive nothing. On NCCL a
 receive posted early would block the stream its sends queue on, so CUDA always all-reduces.
+
+With d replicas (data parallel) each replica's loss rank has its replica's loss, the mean over
+its 1/d of the batch; the step's loss is their mean, so every rank all-reduces (loss / d on a
+loss rank, 0 elsewhere; its share of the squared norm), whatever the clipping.
 """
 
 from __future__ import annotations
@@ -29,10 +33,13 @@ LOSS_TAG = 1 << 30  # far above the tags of activations and gradients (see p2p.t
 
 class StepSync:
     def __init__(self, rank: int, world_size: int, device: torch.device, clip: bool, timeout_s: float,
-                 loss_rank: int | None = None) -> None:
+                 loss_rank: int | None = None, loss_ranks: tuple[int, ...] | None = None) -> None:
+        """``loss_rank``: the rank that computes the loss (one replica); ``loss_ranks``: with d
+        replicas, each replica's such rank (their losses are averaged)."""
         self.rank, self.world_size, self.device = rank, world_size, device
-        self.last = world_size - 1 if loss_rank is None else loss_rank   # the rank that computes the loss
-        self.all_reduce = clip or device.type != "cpu"
+        self.loss_ranks = loss_ranks or (world_size - 1 if loss_rank is None else loss_rank,)
+        self.last = self.loss_ranks[0]   # the rank that computes the loss (replica 0's, with several)
+        self.all_reduce = clip or device.type != "cpu" or len(self.loss_ranks) > 1
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.buffer = torch.zeros(1, dtype=torch.float64)
         self.pending: dist.Work | None = None
@@ -49,8 +56,8 @@ class StepSync:
         if self.world_size == 1:
             return loss, math.sqrt(grad_sq)
         if self.all_reduce:
-            shared = torch.tensor([loss if self.rank == self.last else 0.0, grad_sq], dtype=torch.float64,
-                                  device=self.device)
+            share = loss / len(self.loss_ranks) if self.rank in self.loss_ranks else 0.0
+            shared = torch.tensor([share, grad_sq], dtype=torch.float64, device=self.device)
             dist.all_reduce(shared)
             return float(shared[0]), math.sqrt(float(shared[1]))
         if self.rank == self.last:

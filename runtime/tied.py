@@ -49,26 +49,38 @@ class TiedGradients:
     """Sums the gradients of tied copies across their stages (call :meth:`all_reduce` each step).
 
     Creating it is collective: every rank must create it with the same ties, since each tie
-    gets its own process group of the stages that hold it.
+    gets its own process group of the stages that hold it. With d replicas (data parallel) a
+    tie's copies are summed inside each replica, over the ranks of its stages there
+    (``pipelines[r][k]``: the rank of stage k in replica r): one group per tie and replica.
+    The replicas' sums then meet in the gradient sync, like any other gradient.
     """
 
-    def __init__(self, ties: list[Tie], stage_index: int, params: dict[int, nn.Parameter]) -> None:
+    def __init__(self, ties: list[Tie], stage_index: int, params: dict[int, nn.Parameter],
+                 pipelines: list[list[int]] | None = None, replica: int = 0) -> None:
         self.mine: list[tuple[nn.Parameter, Any]] = []
         self.not_counted: set[int] = set()  # ids of copies another stage counts in the norm
-        groups: dict[tuple[int, ...], Any] = {}
+        # params: the model's parameter id -> the Parameter this stage holds for it now
+        # (fsdp replaces the objects when it shards them).
+        groups: dict[tuple[tuple[int, ...], int], Any] = {}
+        # Each replica's pipeline (rank of stage k); None: one replica, stage k on rank k.
+        replicas: list[list[int] | None] = list(pipelines) if pipelines is not None else [None]
         for tie in ties:
-            if tie.stages not in groups:  # collective: every rank, same order
-                groups[tie.stages] = dist.new_group(list(tie.stages)) if dist.is_initialized() else None
+            for r, pipeline in enumerate(replicas):
+                if (tie.stages, r) not in groups:  # collective: every rank, same order
+                    ranks = [pipeline[k] for k in tie.stages] if pipeline is not None else list(tie.stages)
+                    groups[(tie.stages, r)] = dist.new_group(ranks) if dist.is_initialized() else None
             if stage_index in tie.stages:
-                self.mine.append((params[tie.param_id], groups[tie.stages]))
+                self.mine.append((params[tie.param_id], groups[(tie.stages, replica)]))
                 if stage_index != tie.stages[0]:
-                    self.not_counted.add(tie.param_id)
+                    self.not_counted.add(id(params[tie.param_id]))   # the object this stage holds now
 
     def all_reduce(self) -> None:
         for param, group in self.mine:
             if param.grad is None:  # this stage's use got no gradient (all micro-batches skipped)
                 param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
+            # Under fsdp the gradient is a DTensor: its local shard, sharded alike on each stage.
+            grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
 
     def counted(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
         """``params`` without the tied copies that another stage counts in the global norm."""

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
@@ -177,19 +178,24 @@ def pipeline_stage_arguments(chunk: Chunk, device: torch.device, features: Pipel
     return arguments
 
 
-def torch_actions(actions: Sequence[Sequence[Action]]) -> dict[int, list[Any]]:
+def torch_actions(actions: Sequence[Sequence[Action]],
+                  group_ranks: Sequence[int] | None = None) -> dict[int, list[Any]]:
     """Every stage's list as torch's compute-only schedule: ``{rank: [_Action, ...]}``.
 
     The two spell an action alike (chunk, kind F/B/I/W, micro-batch: torch's stage_index is
-    our chunk), so this is a change of type only.
+    our chunk), so this is a change of type only. torch keys the lists by the rank *in the
+    pipeline's process group*: stage k's is ``group_ranks[k]`` (data parallel: the place of
+    rank ``ranks[k][r]`` in replica r's ``pp`` group), stage k's own index with one replica.
     """
     kind = torch_schedules._ComputationType
-    return {rank: [torch_schedules._Action(a.chunk, kind(a.kind), a.micro_batch) for a in row]
-            for rank, row in enumerate(actions)}
+    key = list(group_ranks) if group_ranks is not None else list(range(len(actions)))
+    return {key[k]: [torch_schedules._Action(a.chunk, kind(a.kind), a.micro_batch) for a in row]
+            for k, row in enumerate(actions)}
 
 
 def _action_list_runtime(chunks: list[_TimedChunk], micro_batches: int, loss_fn: LossFn,
-                         actions: Sequence[Sequence[Action]], features: PipeliningFeatures) -> Any:
+                         actions: Sequence[Sequence[Action]], features: PipeliningFeatures,
+                         group_ranks: Sequence[int] | None = None) -> Any:
     """torch's runtime, set to run ``actions`` (every rank's list: torch lowers them all, to
     place each receive against its send)."""
     assert _RUNTIME is not None  # check_features refused a torch without it
@@ -197,7 +203,7 @@ def _action_list_runtime(chunks: list[_TimedChunk], micro_batches: int, loss_fn:
     if features.scale_grads:
         options["scale_grads"] = False
     runtime = _RUNTIME(chunks, micro_batches, **options)
-    order = torch_actions(actions)
+    order = torch_actions(actions, group_ranks)
     runtime.pipeline_order = {rank: list(row) for rank, row in order.items()}   # what _dump_csv writes
     runtime._prepare_schedule_with_comms(order)
     return runtime
@@ -211,7 +217,10 @@ class TorchExecutor:
 
     def __init__(self, chunks: list[Chunk], actions: Sequence[Sequence[Action]], stage: int, micro_batches: int,
                  loss_fn: LossFn, device: torch.device, recorder: SpanRecorder, fault: Fault | None = None,
-                 features: PipeliningFeatures | None = None) -> None:
+                 features: PipeliningFeatures | None = None, group: dist.ProcessGroup | None = None,
+                 group_ranks: Sequence[int] | None = None, rank: int | None = None) -> None:
+        """``group``: the pipeline's process group (data parallel: this replica's ``pp`` group; None:
+        the world), ``group_ranks[k]``: stage k's rank in it; ``rank``: the global rank a fault names."""
         features = features or pipelining_features()
         check_features(features)
         # In pipeline order: torch's start-up exchange between ranks walks the chunks that way.
@@ -225,9 +234,12 @@ class TorchExecutor:
         first_chunk = self.chunks[0].index   # every schedule starts a stage on its first chunk
         self.pipe_chunks: list[_TimedChunk] = []
         for chunk in self.chunks:
-            pipe_chunk = _TimedChunk(chunk.module, chunk.index, chunk.num_chunks, device,
-                                     **pipeline_stage_arguments(chunk, device, features))
-            pipe_chunk.recorder, pipe_chunk.rank, pipe_chunk.fault = recorder, stage, fault
+            arguments = pipeline_stage_arguments(chunk, device, features)
+            if group is not None:
+                arguments["group"] = group
+            pipe_chunk = _TimedChunk(chunk.module, chunk.index, chunk.num_chunks, device, **arguments)
+            pipe_chunk.recorder, pipe_chunk.fault = recorder, fault
+            pipe_chunk.rank = stage if rank is None else rank
             pipe_chunk.fault_here = chunk.index == first_chunk
             self.pipe_chunks.append(pipe_chunk)
         self.poison = False
@@ -241,14 +253,14 @@ class TorchExecutor:
             # What the backward starts from: the mean over the batch (see the module's docstring).
             return value * (self.loss_scale / self.micro_batches)
 
-        self.runtime = _action_list_runtime(self.pipe_chunks, micro_batches, loss, actions, features)
+        self.runtime = _action_list_runtime(self.pipe_chunks, micro_batches, loss, actions, features, group_ranks)
 
     def step(self, step: int, inputs: Tensors | None, targets: torch.Tensor | None,
              meter: ActivationMeter | None = None) -> list[torch.Tensor]:
         for pipe_chunk in self.pipe_chunks:
             pipe_chunk.meter = meter
             pipe_chunk.step_index = step
-        self.poison = self.fault is not None and self.fault.due(self.stage, step)
+        self.poison = self.fault is not None and self.fault.due(self.pipe_chunks[0].rank, step)
         self.losses = []
         args = inputs if self.holds_first and inputs is not None else ()
         options: dict[str, Any] = {"return_outputs": False} if self.return_outputs else {}

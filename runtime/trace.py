@@ -7,8 +7,10 @@ of micro-batch 3 on chunk 2), ``2B3`` (its backward), or, under a split backward
 input gradient) and ``2W3`` (the weight gradient) as two spans of their own; besides them
 ``optimizer``, ``wait`` (blocked on a neighbour's activations or gradients, ``wait 2``: for
 chunk 2), ``data`` (drawing the step's batch) and ``sync`` (learning the step's loss from the
-stage holding the last chunk), with the step, chunk and micro-batch in its ``args``. Timestamps are microseconds since
-the ranks' common origin (see :mod:`.timing`). In the picture the pipeline's diagonal fill,
+stage holding the last chunk) and, with several replicas, ``gradient_sync`` (averaging the
+stage's gradients over its replicas; each rank a row then, named by stage and replica), with
+the step, chunk and micro-batch in its ``args``. Timestamps are microseconds since the ranks'
+common origin (see :mod:`.timing`). In the picture the pipeline's diagonal fill,
 the drain, and the bubbles the planner predicted are plain to see.
 """
 
@@ -20,7 +22,7 @@ from .timing import Span
 
 _COLOR = {"forward": "thread_state_running", "backward": "rail_response", "backward_input": "rail_response",
           "backward_weight": "rail_animation", "optimizer": "good", "wait": "thread_state_sleeping",
-          "data": "thread_state_iowait", "sync": "thread_state_sleeping"}
+          "data": "thread_state_iowait", "sync": "thread_state_sleeping", "gradient_sync": "rail_load"}
 
 # The action letter of each span kind (gpipe_plan.schedules: F, B, I, W).
 _LETTER = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W"}
@@ -36,11 +38,14 @@ def span_name(span: Span) -> str:
     return span.kind
 
 
-def chrome_trace(spans_by_stage: list[list[Span]], metadata: dict[str, Any]) -> dict[str, Any]:
-    """The trace document for the spans of every stage (stage k's list at index k)."""
+def chrome_trace(spans_by_stage: list[list[Span]], metadata: dict[str, Any],
+                 row_names: list[str] | None = None) -> dict[str, Any]:
+    """The trace document for the spans of every stage (stage k's list at index k); with data
+    parallel, of every rank (rank k's list at index k, its row named by ``row_names[k]``)."""
     events: list[dict[str, Any]] = []
     for k, spans in enumerate(spans_by_stage):
-        events.append({"name": "process_name", "ph": "M", "pid": k, "args": {"name": f"stage {k}"}})
+        name = row_names[k] if row_names is not None else f"stage {k}"
+        events.append({"name": "process_name", "ph": "M", "pid": k, "args": {"name": name}})
         events.append({"name": "process_sort_index", "ph": "M", "pid": k, "args": {"sort_index": k}})
         for span in spans:
             events.append({

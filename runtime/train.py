@@ -1,9 +1,12 @@
 """One rank's training run, top to bottom.
 
 Every rank runs :func:`train`; rank k runs stage k, which holds one chunk of layers or
-several (``interleaved``, ``zb-v``). It reads like a single-process training script because it
-nearly is one, in three parts: :func:`_set_up` (build the model, keep our stage's chunks, one
-optimizer over all of them, resume), :func:`_run_steps` (for each step, :func:`_one_step`:
+several (``interleaved``, ``zb-v``); with ``data_parallel`` = d replicas of the pipeline, rank
+``placement.ranks[k][r]`` runs stage k of replica r, on its 1/d of each step's batch, and the
+d replicas of each stage average their gradients once a step (:mod:`.replicas`). It reads
+like a single-process training script because it nearly is one, in three parts:
+:func:`_set_up` (build the model, keep our stage's chunks, one optimizer over all of them,
+resume), :func:`_run_steps` (for each step, :func:`_one_step`:
 draw the batch, run our stage's actions of the pipeline schedule, learn the loss, step the
 optimizer), and :func:`_write_outputs`. Everything pipeline-specific hides in the executor
 (:mod:`.executor`), which runs the schedule's action list (``gpipe_plan.schedules``).
@@ -30,7 +33,7 @@ from ..speedprobe import profile_probe_s, speed_probe_s, speed_ratio
 from . import checkpoint
 from .conditions import condition_warnings, cpu_cores, threads_per_rank
 from .data import BatchSource, batch_source
-from .distributed import World, check_world, choose_device, init
+from .distributed import Replicas, World, check_world, choose_device, init, replicas_of
 from .executor import Executor, NativeExecutor
 from .faults import Fault
 from .init_from import load_initial_weights
@@ -38,11 +41,12 @@ from .tied import TiedGradients, find_ties
 from .objects import gather_objects
 from .loss_scale import LossScaler
 from .memory import ActivationMeter, cuda_memory, peak_rss_bytes, static_bytes
-from .optim import clip_gradients, learning_rate, make_optimizer, set_learning_rate, squared_grad_norm
+from .optim import clip_gradients, learning_rate, make_optimizer, set_learning_rate
 from .options import RunOptions
 from .p2p import Neighbours
 from .plan import RunPlan, check_precision_matches, load_plan
 from .progress import TrainingProgress
+from .replicas import GradientSync, make_gradient_sync
 from .report import RankResult, build_report, print_summary
 from .stage import StageChunks, build_stage_chunks
 from .sync import StepSync
@@ -73,6 +77,8 @@ class _Training:
     probes: list[float]        # speed probe before the steps (and after, once done)
     model: LayeredModel
     stage: StageChunks         # this rank's chunks
+    replicas: Replicas         # this rank's stage and replica, its pipeline and sync groups
+    gradient_sync: GradientSync   # averages the stage's gradients over its replicas
     scaler: LossScaler
     data: BatchSource
     tokens_per_sample: int | None
@@ -110,7 +116,7 @@ def train(options: RunOptions, world: World) -> None:
 def _set_up(options: RunOptions, world: World) -> _Training:
     # ------------------------------------------------------------------ where we stand
     plan = load_plan(options.plan)
-    check_world(world, plan)
+    placement_warnings = check_world(world, plan)
     precision = Precision(*check_precision_matches(plan, options.precision, options.param_dtype))
     threads = threads_per_rank(options.threads, plan, world.local_world_size)
     torch.set_num_threads(threads)
@@ -123,7 +129,7 @@ def _set_up(options: RunOptions, world: World) -> _Training:
     objects = init(world, device, options.timeout) if joined_here else _objects_group(device)
     reporter = world.rank == 0
     err = Console(stderr=True)
-    warnings = condition_warnings(plan, threads, world.local_world_size, device.type)
+    warnings = placement_warnings + condition_warnings(plan, threads, world.local_world_size, device.type)
     if reporter:
         for line in warnings:  # shown even with --quiet: they say the prediction will not hold
             err.print(f"[yellow]warning:[/] {line}", highlight=False)
@@ -153,8 +159,11 @@ def _set_up(options: RunOptions, world: World) -> _Training:
         err.print(f"[yellow]note:[/] every rank builds the whole model before keeping its stage ({whole})",
                   highlight=False)
     ties = find_ties(model, plan)  # a parameter several stages use: one copy each (runtime.tied)
+    # Which stage of which replica this rank runs; with d > 1 the device mesh and its groups
+    # (collective: every rank builds every group).
+    replicas = replicas_of(plan, world.rank, device)
     # A parameter two chunks of this stage use is one object here: one .grad, one optimizer entry.
-    stage = build_stage_chunks(model, plan, world.rank, precision, device.type)
+    stage = build_stage_chunks(model, plan, replicas.stage, precision, device.type)
     stage.module.to(device)
     # --resume looks for its checkpoint before any weights are read: an existing one wins over --init-from.
     folder = Path(options.checkpoint_dir) if options.checkpoint_dir else None
@@ -165,14 +174,22 @@ def _set_up(options: RunOptions, world: World) -> _Training:
     scaler = LossScaler(enabled=precision.loss_scaling)
     data = batch_source(model, options.data, plan.global_batch_size, options.seed)
     optimizer_name = options.optimizer_name(plan.optimizer)
-    optimizer = make_optimizer(stage.parameters(), optimizer_name, options)
     recorder = SpanRecorder(stage.index, device)
-    executor = _make_executor(executor_name, stage, plan, loss_fn, device, recorder, options, world)
+    # Before the optimizer is made: fsdp shards the parameters (they become other objects).
+    gradient_sync = make_gradient_sync(plan.gradient_sync, plan.data_parallel, replicas.dp_group, replicas.dp_mesh(),
+                                       device, replicas.replica)
+    places = _parameter_places(stage)   # fsdp replaces the Parameter objects: find them again by name
+    gradient_sync.prepare(stage)
+    optimizer = make_optimizer(stage.parameters(), optimizer_name, options)
+    executor = _make_executor(executor_name, stage, plan, loss_fn, device, recorder, options, world, replicas)
     # The global gradient norm is needed to clip by it, and under fp16 to see an overflow.
     needs_norm = options.grad_clip is not None or scaler.enabled
     sync = StepSync(world.rank, world.world_size, device, clip=needs_norm, timeout_s=options.timeout,
-                    loss_rank=plan.chunks[-1].stage)
-    tied = TiedGradients(ties, stage.index, {id(p): p for p in stage.parameters()})
+                    loss_rank=plan.rank_of(plan.chunks[-1].stage, 0),
+                    loss_ranks=tuple(plan.stage_ranks(plan.chunks[-1].stage)))
+    tied = TiedGradients(ties, stage.index, {old: stage.chunks[c].module.get_parameter(name)
+                                             for old, (c, name) in places.items()},
+                         pipelines=[plan.replica_ranks(r) for r in range(plan.data_parallel)], replica=replicas.replica)
 
     # ------------------------------------------------------------------ resume
     # A checkpoint holds tensors under the unsplit model's keys: this run's stage loads its own,
@@ -188,7 +205,8 @@ def _set_up(options: RunOptions, world: World) -> _Training:
     if start >= options.steps:
         raise BadInput(f"the checkpoint in '{folder}' is at step {start}: --steps {options.steps} leaves nothing to do")
     run = _Training(options, world, plan, precision, threads, device, context_bytes, executor_name, objects,
-                    joined_here, reporter, warnings, probes, model, stage, scaler, data, _tokens_per_sample(plan),
+                    joined_here, reporter, warnings, probes, model, stage, replicas, gradient_sync, scaler, data,
+                    _tokens_per_sample(plan),
                     optimizer_name, optimizer, options.learning_rate(optimizer_name), recorder, executor, needs_norm,
                     sync, tied, identity, folder, start)
     run.start_notes = _start_notes(run, resumed)
@@ -249,11 +267,15 @@ def _run_steps(run: _Training) -> _History:
                                 run.scaler, run.device, run.objects)
                 if run.reporter:
                     checkpoint.prune(run.folder, options.keep_checkpoints)
+            # After the optimizer step and the step's checkpoint (which reads the sharded state):
+            # fsdp starts gathering the next step's parameters. Not after the last step.
+            if step + 1 < options.steps:
+                run.gradient_sync.after_optimizer()
         run.sync.close()
         # After the last step: the optimizer's state exists (the first step creates it) and
         # CUDA's peak is over every step, not only the first.
         history.memory = _memory(stage, run.optimizer, meter if run.executor.meters_activations else None, run.device,
-                                 run.context_bytes)
+                                 run.context_bytes, sharded=run.gradient_sync.mode == "fsdp")
     finally:
         progress.close()
     return history
@@ -268,11 +290,11 @@ def _one_step(run: _Training, step: int, meter: ActivationMeter | None) -> float
 
     # The whole batch is a function of (seed, step); the stage holding chunk 0 needs its
     # inputs, the one holding the last chunk its targets (under zb-v both are stage 0), the
-    # others neither.
+    # others neither. Replica r takes its rows of it (:func:`replica_rows`).
     inputs = targets = None
     if stage.holds_first or stage.holds_last:
         t_data = recorder.mark()
-        batch_inputs, batch_targets = run.data.batch(step)
+        batch_inputs, batch_targets = replica_rows(run.data.batch(step), run.replicas.replica, plan.data_parallel)
         inputs = tuple(x.to(run.device) for x in batch_inputs) if stage.holds_first else None
         targets = batch_targets.to(run.device) if stage.holds_last else None
         recorder.add("data", -1, t_data, recorder.mark())
@@ -280,6 +302,13 @@ def _one_step(run: _Training, step: int, meter: ActivationMeter | None) -> float
     # Our share of the pipeline: our actions on our chunks for the M micro-batches.
     scale = run.executor.loss_scale = run.scaler.scale
     micro_losses = run.executor.step(step, inputs, targets, meter)
+    # The stage's last action is done: average its gradients over the replicas.
+    if plan.data_parallel > 1:
+        t_grad = recorder.mark()
+        run.gradient_sync.finish()
+        recorder.add("gradient_sync", -1, t_grad, recorder.mark())
+    # Then sum tied copies inside the replica: sums and averages commute, and under fsdp each
+    # copy's gradient is now its shard, sharded alike on every stage that holds one.
     if run.tied.mine:
         t_tied = recorder.mark()
         run.tied.all_reduce()
@@ -289,8 +318,8 @@ def _one_step(run: _Training, step: int, meter: ActivationMeter | None) -> float
     # gradient norm; so every rank stops here, together, when the loss is NaN.
     local_loss = float(sum(float(v) for v in micro_losses) / plan.micro_batches) if stage.holds_last else 0.0
     t_sync = recorder.mark()
-    loss, grad_norm = run.sync.finish_step(local_loss, squared_grad_norm(run.tied.counted(stage.parameters()))
-                                           if run.needs_norm else 0.0)
+    loss, grad_norm = run.sync.finish_step(local_loss, run.gradient_sync.squared_norm_share(
+        run.tied.counted(stage.parameters())) if run.needs_norm else 0.0)
     recorder.add("sync", -1, t_sync, recorder.mark())
     if not math.isfinite(loss):
         raise RunFailure(f"the loss is {loss} at step {step + 1}: training diverged; lower --lr "
@@ -315,16 +344,19 @@ def _write_outputs(run: _Training, history: _History) -> None:
     options, world, plan = run.options, run.world, run.plan
     run.probes.append(_probe_in_turn(world, run.device, run.objects))
     result = RankResult(world.rank, run.recorder.spans, history.step_s, history.memory, history.cpu_s,
-                        speed_probe_s=run.probes)
+                        speed_probe_s=run.probes, stage=run.replicas.stage, replica=run.replicas.replica)
     results = _gather(result, world, run.objects)
-    pieces = _gather({k: v.detach().cpu() for k, v in run.stage.state_dict().items()} if options.save else None,
-                     world, run.objects)
+    # Every replica of a stage holds the same tensors after the step: replica 0's go into the
+    # file. (fsdp: gathering them whole is collective over the stage's replicas, so all call it.)
+    whole = run.gradient_sync.full_state_dict(run.stage) if options.save else None
+    pieces = _gather(whole if run.replicas.replica == 0 else None, world, run.objects)
     if run.reporter:
         assert results is not None and pieces is not None
         if options.save:
             _save_model(options.save, run.model.module.state_dict().keys(), pieces)
         facts = _run_facts(options, run.optimizer_name, run.base_lr, run.threads, run.device, run.executor_name,
                            run.data.samples_text(), world)
+        facts["data_parallel"], facts["gradient_sync"] = plan.data_parallel, run.gradient_sync.mode
         facts["precision"], facts["param_dtype"] = run.precision.compute, run.precision.params
         if run.scaler.enabled:
             facts["loss_scale"] = run.scaler.state_dict()
@@ -333,9 +365,12 @@ def _write_outputs(run: _Training, history: _History) -> None:
         if options.report:
             write_json_atomic(options.report, report)
         if options.trace:
-            spans = [r.spans for r in sorted(results, key=lambda r: r.rank)]
-            write_json_atomic(options.trace, chrome_trace(spans, {"plan": plan.path, "schedule": plan.schedule,
-                                                                  "micro_batches": plan.micro_batches}))
+            ordered = sorted(results, key=lambda r: r.rank)
+            names = [f"stage {r.stage}, replica {r.replica} (rank {r.rank})" for r in ordered] \
+                if plan.data_parallel > 1 else None
+            write_json_atomic(options.trace, chrome_trace([r.spans for r in ordered], {
+                "plan": plan.path, "schedule": plan.schedule, "micro_batches": plan.micro_batches,
+                "data_parallel": plan.data_parallel}, names))
         if not options.quiet:
             print_summary(report, Console())
             written = [f"{what} {path}" for what, path in (("model", options.save), ("report", options.report),
@@ -373,21 +408,50 @@ def _executor_name(requested: str, device: torch.device) -> str:
 
 
 def _make_executor(name: str, stage: StageChunks, plan: RunPlan, loss_fn: Any, device: torch.device,
-                   recorder: SpanRecorder, options: RunOptions, world: World) -> Executor:
-    """Either executor, running this stage's list of the schedule's actions (the same lists)."""
+                   recorder: SpanRecorder, options: RunOptions, world: World, replicas: Replicas) -> Executor:
+    """Either executor, running this stage's list of the schedule's actions (the same lists).
+
+    Its sends and receives stay inside this rank's replica: to the rank of the neighbouring
+    stage there (``replicas.pp_ranks``), never across replicas.
+    """
     fault = Fault.from_env()
     actions = plan.actions()
     if name == "torch":
         from .torch_executor import TorchExecutor
 
-        return TorchExecutor(stage.chunks, actions, world.rank, plan.micro_batches, loss_fn, device, recorder, fault)
-    neighbours = Neighbours(world.rank, world.world_size, device, options.timeout)
-    return NativeExecutor(stage.chunks, actions, world.rank, plan.micro_batches, loss_fn, neighbours, recorder, fault)
+        group = replicas.pp_group
+        group_ranks = [dist.get_group_rank(group, r) for r in replicas.pp_ranks] if group is not None else None
+        return TorchExecutor(stage.chunks, actions, replicas.stage, plan.micro_batches, loss_fn, device, recorder,
+                             fault, group=group, group_ranks=group_ranks, rank=world.rank)
+    neighbours = Neighbours(world.rank, world.world_size, device, options.timeout, stage_ranks=replicas.pp_ranks)
+    return NativeExecutor(stage.chunks, actions, replicas.stage, plan.micro_batches, loss_fn, neighbours, recorder,
+                          fault, rank=world.rank)
+
+
+def replica_rows(batch: tuple[tuple[torch.Tensor, ...], torch.Tensor], replica: int,
+                 replicas: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Replica ``replica``'s rows of a global batch: ``[r·B/d, (r+1)·B/d)`` of inputs and targets.
+
+    The d replicas together see exactly the global batch, each its own contiguous slice: the
+    mean of their gradients is the gradient of the whole batch, as the unsplit model's.
+    """
+    inputs, targets = batch
+    if replicas == 1:
+        return inputs, targets
+    rows = targets.shape[0] // replicas
+    part = slice(replica * rows, (replica + 1) * rows)
+    return tuple(x[part] for x in inputs), targets[part]
 
 
 def _memory(stage: StageChunks, optimizer: torch.optim.Optimizer, meter: ActivationMeter | None,
-            device: torch.device, context_bytes: int | None) -> dict[str, Any]:
-    parts: dict[str, Any] = static_bytes(stage.module, optimizer)
+            device: torch.device, context_bytes: int | None, sharded: bool = False) -> dict[str, Any]:
+    """The rank's memory by part; ``sharded`` (fsdp): parameters and state counted as FSDP holds them."""
+    if sharded:
+        from .fsdp import static_bytes as sharded_static_bytes
+
+        parts: dict[str, Any] = sharded_static_bytes(stage.module, optimizer)
+    else:
+        parts = static_bytes(stage.module, optimizer)
     parts["activations_bytes"] = meter.total_bytes if meter is not None else None
     parts["peak_rss_bytes"] = peak_rss_bytes()
     if device.type == "cuda":
@@ -404,6 +468,15 @@ def _memory(stage: StageChunks, optimizer: torch.optim.Optimizer, meter: Activat
     return parts
 
 
+def _parameter_places(stage: StageChunks) -> dict[int, tuple[int, str]]:
+    """``id(parameter) -> (chunk position in the stage, its name in that chunk's module)``."""
+    places: dict[int, tuple[int, str]] = {}
+    for c, chunk in enumerate(stage.chunks):
+        for name, p in chunk.module.named_parameters():
+            places.setdefault(id(p), (c, name))
+    return places
+
+
 def _gather(obj: Any, world: World, group: Any) -> list[Any] | None:
     """``obj`` of every rank, on rank 0 (None elsewhere)."""
     if world.world_size == 1:
@@ -415,7 +488,7 @@ def _save_model(path: str, keys: Any, pieces: list[dict[str, torch.Tensor]]) -> 
     """The whole model's ``state_dict``, keys and order as the unsplit model's, from every stage's part."""
     merged: dict[str, torch.Tensor] = {}
     for piece in pieces:
-        merged.update(piece)
+        merged.update(piece or {})
     missing = [k for k in keys if k not in merged]
     if missing:
         raise RunFailure(f"--save: no stage holds '{missing[0]}'")
@@ -449,7 +522,7 @@ def _saved_by(plan: RunPlan, world: World) -> dict[str, Any]:
     """The plan a checkpoint was saved under (``ranks`` decides whether RNG states are restored)."""
     return {"plan": plan.path, "stages": plan.num_stages, "balance": [len(cp.layers) for cp in plan.chunks],
             "global_batch_size": plan.global_batch_size, "micro_batches": plan.micro_batches,
-            "ranks": world.world_size}
+            "ranks": world.world_size, "data_parallel": plan.data_parallel, "gradient_sync": plan.gradient_sync}
 
 
 def _resume_note(meta: dict[str, Any], plan: RunPlan, world: World) -> str | None:
@@ -487,8 +560,12 @@ def _banner(plan: RunPlan, options: RunOptions, optimizer: str, lr: float, threa
         where += f", {precision_label(plan.precision, plan.param_dtype)}"
     schedule = plan.schedule if plan.num_chunks == plan.num_stages else \
         f"{plan.schedule} over {plan.num_chunks} chunks"
-    text = (f"training {name} on {plan.num_stages} stage(s) ({where}), {schedule}, "
-            f"{plan.micro_batches} x {plan.micro_batch_size} samples per step, {optimizer} lr {lr:g}, "
+    stages = f"{plan.num_stages} stage(s)" if plan.data_parallel == 1 else \
+        f"{plan.num_stages} stage(s) x {plan.data_parallel} replicas ({plan.gradient_sync})"
+    per_step = f"{plan.micro_batches} x {plan.micro_batch_size} samples per step" if plan.data_parallel == 1 else \
+        f"{plan.data_parallel} x {plan.micro_batches} x {plan.micro_batch_size} samples per step"
+    text = (f"training {name} on {stages} ({where}), {schedule}, "
+            f"{per_step}, {optimizer} lr {lr:g}, "
             f"{data}, {executor} executor")
     if start:
         text += f"; resumed at step {start}"

@@ -12,6 +12,7 @@ from gpipe_plan.artifacts import FORMAT_VERSIONS, PROFILE_FORMAT, REPORT_FORMAT,
 from gpipe_plan.cli import main
 from gpipe_plan.plan_layout import plan_chunks
 from gpipe_plan.planner.command import solve_file
+from gpipe_plan.profiles.overhead import measure_overhead
 
 from plan_docs import chunked_plan
 
@@ -184,3 +185,122 @@ def test_a_chunked_run_without_its_chunks_layers_needs_the_plan_it_ran(tmp_path:
     result = CliRunner().invoke(main, ["calibrate", str(report), "--profile", str(profile),
                                        "--out", str(tmp_path / "x.json")])
     assert result.exit_code == 2 and "stage 0's layers are not those of its chunks" in result.output
+
+
+# --------------------------------------------------------------------------- per-action overhead
+def flat(output: str) -> str:
+    """The command's output on one line (the console wraps at its width)."""
+    return " ".join(output.split())
+
+
+def with_gaps(report: dict, step_s: float, per_action_s: list[float], actions: int,
+              gradient_sync_s: float = 0.0, other_s: float = 0.0) -> dict:
+    """``report`` with a step of ``step_s`` in which stage k spent ``per_action_s[k]`` between
+    each of its ``actions`` actions, ``gradient_sync_s`` syncing gradients, ``other_s`` in the
+    step's other spans, waited 10% of the step, and was busy the rest."""
+    report = {**report, "measured_step_s": step_s, "schedule": report.get("schedule", "gpipe"), "num_stages": 2,
+              "micro_batches": 4}
+    stages = []
+    for stage, gap in zip(report["stages"], per_action_s):
+        wait = 0.1 * step_s
+        busy = step_s - wait - gap * actions - gradient_sync_s - other_s
+        stages.append({**stage, "measured_busy_s": busy, "measured_wait_s": wait,
+                       "measured_gradient_sync_s": gradient_sync_s, "measured_other_s": other_s})
+    return {**report, "stages": stages}
+
+
+def test_calibrate_learns_the_per_action_overhead_from_the_steps_gaps(files):
+    """A gpipe run, K = 2, M = 4: 8 actions per stage (4 F, 4 B). Stage 0 spent 0.4 ms between
+    actions, stage 1 0.6 ms: the profile learns the median, 0.5 ms, and says how it got it."""
+    tmp, profile, plan = files
+    report = tmp / "report.json"
+    report.write_text(json.dumps(with_gaps(report_doc(plan, [1.0, 1.0], [1.0, 1.0], None), 0.05,
+                                           [0.4e-3, 0.6e-3], actions=8, gradient_sync_s=0.004, other_s=0.002)))
+    result = CliRunner().invoke(main, ["calibrate", str(report), "--profile", str(profile)])
+    assert result.exit_code == 0, result.output
+    calibrated = json.loads((tmp / "profile.calibrated.json").read_text())
+    assert calibrated["overhead"]["per_microbatch_s"] == pytest.approx(0.5e-3)
+    record = calibrated["calibration"][-1]["overhead"]
+    assert record["measured"] and [g["actions"] for g in record["stages"]] == [8, 8]
+    assert [g["per_action_s"] for g in record["stages"]] == pytest.approx([0.4e-3, 0.6e-3])
+    assert "per-action overhead: 0.500 ms (was none)" in flat(result.output)
+    assert "stage 0 0.400 ms over 8 actions, stage 1 0.600 ms over 8 actions" in flat(result.output)
+    # the next plan charges it on each forward and backward of a pipeline
+    again = solve_file(str(tmp / "profile.calibrated.json"), None, stages=2, micro_batches=4, schedule="gpipe")
+    for before, after in zip(plan_chunks(plan, "plan"), plan_chunks(again, "plan")):
+        assert after["forward_s"] == pytest.approx(before["forward_s"] + 0.5e-3)
+        assert after["backward_s"] == pytest.approx(before["backward_s"] + 0.5e-3)
+
+
+def test_a_stage_that_ran_faster_than_its_spans_add_up_counts_as_no_overhead(files):
+    tmp, profile, plan = files
+    report = tmp / "report.json"
+    report.write_text(json.dumps(with_gaps(report_doc(plan, [1.0, 1.0], [1.0, 1.0], None), 0.05,
+                                           [-0.2e-3, 0.6e-3], actions=8)))
+    result = CliRunner().invoke(main, ["calibrate", str(report), "--profile", str(profile)])
+    assert result.exit_code == 0, result.output
+    calibrated = json.loads((tmp / "profile.calibrated.json").read_text())
+    assert calibrated["overhead"]["per_microbatch_s"] == pytest.approx(0.3e-3)   # median of 0 and 0.6 ms
+
+
+def test_a_report_without_the_step_gaps_leaves_the_overhead_and_says_so(tmp_path: Path):
+    doc = profile_doc()
+    doc["overhead"] = {"per_microbatch_s": 0.2e-3}
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(doc))
+    plan = solve_file(str(profile), str(tmp_path / "plan.json"), stages=2, micro_batches=4, schedule="gpipe")
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps(report_doc(plan, [1.0, 1.0], [1.0, 1.0], None)))   # no step, busy or wait
+    result = CliRunner().invoke(main, ["calibrate", str(report), "--profile", str(profile)])
+    assert result.exit_code == 0, result.output
+    assert "per-action overhead not measured: the report has no measured step time; left as it was (0.200 ms)" \
+        in flat(result.output)
+    calibrated = json.loads((tmp_path / "profile.calibrated.json").read_text())
+    assert calibrated["overhead"] == {"per_microbatch_s": 0.2e-3}
+    assert calibrated["calibration"][-1]["overhead"]["measured"] is False
+    # with the step but not a stage's waits it cannot tell either
+    partial = report_doc(plan, [1.0, 1.0], [1.0, 1.0], None)
+    partial.update(measured_step_s=0.05, schedule="gpipe", num_stages=2, micro_batches=4)
+    report.write_text(json.dumps(partial))
+    result = CliRunner().invoke(main, ["calibrate", str(report), "--profile", str(profile), "--out",
+                                       str(tmp_path / "x.json")])
+    assert result.exit_code == 0, result.output
+    assert "does not give stage 0's busy and waiting time" in flat(result.output)
+    assert json.loads((tmp_path / "x.json").read_text())["overhead"] == {"per_microbatch_s": 0.2e-3}
+
+
+def test_the_layers_ratio_leaves_out_the_overhead_the_prediction_included(tmp_path: Path):
+    """A profile with a 1 ms per-action overhead: the plan predicts layers + 1 ms per forward. A
+    run whose forward spans took exactly the layers' time ran them as profiled: scale 1, not
+    (layers / (layers + 1 ms)), or a second round would shrink the layers for what is overhead."""
+    doc = profile_doc()
+    doc["overhead"] = {"per_microbatch_s": 1e-3}
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(doc))
+    plan = solve_file(str(profile), str(tmp_path / "plan.json"), stages=2, micro_batches=4, schedule="gpipe")
+    report = report_doc(plan, [1.0, 1.0], [1.0, 1.0], None)
+    for stage in report["stages"]:
+        stage["measured_forward_s"] = stage["predicted_forward_s"] - 1e-3
+        stage["measured_backward_s"] = stage["predicted_backward_s"] - 1e-3
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    result = CliRunner().invoke(main, ["calibrate", str(tmp_path / "report.json"), "--profile", str(profile)])
+    assert result.exit_code == 0, result.output
+    calibrated = json.loads((tmp_path / "profile.calibrated.json").read_text())
+    assert [layer["forward_s"] for layer in calibrated["layers"]] == [layer["forward_s"] for layer in doc["layers"]]
+    assert [ch["forward_scale"] for ch in calibrated["calibration"][-1]["chunks"]] == pytest.approx([1.0, 1.0])
+
+
+@pytest.mark.parametrize("schedule, virtual_stages, actions", [
+    ("gpipe", 1, 8),          # 4 F + 4 B
+    ("zb-h1", 1, 12),         # 4 F + 4 I + 4 W
+    ("interleaved", 3, 24),   # 3 chunks x (4 F + 4 B)
+    ("zb-v", 2, 24),          # 2 chunks x (4 F + 4 I + 4 W)
+])
+def test_overhead_counts_the_actions_each_stage_runs(schedule: str, virtual_stages: int, actions: int) -> None:
+    report = {"measured_step_s": 0.1, "schedule": schedule, "num_stages": 2, "micro_batches": 4,
+              "virtual_stages": virtual_stages,
+              "stages": [{"index": k, "measured_busy_s": 0.08, "measured_wait_s": 0.01 * k} for k in range(2)]}
+    measured = measure_overhead(report)
+    assert [g.actions for g in measured.stages] == [actions, actions]
+    assert [g.outside_s for g in measured.stages] == pytest.approx([0.02, 0.01])
+    assert measured.per_microbatch_s == pytest.approx((0.02 / actions + 0.01 / actions) / 2)

@@ -150,3 +150,106 @@ def test_the_tables_show_the_new_schedules_and_interleaveds_chunks_per_stage():
     interleaved = [c for c in ex.cells if c.schedule == "interleaved" and c.step_s is not None]
     assert interleaved and all(f"v={c.virtual_stages}" in text for c in interleaved)
     assert text.count(" v=") == len(interleaved)             # only interleaved cells say their v
+
+
+# --------------------------------------------------------------------------- --devices: K x d = N
+def _replica_options(**over):
+    from gpipe_plan.planner.search import SolveOptions
+
+    base = dict(stages=None, devices=4, data_parallel="auto", nodes=2, global_batch_size=16, schedule="1f1b",
+                recompute="never", link_bandwidth_bytes_per_s=2e9, link_latency_s=1e-5,
+                network_bandwidth_bytes_per_s=0.2e9, network_latency_s=5e-5, time_budget_s=30.0)
+    return SolveOptions(**{**base, **over})
+
+
+@pytest.mark.parametrize("gradient_sync, limit", [("ddp", None), ("ddp", 55_000_000), ("fsdp", 55_000_000)])
+def test_a_factorisations_row_agrees_with_search_devices(gradient_sync, limit):
+    """Each K x d's best cell is the plan `solve --devices` makes for that K x d: same step, same M."""
+    from gpipe_plan.planner.replicas import search_devices
+
+    profile = Profile(transformer_like())
+    options = _replica_options(gradient_sync=gradient_sync, memory_limit_bytes=limit)
+    ex = explore(profile, None, "auto", 16, memory_limit_bytes=limit, schedules=("1f1b",), recomputes=("never",),
+                 link_bandwidth_bytes_per_s=2e9, link_latency_s=1e-5, time_budget_s=30.0, devices=4, nodes=2,
+                 network_bandwidth_bytes_per_s=0.2e9, network_latency_s=5e-5, gradient_sync=gradient_sync)
+    result = search_devices(profile, options)
+    ours = {(f.stages, f.data_parallel): f for f in ex.factorisations}
+    theirs = {(f.stages, f.data_parallel): f for f in result.factorisations}
+    assert set(ours) == set(theirs) == {(1, 4), (2, 2), (4, 1)}
+    for key, f in theirs.items():
+        row = ours[key]
+        if f.result is None or not f.fits:
+            assert row.best is None, key
+            continue
+        assert row.best is not None, (key, row.reason)
+        assert row.best.step_s == pytest.approx(f.step_s, rel=1e-9), key
+        assert row.best.micro_batches == f.result.best.setting.micro_batches, key
+        assert row.best.proven
+    # both rank the factorisations alike, and the replicas really pay for their gradient sync
+    fitting = [f for f in result.factorisations if f.fits]
+    assert [(f.stages, f.data_parallel) for f in ex.factorisations if f.best][:len(fitting)] == \
+        [(f.stages, f.data_parallel) for f in fitting]
+    assert all(c.gradient_sync_s > 0 for c in ex.cells if c.data_parallel > 1 and c.step_s is not None)
+    assert all(c.gradient_sync_s == 0 for c in ex.cells if c.data_parallel == 1 and c.step_s is not None)
+    # 55 MB holds the whole model (18.9 MB of parameters) on one device only sharded over 4: fsdp keeps
+    # 18.9 x (1 + 1/4 + 1 + 2/4) = 52.0 MB, ddp 18.9 x (1 + 1 + 2) = 75.6 MB, before activations
+    if limit is not None:
+        assert (ours[(1, 4)].best is not None) == (gradient_sync == "fsdp")
+
+
+def test_a_slower_network_never_buys_more_replicas():
+    """Gradient syncs between nodes only get slower with the network: the best d cannot rise."""
+    profile = Profile(transformer_like())
+    best_d = []
+    for network in (1e12, 1e9, 1e7):
+        ex = explore(profile, None, "auto", 16, schedules=("1f1b",), recomputes=("never",), time_budget_s=5.0,
+                     link_bandwidth_bytes_per_s=1e10, devices=8, nodes=2, network_bandwidth_bytes_per_s=network)
+        best_d.append(ex.factorisations[0].data_parallel)
+    assert best_d == sorted(best_d, reverse=True) and best_d[0] > best_d[-1], best_d
+
+
+def test_cli_devices_writes_a_row_per_factorisation(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(transformer_like()))
+    out = tmp_path / "grid.json"
+    result = CliRunner().invoke(main, ["explore", str(path), "--devices", "4", "--nodes", "2",
+                                       "--network-bandwidth", "1", "--link-bandwidth", "10", "--schedule",
+                                       "gpipe,1f1b", "--recompute", "never", "--memory-limit", "60MB",
+                                       "--json", str(out)], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert doc["version"] == 2 and doc["devices"] == 4
+    assert {(r["stages"], r["data_parallel"]) for r in doc["rows"]} == {(4, 1), (2, 2), (1, 4)}
+    assert len(doc["rows"]) == 3 * 5 * 2                  # K x d, M in 1..16, two schedules
+    for r in doc["rows"]:                                  # a replica's batch is 16 / d: M must divide it
+        assert (r["step_s"] is None) == (16 // r["data_parallel"] % r["micro_batches"] != 0), r
+    assert [f["stages"] * f["data_parallel"] for f in doc["factorisations"]] == [4, 4, 4]
+    # one device holds the whole model: 18.9 MB of parameters x 4 (Adam) does not fit 60 MB
+    by = {(f["stages"], f["data_parallel"]): f for f in doc["factorisations"]}
+    assert by[(4, 1)]["fits"] and by[(2, 2)]["fits"] and not by[(1, 4)]["fits"]
+    assert "over the memory limit" in by[(1, 4)]["reason"] and by[(1, 4)]["step_s"] is None
+    assert [f["fits"] for f in doc["factorisations"]] == [True, True, False]       # best first
+    assert doc["factorisations"][0]["step_s"] <= doc["factorisations"][1]["step_s"]
+    for shape in ("4x1", "2x2", "1x4"):
+        assert shape in result.output
+    assert doc["capacity"] == [] and "capacity" not in result.output      # a one-replica question
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nodes", "2"], "give --devices"),
+    (["--gradient-sync", "fsdp"], "give --devices"),
+    (["--devices", "4", "--nodes", "3"], "--nodes 3"),
+    (["--devices", "0"], "--devices"),
+    (["--devices", "4", "--stages", "3"], "none divides --devices 4"),
+    (["--devices", "4", "--network-bandwidth", "fast"], "--network-bandwidth"),
+    (["--devices", "4", "--network-latency", "-1"], "--network-latency"),
+    (["--devices", "4", "--nodes", "2"], "needs --network-bandwidth"),
+])
+def test_cli_devices_bad_input(tmp_path, args, message):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(transformer_like()))
+    out = tmp_path / "grid.json"
+    result = CliRunner().invoke(main, ["explore", str(path), *args, "--json", str(out)])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert not out.exists()

@@ -28,12 +28,12 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*PuLP 4:DeprecationWarning")
 
 PLAN_KEYS = {"format", "version", "model", "profile", "options", "balance", "micro_batches", "micro_batch_size",
              "global_batch_size", "schedule", "virtual_stages", "chunks", "stages", "predicted", "optimality",
-             "runners_up"}
+             "runners_up", "data_parallel", "gradient_sync", "placement", "factorisations"}
 CHUNK_KEYS = {"index", "stage", "layers", "first_layer", "recompute", "forward_s", "backward_s", "backward_input_s",
               "backward_weight_s", "recompute_s", "send_s"}
-STAGE_KEYS = {"index", "chunks", "optimizer_s", "memory_bytes", "memory", "in_flight", "busy_s", "idle_fraction"}
+STAGE_KEYS = {"index", "chunks", "optimizer_s", "gradient_sync_s", "memory_bytes", "memory", "in_flight", "busy_s", "idle_fraction"}
 MEMORY_KEYS = {"params_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes", "transient_bytes"}
-PREDICTED_KEYS = {"step_s", "makespan_s", "bubble_fraction", "samples_per_s", "peak_memory_bytes"}
+PREDICTED_KEYS = {"step_s", "makespan_s", "bubble_fraction", "samples_per_s", "peak_memory_bytes", "gradient_sync_s"}
 OPTIONS_KEYS = {"stages", "global_batch_size", "micro_batches", "schedule", "recompute", "memory_limit_bytes",
                 "link_bandwidth_bytes_per_s", "link_latency_s", "optimizer", "solver"}
 
@@ -49,7 +49,7 @@ def test_solve_writes_a_plan_with_the_documented_keys(profile_path: Path):
     assert result.exit_code == 0, result.output
     plan = json.loads(Path("plan.json").read_text())
     assert PLAN_KEYS <= plan.keys()
-    assert plan["format"] == "gpipe-plan.plan" and plan["version"] == FORMAT_VERSIONS[PLAN_FORMAT] == 5
+    assert plan["format"] == "gpipe-plan.plan" and plan["version"] == FORMAT_VERSIONS[PLAN_FORMAT] == 6
     assert OPTIONS_KEYS <= plan["options"].keys()
     assert PREDICTED_KEYS <= plan["predicted"].keys()
     assert {"proven", "method", "lower_bound_s", "gap"} <= plan["optimality"].keys()
@@ -262,7 +262,7 @@ BAD_PROFILES = {
     "malformed JSON": ('{"format": "gpipe-plan.profile", "version": 1, "layers": [', r"not valid JSON \(line 1"),
     "missing field": (_drop_field, r"has no 'layers\[3\]\.backward_s'"),
     "wrong format": (lambda d: {**d, "format": "gpipe-plan.plan"}, r"not a gpipe-plan profile.*it is a plan"),
-    "wrong version": (lambda d: {**d, "version": 99}, r"version 99.*reads versions 1, 2, 3, 4, 5, 6 or 7"),
+    "wrong version": (lambda d: {**d, "version": 99}, r"version 99.*reads versions 1, 2, 3, 4, 5, 6,? .*or \d+"),
     "wrong list length": (lambda d: (d["layers"][1].update(forward_s=[1.0]), d)[1],
                           r"'layers\[1\]\.forward_s' must be a list of 3 numbers"),
 }

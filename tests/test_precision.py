@@ -151,7 +151,7 @@ def _two_stages_and_one(tmp_path: Path, precision: str, steps: int) -> dict[str,
 @pytest.mark.slow
 def test_bf16_pipeline_learns_and_matches_one_stage(tmp_path: Path) -> None:
     report = _two_stages_and_one(tmp_path, "bf16", steps=30)["report"]
-    assert report["run"]["precision"] == "bf16" and report["version"] == 3
+    assert report["run"]["precision"] == "bf16" and report["version"] == 4
     first, last = report["loss"]["first"], report["loss"]["last"]
     assert first > math.log(256) - 0.3 and last < first - 1.0, (first, last)
     # A matching fp32 run learns about as well: bf16 is not training something else.
@@ -398,4 +398,4 @@ def test_ilp_without_pulp_is_one_line(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert result.stderr.strip() == ("error: --solver ilp needs the pulp package, which is not installed here: "
-                                     "pip install pulp, or use --solver dp (exact too)")
+                                     "pip install pulp, or use --solver exact")

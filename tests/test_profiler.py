@@ -11,16 +11,20 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from rich.console import Console
 from torch import nn
 
-from gpipe_plan.artifacts import FORMAT_VERSIONS, PROFILE_FORMAT, BadInput
+from gpipe_plan.artifacts import FORMAT_VERSIONS, PROFILE_FORMAT, BadInput, read_artifact, write_json_atomic
 from gpipe_plan.cli import main
 from gpipe_plan.models import AsTuple, model_spec
+from gpipe_plan.collectives import ring_allreduce_s
 from gpipe_plan.profiles.command import parse_sizes
-from gpipe_plan.profiles.link import fit_line, measure_link
+from gpipe_plan.profiles.link import fit_line, fit_ring, measure_link
 from gpipe_plan.profiles.measure import prepare_layer
 from gpipe_plan.profiles.memory import SavedTensors
 from gpipe_plan.profiles.profiler import ProfileRequest, default_sizes, profile_model
+from gpipe_plan.profiles.show import render_profile
+from gpipe_plan.schema import validate
 
 from user_models import SKIP_NET
 
@@ -232,11 +236,79 @@ def test_fit_line_recovers_latency_and_bandwidth() -> None:
     assert latency == pytest.approx(20e-6, rel=1e-6) and bandwidth == pytest.approx(2e9, rel=1e-6)
 
 
-def test_measure_link_between_two_cpu_processes() -> None:
-    link = measure_link(torch.device("cpu"), sizes=(4, 1 << 16, 1 << 20), repeats=3, warmup=1)
+def one_layer_profile(link: dict) -> dict:
+    """The smallest valid profile, with ``link`` as its link."""
+    return {"format": PROFILE_FORMAT, "version": FORMAT_VERSIONS[PROFILE_FORMAT], "model": {"source": "builtin"},
+            "device": {"type": "cpu"}, "micro_batch_sizes": [1],
+            "layers": [{"name": "a", "forward_s": [1e-3], "backward_s": [2e-3], "activation_bytes": [8],
+                        "output_bytes": [8], "param_bytes": 8}], "link": link}
+
+
+@pytest.mark.parametrize("processes", [2, 4, 8])
+def test_fit_ring_recovers_latency_per_step_and_bus_bandwidth(processes: int) -> None:
+    """All-reduce times made by hand from the ring model: 2(d-1) steps of 30 us, and 2(d-1)/d of
+    each message through every process at 5 GB/s; the fit gives both figures back."""
+    d = processes
+    sizes = [4, 1 << 14, 1 << 18, 1 << 20, 1 << 24]
+    seconds = [2 * (d - 1) * 30e-6 + 2 * (d - 1) / d * size / 5e9 for size in sizes]
+    latency, bandwidth = fit_ring(sizes, seconds, d)
+    assert latency == pytest.approx(30e-6, rel=1e-6) and bandwidth == pytest.approx(5e9, rel=1e-6)
+
+
+def test_fit_ring_gives_the_planner_formula_back_its_measured_times() -> None:
+    """The fit and the planner's ring formula are one model: with the fitted figures, the formula
+    predicts the measured points (here noisy ones) as well as a least-squares line can."""
+    sizes = [4, 1 << 16, 1 << 20, 1 << 22]
+    seconds = [0.0003, 0.0004, 0.0027, 0.0103]
+    latency, bandwidth = fit_ring(sizes, seconds, 2)
+    predicted = [ring_allreduce_s(size, 2, bandwidth, latency) for size in sizes]
+    assert sum(predicted) == pytest.approx(sum(seconds), rel=1e-9)   # least squares: residuals sum to 0
+    assert all(p == pytest.approx(s, rel=0.25) for p, s in zip(predicted[1:], seconds[1:]))
+
+
+def test_fit_ring_of_flat_times_has_no_cost_per_byte() -> None:
+    latency, bandwidth = fit_ring([4, 1 << 20], [1e-4, 1e-4], 2)
+    assert bandwidth == float("inf") and latency == pytest.approx(1e-4 / 2)
+
+
+def test_measure_link_between_two_cpu_processes(tmp_path: Path) -> None:
+    """One launch of two gloo processes: the ping-pong and the all-reduce, both fitted, positive,
+    finite, and a profile holding them is valid JSON that the schema and the planner accept."""
+    link = measure_link(torch.device("cpu"), sizes=(4, 1 << 16, 1 << 20), repeats=3, warmup=1,
+                        allreduce_sizes=(4, 1 << 20, 1 << 22), allreduce_repeats=3)
     assert link["backend"] == "gloo"
     assert link["latency_s"] >= 0 and link["bandwidth_bytes_per_s"] > 0
     assert len(link["one_way_s"]) == 3
+    assert link["allreduce_processes"] == 2 and link["allreduce_message_bytes"] == [4, 1 << 20, 1 << 22]
+    assert len(link["allreduce_s"]) == 3 and all(0 < t < 10 for t in link["allreduce_s"])
+    # A latency fitted under noise may clamp at 0; 4 MiB always costs more than 4 bytes.
+    assert 0 <= link["allreduce_latency_s"] < 1 and 0 < link["allreduce_bandwidth_bytes_per_s"] < float("inf")
+    doc = one_layer_profile(link)
+    write_json_atomic(tmp_path / "p.json", doc)
+    back = read_artifact(tmp_path / "p.json", PROFILE_FORMAT)
+    validate(back, "profile", "profile")
+    assert {k: v for k, v in back["link"].items() if k.startswith("allreduce")} == \
+        {k: v for k, v in link.items() if k.startswith("allreduce")}
+
+
+@pytest.mark.parametrize("key, value, problem", [
+    ("allreduce_latency_s", -1e-6, "must be a number"),
+    ("allreduce_processes", 1, "must be an integer"),
+    ("allreduce_s", [1e400], "must be a finite number"),
+])
+def test_schema_refuses_a_bad_allreduce_figure(key: str, value: object, problem: str) -> None:
+    doc = one_layer_profile({key: value})
+    with pytest.raises(BadInput, match=f"'link.{key}.*' {problem}"):
+        validate(doc, "profile", "profile 'p.json'")
+
+
+def test_show_prints_the_all_reduce() -> None:
+    doc = one_layer_profile({"backend": "gloo", "latency_s": 5e-5, "bandwidth_bytes_per_s": 4e9,
+                             "allreduce_processes": 2, "allreduce_latency_s": 8e-5,
+                             "allreduce_bandwidth_bytes_per_s": 1.1e9})
+    console = Console(record=True, width=200)
+    render_profile(doc, console)
+    assert "all-reduce over 2 processes (ring): latency 80 µs per step, bus bandwidth 1.10 GB/s" in console.export_text()
 
 
 # --------------------------------------------------------------------------- CUDA

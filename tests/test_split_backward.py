@@ -22,7 +22,7 @@ from gpipe_plan.cli import main
 from gpipe_plan.models import AsTuple, model_spec
 from gpipe_plan.profiles.clock import clock_for
 from gpipe_plan.profiles.command import phase_of
-from gpipe_plan.profiles.measure import (LayerFigures, harness_runner, has_weights, prepare_layer, record_split,
+from gpipe_plan.profiles.measure import (LayerMeasurement, harness_runner, has_weights, prepare_layer, record_split,
                                          split_harness_runner, split_runner, time_rounds)
 from gpipe_plan.profiles.profiler import ProfileRequest, profile_model
 from gpipe_plan.profiles.show import render_profile
@@ -34,7 +34,7 @@ TINY_RESNET = model_spec("resnet", blocks=[1, 1], width=8, image_size=8)
 SPLIT_KEYS = ("backward_input_s", "backward_weight_s", "weight_kept_bytes")
 
 
-def _weigh(layer: nn.Module, xs: tuple[torch.Tensor, ...], first: bool = False) -> tuple[LayerFigures, object]:
+def _weigh(layer: nn.Module, xs: tuple[torch.Tensor, ...], first: bool = False) -> tuple[LayerMeasurement, object]:
     figures, _ = prepare_layer("layer", layer, xs, first=first, loss=None)
     return figures, split_runner("layer (split)", layer, xs, figures, first=first, loss=None)
 
@@ -161,7 +161,7 @@ def test_profile_carries_the_split_for_every_layer(spec: dict, layer_by_layer: b
     doc = profile_model(ProfileRequest(spec=spec, micro_batch_sizes=[1, 2], warmup=0, repeats=1,
                                        layer_by_layer=layer_by_layer), Steps())
     assert len(steps) == Steps.total   # the progress bar ends full
-    assert doc["version"] == FORMAT_VERSIONS[PROFILE_FORMAT] == 7
+    assert doc["version"] == FORMAT_VERSIONS[PROFILE_FORMAT] == 8
     validate(doc, "profile", "profile")
     first, *rest = doc["layers"]
     for layer in doc["layers"]:

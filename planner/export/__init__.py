@@ -1,0 +1,103 @@
+"""Hand a plan to the trainers people already use: ``gpipe-plan export``.
+
+Many users train with torchtitan, Megatron-Core, DeepSpeed or their own loop around
+``torch.distributed.pipelining``, and balance stages there by hand. ``export --to TARGET``
+says the plan in the target's own terms, one module per target, each from the plan alone
+(no torch: the planner's side of the project):
+
+======================  ============================================================
+``torch``               :mod:`.to_torch`: a training script (``PipelineStage`` per chunk,
+                        the schedule's action lists, ``n_microbatches``, ``split_spec``)
+``torchtitan``          :mod:`.to_torchtitan`: its ``[parallelism]`` / ``[training]`` settings
+``megatron``            :mod:`.to_megatron`: ``--pipeline-model-parallel-layout`` and batch args
+``deepspeed``           :mod:`.to_deepspeed`: the config's batch keys and the partition
+======================  ============================================================
+
+``--schedule-csv`` (:mod:`.schedule_csv`) writes the schedule alone, as torch's CSV.
+
+A target that cannot express the plan exactly exports the nearest split it can
+(:mod:`.expressible`) and says so, with the planner's prediction for it (:mod:`.cost`). Every
+file is written atomically, and only after every export of the call succeeded; bad input
+(an unknown target, a plan whose layers have no module names where the target needs them, an
+output that cannot be written) is one line and no file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ...artifacts import BadInput, check_output_paths, write_text_atomic
+from .schedule_csv import ExportedSchedule, describe, export_schedule_csv, plan_actions
+
+TARGETS = ("torch", "torchtitan", "megatron", "deepspeed")
+DEFAULT_SUFFIX = {"torch": ".py", "torchtitan": ".toml", "megatron": ".args", "deepspeed": ".json"}
+
+__all__ = ["TARGETS", "Exported", "ExportedSchedule", "describe", "describe_export", "export_plan",
+           "export_schedule_csv", "plan_actions"]
+
+
+@dataclass
+class Exported:
+    """What one target made of a plan: its files (path -> text), and how faithful they are."""
+
+    target: str
+    files: dict[str, str]
+    exact: bool                              # the target runs the plan's very split
+    notes: list[str] = field(default_factory=list)
+    summary: str = ""
+    exported_balance: list[int] | None = None    # the split exported instead, when not exact
+    cost_note: str | None = None             # the planner's prediction for that split
+
+
+def default_out(plan_path: str, target: str) -> str:
+    """``plan.json`` -> ``plan.torchtitan.toml``: beside the plan, named for the target."""
+    path = Path(plan_path)
+    return str(path.with_name(f"{path.stem}.{target}{DEFAULT_SUFFIX[target]}"))
+
+
+def export_plan(plan_path: str, target: str, out: str | None = None) -> Exported:
+    """Export the plan for ``target`` and write its files (atomically, all or none)."""
+    if target not in TARGETS:
+        raise BadInput(f"unknown export target '{target}': choose one of {', '.join(TARGETS)}")
+    out = out or default_out(plan_path, target)
+    check_output_paths({"--out": out})
+    from .view import read_plan
+
+    view = read_plan(plan_path)
+    module = _target_module(target)
+    exported: Exported = module.export(view, out)
+    if exported.exported_balance is not None and exported.exported_balance != view.balance:
+        from .cost import predicted_cost
+
+        cost = predicted_cost(view, exported.exported_balance)
+        if cost.step_s is not None and view.step_s:
+            fits = "" if cost.fits else ", over the memory limit"
+            exported.cost_note = (f"the exported split {exported.exported_balance} is predicted at "
+                                  f"{cost.step_s * 1e3:.3g} ms per step{fits} against the plan's "
+                                  f"{view.step_s * 1e3:.3g} ms ({cost.step_s / view.step_s - 1:+.1%}; {cost.note})")
+        else:
+            exported.cost_note = f"the exported split {exported.exported_balance}: {cost.note}"
+    for path in exported.files:
+        if path != out:
+            check_output_paths({"--out (its companion file)": path})
+    for path, text in exported.files.items():
+        write_text_atomic(path, text)
+    return exported
+
+
+def _target_module(target: str):
+    from . import to_deepspeed, to_megatron, to_torch, to_torchtitan
+
+    return {"torch": to_torch, "torchtitan": to_torchtitan, "megatron": to_megatron, "deepspeed": to_deepspeed}[target]
+
+
+def describe_export(exported: Exported) -> list[str]:
+    """What was written, and how close to the plan, a line each."""
+    lines = [exported.summary, f"wrote {', '.join(exported.files)}",
+             "exact: the target runs the plan's split" if exported.exact else
+             "not exact: the target cannot express the plan's split (notes below)"]
+    lines += [f"note: {n}" for n in exported.notes]
+    if exported.cost_note:
+        lines.append(f"note: {exported.cost_note}")
+    return lines

@@ -1,0 +1,77 @@
+"""What the planner predicts for a split other than the plan's: the price of the nearest one.
+
+When a target cannot express a plan's split exactly, the export gives the nearest one it can
+(:mod:`.expressible`) and says what that costs: the same cost model, under the same setting
+(M, schedule, recompute, links, limits), evaluated at the other boundaries. That needs the
+per-layer figures, which live in the profile the plan was solved from (``profile.path``, read
+relative to the current folder, then to the plan's), checked by its ``sha256``; without it the
+export says the cost is unknown rather than guess.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...artifacts import file_sha256
+from .view import PlanView
+
+
+@dataclass(frozen=True)
+class SplitCost:
+    """A split's predicted step and peak memory, or why there is none."""
+
+    step_s: float | None
+    peak_memory_bytes: float | None
+    fits: bool | None
+    note: str            # how it was found, or why it could not be
+
+
+def predicted_cost(view: PlanView, balance: list[int]) -> SplitCost:
+    """The planner's prediction for ``balance`` under the plan's own setting."""
+    profile_path = _profile_path(view)
+    if profile_path is None:
+        return SplitCost(None, None, None, "its cost is unknown: the profile the plan was solved from is not here")
+    from ..profile import Profile            # the planner proper loads only when a cost is asked for
+    from ..command import load_profile
+    from ..objective import evaluate
+    from ..costmodel import CostModel
+    from .setting import plan_setting
+
+    profile: Profile = load_profile(str(profile_path))
+    setting, micro_batch_size = plan_setting(view, profile)
+    cm = CostModel(profile.at(micro_batch_size), setting)
+    recompute = [any(c.recompute for c in view.chunks_of_stage(k)) for k in range(view.stages)]
+    # The rebuilt model must price the plan's own split as the plan did, or its price of
+    # another split means nothing.
+    own = evaluate(cm, _bounds(view.balance), recompute)
+    if view.step_s is None or not math.isclose(own.step_s, view.step_s, rel_tol=1e-9):
+        return SplitCost(None, None, None, "its cost is unknown: the plan's setting could not be rebuilt from the "
+                                           "plan and its profile (solve the profile again)")
+    ev = evaluate(cm, _bounds(balance), recompute)
+    return SplitCost(ev.step_s if math.isfinite(ev.step_s) else None, ev.peak_memory_bytes, bool(ev.fits),
+                     f"predicted from the profile '{profile_path}'")
+
+
+def _bounds(balance: list[int]) -> list[int]:
+    """Layers per chunk as chunk boundaries: [2, 3] -> [0, 2, 5]."""
+    bounds = [0]
+    for count in balance:
+        bounds.append(bounds[-1] + count)
+    return bounds
+
+
+def _profile_path(view: PlanView) -> Path | None:
+    """The plan's profile, where it can be found unchanged (same sha256), else None."""
+    source = view.doc.get("profile") or {}
+    path, digest = source.get("path"), source.get("sha256")
+    if not isinstance(path, str) or not isinstance(digest, str):
+        return None
+    for candidate in (Path(path), Path(view.path).parent / path):
+        try:
+            if candidate.is_file() and file_sha256(str(candidate)) == digest:
+                return candidate
+        except OSError:
+            continue
+    return None

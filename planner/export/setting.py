@@ -1,0 +1,45 @@
+"""The cost model's setting of a plan, rebuilt from what the plan recorded of it.
+
+A plan's ``options`` keep every figure the solver charged (the link, the per-micro-batch
+overhead, the neighbours' compute scale, the memory limit, the optimizer) and its
+``placement`` what the gradient syncs of its replicas were charged: with the profile's layers
+they give back the very cost model that chose the plan, to price another split.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..costmodel import Setting
+from ..profile import Profile
+from .view import PlanView
+
+
+def plan_setting(view: PlanView, profile: Profile) -> tuple[Setting, int]:
+    """(the plan's Setting, its micro-batch size per replica)."""
+    options: dict[str, Any] = view.doc.get("options") or {}
+    placement: dict[str, Any] = view.doc.get("placement") or {}
+    bandwidth = options.get("link_bandwidth_bytes_per_s")
+    limit = options.get("memory_limit_bytes")
+    setting = Setting(
+        stages=view.stages, micro_batches=view.micro_batches, schedule=view.schedule,
+        recompute=str(options.get("recompute") or "auto"),
+        memory_limit_bytes=float(limit) if isinstance(limit, (int, float)) else None,
+        link_bandwidth_bytes_per_s=_bandwidth(bandwidth),
+        link_latency_s=float(options.get("link_latency_s") or 0.0),
+        optimizer=str(options.get("optimizer") or "adam"),
+        overhead_s=float(options.get("per_microbatch_overhead_s") or 0.0),
+        compute_scale=float(options.get("compute_scale") or 1.0),
+        virtual_stages=view.virtual_stages,
+        data_parallel=view.data_parallel,
+        sync_bandwidth_bytes_per_s=_bandwidth(placement.get("sync_bandwidth_bytes_per_s")),
+        sync_latency_s=float(placement.get("sync_latency_s") or 0.0),
+        gradient_sync=view.gradient_sync,
+    )
+    return setting, view.micro_batch_size
+
+
+def _bandwidth(value: Any) -> float:
+    """A recorded bandwidth; null (or absent) is a free link."""
+    return float(value) if isinstance(value, (int, float)) else math.inf

@@ -1,0 +1,108 @@
+"""DeepSpeed: the plan as a ``PipelineModule`` partition and the batch settings of its config.
+
+DeepSpeed's pipeline engine takes the model as a list of layers (``PipelineModule(layers=...,
+num_stages=K, partition_method=...)``) and cuts it by a *rule*: ``uniform`` (equal layer
+counts), ``parameters`` (equal parameter counts) or ``type:REGEX`` (equal counts of the layers
+whose class matches). It has no way to pass a list of boundaries, so an arbitrary balance
+is not expressible through its public arguments. This export says whether the plan's
+balance is what ``uniform`` gives (then it is exact), and otherwise gives two things:
+
+- the nearest split its arguments express, ``uniform``, with the planner's predicted cost;
+- the exact balance as the stage boundaries ``parts`` for a ``PipelineModule`` subclass that
+  sets them itself (``_partition_layers`` is DeepSpeed's private method: it works with the
+  versions that have it, and is marked as such).
+
+The config's batch keys: ``train_micro_batch_size_per_gpu`` = the plan's micro-batch size,
+``gradient_accumulation_steps`` = M, ``train_batch_size`` = the global batch (DeepSpeed checks
+it equals micro-batch x M x data-parallel size). DeepSpeed's pipeline runs one schedule, 1F1B
+(``TrainSchedule``), one chunk per stage: a plan of another schedule exports its balance with
+1F1B's order, and a plan of several chunks per stage (interleaved, zb-v) cannot be expressed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ...artifacts import BadInput
+from . import Exported
+from .view import PlanView
+
+
+def partition_uniform(num_items: int, num_parts: int) -> list[int]:
+    """DeepSpeed's ``uniform`` rule (``deepspeed.runtime.utils.partition_uniform``) as layers per
+    stage: equal shares, the first ``num_items mod num_parts`` stages one layer more."""
+    if num_items <= num_parts:
+        return [1 if p < num_items else 0 for p in range(num_parts)]
+    share, extra = divmod(num_items, num_parts)
+    return [share + (1 if p < extra else 0) for p in range(num_parts)]
+
+
+def export(view: PlanView, out: str) -> Exported:
+    if view.virtual_stages > 1:
+        raise BadInput(f"plan '{view.path}': DeepSpeed's pipeline holds one chunk per stage; this plan's {view.schedule} "
+                       f"holds {view.virtual_stages}: solve with --schedule 1f1b (or gpipe) to export to DeepSpeed")
+    balance = view.balance
+    uniform = partition_uniform(sum(balance), view.stages)
+    exact = balance == uniform
+    notes: list[str] = []
+    if view.schedule != "1f1b":
+        notes.append(f"DeepSpeed runs 1F1B only: the plan's {view.schedule} order does not export, its balance does")
+    if not exact:
+        notes.append(f"partition_method cannot say the balance {balance}: 'uniform' gives {uniform}; the exact "
+                     f"boundaries are in 'gpipe_plan.parts'")
+    if view.gradient_sync == "fsdp":
+        notes.append("DeepSpeed's pipeline engine does not shard parameters across replicas (ZeRO stage 1 at most): "
+                     "the plan's fsdp memory does not hold there")
+    if any(chunk.recompute for chunk in view.chunks):
+        flags = [chunk.recompute for chunk in view.chunks]
+        notes.append(f"recomputation is per stage in the plan ({flags}); DeepSpeed's activation_checkpoint_interval "
+                     f"applies to every stage alike")
+    parts = [0]
+    for count in balance:
+        parts.append(parts[-1] + count)
+    config = {
+        "train_batch_size": view.global_batch_size,
+        "train_micro_batch_size_per_gpu": view.micro_batch_size,
+        "gradient_accumulation_steps": view.micro_batches,
+        "pipeline": {"stages": view.stages, "partition_method": "uniform"},
+        "gpipe_plan": {
+            "plan": view.path, "exact_with_partition_method": exact,
+            "parts": parts, "balance": balance, "layers": view.layers,
+            "data_parallel": view.data_parallel, "notes": notes,
+        },
+    }
+    files = {out: json.dumps(config, indent=2) + "\n"}
+    if not exact:
+        snippet = str(Path(out).with_suffix(".partition.py"))
+        files[snippet] = SUBCLASS_SNIPPET.format(balance=balance, parts=parts, stages=view.stages,
+                                                 first=view.layers[0], last=view.layers[-1])
+        notes.append(f"the exact split: {snippet} (a PipelineModule subclass setting DeepSpeed's private 'parts')")
+    return Exported("deepspeed", files, exact=exact, notes=notes, exported_balance=None if exact else uniform,
+                    summary=f"deepspeed: {view.stages} stages, partition_method 'uniform' "
+                            f"({'exact' if exact else 'nearest'}), {view.micro_batches} micro-batches of "
+                            f"{view.micro_batch_size}")
+
+
+SUBCLASS_SNIPPET = '''\
+from deepspeed.pipe import PipelineModule
+
+class PlannedPipelineModule(PipelineModule):
+    """A PipelineModule cut at gpipe-plan's boundaries (DeepSpeed's private _partition_layers)."""
+
+    def __init__(self, *args, parts, **kwargs):
+        self._planned_parts = parts
+        super().__init__(*args, **kwargs)
+
+    def _partition_layers(self, method="uniform"):
+        # What DeepSpeed's own _partition_layers does, with the plan's boundaries for its rule.
+        self.parts = list(self._planned_parts)
+        stage_id = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+
+# Layers per stage {balance}: stage k holds layers PARTS[k] to PARTS[k+1] - 1 of the list you
+# give PipelineModule (the unsplit model's layers, in order: {first} ... {last}).
+PARTS = {parts}
+# model = PlannedPipelineModule(layers=..., num_stages={stages}, loss_fn=..., parts=PARTS)
+'''

@@ -1,0 +1,392 @@
+"""Pipeline x data parallel: how to use N devices as K stages times d replicas (K * d = N).
+
+Each of the d replicas is a whole pipeline of K stages that trains on global_batch / d samples
+a step; once a step every stage averages its gradients over its d copies (the *gradient
+sync*). So a factorisation (K, d) is planned as one pipeline of K stages with the replica's
+batch, plus each stage's sync, which :class:`planner.costmodel.CostModel` charges after the
+stage's last backward next to its optimizer step (docs/planner.md, "Data parallel"). Which
+ranks run which (stage, replica) is the *placement*: it decides which traffic stays on the fast
+link inside a node and which crosses the network.
+
+Interface (others code against these; the fields are stable):
+
+- ``ring_allreduce_s(nbytes, replicas, bandwidth_bytes_per_s, latency_s) -> float``: in
+  ``gpipe_plan/collectives.py``, which profiling shares
+- ``Topology(nodes, devices_per_node, link_bandwidth_bytes_per_s, link_latency_s,
+  network_bandwidth_bytes_per_s, network_latency_s, allreduce_bandwidth_bytes_per_s,
+  allreduce_latency_s)``; ``topology_for(profile, options, devices) -> Topology``
+- ``Placement(order, nodes, devices_per_node, ranks, pipeline_bandwidth_bytes_per_s,
+  pipeline_latency_s, sync_bandwidth_bytes_per_s, sync_latency_s, reason)``;
+  ``placements(stages, data_parallel, topology) -> list[Placement]``
+- ``factorisations(devices, stages, data_parallel, batch, layers) -> list[tuple[int, int, str]]``
+- ``Factorisation(stages, data_parallel, placement, result, reason, lower_bound_s)`` with
+  ``fits``, ``step_s`` (inf when none fits), ``samples_per_s(global_batch)``, ``proven``
+- ``DevicesResult(options, global_batch_size, devices, topology, factorisations)``, best
+  first, with ``best``, ``lower_bound_s``, ``proven``
+- ``search_devices(profile, options, progress=None) -> DevicesResult``
+
+Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Callable
+
+from ..artifacts import BadInput
+from .units import format_bytes
+
+if TYPE_CHECKING:     # search imports costmodel, which imports this module: no cycle at run time
+    from .profile import Profile
+    from .search import SearchResult, SolveOptions
+
+Progress = Callable[[int, int, str], None]
+
+PIPELINE_INNER, DATA_INNER = "pipeline-inner", "data-inner"    # plan_layout.PLACEMENT_ORDERS
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The machines: ``nodes`` of ``devices_per_node`` each; ranks are numbered node-major.
+
+    ``link_*``: between devices of one node; ``network_*``: between nodes (inf bandwidth and
+    0 latency: free). ``allreduce_*``: a profile's measured all-reduce between a node's
+    devices (bus bandwidth and latency per ring step), used for syncs inside a node.
+    """
+
+    nodes: int = 1
+    devices_per_node: int = 1
+    link_bandwidth_bytes_per_s: float = math.inf
+    link_latency_s: float = 0.0
+    network_bandwidth_bytes_per_s: float = math.inf
+    network_latency_s: float = 0.0
+    allreduce_bandwidth_bytes_per_s: float | None = None
+    allreduce_latency_s: float | None = None
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.devices_per_node
+
+    def link_sync(self) -> tuple[float, float]:
+        """(bandwidth, latency) of a ring inside one node: measured all-reduce figures if any."""
+        if self.allreduce_bandwidth_bytes_per_s is not None:
+            latency = self.allreduce_latency_s if self.allreduce_latency_s is not None else self.link_latency_s
+            return self.allreduce_bandwidth_bytes_per_s, latency
+        return self.link_bandwidth_bytes_per_s, self.link_latency_s
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which rank runs stage k of replica r (``ranks[k][r]``), and what each traffic pays.
+
+    ``pipeline_*``: what every pipeline send (a cut between stages) is charged; ``sync_*``:
+    what every stage's gradient sync ring is charged. ``reason``: one line for the plan.
+    """
+
+    order: str
+    nodes: int
+    devices_per_node: int
+    ranks: tuple[tuple[int, ...], ...]
+    pipeline_bandwidth_bytes_per_s: float
+    pipeline_latency_s: float
+    sync_bandwidth_bytes_per_s: float
+    sync_latency_s: float
+    reason: str
+
+    @property
+    def pipeline_on_link(self) -> bool:
+        return self.nodes == 1 or all(len({r // self.devices_per_node for r in col}) == 1
+                                      for col in zip(*self.ranks))
+
+    @property
+    def sync_on_link(self) -> bool:
+        return self.nodes == 1 or all(len({r // self.devices_per_node for r in row}) == 1 for row in self.ranks)
+
+
+def rank_grid(stages: int, data_parallel: int, order: str) -> tuple[tuple[int, ...], ...]:
+    """``ranks[k][r]`` for an order: ``pipeline-inner`` rank = r K + k (one replica's stages
+    on consecutive ranks), ``data-inner`` rank = k d + r (one stage's replicas consecutive)."""
+    if order == PIPELINE_INNER:
+        return tuple(tuple(r * stages + k for r in range(data_parallel)) for k in range(stages))
+    return tuple(tuple(k * data_parallel + r for r in range(data_parallel)) for k in range(stages))
+
+
+def placements(stages: int, data_parallel: int, topology: Topology) -> list[Placement]:
+    """The candidate placements of K stages x d replicas on the topology (one or two).
+
+    The rule: a ring goes at its slowest hop's pace, so a stage's sync pays the link only when
+    all its replicas share a node, else the network. A replica's pipeline pays the link when
+    every cut of every replica stays inside a node, else the network for *every* cut
+    (conservative: one plan serves all replicas, and the solver charges one figure per send).
+    With one node both orders are alike: ``pipeline-inner``, the layout of
+    ``init_device_mesh(("dp", "pp"))``. Two orders that give the same ranks or charge alike
+    keep the first.
+    """
+    link = (topology.link_bandwidth_bytes_per_s, topology.link_latency_s)
+    network = (topology.network_bandwidth_bytes_per_s, topology.network_latency_s)
+    found: list[Placement] = []
+    for order in (PIPELINE_INNER, DATA_INNER):
+        ranks = rank_grid(stages, data_parallel, order)
+        probe = Placement(order, topology.nodes, topology.devices_per_node, ranks, 0.0, 0.0, 0.0, 0.0, "")
+        pipe = link if probe.pipeline_on_link else network
+        sync = topology.link_sync() if probe.sync_on_link else network
+        if stages == 1:
+            pipe = link                       # one stage: no pipeline sends at all
+        if data_parallel == 1:
+            sync = link
+        placement = replace(probe, pipeline_bandwidth_bytes_per_s=pipe[0], pipeline_latency_s=pipe[1],
+                            sync_bandwidth_bytes_per_s=sync[0], sync_latency_s=sync[1])
+        if any(p.ranks == ranks or (p.pipeline_on_link, p.sync_on_link) == (placement.pipeline_on_link,
+                                                                             placement.sync_on_link)
+               for p in found):
+            continue
+        found.append(replace(placement, reason=placement_reason(placement, stages, data_parallel)))
+    return found
+
+
+def placement_reason(placement: Placement, stages: int, data_parallel: int,
+                     pipeline_bytes: float | None = None, sync_bytes: float | None = None) -> str:
+    """One line: the order, and which traffic takes the link and which the network (with the
+    bytes each moves per step, once a plan is known)."""
+    where = f"{placement.nodes} node{'s' if placement.nodes != 1 else ''} of {placement.devices_per_node}"
+
+    def traffic(name: str, on_link: bool, nbytes: float | None, none: bool) -> str:
+        if none:
+            return f"no {name}"
+        amount = f" ({format_bytes(nbytes)}/step)" if nbytes is not None else ""
+        return f"{name}{amount} on the {'link' if on_link else 'network'}"
+
+    pipe = traffic("pipeline sends", placement.pipeline_on_link, pipeline_bytes, stages == 1)
+    sync = traffic("gradient syncs", placement.sync_on_link, sync_bytes, data_parallel == 1)
+    line = f"{placement.order} on {where}: {pipe}, {sync}"
+    if placement.nodes == 1:
+        line += " (one node: both orders alike)"
+    elif not placement.pipeline_on_link and stages > 1:
+        line += " (every cut charged the network: conservative)"
+    return line
+
+
+def factorisations(devices: int, stages: int | None, data_parallel: int | str, batch: int,
+                   layers: int) -> list[tuple[int, int, str]]:
+    """Every (K, d) with K d = ``devices`` that the options allow, smallest d first, each with
+    "" or one line saying why it cannot run (d must divide the batch: every replica takes the
+    same share; a stage needs a layer: K <= layers)."""
+    out = []
+    for d in range(1, devices + 1):
+        if devices % d:
+            continue
+        K = devices // d
+        if stages is not None and K != stages:
+            continue
+        if data_parallel != "auto" and d != data_parallel:
+            continue
+        reason = ""
+        if K > layers:
+            reason = f"{K} stages need {K} layers; the profile has {layers}"
+        elif batch % d:
+            reason = f"{d} replicas do not divide the global batch of {batch}"
+        out.append((K, d, reason))
+    return out
+
+
+@dataclass
+class Factorisation:
+    """The best plan of one (K, d): ``result`` is its pipeline's search (batch global / d) on
+    ``placement``; None, with ``reason``, when it cannot run or nothing fits."""
+
+    stages: int
+    data_parallel: int
+    placement: Placement | None
+    result: SearchResult | None
+    reason: str = ""
+    lower_bound_s: float = math.inf     # no plan of this (K, d), on any placement, is faster
+
+    @property
+    def fits(self) -> bool:
+        return self.result is not None
+
+    @property
+    def step_s(self) -> float:
+        return self.result.best.step_s if self.result is not None else math.inf
+
+    def samples_per_s(self, global_batch_size: int) -> float | None:
+        return global_batch_size / self.step_s if self.fits and self.step_s > 0 else None
+
+    @property
+    def proven(self) -> bool:
+        """Optimal among this (K, d)'s settings and placements."""
+        return self.fits and self.lower_bound_s >= self.step_s * (1 - 1e-12)
+
+    def sort_key(self) -> tuple:
+        return (self.step_s, self.data_parallel, self.stages)
+
+
+@dataclass
+class DevicesResult:
+    """Every factorisation searched, best first (those that fit, then the rest)."""
+
+    options: SolveOptions
+    global_batch_size: int
+    devices: int
+    topology: Topology
+    factorisations: list[Factorisation] = field(default_factory=list)
+
+    @property
+    def best(self) -> Factorisation:
+        return self.factorisations[0]
+
+    @property
+    def lower_bound_s(self) -> float:
+        """No plan on these devices (any K, d, placement, setting) is faster than this."""
+        return min(f.lower_bound_s for f in self.factorisations)
+
+    @property
+    def proven(self) -> bool:
+        return self.best.fits and self.lower_bound_s >= self.best.step_s * (1 - 1e-12)
+
+
+def topology_for(profile: Profile, options: SolveOptions, devices: int) -> Topology:
+    """The topology the options describe, with the profile's link figures as defaults."""
+    nodes = options.nodes
+    if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
+        raise BadInput(f"--nodes must be a positive integer, got {nodes!r}")
+    if devices % nodes:
+        raise BadInput(f"--nodes {nodes} does not divide the {devices} devices: every node holds as many")
+    network = options.network_bandwidth_bytes_per_s
+    if nodes > 1 and network is None:
+        raise BadInput(f"--nodes {nodes} needs --network-bandwidth (GB/s between nodes): the planner cannot "
+                       "guess what crossing the network costs")
+    link = options.link_bandwidth_bytes_per_s
+    if link is None:
+        link = profile.link_bandwidth_bytes_per_s or math.inf
+    link_latency = options.link_latency_s if options.link_latency_s is not None else profile.link_latency_s
+    return Topology(
+        nodes=nodes, devices_per_node=devices // nodes,
+        link_bandwidth_bytes_per_s=link, link_latency_s=link_latency if math.isfinite(link) else 0.0,
+        network_bandwidth_bytes_per_s=network if network is not None else math.inf,
+        network_latency_s=options.network_latency_s if network is not None else 0.0,
+        # a measured all-reduce stands for the link only when the user did not set the link
+        allreduce_bandwidth_bytes_per_s=(profile.allreduce_bandwidth_bytes_per_s
+                                         if options.link_bandwidth_bytes_per_s is None else None),
+        allreduce_latency_s=profile.allreduce_latency_s if options.link_bandwidth_bytes_per_s is None else None,
+    )
+
+
+def check_devices(profile: Profile, options: SolveOptions) -> tuple[int, int]:
+    """(devices N, global batch); one line for each contradiction in the options."""
+    from .search import resolve_global_batch
+
+    d, K, N = options.data_parallel, options.stages, options.devices
+    if options.gradient_sync not in ("ddp", "fsdp"):
+        raise BadInput(f"--gradient-sync must be ddp or fsdp, got {options.gradient_sync!r}")
+    if d != "auto" and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
+        raise BadInput(f"--data-parallel must be a positive integer or 'auto', got {d!r}")
+    if K is not None and (not isinstance(K, int) or K < 1):
+        raise BadInput(f"--stages must be at least 1, got {K}")
+    if N is None:
+        if K is None or d == "auto":
+            raise BadInput("give --devices N, or --stages K (with a fixed --data-parallel d)")
+        N = K * d
+    elif not isinstance(N, int) or isinstance(N, bool) or N < 1:
+        raise BadInput(f"--devices must be a positive integer, got {N!r}")
+    if K is not None and d != "auto" and K * d != N:
+        raise BadInput(f"--stages {K} x --data-parallel {d} is {K * d} devices, not --devices {N}")
+    if K is not None and N % K:
+        raise BadInput(f"--stages {K} does not divide --devices {N}: each replica needs K devices")
+    if d != "auto" and N % d:
+        raise BadInput(f"--data-parallel {d} does not divide --devices {N}")
+    if K is not None and K > profile.num_layers:
+        raise BadInput(f"--stages {K} is more than the profile's {profile.num_layers} layers: use at most "
+                       f"{profile.num_layers} stages (each stage needs a layer), or profile a finer model")
+    batch = resolve_global_batch(profile, options)
+    if d != "auto" and batch % d:
+        raise BadInput(f"--data-parallel {d} does not divide the global batch of {batch}: every replica takes "
+                       "as many samples; use a d that divides it, or another --global-batch-size")
+    if options.solver == "ilp" and (d == "auto" or d > 1):
+        raise BadInput("--solver ilp plans one pipeline only: use --solver exact with --data-parallel")
+    return N, batch
+
+
+def search_devices(profile: Profile, options: SolveOptions, progress: Progress | None = None) -> DevicesResult:
+    """The best plan over every (K, d) with K d = N the options allow, and every placement.
+
+    Each (K, d, placement) is :func:`planner.search.search` of one pipeline of K stages with
+    the replica's batch (global / d), its pipeline sends charged the placement's figures and
+    each stage its sync; they share the time budget evenly. A factorisation keeps its best
+    placement; ``lower_bound_s`` is the least lower bound over all of them, so ``proven``
+    says the best plan is optimal over the whole space searched.
+    """
+    from .search import ReplicaSync, search
+
+    devices, batch = check_devices(profile, options)
+    topology = topology_for(profile, options, devices)
+    pairs = factorisations(devices, options.stages, options.data_parallel, batch, profile.num_layers)
+    if not pairs:
+        raise BadInput(f"no (stages, data parallel) pair multiplies to --devices {devices} with these options")
+    jobs = [(K, d, p) for K, d, reason in pairs if not reason for p in placements(K, d, topology)]
+    result = DevicesResult(options, batch, devices, topology)
+    alone = len(jobs) == 1 and len(pairs) == 1
+    started = time.perf_counter()
+    done = 0
+    by_pair: dict[tuple[int, int], Factorisation] = {}
+    for K, d, reason in pairs:
+        by_pair[(K, d)] = Factorisation(K, d, None, None, reason)
+    for K, d, placement in jobs:
+        left = options.time_budget_s - (time.perf_counter() - started)
+        share = max(0.05, left / max(1, len(jobs) - done))
+        replica = replace(options, stages=K, global_batch_size=batch // d, data_parallel=d, devices=None,
+                          link_bandwidth_bytes_per_s=placement.pipeline_bandwidth_bytes_per_s,
+                          link_latency_s=placement.pipeline_latency_s, time_budget_s=share)
+        sync = ReplicaSync(d, options.gradient_sync, placement.sync_bandwidth_bytes_per_s,
+                           placement.sync_latency_s, topology.devices_per_node)
+        label = f"{K}x{d} {placement.order}"
+
+        def inner(i: int, n: int, what: str, label: str = label) -> None:
+            if progress:
+                progress(done, len(jobs), f"{label} {what}")
+
+        entry = by_pair[(K, d)]
+        if alone:    # the user's one request: its own errors, and why nothing fits, as they are
+            found = search(profile, replica, progress=inner, explain=True, sync=sync)
+        else:
+            try:
+                found = search(profile, replica, progress=inner, explain=False, sync=sync)
+            except BadInput as error:
+                if entry.result is None and not entry.reason:
+                    entry.reason = str(error)
+                found = None
+        if found is not None:
+            entry.lower_bound_s = min(entry.lower_bound_s, found.lower_bound_s)
+            if entry.result is None or found.best.step_s < entry.step_s:
+                entry.result, entry.placement, entry.reason = found, placement, ""
+        done += 1
+        if progress:
+            progress(done, len(jobs), label)
+    result.factorisations = sorted(by_pair.values(), key=Factorisation.sort_key)
+    if not result.best.fits:
+        reasons = "; ".join(f"{f.stages}x{f.data_parallel}: {f.reason}" for f in result.factorisations)
+        raise BadInput(f"no factorisation of {devices} devices gives a plan: {reasons}")
+    for f in result.factorisations:
+        if f.placement is not None and f.result is not None:
+            f.placement = replace(f.placement, reason=placement_reason(
+                f.placement, f.stages, f.data_parallel, *traffic_bytes(profile, f)))
+    return result
+
+
+def traffic_bytes(profile: Profile, f: Factorisation) -> tuple[float, float]:
+    """(pipeline, sync) bytes one step moves over all devices for a factorisation's plan.
+
+    Pipeline: every cut between two stages sends each micro-batch's activations forward and
+    their gradients back, in each of the d replicas. Sync: in a ring all-reduce each of the d
+    ranks sends 2 (d-1)/d of the stage's parameter bytes, so 2 (d-1) B per stage.
+    """
+    assert f.result is not None and f.result.best.solution is not None
+    best = f.result.best
+    ev = best.solution.evaluation
+    output_bytes = profile.at(best.micro_batch_size).output_bytes
+    d = f.data_parallel
+    cuts = sum(output_bytes[c.end - 1] for c, after in zip(ev.chunks, ev.chunks[1:]) if c.stage != after.stage)
+    pipeline = 2 * best.setting.micro_batches * d * cuts
+    sync = 2 * (d - 1) * sum(s.gradients_bytes for s in ev.stages)
+    return float(pipeline), float(sync)

@@ -1,0 +1,110 @@
+"""The runtime's cost per action, measured from a run: what ``calibrate`` writes to
+``overhead.per_microbatch_s``.
+
+A stage runs a list of actions per step (gpipe_plan/schedules.py: each forward, backward, or
+input- and weight-gradient half, of each chunk and micro-batch). The report times each action
+as a span (its computation, the loss, posting its sends) and each wait for a neighbour's
+tensors as another; what the stage spends between them (the executor choosing the next
+action, bookkeeping of receives and sends, Python's own cost per call) is in neither. The
+planner charges that as a fixed cost on every action (planner/costmodel.py, ``overhead``:
+once on F and on B, once each on I and W), so a schedule of many small actions (interleaved
+with v = 3) pays for its many actions, as it does when it runs.
+
+Per stage, the time of a step not spent in its actions, its waits or its gradient sync (which
+the planner charges apart) is that cost summed over the stage's actions::
+
+    per action = (step - busy - wait - gradient sync - other) / actions per step
+
+with ``busy`` the stage's action spans and its optimizer step, ``other`` the step's other
+spans where the report gives them (``measured_other_s``: drawing the batch, the end-of-step
+loss exchange), and the action count from the schedule. The figure is the median over stages
+(one stage's odd step does not decide it), never below zero. It is a direct measurement, not a
+ratio against a prediction: a second round replaces the first's figure.
+
+Pure JSON in, numbers out: no torch here.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from ..schedules import SPLIT_BACKWARD, chunks_per_stage, problem, stage_actions
+
+
+@dataclass(frozen=True)
+class StageGap:
+    """One stage's time per step outside its actions, waits and gradient sync, and its actions."""
+
+    stage: int
+    outside_s: float      # per step (may be below 0 by measurement noise; clamped in the median)
+    actions: int          # actions per step, from the schedule
+
+    @property
+    def per_action_s(self) -> float:
+        return max(0.0, self.outside_s / self.actions)
+
+
+@dataclass(frozen=True)
+class OverheadMeasurement:
+    """``per_microbatch_s``: the runtime's cost per action (None: the report cannot tell, see ``reason``)."""
+
+    per_microbatch_s: float | None
+    stages: tuple[StageGap, ...] = ()
+    reason: str = ""
+
+    def record(self, previous_s: float | None) -> dict[str, Any]:
+        """What a calibration round records of it (the profile's ``calibration[i].overhead``)."""
+        if self.per_microbatch_s is None:
+            return {"measured": False, "reason": self.reason, "per_microbatch_s": previous_s}
+        return {"measured": True, "per_microbatch_s": self.per_microbatch_s, "previous_per_microbatch_s": previous_s,
+                "stages": [{"stage": g.stage, "outside_actions_s": g.outside_s, "actions": g.actions,
+                            "per_action_s": g.per_action_s} for g in self.stages]}
+
+
+def measure_overhead(report: dict[str, Any]) -> OverheadMeasurement:
+    """The runtime's cost per action in the run ``report`` describes (a validated report).
+
+    Not measured, with the reason, when the report lacks what it takes: the step time, the
+    schedule's shape (schedule, stages, micro-batches), or a stage's busy or waiting time.
+    """
+    step_s = _number(report.get("measured_step_s"))
+    schedule, stages, micro_batches = report.get("schedule"), report.get("num_stages"), report.get("micro_batches")
+    if step_s is None:
+        return OverheadMeasurement(None, reason="the report has no measured step time")
+    if not (isinstance(stages, int) and isinstance(micro_batches, int) and isinstance(schedule, str)):
+        return OverheadMeasurement(None, reason="the report does not say its schedule, stages and micro-batches")
+    v = report.get("virtual_stages") if isinstance(report.get("virtual_stages"), int) else chunks_per_stage(schedule)
+    why_not = problem(schedule, stages, micro_batches, v)
+    if why_not:
+        return OverheadMeasurement(None, reason=f"its schedule cannot be replayed ({why_not})")
+    gaps = []
+    for stage in report["stages"]:
+        k = stage["index"]
+        busy, wait = _number(stage.get("measured_busy_s")), _number(stage.get("measured_wait_s"))
+        if busy is None or wait is None or k >= stages:
+            return OverheadMeasurement(None, reason=f"the report does not give stage {k}'s busy and waiting time "
+                                                    "per step (measured_busy_s, measured_wait_s)")
+        apart = (_number(stage.get("measured_gradient_sync_s")) or 0.0) + (_number(stage.get("measured_other_s")) or 0.0)
+        actions = len(stage_actions(schedule, k, stages, micro_batches, v))
+        gaps.append(StageGap(k, step_s - busy - wait - apart, actions))
+    if not gaps:
+        return OverheadMeasurement(None, reason="the report has no stages")
+    return OverheadMeasurement(statistics.median(g.per_action_s for g in gaps), tuple(gaps))
+
+
+def overheads_in_prediction(schedule: str | None, kind: str) -> int:
+    """How many per-action overheads a plan's per-micro-batch ``kind`` time of a chunk includes:
+    one in a forward, one in a whole backward B, two in a split one (I + W)."""
+    if kind == "backward" and schedule in SPLIT_BACKWARD:
+        return 2
+    return 1
+
+
+def _number(value: Any) -> float | None:
+    """A finite number, or None (absent, null, or not a number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)

@@ -1,0 +1,170 @@
+"""Data parallel around the pipeline: d replicas of it, each stage's replicas sharing gradients.
+
+A plan of format 6 (docs/plan-format.md) may run ``data_parallel`` = d copies of the pipeline
+side by side on K·d ranks: rank ``placement.ranks[k][r]`` runs stage k of replica r. The ranks
+form a 2-D ``torch.distributed.device_mesh`` with dimensions ``("dp", "pp")``: along ``pp`` the
+K stages of one replica pass activations and gradients (the pipeline, as with one replica);
+along ``dp`` the d replicas of one stage average their gradients once a step. Each replica
+takes its own 1/d of the global batch, so the averaged gradient is the unsplit model's on the
+whole batch.
+
+When the replicas synchronise: after the stage's last action of the step, before the
+optimizer (the moment torch's pipelining runs its REDUCE_GRAD action), never inside a
+backward: a reduction there would delay the gradient the previous stage waits for. Every
+backward of the step only accumulates into the local ``.grad``. The planner charges the same
+thing (docs/planner.md, "Data parallel").
+
+Two ways, the plan's ``gradient_sync``:
+
+- ``ddp``: every replica keeps whole parameters and optimizer state; the gradients are
+  all-reduced (averaged) in buckets over the stage's ``dp`` group.
+- ``fsdp``: FSDP2 ``fully_shard`` over the ``dp`` group (:mod:`.fsdp`): each replica keeps 1/d
+  of the stage's parameters, gradients and optimizer state between steps, all-gathers the
+  parameters for the step and reduce-scatters the gradients.
+
+:class:`GradientSync` is the interface ``train`` calls; :func:`make_gradient_sync` picks one.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .optim import squared_grad_norm
+from .stage import StageChunks
+
+# Gradients are all-reduced in buckets of about this many bytes: one flat tensor per bucket
+# turns many small messages (a bias, a norm's weight) into a few large ones, each paying the
+# ring's latency once; 25 MB is DistributedDataParallel's default bucket size.
+BUCKET_BYTES = 25 * 1024 * 1024
+
+
+class GradientSync(Protocol):
+    """What a rank's training loop asks of its stage's replicas (one object per rank)."""
+
+    mode: str            # "ddp" | "fsdp" ("none" for one replica)
+    replicas: int        # d
+
+    def prepare(self, stage: StageChunks) -> None:
+        """Before the optimizer is made: wrap or shard the stage's chunk modules (fsdp turns the
+        parameters into DTensors, so the optimizer must be built from ``stage.parameters()``
+        after this). Every backward from now on only accumulates locally."""
+
+    def finish(self) -> None:
+        """After this stage's last action of the step: average the gradients over the replicas."""
+
+    def after_optimizer(self) -> None:
+        """After the optimizer step: fsdp starts gathering the next step's parameters."""
+
+    def squared_norm_share(self, parameters: list[nn.Parameter]) -> float:
+        """This rank's share of the squared global gradient norm: summed over every rank of the
+        world, the shares give the whole model's squared norm exactly once."""
+
+    def full_state_dict(self, stage: StageChunks) -> dict[str, torch.Tensor]:
+        """The stage's whole tensors, under the unsplit model's keys (a collective over ``dp``
+        under fsdp: every replica of the stage calls it)."""
+
+
+class NoSync:
+    """One replica: nothing to share; the rank's gradients are the stage's whole gradients."""
+
+    mode = "none"
+    replicas = 1
+
+    def prepare(self, stage: StageChunks) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+    def after_optimizer(self) -> None:
+        pass
+
+    def squared_norm_share(self, parameters: list[nn.Parameter]) -> float:
+        return squared_grad_norm(parameters)
+
+    def full_state_dict(self, stage: StageChunks) -> dict[str, torch.Tensor]:
+        return {key: tensor.detach().cpu() for key, tensor in stage.state_dict().items()}
+
+
+class DdpSync:
+    """``ddp``: every replica holds the stage's whole parameters; gradients averaged in buckets.
+
+    After the stage's last backward of the step, :meth:`finish` flattens the gradients into
+    buckets of about :data:`BUCKET_BYTES`, all-reduces (sums) each over the stage's ``dp``
+    group, divides by d and copies them back: every replica then holds the mean of the d
+    replicas' gradients, each of which is the mean over its own 1/d of the batch, so the
+    result is the gradient of the whole batch, as one process would compute it. The same
+    optimizer step from the same state keeps the replicas equal without sending parameters.
+    """
+
+    mode = "ddp"
+
+    def __init__(self, replicas: int, group: dist.ProcessGroup | None, device: torch.device,
+                 replica: int = 0, bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.replicas, self.group, self.device = replicas, group, device
+        self.replica, self.bucket_bytes = replica, bucket_bytes
+        self.parameters: list[nn.Parameter] = []
+
+    def prepare(self, stage: StageChunks) -> None:
+        self.parameters = [p for p in stage.parameters() if p.requires_grad]
+
+    def finish(self) -> None:
+        for bucket in self.buckets():
+            # A replica whose share produced no gradient (all its micro-batches skipped) still
+            # takes part, with zeros: every replica must call the same all-reduces.
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+            flat /= self.replicas
+            offset = 0
+            for p, g in zip(bucket, grads):
+                p.grad = flat[offset:offset + g.numel()].view_as(p).clone() if p.grad is None else \
+                    p.grad.copy_(flat[offset:offset + g.numel()].view_as(p))
+                offset += g.numel()
+
+    def buckets(self) -> list[list[nn.Parameter]]:
+        """The parameters in buckets of about ``bucket_bytes``, in order, one dtype per bucket."""
+        buckets: list[list[nn.Parameter]] = []
+        size = 0
+        for p in self.parameters:
+            nbytes = p.numel() * p.element_size()
+            if not buckets or size + nbytes > self.bucket_bytes or buckets[-1][0].dtype != p.dtype:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(p)
+            size += nbytes
+        return buckets
+
+    def after_optimizer(self) -> None:
+        pass
+
+    def squared_norm_share(self, parameters: list[nn.Parameter]) -> float:
+        """Replica 0's squared norm, 0 elsewhere: after :meth:`finish` every replica holds the
+        same gradients, so one of them counts the stage once (exactly, no division)."""
+        return squared_grad_norm(parameters) if self.replica == 0 else 0.0
+
+    def full_state_dict(self, stage: StageChunks) -> dict[str, torch.Tensor]:
+        return {key: tensor.detach().cpu() for key, tensor in stage.state_dict().items()}
+
+
+def make_gradient_sync(mode: str, replicas: int, group: dist.ProcessGroup | None, mesh: object | None,
+                       device: torch.device, replica: int = 0) -> GradientSync:
+    """The plan's ``gradient_sync`` for this rank's stage; ``group``/``mesh``: its ``dp`` group and 1-D mesh.
+
+    One replica needs no sync (:class:`NoSync`), whatever the mode. ``replica``: this rank's
+    replica index (ddp: replica 0 counts the stage in the global norm). The training loop
+    records each :meth:`GradientSync.finish` as a span of kind ``gradient_sync``.
+    """
+    if replicas == 1:
+        return NoSync()
+    if mode == "ddp":
+        return DdpSync(replicas, group, device, replica)
+    if mode == "fsdp":
+        from .fsdp import FsdpSync  # the fsdp engineer's module; only fsdp runs need it
+
+        return FsdpSync(replicas, mesh, device)
+    raise ValueError(f"gradient_sync {mode!r} is not one of ddp, fsdp")
