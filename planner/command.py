@@ -20,7 +20,7 @@ from .profile import Profile
 from .render import batch_line, plan_timeline_svg, render_plan
 from .replicas import search_devices
 from .search import SolveOptions, device_memory_limit, one_stage_baseline, search
-from .units import format_seconds, parse_bandwidth, parse_size
+from ..units import format_seconds, parse_bandwidth, parse_size
 
 
 def load_profile(path: str) -> Profile:

@@ -30,12 +30,14 @@ from typing import Any, Sequence
 from ..artifacts import BadInput
 from ..schedules import SCHEDULES, chunks_per_stage, problem
 from .chunked import ChunkedSolver
-from .costmodel import OPTIMIZER_STATE_MULTIPLIER, CostModel, Setting, neighbour_scale, stage_peaks
-from .dp import GPipeSolver, Solution
+from .costmodel import OPTIMIZER_STATE_MULTIPLIER, CostModel, Setting, stage_peaks
+from .dp import GPipeSolver
+from .objective import Solution
 from .onefoneb import OneFOneBSolver
 from .profile import LayerFigures, Profile
-from .search import AUTO_VIRTUAL_STAGES, MAX_MICRO_BATCHES, micro_batch_counts, profile_global_batch
-from .units import format_bytes
+from .search import (AUTO_VIRTUAL_STAGES, MAX_MICRO_BATCHES, ReplicaSync, cost_setting, micro_batch_counts,
+                     profile_global_batch)
+from ..units import format_bytes
 
 
 @dataclass
@@ -129,22 +131,18 @@ def explore(profile: Profile, stages: Sequence[int] | None, micro_batches: Seque
 
     def setting(shape: _Shape, M: int, schedule: str, recompute: str, limit: int | None,
                 virtual_stages: int = 1) -> Setting:
-        K, placement = shape.stages, shape.placement
         # One replica alone: the link as given. Replicas: the placement says which link the
         # pipeline's sends and the gradient sync cross (inside a node, or the network).
-        pipe_bw = bandwidth if placement is None else placement.pipeline_bandwidth_bytes_per_s
-        pipe_lat = latency if placement is None else placement.pipeline_latency_s
-        replicas = {} if placement is None else dict(
-            data_parallel=shape.data_parallel, gradient_sync=gradient_sync,
-            sync_bandwidth_bytes_per_s=placement.sync_bandwidth_bytes_per_s, sync_latency_s=placement.sync_latency_s)
-        return Setting(stages=K, micro_batches=M, schedule=schedule, recompute=recompute, virtual_stages=virtual_stages,
-                       memory_limit_bytes=limit, link_bandwidth_bytes_per_s=pipe_bw,
-                       link_latency_s=pipe_lat if math.isfinite(pipe_bw) else 0.0, optimizer=optimizer,
-                       overhead_s=profile.per_microbatch_overhead_s if K > 1 else 0.0,
-                       # every process on a host is a neighbour: the stages of all replicas there
-                       compute_scale=neighbour_scale(profile.contention_slowdown, profile.contention_processes,
-                                                     shape.neighbours),
-                       **replicas)
+        placement = shape.placement
+        if placement is None:
+            pipe_bw, pipe_lat, sync = bandwidth, latency, ReplicaSync()
+        else:
+            pipe_bw, pipe_lat = placement.pipeline_bandwidth_bytes_per_s, placement.pipeline_latency_s
+            sync = placement.replica_sync(shape.data_parallel, gradient_sync)
+        return cost_setting(profile, stages=shape.stages, micro_batches=M, schedule=schedule,
+                            virtual_stages=virtual_stages, recompute=recompute, memory_limit_bytes=limit,
+                            link_bandwidth_bytes_per_s=pipe_bw, link_latency_s=pipe_lat, optimizer=optimizer,
+                            sync=sync)
 
     one_device = _Shape(1, 1, None, "")
     reference = GPipeSolver(CostModel(profile.at(batch), setting(one_device, 1, "gpipe", "never", None))).solve()

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from ..schedules import label as schedule_label
 from .explore import Cell, Exploration
-from .units import format_bytes, format_percent, format_seconds
+from ..units import format_bytes, format_percent, format_seconds
 
 PALETTE = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#FF9DA6", "#9D755D"]
 

@@ -111,6 +111,12 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
             "(predicted.optimizer_wait_s): the step includes that wait")
     if not proven:
         warnings.append("the search ran out of time before proving this plan optimal; see optimality.gap")
+    if setting.data_parallel > 1 and not math.isfinite(setting.sync_bandwidth_bytes_per_s) \
+            and setting.sync_latency_s == 0:
+        warnings.append(
+            f"the gradient syncs of the {setting.data_parallel} replicas are charged nothing: the profile has no "
+            "link figures and no --link-bandwidth was given, so more replicas always look free; profile with "
+            "--measure-link, or give --link-bandwidth, for a plan that weighs them")
     if setting.schedule in SPLIT_BACKWARD and not profile.split_measured:
         warnings.append(
             f"{setting.schedule} splits each backward into I and W, which this profile did not measure: "

@@ -20,7 +20,7 @@ from ..schedules import label as schedule_label
 from ..schedules import SPLIT_BACKWARD
 from .schedule import ChunkTimes, Timeline, simulate_plan
 from .timeline import timeline_svg
-from .units import format_bytes, format_percent, format_seconds
+from ..units import format_bytes, format_percent, format_seconds
 
 
 def timed_chunks(plan: dict[str, Any], where: str) -> list[dict[str, Any]]:

@@ -36,11 +36,11 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable
 
 from ..artifacts import BadInput
-from .units import format_bytes
+from ..units import format_bytes
 
-if TYPE_CHECKING:     # search imports costmodel, which imports this module: no cycle at run time
+if TYPE_CHECKING:     # search imports this module: its names are read at call time
     from .profile import Profile
-    from .search import SearchResult, SolveOptions
+    from .search import ReplicaSync, SearchResult, SolveOptions
 
 Progress = Callable[[int, int, str], None]
 
@@ -98,6 +98,14 @@ class Placement:
     def pipeline_on_link(self) -> bool:
         return self.nodes == 1 or all(len({r // self.devices_per_node for r in col}) == 1
                                       for col in zip(*self.ranks))
+
+    def replica_sync(self, data_parallel: int, gradient_sync: str) -> "ReplicaSync":
+        """What each of the ``data_parallel`` pipelines placed so pays for its gradient syncs, and
+        how many processes share a host with it (the search's :class:`ReplicaSync`)."""
+        from .search import ReplicaSync   # search imports this module
+
+        return ReplicaSync(data_parallel, gradient_sync, self.sync_bandwidth_bytes_per_s, self.sync_latency_s,
+                           self.devices_per_node)
 
     @property
     def sync_on_link(self) -> bool:
@@ -167,9 +175,10 @@ def placement_reason(placement: Placement, stages: int, data_parallel: int,
     return line
 
 
-def factorisations(devices: int, stages: int | None, data_parallel: int | str, batch: int,
+def factorisations(devices: int, stages: int | None, data_parallel: int | str | None, batch: int,
                    layers: int) -> list[tuple[int, int, str]]:
-    """Every (K, d) with K d = ``devices`` that the options allow, smallest d first, each with
+    """Every (K, d) with K d = ``devices`` that the options allow (``stages`` / ``data_parallel``
+    None or "auto": any), smallest d first, each with
     "" or one line saying why it cannot run (d must divide the batch: every replica takes the
     same share; a stage needs a layer: K <= layers)."""
     out = []
@@ -179,7 +188,7 @@ def factorisations(devices: int, stages: int | None, data_parallel: int | str, b
         K = devices // d
         if stages is not None and K != stages:
             continue
-        if data_parallel != "auto" and d != data_parallel:
+        if data_parallel not in ("auto", None) and d != data_parallel:
             continue
         reason = ""
         if K > layers:
@@ -317,7 +326,7 @@ def search_devices(profile: Profile, options: SolveOptions, progress: Progress |
     placement; ``lower_bound_s`` is the least lower bound over all of them, so ``proven``
     says the best plan is optimal over the whole space searched.
     """
-    from .search import ReplicaSync, search
+    from .search import search
 
     devices, batch = check_devices(profile, options)
     topology = topology_for(profile, options, devices)
@@ -338,8 +347,7 @@ def search_devices(profile: Profile, options: SolveOptions, progress: Progress |
         replica = replace(options, stages=K, global_batch_size=batch // d, data_parallel=d, devices=None,
                           link_bandwidth_bytes_per_s=placement.pipeline_bandwidth_bytes_per_s,
                           link_latency_s=placement.pipeline_latency_s, time_budget_s=share)
-        sync = ReplicaSync(d, options.gradient_sync, placement.sync_bandwidth_bytes_per_s,
-                           placement.sync_latency_s, topology.devices_per_node)
+        sync = placement.replica_sync(d, options.gradient_sync)
         label = f"{K}x{d} {placement.order}"
 
         def inner(i: int, n: int, what: str, label: str = label) -> None:

@@ -26,7 +26,7 @@ from .dp import GPipeSolver
 from .objective import Solution
 from .onefoneb import OneFOneBSolver
 from .profile import LayerFigures, Profile
-from .units import format_bytes
+from ..units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -259,6 +259,34 @@ def schedule_shapes(options: SolveOptions, layers: int) -> list[tuple[str, int]]
     return shapes
 
 
+def cost_setting(profile: Profile, *, stages: int, micro_batches: int, schedule: str, virtual_stages: int,
+                 recompute: str, memory_limit_bytes: float | None, link_bandwidth_bytes_per_s: float,
+                 link_latency_s: float, optimizer: str, sync: ReplicaSync = ReplicaSync()) -> Setting:
+    """The cost model's :class:`Setting` for one (K, M, schedule, v) of a profile: the one place
+    that says what a plan is charged besides its layers (solve and explore both call it).
+
+    The link's latency counts only when its bandwidth does (an infinite link is free); the
+    per-micro-batch overhead only with several stages (one stage hands nothing over); every
+    layer time is scaled for the processes computing beside it on the host, the stages of all
+    the replicas there (``sync.neighbours``); and each stage's gradient sync as ``sync`` says.
+    """
+    return Setting(
+        stages=stages, micro_batches=micro_batches, schedule=schedule, recompute=recompute,
+        memory_limit_bytes=memory_limit_bytes,
+        link_bandwidth_bytes_per_s=link_bandwidth_bytes_per_s,
+        link_latency_s=link_latency_s if math.isfinite(link_bandwidth_bytes_per_s) else 0.0,
+        optimizer=optimizer,
+        overhead_s=profile.per_microbatch_overhead_s if stages > 1 else 0.0,
+        compute_scale=neighbour_scale(profile.contention_slowdown, profile.contention_processes,
+                                      sync.neighbours(stages)),
+        virtual_stages=virtual_stages,
+        data_parallel=sync.data_parallel,
+        sync_bandwidth_bytes_per_s=sync.bandwidth_bytes_per_s,
+        sync_latency_s=sync.latency_s,
+        gradient_sync=sync.gradient_sync,
+    )
+
+
 def settings_for(profile: Profile, options: SolveOptions, batch: int,
                  sync: ReplicaSync = ReplicaSync()) -> list[tuple[Setting, int]]:
     """Every setting the options leave open, with its micro-batch size (settings that
@@ -274,22 +302,11 @@ def settings_for(profile: Profile, options: SolveOptions, batch: int,
         for schedule, v in schedule_shapes(options, profile.num_layers):
             if problem(schedule, options.stages, m, v):
                 continue
-            setting = Setting(
-                stages=options.stages, micro_batches=m, schedule=schedule, recompute=options.recompute,
-                memory_limit_bytes=options.memory_limit_bytes,
-                link_bandwidth_bytes_per_s=bandwidth,
-                link_latency_s=latency if math.isfinite(bandwidth) else 0.0,
-                optimizer=options.optimizer,
-                overhead_s=profile.per_microbatch_overhead_s if options.stages > 1 else 0.0,
-                # every process on the host is a neighbour: the stages of all replicas there
-                compute_scale=neighbour_scale(profile.contention_slowdown, profile.contention_processes,
-                                              sync.neighbours(options.stages)),
-                virtual_stages=v,
-                data_parallel=sync.data_parallel,
-                sync_bandwidth_bytes_per_s=sync.bandwidth_bytes_per_s,
-                sync_latency_s=sync.latency_s,
-                gradient_sync=sync.gradient_sync,
-            )
+            setting = cost_setting(profile, stages=options.stages, micro_batches=m, schedule=schedule,
+                                   virtual_stages=v, recompute=options.recompute,
+                                   memory_limit_bytes=options.memory_limit_bytes,
+                                   link_bandwidth_bytes_per_s=bandwidth, link_latency_s=latency,
+                                   optimizer=options.optimizer, sync=sync)
             out.append((setting, batch // m))
     return out
 

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..artifacts import precision_label
+from ..units import format_bytes, format_seconds
 
 
 def render_profile(doc: dict[str, Any], console: Console) -> None:
@@ -203,27 +204,6 @@ def _compact(value: Any) -> str:
     if isinstance(value, list):
         return ",".join(str(v) for v in value)
     return str(value)
-
-
-def format_seconds(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds >= 1:
-        return f"{seconds:.2f} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.2f} ms"
-    return f"{seconds * 1e6:.0f} µs"
-
-
-def format_bytes(count: float | None) -> str:
-    if count is None:
-        return "-"
-    value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GiB"  # unreachable; keeps type checkers content
 
 
 def format_rate(bytes_per_s: float | None) -> str:

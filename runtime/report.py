@@ -31,7 +31,7 @@ from rich.table import Table
 
 from ..artifacts import REPORT_FORMAT, FORMAT_VERSIONS
 from ..schedules import label as schedule_label
-from ..planner.units import format_percent
+from ..units import format_percent
 from ..speedprobe import profile_probe_s, speed_ratio
 from .plan import ChunkPlan, RunPlan
 

@@ -72,7 +72,7 @@ def unsplit(spec: dict[str, Any], batch: int) -> tuple[dict[str, torch.Tensor], 
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return model.module.state_dict(), losses
 
 

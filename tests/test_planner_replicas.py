@@ -402,3 +402,17 @@ def test_one_pipeline_over_two_nodes_pays_the_network_on_its_cuts(profile_path: 
 def test_solve_file_takes_devices_without_stages(profile_path: Path):
     plan = solve_file(str(profile_path), None, devices=2, time_budget_s=5)
     assert len(plan["stages"]) * plan["data_parallel"] == 2
+
+
+@pytest.mark.parametrize("link", [None, "1"])
+def test_a_plan_whose_syncs_are_free_says_so(user_dir: Path, link: str | None):
+    """Without link figures (profile or --link-bandwidth) a replica's sync costs nothing, so
+    more replicas always look free: the plan warns, and stops warning once a link is known."""
+    write_json(user_dir / "profile.json", profile_doc(L=6, batch_size=8))
+    args = ["--link-bandwidth", link] if link else []
+    result = cli("solve", "profile.json", "--devices", "2", "--data-parallel", "2", "--out", "plan.json",
+                 "--time-budget", "5", *args)
+    assert result.exit_code == 0, result.output
+    warnings = json.loads(Path("plan.json").read_text())["warnings"]
+    free = [w for w in warnings if "charged nothing" in w]
+    assert bool(free) == (link is None), warnings

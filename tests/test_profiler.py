@@ -226,7 +226,7 @@ def test_render_profile_handles_a_minimal_imported_profile() -> None:
     console = Console(record=True, width=100)
     render_profile(doc, console)
     text = console.export_text()
-    assert "conv1" in text and "2.00 ms" in text and "1.0 MiB" in text
+    assert "conv1" in text and "2.000 ms" in text and "1.00 MiB" in text
 
 
 # --------------------------------------------------------------------------- link
@@ -308,7 +308,7 @@ def test_show_prints_the_all_reduce() -> None:
                              "allreduce_bandwidth_bytes_per_s": 1.1e9})
     console = Console(record=True, width=200)
     render_profile(doc, console)
-    assert "all-reduce over 2 processes (ring): latency 80 µs per step, bus bandwidth 1.10 GB/s" in console.export_text()
+    assert "all-reduce over 2 processes (ring): latency 80.0 µs per step, bus bandwidth 1.10 GB/s" in console.export_text()
 
 
 # --------------------------------------------------------------------------- CUDA

@@ -24,7 +24,7 @@ from gpipe_plan.planner.explore_view import exploration_chart, never_fitting
 from gpipe_plan.planner.profile import Profile
 from gpipe_plan.planner.render import one_device_line, plan_timeline_svg
 from gpipe_plan.planner.timeline import WIDTH
-from gpipe_plan.planner.units import format_percent
+from gpipe_plan.units import format_percent
 from gpipe_plan.profiles.calibrate import calibrate, run_spread, shrink
 from gpipe_plan.profiles.command import PhaseLines, _Bar, _progress_for, intended_global_batch, phase_of
 from gpipe_plan.profiles.show import render_profile

@@ -1,11 +1,11 @@
-"""Parsing and printing the quantities users type and read: sizes, bandwidths, times."""
+"""Parsing and printing the quantities users type and read: sizes, bandwidths, times (every command)."""
 
 from __future__ import annotations
 
 import math
 import re
 
-from ..artifacts import BadInput
+from .artifacts import BadInput
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
