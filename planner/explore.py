@@ -36,7 +36,7 @@ from .objective import Solution
 from .onefoneb import OneFOneBSolver
 from .profile import LayerFigures, Profile
 from .search import (AUTO_VIRTUAL_STAGES, MAX_MICRO_BATCHES, ReplicaSync, cost_setting, micro_batch_counts,
-                     profile_global_batch)
+                     profile_global_batch, sharded_tie_problem)
 from ..units import format_bytes
 
 
@@ -172,6 +172,11 @@ def explore(profile: Profile, stages: Sequence[int] | None, micro_batches: Seque
                         continue
                     if K > profile.num_layers:
                         note(f"more stages than the {profile.num_layers} layers")
+                        continue
+                    if shape.placement is not None and sharded_tie_problem(
+                            profile, schedule, chunks_per_stage(schedule, 2),
+                            shape.placement.replica_sync(d, gradient_sync)):
+                        note(f"{gradient_sync} cannot shard a tied weight twice on one stage")
                         continue
                     sol, fits, v = None, True, 1
                     for limit in ([memory_limit_bytes, None] if memory_limit_bytes else [None]):

@@ -300,7 +300,7 @@ def settings_for(profile: Profile, options: SolveOptions, batch: int,
     out = []
     for m in ms:
         for schedule, v in schedule_shapes(options, profile.num_layers):
-            if problem(schedule, options.stages, m, v):
+            if problem(schedule, options.stages, m, v) or sharded_tie_problem(profile, schedule, v, sync):
                 continue
             setting = cost_setting(profile, stages=options.stages, micro_batches=m, schedule=schedule,
                                    virtual_stages=v, recompute=options.recompute,
@@ -311,7 +311,21 @@ def settings_for(profile: Profile, options: SolveOptions, batch: int,
     return out
 
 
-def no_settings_reason(profile: Profile, options: SolveOptions, batch: int) -> str:
+def sharded_tie_problem(profile: Profile, schedule: str, virtual_stages: int, sync: ReplicaSync) -> str:
+    """Why FSDP cannot run ``schedule`` for this model ("" if it can): a weight tied across
+    layers may land in two chunks of one stage (zb-v puts the first and the last chunk on stage
+    0), and FSDP2 cannot shard one parameter in two modules (runtime/fsdp.py). With ties, fsdp
+    runs the schedules of one chunk per stage."""
+    if sync.gradient_sync != "fsdp" or sync.data_parallel <= 1 or not profile.tied:
+        return ""
+    if chunks_per_stage(schedule, virtual_stages) == 1:
+        return ""
+    return (f"--gradient-sync fsdp cannot run {schedule}: the model ties weights across layers, which it may "
+            f"place in two chunks of one stage; use a schedule of one chunk per stage, or --gradient-sync ddp")
+
+
+def no_settings_reason(profile: Profile, options: SolveOptions, batch: int,
+                       sync: ReplicaSync = ReplicaSync()) -> str:
     """One line: why the options leave no setting to solve, and what to do."""
     shapes = schedule_shapes(options, profile.num_layers)
     if not shapes:
@@ -319,7 +333,8 @@ def no_settings_reason(profile: Profile, options: SolveOptions, batch: int) -> s
                 f"profile's {profile.num_layers} layers: use fewer stages, or another schedule")
     ms = micro_batch_counts(batch) if options.micro_batches == "auto" else [int(options.micro_batches)]
     schedule, v = shapes[0]
-    reason = problem(schedule, options.stages, ms[0], v) or "no setting is left"
+    reason = (problem(schedule, options.stages, ms[0], v) or sharded_tie_problem(profile, schedule, v, sync)
+              or "no setting is left")
     return f"{reason}: use --micro-batches auto, another count, or another --schedule"
 
 
@@ -377,7 +392,7 @@ def search(profile: Profile, options: SolveOptions, progress=None, explain: bool
     batch = check_options(profile, options)
     settings = settings_for(profile, options, batch, sync)
     if not settings:
-        raise BadInput(no_settings_reason(profile, options, batch))
+        raise BadInput(no_settings_reason(profile, options, batch, sync))
     result = SearchResult(options, batch)
     started = time.perf_counter()
     done = 0

@@ -416,3 +416,19 @@ def test_a_plan_whose_syncs_are_free_says_so(user_dir: Path, link: str | None):
     warnings = json.loads(Path("plan.json").read_text())["warnings"]
     free = [w for w in warnings if "charged nothing" in w]
     assert bool(free) == (link is None), warnings
+
+
+def test_fsdp_with_tied_weights_plans_one_chunk_per_stage(user_dir: Path):
+    """FSDP2 cannot shard one parameter in two modules: with a tie, zb-v (first and last chunk
+    on stage 0) is refused for fsdp in one line, and auto leaves the many-chunk schedules out."""
+    doc = profile_doc(L=6, batch_size=8, link={"bandwidth_bytes_per_s": 1e9})
+    doc["tied_parameters"] = [{"key": "wte.weight", "layers": ["layer0", "layer5"], "bytes": 4000}]
+    write_json(user_dir / "profile.json", doc)
+    common = ["--devices", "4", "--data-parallel", "2", "--time-budget", "5", "--out", "plan.json"]
+    refused = cli("solve", "profile.json", *common, "--gradient-sync", "fsdp", "--schedule", "zb-v")
+    assert refused.exit_code == 2 and "cannot run zb-v" in refused.output and not Path("plan.json").exists()
+    assert cli("solve", "profile.json", *common, "--gradient-sync", "ddp", "--schedule", "zb-v").exit_code == 0
+    auto = cli("solve", "profile.json", *common, "--gradient-sync", "fsdp")
+    assert auto.exit_code == 0, auto.output
+    plan = json.loads(Path("plan.json").read_text())
+    assert plan["virtual_stages"] == 1 and all(r["virtual_stages"] == 1 for r in plan["runners_up"])
