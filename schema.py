@@ -558,6 +558,15 @@ REPORT_STAGE = Object({
     }), nullable=True)),
 })
 
+def timing_key(who: str, kind: str) -> str:
+    """A report's time key: ``who`` (``measured`` or ``predicted``) x ``kind`` (``forward``,
+    ``backward``, ``backward_input``, ``backward_weight``, ``optimizer``): ``measured_forward_s``.
+    The report writes these keys and calibrate reads them by this one spelling."""
+    return f"{who}_{kind}_s"
+
+
+CHUNK_TIME_KINDS = ("forward", "backward", "backward_input", "backward_weight")
+
 # A version-3 report's chunk: per micro-batch, the forward and the backward (B, or I + W)
 # measured beside the plan's, and the two halves of a split backward (null under B).
 REPORT_CHUNK = Object({
@@ -565,9 +574,8 @@ REPORT_CHUNK = Object({
     "stage": need(_count(0)),
     "layers": may(Items(Text(), min_len=1, nullable=True)),
     "recompute": may(Flag(nullable=True)),
-    **{f"{who}_{kind}_s": may(_seconds(nullable=True))
-       for who in ("predicted", "measured")
-       for kind in ("forward", "backward", "backward_input", "backward_weight")},
+    **{timing_key(who, kind): may(_seconds(nullable=True))
+       for who in ("predicted", "measured") for kind in CHUNK_TIME_KINDS},
 })
 
 REPORT = Object({

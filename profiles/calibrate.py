@@ -50,7 +50,7 @@ from typing import Any
 from ..artifacts import (PLAN_FORMAT, PROFILE_FORMAT, REPORT_FORMAT, BadInput, file_sha256, precision_label,
                          precision_of, read_artifact)
 from ..plan_layout import plan_chunks
-from ..schema import validate
+from ..schema import timing_key, validate
 from .overhead import measure_overhead, overheads_in_prediction
 
 # A stage measured this far from its prediction is more likely a broken run than a slowdown.
@@ -93,7 +93,7 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
 
     def ratio_of(unit: dict[str, Any], kind: str, predicted: float | None, what: str) -> float | None:
         """The unit's measured / predicted ``kind`` time with the drift divided out (None: not measured)."""
-        measured = unit.get(f"measured_{kind}_s")
+        measured = unit.get(timing_key("measured", kind))
         if predicted and kind != "optimizer":
             predicted -= overhead_predicted * overheads_in_prediction(report.get("schedule"), kind)
         if not measured or not predicted or predicted <= 0:
@@ -106,7 +106,7 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
 
     stage_rounds = []
     for stage in report["stages"]:
-        predicted = stage.get("predicted_optimizer_s")
+        predicted = stage.get(timing_key("predicted", "optimizer"))
         if predicted is None:
             predicted = sum(layers[index[n]].get("optimizer_s") or 0.0 for n in stage["layers"])
         entry: dict[str, Any] = {"stage": stage["index"], "layers": stage["layers"]}
@@ -124,7 +124,7 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
     for chunk in chunks:
         entry = {"chunk": chunk["index"], "stage": chunk["stage"], "layers": chunk["layers"]}
         for kind in ("forward", "backward"):
-            ratio = ratio_of(chunk, kind, chunk.get(f"predicted_{kind}_s"), chunk["what"])
+            ratio = ratio_of(chunk, kind, chunk.get(timing_key("predicted", kind)), chunk["what"])
             if ratio is None:
                 continue
             scale = shrink(ratio, spread)

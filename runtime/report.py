@@ -31,6 +31,7 @@ from rich.table import Table
 
 from ..artifacts import REPORT_FORMAT, FORMAT_VERSIONS
 from ..schedules import label as schedule_label
+from ..schema import CHUNK_TIME_KINDS, timing_key
 from ..units import format_percent
 from ..speedprobe import profile_probe_s, speed_ratio
 from .plan import ChunkPlan, RunPlan
@@ -98,7 +99,7 @@ def build_report(plan: RunPlan, results: list[RankResult], *, losses: dict[int, 
             "index": sp.index,
             "chunks": list(sp.chunks),
             "layers": [name for c in sp.chunks for name in plan.chunks[c].layers],
-            "measured_optimizer_s": _median(opt),
+            timing_key("measured", "optimizer"): _median(opt),
             "predicted_memory_bytes": sp.memory_bytes,
             "measured_peak_memory_bytes": res.memory.get("peak_bytes"),
             "predicted_memory": sp.memory_parts,
@@ -204,19 +205,18 @@ def _chunk_report(cp: ChunkPlan, spans: list[Span], split: bool) -> dict[str, An
     else:
         whole = durations("backward")
         measured_input = measured_weight = None
+    predicted = {"forward": cp.forward_s, "backward": cp.backward_s,
+                 "backward_input": cp.backward_input_s if split else None,
+                 "backward_weight": cp.backward_weight_s if split else None}
+    measured = {"forward": _median(list(forward.values())), "backward": _median(list(whole.values())),
+                "backward_input": measured_input, "backward_weight": measured_weight}
     return {
         "index": cp.index,
         "stage": cp.stage,
         "layers": list(cp.layers),
         "recompute": cp.recompute,
-        "predicted_forward_s": cp.forward_s,
-        "measured_forward_s": _median(list(forward.values())),
-        "predicted_backward_s": cp.backward_s,
-        "measured_backward_s": _median(list(whole.values())),
-        "predicted_backward_input_s": cp.backward_input_s if split else None,
-        "measured_backward_input_s": measured_input,
-        "predicted_backward_weight_s": cp.backward_weight_s if split else None,
-        "measured_backward_weight_s": measured_weight,
+        **{timing_key(who, kind): times[kind] for kind in CHUNK_TIME_KINDS
+           for who, times in (("predicted", predicted), ("measured", measured))},
     }
 
 
