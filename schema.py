@@ -545,6 +545,8 @@ REPORT_STAGE = Object({
     "measured_cpu_s": may(_seconds(nullable=True)),
     "predicted_idle_fraction": may(_ratio()),
     "measured_idle_fraction": may(_ratio()),
+    # Version 4: the step's data, tied-weight and loss exchanges (what is neither work nor a wait).
+    "measured_other_s": may(_seconds(nullable=True)),
     # Version 4 (data parallel): the stage's gradient sync per step, and each replica's figures.
     "predicted_gradient_sync_s": may(_seconds(nullable=True)),
     "measured_gradient_sync_s": may(_seconds(nullable=True)),
@@ -588,8 +590,9 @@ REPORT = Object({
     "num_stages": may(_count(1, nullable=True)),
     "data_parallel": may(_count(1, nullable=True)),            # version 4 (absent: 1)
     "gradient_sync": may(Text(choices=GRADIENT_SYNC_MODES, nullable=True)),   # null with one replica
-    "predicted_gradient_sync_s": may(_seconds(nullable=True)),
+    "predicted_gradient_sync_s": may(_seconds(nullable=True)),  # the slowest stage's, as measured below
     "measured_gradient_sync_s": may(_seconds(nullable=True)),  # the slowest stage's
+    "predicted_exposed_gradient_sync_s": may(_seconds(nullable=True)),   # what the syncs add to the step
     "micro_batches": may(_count(1, nullable=True)),
     "micro_batch_size": may(_count(1, nullable=True)),
     "global_batch_size": may(_count(1, nullable=True)),

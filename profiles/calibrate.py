@@ -110,6 +110,12 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
         if predicted is None:
             predicted = sum(layers[index[n]].get("optimizer_s") or 0.0 for n in stage["layers"])
         entry: dict[str, Any] = {"stage": stage["index"], "layers": stage["layers"]}
+        if report.get("gradient_sync") == "fsdp":
+            # Sharded (DTensor) optimizer steps are not the profile's plain ones: they would
+            # rescale the layers' optimizer_s for every later plan. Left as profiled.
+            entry["optimizer_scale_skipped"] = "fsdp run: sharded optimizer steps"
+            stage_rounds.append(entry)
+            continue
         ratio = ratio_of(stage, "optimizer", predicted, f"stage {stage['index']}")
         if ratio is not None:
             scale = shrink(ratio, spread)

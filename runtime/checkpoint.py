@@ -219,12 +219,13 @@ def newest_complete_step(folder: Path, group: dist.ProcessGroup | None = None) -
 # ---------------------------------------------------------------------- loading
 def load(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Optimizer, identity: dict[str, Any],
          seed: int, scaler: LossScaler | None = None, device: torch.device | None = None,
-         group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+         group: dist.ProcessGroup | None = None, layout: tuple[int, int] | None = None) -> dict[str, Any]:
     """Restore this stage's parameters, buffers and optimizer state, the loss scale and the RNG.
 
     Every rank calls this, together. Returns the checkpoint's ``checkpoint.json``, and under
-    ``"rng"`` whether the generators were ``"restored"`` (as many ranks as saved it) or
-    ``"reseeded"`` (another number of ranks: rank r seeds from (seed, step, r), :func:`reseed`).
+    ``"rng"`` whether the generators were ``"restored"`` (the same ranks, each the same stage
+    of the same replica: ``layout`` is this run's (stages, data parallel)) or ``"reseeded"``
+    (any other layout: rank r seeds from (seed, step, r), :func:`reseed`).
     """
     path = step_folder(folder, step)
     meta = read_meta(path)
@@ -264,7 +265,11 @@ def load(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Opt
         if key in index_of:
             tensor = _state_like(param_of[key], tuple(entry.size), entry.properties.dtype)
             optim_state.setdefault(index_of[key], {})[state_name] = wanted[name] = tensor
-    restore_rng = meta.get("saved_by", {}).get("ranks") == ranks
+    saved = meta.get("saved_by", {})
+    # Rank r's generator belongs to the stage and replica r ran: the same count of ranks under
+    # another K x d gives r another (stage, replica), so only the same layout restores it.
+    restore_rng = saved.get("ranks") == ranks and (
+        layout is None or (saved.get("stages"), saved.get("data_parallel", 1)) == layout)
     rng_keys = [f"rng/rank-{rank}/cpu"] + ([f"rng/rank-{rank}/cuda"] if device is not None and device.type == "cuda"
                                            else [])
     if restore_rng:

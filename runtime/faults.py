@@ -44,7 +44,7 @@ class Fault:
     def fire(self, rank: int, step: int) -> None:
         """For ``raise`` and ``kill``: do it now (called inside a forward)."""
         if self.kind == "raise":
-            raise InjectedFault(f"injected fault in stage {rank} at step {step}")
+            raise InjectedFault(f"injected fault in rank {rank} at step {step}")
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
 

@@ -47,6 +47,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import warnings
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -78,6 +80,12 @@ class FsdpSync:
         the new ones by name: ``chunk.module.get_parameter(name)``).
         """
         refuse_shared_parameters(stage)
+        # FSDP2 warns when a module returns a view (a chunk ending in a reshape), because an
+        # in-place op on it would skip its pre-backward hook. The executors never change a
+        # chunk's outputs in place (they send them, or hand them to the next chunk as inputs),
+        # and tests/test_fsdp.py checks the gradients: the warning would only alarm every run.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor",
+                                category=UserWarning)
         self.units = []
         for chunk in stage.chunks:
             unit = fully_shard(chunk.module, mesh=self.mesh, reshard_after_forward=False)
@@ -105,12 +113,21 @@ class FsdpSync:
             state._root_post_backward_final_callback()
         self._accumulate_only()
 
+    def gather(self) -> None:
+        """Have the step's parameters whole before its first action: wait for the gathers
+        :meth:`after_optimizer` started, or (the run's first step, or after a resume) gather now."""
+        if self.pending:
+            self._wait_for_gathers()
+        else:
+            for unit in self.units:
+                unit.unshard()
+
     def after_optimizer(self) -> None:
         """Start all-gathering the next step's parameters now (asynchronously).
 
-        The chunk's first forward waits for it (FSDP's pre-forward hook), so the gather
-        overlaps whatever the stage waits for first: the next batch, or the previous stage's
-        first activation. The planner charges it next to the optimizer step.
+        :meth:`gather` waits for it before the next step's first action, so the gather
+        overlaps the optimizer's end, the checkpoint and the batch; the planner charges it next
+        to the optimizer step.
         """
         self.pending = [unit.unshard(async_op=True) for unit in self.units]
 

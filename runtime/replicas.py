@@ -53,6 +53,12 @@ class GradientSync(Protocol):
         parameters into DTensors, so the optimizer must be built from ``stage.parameters()``
         after this). Every backward from now on only accumulates locally."""
 
+    def gather(self) -> None:
+        """Before the step's first action: the step's parameters whole (fsdp: waits for the gather
+        :meth:`after_optimizer` started, or gathers now on a run's first step), so that no
+        forward's time holds it. The training loop times it with :meth:`finish` as the step's
+        gradient sync, which is what the planner charges (reduce-scatter and all-gather)."""
+
     def finish(self) -> None:
         """After this stage's last action of the step: average the gradients over the replicas."""
 
@@ -75,6 +81,9 @@ class NoSync:
     replicas = 1
 
     def prepare(self, stage: StageChunks) -> None:
+        pass
+
+    def gather(self) -> None:
         pass
 
     def finish(self) -> None:
@@ -111,6 +120,9 @@ class DdpSync:
 
     def prepare(self, stage: StageChunks) -> None:
         self.parameters = [p for p in stage.parameters() if p.requires_grad]
+
+    def gather(self) -> None:
+        """Nothing: every replica keeps whole parameters."""
 
     def finish(self) -> None:
         for bucket in self.buckets():

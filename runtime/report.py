@@ -66,6 +66,9 @@ def measured_steps(steps: list[int]) -> list[int]:
 
 # The span kinds that are a stage's work (the rest is waiting, data, the step's sync).
 BUSY_KINDS = ("forward", "backward", "backward_input", "backward_weight", "optimizer")
+# The step's other timed parts: drawing the batch, the tied-weight sums, the end-of-step
+# exchange of loss and norm (``measured_other_s``: calibrate keeps them out of the overhead).
+OTHER_KINDS = ("data", "tied", "sync")
 
 
 def build_report(plan: RunPlan, results: list[RankResult], *, losses: dict[int, float], run: dict[str, Any],
@@ -84,6 +87,8 @@ def build_report(plan: RunPlan, results: list[RankResult], *, losses: dict[int, 
     measured_step = _median(step_times)
     spans = {res.rank: [s for s in res.spans if s.step in counted] for res in results}
     by_rank = {res.rank: res for res in results}
+    # The torch executor's spans cover computation only: its waits are not measured (None, not 0).
+    waits_measured = run.get("executor") != "torch"
     chunks = [_chunk_report(cp, spans.get(plan.rank_of(cp.stage, 0), []), plan.split_backward) for cp in plan.chunks]
     stages = []
     busy_total = 0.0
@@ -93,6 +98,7 @@ def build_report(plan: RunPlan, results: list[RankResult], *, losses: dict[int, 
         opt = [s.duration_s for s in mine if s.kind == "optimizer"]
         busy = [sum(s.duration_s for s in mine if s.step == st and s.kind in BUSY_KINDS) for st in steps]
         waits = [sum(s.duration_s for s in mine if s.step == st and s.kind == "wait") for st in steps]
+        other = [sum(s.duration_s for s in mine if s.step == st and s.kind in OTHER_KINDS) for st in steps]
         busy_s = _median(busy) or 0.0
         busy_total += busy_s
         stages.append({
@@ -105,14 +111,15 @@ def build_report(plan: RunPlan, results: list[RankResult], *, losses: dict[int, 
             "predicted_memory": sp.memory_parts,
             "measured_memory": res.memory,
             "measured_busy_s": busy_s,
-            "measured_wait_s": _median(waits),
+            "measured_wait_s": _median(waits) if waits_measured else None,
+            "measured_other_s": _median(other),
             "measured_cpu_s": _median([res.cpu_s[st] for st in steps if st in res.cpu_s]),
             "predicted_idle_fraction": sp.idle_fraction,
             "measured_idle_fraction": (1 - busy_s / measured_step) if measured_step else None,
             "host": res.hostname,
             "predicted_gradient_sync_s": sp.gradient_sync_s,
             "measured_gradient_sync_s": _slowest([_sync_s(spans[r], steps) for r in plan.stage_ranks(sp.index)]),
-            "replicas": [_replica_report(by_rank[r], spans[r], steps, replica) for replica, r in
+            "replicas": [_replica_report(by_rank[r], spans[r], steps, replica, waits_measured) for replica, r in
                          enumerate(plan.stage_ranks(sp.index))] if plan.data_parallel > 1 else None,
         })
     B = plan.global_batch_size
@@ -129,8 +136,11 @@ def build_report(plan: RunPlan, results: list[RankResult], *, losses: dict[int, 
         "num_stages": K,
         "data_parallel": plan.data_parallel,
         "gradient_sync": plan.gradient_sync if plan.data_parallel > 1 else None,
-        "predicted_gradient_sync_s": _number((plan.doc.get("predicted") or {}).get("gradient_sync_s")),
+        # The slowest stage's sync, predicted and measured alike; and what the plan says the
+        # syncs add to the step (hidden, where the next step's fill leaves room).
+        "predicted_gradient_sync_s": _slowest([sp.gradient_sync_s for sp in plan.stages]),
         "measured_gradient_sync_s": _slowest([st["measured_gradient_sync_s"] for st in stages]),
+        "predicted_exposed_gradient_sync_s": _number((plan.doc.get("predicted") or {}).get("gradient_sync_s")),
         "micro_batches": plan.micro_batches,
         "micro_batch_size": plan.micro_batch_size,
         "global_batch_size": B,
@@ -177,12 +187,14 @@ def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def _replica_report(res: RankResult, spans: list[Span], steps: list[int], replica: int) -> dict[str, Any]:
+def _replica_report(res: RankResult, spans: list[Span], steps: list[int], replica: int,
+                    waits_measured: bool = True) -> dict[str, Any]:
     """One replica of a stage: its rank and host, busy and waiting time, gradient sync, peak memory."""
     busy = [sum(s.duration_s for s in spans if s.step == st and s.kind in BUSY_KINDS) for st in steps]
     waits = [sum(s.duration_s for s in spans if s.step == st and s.kind == "wait") for st in steps]
     return {"replica": replica, "rank": res.rank, "host": res.hostname, "measured_busy_s": _median(busy),
-            "measured_wait_s": _median(waits), "measured_gradient_sync_s": _sync_s(spans, steps),
+            "measured_wait_s": _median(waits) if waits_measured else None,
+            "measured_gradient_sync_s": _sync_s(spans, steps),
             "measured_peak_memory_bytes": res.memory.get("peak_bytes")}
 
 

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
@@ -97,6 +98,13 @@ class _TimedChunk(PipelineStage):
         if self.meter is not None:
             self.meter.release((self.stage_index, bwd_chunk_id))
         self.recorder.add("backward_weight", bwd_chunk_id, start, self.recorder.mark(), chunk=self.stage_index)
+
+    def perform_reduce_grad(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        # Under fsdp torch reduce-scatters here after the chunk's last backward: the step's sync.
+        start = self.recorder.mark()
+        super().perform_reduce_grad(*args, **kwargs)
+        if isinstance(self.submod, FSDPModule):
+            self.recorder.add("gradient_sync", -1, start, self.recorder.mark(), chunk=self.stage_index)
 
     def _metering(self, micro_batch: int, args: Tensors) -> contextlib.AbstractContextManager[None]:
         meter, key = self.meter, (self.stage_index, micro_batch)

@@ -200,7 +200,7 @@ def _set_up(options: RunOptions, world: World) -> _Training:
     if resume_step is not None:
         assert folder is not None
         resumed = checkpoint.load(folder, resume_step, stage, optimizer, identity, options.seed, scaler, device,
-                                  objects)
+                                  objects, layout=(plan.num_stages, plan.data_parallel))
         start = resume_step
     if start >= options.steps:
         raise BadInput(f"the checkpoint in '{folder}' is at step {start}: --steps {options.steps} leaves nothing to do")
@@ -298,6 +298,12 @@ def _one_step(run: _Training, step: int, meter: ActivationMeter | None) -> float
         inputs = tuple(x.to(run.device) for x in batch_inputs) if stage.holds_first else None
         targets = batch_targets.to(run.device) if stage.holds_last else None
         recorder.add("data", -1, t_data, recorder.mark())
+
+    # fsdp: the step's parameters whole before the first action (timed as the step's sync).
+    if plan.data_parallel > 1:
+        t_gather = recorder.mark()
+        run.gradient_sync.gather()
+        recorder.add("gradient_sync", -1, t_gather, recorder.mark())
 
     # Our share of the pipeline: our actions on our chunks for the M micro-batches.
     scale = run.executor.loss_scale = run.scaler.scale

@@ -258,7 +258,7 @@ def test_a_raising_stage_stops_every_rank_with_its_error(workdir: Path, gpt_plan
     assert time.monotonic() - started < 60
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: rank 1 failed: InjectedFault: injected fault in stage 1 at step 1"), result.stderr
+    assert last.startswith("error: rank 1 failed: InjectedFault: injected fault in rank 1 at step 1"), result.stderr
     assert "Traceback" in result.stderr  # the original one, rank 1's
 
 

@@ -181,6 +181,16 @@ def test_report_measures_each_stages_gradient_sync(group_runs: dict[str, Any]) -
         assert stage["measured_gradient_sync_s"] > 0
         assert [r["replica"] for r in stage["replicas"]] == [0, 1]
         assert sorted(r["rank"] for s in report["stages"] for r in s["replicas"]) == [0, 1, 2, 3]
+        # The native executor times its waits; the loss and norm exchange is the step's other time.
+        assert stage["measured_wait_s"] is not None and stage["measured_other_s"] > 0
+    # The slowest stage's sync, predicted beside measured; what the syncs add apart from it.
+    predicted = [s["predicted_gradient_sync_s"] for s in report["stages"] if s["predicted_gradient_sync_s"] is not None]
+    assert report["predicted_gradient_sync_s"] == (max(predicted) if predicted else None)  # a hand plan predicts none
+    assert "predicted_exposed_gradient_sync_s" in report
+    # The torch executor's spans cover computation only: its waits are unknown, not zero.
+    by_torch = json.loads(Path(group_runs["jobs"][2]["report"]).read_text())
+    assert by_torch["run"]["executor"] == "torch"
+    assert all(s["measured_wait_s"] is None and s["measured_gradient_sync_s"] > 0 for s in by_torch["stages"])
 
 
 # ---------------------------------------------------------------------- the command line, 4 ranks
