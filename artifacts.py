@@ -193,7 +193,8 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     write_bytes_atomic(path, text.encode("utf-8"))
 
 
-def check_output_paths(outputs: dict[str, str | os.PathLike[str] | None]) -> None:
+def check_output_paths(outputs: dict[str, str | os.PathLike[str] | None],
+                       inputs: tuple[str | os.PathLike[str], ...] = ()) -> None:
     """Refuse, before any work, an output a command could not write: one line, naming the flag.
 
     ``outputs`` maps each option (``"--out"``) to the path it was given (None: not asked for).
@@ -201,12 +202,17 @@ def check_output_paths(outputs: dict[str, str | os.PathLike[str] | None]) -> Non
     or fails before touching any: ``solve --out plan.json --timeline missing/t.svg`` must not
     replace plan.json and then fail on the timeline, and ``run --report`` to a folder it cannot
     write must not train for an hour first. Checked: the path is not a folder, its folder
-    exists and is a folder we may create files in, and an existing file there may be replaced.
+    exists and is a folder we may create files in, an existing file there may be replaced, and
+    it is none of the command's ``inputs`` (``export plan.json -o plan.json`` would replace the
+    plan it reads).
     """
+    read = {Path(path).resolve() for path in inputs}
     for flag, value in outputs.items():
         if value is None:
             continue
         p = Path(value)
+        if p.resolve() in read:
+            raise BadInput(f"cannot write {flag} '{p}': it is the file this command reads; choose another path")
         folder = p.parent if str(p.parent) else Path(".")
         if p.is_dir():
             raise BadInput(f"cannot write {flag} '{p}': it is a folder")

@@ -14,6 +14,7 @@ import click
 
 from . import __version__
 from .artifacts import LOSSES, PARAM_DTYPES, PRECISIONS, BadInput, RunFailure
+from .plan_layout import GRADIENT_SYNCS
 from .schedules import SCHEDULES
 
 
@@ -178,7 +179,7 @@ def profile(**options: Any) -> None:
               help="Bandwidth between nodes in GB/s; required with --nodes > 1.")
 @click.option("--network-latency", default=0.0, type=float, metavar="SECONDS", show_default=True,
               help="Per-message latency between nodes (each ring step of a gradient sync pays it).")
-@click.option("--gradient-sync", type=click.Choice(["ddp", "fsdp"]), default="ddp", show_default=True,
+@click.option("--gradient-sync", type=click.Choice(GRADIENT_SYNCS), default="ddp", show_default=True,
               help="How a stage's replicas share gradients: all-reduce, whole copies (ddp), or sharded "
                    "parameters, gradients and optimizer state (fsdp: less memory, same traffic).")
 @click.option("--micro-batches", "-m", default="auto", show_default=True,
@@ -236,7 +237,7 @@ def solve(**options: Any) -> None:
 @click.option("--network-latency", default=None, type=float, metavar="SECONDS",
               help="With --devices: per-message latency between nodes (each ring step of a gradient sync pays "
                    "it). Default: 0.")
-@click.option("--gradient-sync", type=click.Choice(["ddp", "fsdp"]), default=None,
+@click.option("--gradient-sync", type=click.Choice(GRADIENT_SYNCS), default=None,
               help="With --devices: how a stage's replicas share gradients: all-reduce (ddp, the default) or "
                    "sharded (fsdp).")
 @click.option("--global-batch-size", "-b", type=int, default=None,
@@ -285,7 +286,7 @@ def calibrate(report: str, profile_path: str | None, out: str | None, speed_corr
     from .artifacts import check_output_paths
     from .profiles.command_calibrate import calibrate_command
 
-    check_output_paths({"--out": out})
+    check_output_paths({"--out": out}, inputs=(report,))
     calibrate_command(report, profile_path, out, speed_correction=speed_correction)
 
 
@@ -322,18 +323,20 @@ def export(plan: str, target: str | None, out: str | None, schedule_csv: str | N
     gpipe-plan export plan.json --to torch -o train.py
     gpipe-plan export plan.json --schedule-csv schedule.csv
     """
+    from .artifacts import check_output_paths
     from .planner.export import describe, describe_export, export_plan, export_schedule_csv
 
     if target is None and schedule_csv is None:
         raise BadInput("say what to export: --to torch|torchtitan|megatron|deepspeed, or --schedule-csv FILE")
     if target is None and out is not None:
         raise BadInput("--out goes with --to TARGET; the schedule's CSV is written to --schedule-csv FILE")
+    # The target first (it refuses what it cannot export), the CSV after: a refusal writes nothing.
+    check_output_paths({"--schedule-csv": schedule_csv}, inputs=(plan,))
+    lines = describe_export(export_plan(plan, target, out)) if target is not None else []
     if schedule_csv is not None:
-        for line in describe(export_schedule_csv(plan, schedule_csv)):
-            click.echo(line)
-    if target is not None:
-        for line in describe_export(export_plan(plan, target, out)):
-            click.echo(line)
+        lines = describe(export_schedule_csv(plan, schedule_csv)) + lines
+    for line in lines:
+        click.echo(line)
 
 
 # --------------------------------------------------------------------------- show
@@ -347,7 +350,7 @@ def show(file: str, timeline: str | None) -> None:
                             precision_of, read_json)
     from .schema import validate
 
-    check_output_paths({"--timeline": timeline})
+    check_output_paths({"--timeline": timeline}, inputs=(file,))
     doc = read_json(file, "file")
     if isinstance(doc, dict) and doc.get("format") == PROFILE_FORMAT:
         from rich.console import Console

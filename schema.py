@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .artifacts import BadInput
+from .plan_layout import GRADIENT_SYNCS, PLACEMENT_ORDERS
 
 # Ceilings: far above any real value, far below where sums of them overflow a float.
 MAX_BYTES = 2.0 ** 60        # 1 EiB: bytes of one tensor, layer or device
@@ -431,17 +432,16 @@ RUNNER_UP = Object({
 }, when_true={"fits": ("step_s", "bubble_fraction", "peak_memory_bytes")})
 
 # Plan version 6: how N devices are used, K stages x d replicas (docs/plan-format.md).
-GRADIENT_SYNC_MODES = ("ddp", "fsdp")                     # plan_layout.GRADIENT_SYNCS
-PLACEMENT_ORDER_NAMES = ("pipeline-inner", "data-inner")  # plan_layout.PLACEMENT_ORDERS
 PLACEMENT = Object({
     "nodes": need(_count(1)),
     "devices_per_node": need(_count(1)),
-    "order": need(Text(choices=PLACEMENT_ORDER_NAMES)),
+    "order": need(Text(choices=PLACEMENT_ORDERS)),
     # ranks[k][r]: rank of stage k, replica r; plan_layout.placement_ranks checks it is a permutation
     "ranks": need(Items(Items(_count(0), min_len=1), min_len=1)),
     "reason": may(Text(nullable=True)),
     # What each traffic was charged (null bandwidth: free): the pipeline's sends, the gradient sync.
     "pipeline_bandwidth_bytes_per_s": may(Number(0.0, MAX_RATE, nullable=True)),
+    "pipeline_latency_s": may(_seconds(nullable=True)),
     "sync_bandwidth_bytes_per_s": may(Number(0.0, MAX_RATE, nullable=True)),
     "sync_latency_s": may(_seconds(nullable=True)),
 })
@@ -449,7 +449,7 @@ PLACEMENT = Object({
 FACTORISATION = Object({
     "stages": need(_count(1)),
     "data_parallel": need(_count(1)),
-    "order": may(Text(choices=PLACEMENT_ORDER_NAMES, nullable=True)),
+    "order": may(Text(choices=PLACEMENT_ORDERS, nullable=True)),
     "fits": need(Flag()),
     "step_s": may(_seconds(nullable=True)),
     "samples_per_s": may(Number(0.0, MAX_RATE, nullable=True)),
@@ -488,7 +488,7 @@ def _plan(solved: bool, chunked: bool) -> Object:
             "nodes": may(_count(1, nullable=True)),
             "network_bandwidth_bytes_per_s": may(Number(0.0, MAX_RATE, nullable=True)),
             "network_latency_s": may(_seconds(nullable=True)),
-            "gradient_sync": may(Text(choices=GRADIENT_SYNC_MODES, nullable=True)),
+            "gradient_sync": may(Text(choices=GRADIENT_SYNCS, nullable=True)),
         })),
         "balance": need(Items(_count(1), min_len=1)),
         "micro_batches": need(_count(1)),
@@ -497,7 +497,7 @@ def _plan(solved: bool, chunked: bool) -> Object:
         "schedule": need(Text()),
         "virtual_stages": may(_count(1)),
         "data_parallel": may(_count(1)),               # version 6 (absent: 1)
-        "gradient_sync": may(Text(choices=GRADIENT_SYNC_MODES)),
+        "gradient_sync": may(Text(choices=GRADIENT_SYNCS)),
         "placement": may(PLACEMENT),
         "factorisations": may(Items(FACTORISATION, nullable=True)),
         **layout,
@@ -589,7 +589,7 @@ REPORT = Object({
     "virtual_stages": may(_count(1, nullable=True)),
     "num_stages": may(_count(1, nullable=True)),
     "data_parallel": may(_count(1, nullable=True)),            # version 4 (absent: 1)
-    "gradient_sync": may(Text(choices=GRADIENT_SYNC_MODES, nullable=True)),   # null with one replica
+    "gradient_sync": may(Text(choices=GRADIENT_SYNCS, nullable=True)),   # null with one replica
     "predicted_gradient_sync_s": may(_seconds(nullable=True)),  # the slowest stage's, as measured below
     "measured_gradient_sync_s": may(_seconds(nullable=True)),  # the slowest stage's
     "predicted_exposed_gradient_sync_s": may(_seconds(nullable=True)),   # what the syncs add to the step

@@ -28,17 +28,18 @@ def parse_size(text: str, flag: str = "--memory-limit") -> int:
     return int(value)
 
 
-def parse_bandwidth(text: str) -> float:
-    """``--link-bandwidth`` in GB/s -> bytes per second; ``'inf'`` -> ``math.inf`` (ignore communication)."""
+def parse_bandwidth(text: str, flag: str = "--link-bandwidth") -> float:
+    """A bandwidth in GB/s (``--link-bandwidth``, ``--network-bandwidth``) -> bytes per second;
+    ``'inf'`` -> ``math.inf`` (ignore communication)."""
     t = str(text).strip().lower().removesuffix("gb/s").strip()
     if t in ("inf", "infinity", "none", "off"):
         return math.inf
     try:
         value = float(t)
     except ValueError:
-        raise BadInput(f"--link-bandwidth {text!r} is not a number of GB/s (or 'inf' to ignore communication)") from None
+        raise BadInput(f"{flag} {text!r} is not a number of GB/s (or 'inf' to ignore communication)") from None
     if not value > 0 or not math.isfinite(value):
-        raise BadInput(f"--link-bandwidth must be a positive number of GB/s or 'inf', got {text!r}")
+        raise BadInput(f"{flag} must be a positive number of GB/s or 'inf', got {text!r}")
     return value * 1e9
 
 

@@ -276,7 +276,10 @@ def measure_cpu(rounds: int, steps: int, ledger: Ledger) -> dict[str, Any]:
                       "gradient_sync": doc.get("gradient_sync", "ddp"),
                       "micro_batches": doc.get("micro_batches"), "schedule": doc.get("schedule"),
                       "balance": doc.get("balance"), "predicted_step_s": doc["predicted"]["step_s"],
-                      "predicted_gradient_sync_s": doc["predicted"].get("gradient_sync_s")}
+                      # the slowest stage's sync (what the report measures), and what the syncs add
+                      "predicted_gradient_sync_s": max((st.get("gradient_sync_s") or 0.0 for st in doc["stages"]),
+                                                       default=0.0),
+                      "predicted_exposed_gradient_sync_s": doc["predicted"].get("gradient_sync_s")}
                   for k, doc in docs.items()},
         "runs": runs,
     }
@@ -312,8 +315,10 @@ def render_cpu(data: dict[str, Any]) -> str:
             f"--data-parallel d` and run for {data['steps']} steps in each of {data['rounds']} rounds "
             f"(the shapes interleaved within a round; median step after the first, from the run's report). "
             f"`predicted`: the plan's step; `at run speed`: the report's headline prediction, adjusted for the "
-            f"machine's speed during the run. Gradient sync: the plan's exposed sync per step and the report's "
-            f"measured one (median over rounds).\n\n"
+            f"machine's speed during the run. Gradient sync: the slowest stage's, per step, as the plan "
+            f"predicts it (`stages[k].gradient_sync_s`; the step pays only what the next step's fill does not "
+            f"hide) and as the report measures it (from the stage's last action to its averaged gradients, "
+            f"waiting for the slowest replica included; median over rounds).\n\n"
             + table(["K x d", "M", "schedule", "balance", "predicted ms", "at run speed ms", "measured ms",
                      "measured range", "measured/predicted", "sync predicted ms", "sync measured ms",
                      "samples/s measured"], rows)

@@ -114,7 +114,7 @@ def solve_options(
         nodes=nodes,
         network_bandwidth_bytes_per_s=None if network_bandwidth is None else (
             float(network_bandwidth) * 1e9 if isinstance(network_bandwidth, (int, float))
-            else parse_bandwidth(network_bandwidth)),
+            else parse_bandwidth(network_bandwidth, "--network-bandwidth")),
         network_latency_s=network_latency,
         gradient_sync=gradient_sync,
     )
@@ -163,7 +163,7 @@ def solve_command(profile: str, stages: int | None, micro_batches: str, global_b
                   data_parallel: str | None = None, nodes: int = 1, network_bandwidth: str | None = None,
                   network_latency: float = 0.0, gradient_sync: str = "ddp") -> None:
     started = time.perf_counter()
-    check_output_paths({"--out": out, "--timeline": timeline})   # both files or neither
+    check_output_paths({"--out": out, "--timeline": timeline}, inputs=(profile,))   # both files or neither
     plan = solve_file(profile, out, stages=stages, progress=not quiet and sys.stderr.isatty(),
                       micro_batches=micro_batches, global_batch_size=global_batch_size, schedule=schedule,
                       virtual_stages=virtual_stages, recompute=recompute, memory_limit=memory_limit, link_bandwidth=link_bandwidth,
@@ -183,7 +183,7 @@ def solve_command(profile: str, stages: int | None, micro_batches: str, global_b
 
 
 def show_plan(path: str, timeline: str | None = None) -> None:
-    check_output_paths({"--timeline": timeline})
+    check_output_paths({"--timeline": timeline}, inputs=(path,))
     from ..schema import validate
 
     plan = read_artifact(path, PLAN_FORMAT)
@@ -198,11 +198,11 @@ def show_plan(path: str, timeline: str | None = None) -> None:
 def import_pipedream_command(graph: str, batch_size: int | None, out: str | None) -> None:
     from .pipedream import import_pipedream
 
-    check_output_paths({"--out": out})
+    check_output_paths({"--out": out}, inputs=(graph,))
     doc = import_pipedream(graph, batch_size=batch_size)
     Profile(doc, where=graph)   # what we write must be a profile the planner accepts
     target = out or f"{doc['model']['name']}.profile.json"
-    check_output_paths({"--out": target})      # the default name, once the model's name is known
+    check_output_paths({"--out": target}, inputs=(graph,))   # the default name, once the model's name is known
     write_json_atomic(target, doc)
     Console().print(f"wrote {target}: {len(doc['layers'])} layers from {doc['source']['nodes']} nodes, "
                     f"batch {doc['batch_size']}", highlight=False)
@@ -216,7 +216,7 @@ def explore_command(profile: str, stages: str | None, micro_batches: str, global
     from .explore import explore
     from .explore_view import exploration_chart, exploration_json, render_exploration
 
-    check_output_paths({"--json": json_out, "--chart": chart})
+    check_output_paths({"--json": json_out, "--chart": chart}, inputs=(profile,))
     if devices is None and (nodes is not None or network_bandwidth is not None or network_latency is not None
                             or gradient_sync is not None):
         raise BadInput("--nodes, --network-bandwidth, --network-latency and --gradient-sync describe the devices "
@@ -235,7 +235,7 @@ def explore_command(profile: str, stages: str | None, micro_batches: str, global
     recomputes = _choices(recompute, ("never", "always", "auto"), "--recompute")
     limit = parse_size(memory_limit) if memory_limit else prof.usable_memory_bytes   # see device_memory_limit
     bandwidth = parse_bandwidth(link_bandwidth) if link_bandwidth else None
-    network = _network_bandwidth(network_bandwidth) if network_bandwidth else None
+    network = parse_bandwidth(network_bandwidth, "--network-bandwidth") if network_bandwidth else None
     with _progress() as bar:
         task = bar.add_task("exploring", total=None)
         ex = explore(prof, ks, ms, global_batch_size, limit, schedules, recomputes,
@@ -253,14 +253,6 @@ def explore_command(profile: str, stages: str | None, micro_batches: str, global
     written = [p for p in (json_out, chart) if p]
     if written:
         console.print("wrote " + " and ".join(written), highlight=False)
-
-
-def _network_bandwidth(text: str) -> float:
-    """``--network-bandwidth`` in GB/s (or 'inf'), read as ``--link-bandwidth`` is."""
-    try:
-        return parse_bandwidth(text)
-    except BadInput as exc:
-        raise BadInput(str(exc).replace("--link-bandwidth", "--network-bandwidth")) from None
 
 
 def _int_list(text: str, flag: str) -> list[int]:

@@ -59,7 +59,7 @@ class Cell:
     virtual_stages: int = 1         # chunks per stage (interleaved: the best of 2..4; zb-v: 2)
     data_parallel: int = 1          # d: replicas of the pipeline, each on global batch / d samples
     order: str = ""                 # the replicas' placement order ("" for one replica alone)
-    gradient_sync_s: float | None = None   # the longest stage's gradient sync per step (0: one replica)
+    slowest_stage_gradient_sync_s: float | None = None   # the slowest stage's sync per step (0: one replica)
 
     def row(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -332,7 +332,7 @@ class FactorisationSummary:
                 "samples_per_s": best.throughput_per_s if best else None,
                 "micro_batches": best.micro_batches if best else None, "schedule": best.schedule if best else None,
                 "virtual_stages": best.virtual_stages if best else None, "recompute": best.recompute if best else None,
-                "gradient_sync_s": best.gradient_sync_s if best else None,
+                "slowest_stage_gradient_sync_s": best.slowest_stage_gradient_sync_s if best else None,
                 "proven": best.proven if best else False,
                 "fitting_cells": self.fitting_cells, "cells": self.cells, "reason": self.reason}
 
@@ -373,7 +373,8 @@ def _cell(K, M, size, schedule, recompute, sol: Solution | None, fits: bool, bat
                 ev.balance,
                 note="" if fits else "exceeds the memory limit (shown: the best plan without it)",
                 virtual_stages=chunks_per_stage(schedule, virtual_stages), data_parallel=data_parallel, order=order,
-                gradient_sync_s=max((getattr(st, "gradient_sync_s", 0.0) for st in ev.stages), default=0.0))
+                slowest_stage_gradient_sync_s=max((getattr(st, "gradient_sync_s", 0.0) for st in ev.stages),
+                                                  default=0.0))
 
 
 def _shapes(schedule: str, K: int, M: int, layers: int) -> list[int]:

@@ -149,7 +149,7 @@ def render_factorisations(ex: Exploration, console: Console) -> None:
         table.add_row(shape_label(f.stages, f.data_parallel), plan,
                       f"{format_seconds(c.step_s, 3)}{'' if c.proven else '*'}",
                       f"{c.throughput_per_s:,.1f} ({c.normalized_throughput:.2f}x)",
-                      format_seconds(c.gradient_sync_s or 0.0, 3), format_bytes(c.peak_memory_bytes),
+                      format_seconds(c.slowest_stage_gradient_sync_s or 0.0, 3), format_bytes(c.peak_memory_bytes),
                       f"{f.fitting_cells}/{f.cells}")
     console.print(table)
 
@@ -157,7 +157,7 @@ def render_factorisations(ex: Exploration, console: Console) -> None:
 def exploration_json(ex: Exploration) -> dict[str, Any]:
     """The exploration as JSON (docs/planner.md, "What-if tables"). Version 2 added the replica
     keys: ``devices``, ``factorisations`` and each row's ``data_parallel``, ``order`` and
-    ``gradient_sync_s`` (a version-1 reader's keys are all still there)."""
+    ``slowest_stage_gradient_sync_s`` (a version-1 reader's keys are all still there)."""
     return {
         "format": "gpipe-plan.exploration",
         "version": 2,

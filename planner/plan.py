@@ -143,8 +143,11 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
             "recompute": options.recompute,
             "memory_limit_bytes": options.memory_limit_bytes,
             "memory_limit_source": options.memory_limit_source,
-            "link_bandwidth_bytes_per_s": setting.link_bandwidth_bytes_per_s if setting.comm_on else None,
-            "link_latency_s": setting.link_latency_s,
+            # The link inside a node (the user's or the profile's); with several nodes what the
+            # pipeline's sends were charged is the placement's pipeline_* (the network, perhaps).
+            "link_bandwidth_bytes_per_s": _finite_or_none(devices.topology.link_bandwidth_bytes_per_s
+                                                          if devices is not None else setting.link_bandwidth_bytes_per_s),
+            "link_latency_s": devices.topology.link_latency_s if devices is not None else setting.link_latency_s,
             "per_microbatch_overhead_s": setting.overhead_s,
             "compute_scale": setting.compute_scale,
             "optimizer": options.optimizer,
@@ -238,6 +241,7 @@ def placement_doc(chosen: Factorisation | None, stages: int) -> dict[str, Any]:
     return {"nodes": p.nodes, "devices_per_node": p.devices_per_node, "order": p.order,
             "ranks": [list(row) for row in p.ranks], "reason": p.reason,
             "pipeline_bandwidth_bytes_per_s": _finite_or_none(p.pipeline_bandwidth_bytes_per_s),
+            "pipeline_latency_s": p.pipeline_latency_s,
             "sync_bandwidth_bytes_per_s": _finite_or_none(p.sync_bandwidth_bytes_per_s),
             "sync_latency_s": p.sync_latency_s}
 

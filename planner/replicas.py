@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable
 
 from ..artifacts import BadInput
+from ..plan_layout import GRADIENT_SYNCS, PLACEMENT_ORDERS
 from ..units import format_bytes
 
 if TYPE_CHECKING:     # search imports this module: its names are read at call time
@@ -44,7 +45,7 @@ if TYPE_CHECKING:     # search imports this module: its names are read at call t
 
 Progress = Callable[[int, int, str], None]
 
-PIPELINE_INNER, DATA_INNER = "pipeline-inner", "data-inner"    # plan_layout.PLACEMENT_ORDERS
+PIPELINE_INNER, DATA_INNER = PLACEMENT_ORDERS
 
 
 @dataclass(frozen=True)
@@ -287,7 +288,7 @@ def check_devices(profile: Profile, options: SolveOptions) -> tuple[int, int]:
     from .search import resolve_global_batch
 
     d, K, N = options.data_parallel, options.stages, options.devices
-    if options.gradient_sync not in ("ddp", "fsdp"):
+    if options.gradient_sync not in GRADIENT_SYNCS:
         raise BadInput(f"--gradient-sync must be ddp or fsdp, got {options.gradient_sync!r}")
     if d != "auto" and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
         raise BadInput(f"--data-parallel must be a positive integer or 'auto', got {d!r}")
@@ -312,8 +313,11 @@ def check_devices(profile: Profile, options: SolveOptions) -> tuple[int, int]:
     if d != "auto" and batch % d:
         raise BadInput(f"--data-parallel {d} does not divide the global batch of {batch}: every replica takes "
                        "as many samples; use a d that divides it, or another --global-batch-size")
-    if options.solver == "ilp" and (d == "auto" or d > 1):
-        raise BadInput("--solver ilp plans one pipeline only: use --solver exact with --data-parallel")
+    # The ILP plans one pipeline: refused only where a d > 1 is left to search.
+    most_replicas = N // K if K is not None else (N if d == "auto" else d)
+    if options.solver == "ilp" and most_replicas > 1:
+        raise BadInput(f"--solver ilp plans one pipeline (no replicas) only: use --solver exact (the default), "
+                       f"or --stages {N} for one pipeline of {N} devices")
     return N, batch
 
 

@@ -196,6 +196,13 @@ def global_batch_source(profile: Profile, options: SolveOptions) -> str:
     return "option" if options.global_batch_size is not None else profile_global_batch(profile)[1]
 
 
+def whose_batch(options: SolveOptions) -> str:
+    """What the search's batch is: the global batch, or one replica's (planner/replicas.py
+    searches each of d replicas with its share of it)."""
+    d = options.data_parallel
+    return "a replica's batch" if isinstance(d, int) and d > 1 else "the global batch"
+
+
 def check_options(profile: Profile, options: SolveOptions) -> int:
     """Refuse impossible requests with one line each; returns the global batch size."""
     L = profile.num_layers
@@ -229,7 +236,7 @@ def check_options(profile: Profile, options: SolveOptions) -> int:
             usable = micro_batch_counts(batch)
             choices = ", ".join(map(str, usable[:12]))
             raise BadInput(
-                f"--micro-batches {m} does not divide the global batch of {batch}: "
+                f"--micro-batches {m} does not divide {whose_batch(options)} of {batch}: "
                 f"use one of {choices}{', ...' if len(usable) > 12 else ''} or 'auto'")
     return batch
 

@@ -110,7 +110,9 @@ def check_options(options: RunOptions) -> RunOptions:
         if not path.is_file():
             raise BadInput(f"--data '{options.data}' is not a file (nor a pkg.module:factory)")
     # Before any rank starts: a report that cannot be written is refused now, not after training.
-    check_output_paths({"--save": options.save, "--report": options.report, "--trace": options.trace})
+    check_output_paths({"--save": options.save, "--report": options.report, "--trace": options.trace},
+                       inputs=tuple(p for p in (options.plan, options.data, options.init_from)
+                                    if p is not None and Path(p).is_file()))
     if options.init_from is not None:
         _check_init_from(options.init_from)
     if options.checkpoint_dir is not None:

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..artifacts import PLAN_FORMAT, BadInput, file_sha256, precision_of, read_artifact
 from ..schema import validate
-from ..plan_layout import data_parallel, gradient_sync, placement_ranks, plan_chunks, virtual_stages
+from ..plan_layout import check_replicas, data_parallel, gradient_sync, plan_chunks, virtual_stages
 from ..schedules import SPLIT_BACKWARD, Action, all_actions, chunks_of_stage
 
 
@@ -174,12 +174,12 @@ def load_plan(path: str | os.PathLike[str]) -> RunPlan:
     B = need(doc, "global_batch_size", int)
     schedule = need(doc, "schedule", str)
     raw_stages = need(doc, "stages", list)
-    # Each of the d replicas runs M micro-batches of b samples: together the global batch.
+    if M < 1 or b < 1:
+        raise BadInput(f"{where}: micro_batches {M} and micro_batch_size {b} must be at least 1")
+    # Each of the d replicas runs M micro-batches of b samples (together the global batch), on
+    # the ranks of a permutation: checked where every reader checks it.
     d = data_parallel(doc)
-    if M < 1 or b < 1 or d * M * b != B:
-        times = f"data_parallel {d} x " if d > 1 else ""
-        raise BadInput(f"{where}: {times}micro_batches {M} x micro_batch_size {b} must equal global_batch_size {B}")
-    ranks = tuple(tuple(row) for row in placement_ranks(doc, where))
+    ranks = tuple(tuple(row) for row in check_replicas(doc, where))
     placement = doc.get("placement") if isinstance(doc.get("placement"), dict) else {}
     per_node = placement.get("devices_per_node")
     # The chunks, each on its stage, whatever the plan's version; refuses a schedule that

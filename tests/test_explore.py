@@ -189,8 +189,8 @@ def test_a_factorisations_row_agrees_with_search_devices(gradient_sync, limit):
     fitting = [f for f in result.factorisations if f.fits]
     assert [(f.stages, f.data_parallel) for f in ex.factorisations if f.best][:len(fitting)] == \
         [(f.stages, f.data_parallel) for f in fitting]
-    assert all(c.gradient_sync_s > 0 for c in ex.cells if c.data_parallel > 1 and c.step_s is not None)
-    assert all(c.gradient_sync_s == 0 for c in ex.cells if c.data_parallel == 1 and c.step_s is not None)
+    assert all(c.slowest_stage_gradient_sync_s > 0 for c in ex.cells if c.data_parallel > 1 and c.step_s is not None)
+    assert all(c.slowest_stage_gradient_sync_s == 0 for c in ex.cells if c.data_parallel == 1 and c.step_s is not None)
     # 55 MB holds the whole model (18.9 MB of parameters) on one device only sharded over 4: fsdp keeps
     # 18.9 x (1 + 1/4 + 1 + 2/4) = 52.0 MB, ddp 18.9 x (1 + 1 + 2) = 75.6 MB, before activations
     if limit is not None:

@@ -249,3 +249,35 @@ def test_the_nearest_split_comes_with_the_planners_prediction(user_dir: Path, re
     ev = evaluate(CostModel(profile.at(2), Setting(stages=2, micro_batches=4, schedule="1f1b", **comm, **sync,
                                                    overhead_s=profile.per_microbatch_overhead_s)), [0, 3, 5], [False, False])
     assert f"{ev.step_s * 1e3:.3g}" == predicted.group(1)
+
+
+def test_export_never_replaces_the_plan_it_reads_nor_leaves_a_file_when_refused(user_dir: Path) -> None:
+    plan = write(user_dir / "plan.json", hand_plan(GPT, [3, 3], micro_batches=2, micro_batch_size=1))
+    before = (user_dir / "plan.json").read_text()
+    for args in (["--to", "torch", "-o", "plan.json"], ["--schedule-csv", "plan.json"]):
+        result = cli("export", plan, *args)
+        assert result.exit_code == 2 and "it is the file this command reads" in result.output, result.output
+        assert (user_dir / "plan.json").read_text() == before
+    # deepspeed refuses an interleaved plan: the CSV asked for in the same call is not written either.
+    doc = hand_plan(GPT, [1, 2, 1, 2], micro_batches=4, micro_batch_size=1, schedule="interleaved", virtual_stages=2)
+    inter = write(user_dir / "inter.json", doc)
+    result = cli("export", inter, "--to", "deepspeed", "--schedule-csv", "s.csv")
+    assert result.exit_code == 2 and not (user_dir / "s.csv").exists()
+
+
+def test_a_plan_whose_replicas_do_not_add_up_is_refused(user_dir: Path) -> None:
+    doc = hand_plan(GPT, [3, 3], micro_batches=2, micro_batch_size=2)
+    doc.update(data_parallel=3)           # 3 x 2 x 2 is not the global batch of 4
+    plan = write(user_dir / "plan.json", doc)
+    result = cli("export", plan, "--to", "torchtitan")
+    assert result.exit_code == 2 and "must equal global_batch_size" in result.output
+    assert not list(user_dir.glob("plan.*.*"))
+
+
+def test_a_zb_v_plan_is_not_exact_in_megatron(user_dir: Path) -> None:
+    """Megatron's virtual stages go round-robin: the V's chunks land on other ranks."""
+    spec = _llama()
+    plan = write(user_dir / "plan.json", hand_plan(spec, [2, 1, 2, 2], micro_batches=4, micro_batch_size=1,
+                                                   schedule="zb-v"))
+    result = cli("export", plan, "--to", "megatron")
+    assert result.exit_code == 0 and "not exact" in result.output and "places chunks in a V" in result.output

@@ -374,7 +374,7 @@ def test_a_plan_whose_batch_does_not_split_over_its_replicas_is_refused(profile_
     (["--devices", "4", "--nodes", "2"], r"--nodes 2 needs --network-bandwidth"),
     (["--devices", "8", "--stages", "8"], r"--stages 8 is more than the profile's 6 layers"),
     (["--micro-batches", "2"], r"give --stages K .* or --devices N"),
-    (["--devices", "4", "--solver", "ilp"], r"--solver ilp plans one pipeline only"),
+    (["--devices", "4", "--solver", "ilp"], r"--solver ilp plans one pipeline \(no replicas\) only"),
     (["--devices", "4", "--data-parallel", "0"], r"--data-parallel must be at least 1"),
     (["--devices", "4", "--network-latency", "-1"], r"--network-latency"),
 ])
@@ -432,3 +432,15 @@ def test_fsdp_with_tied_weights_plans_one_chunk_per_stage(user_dir: Path):
     assert auto.exit_code == 0, auto.output
     plan = json.loads(Path("plan.json").read_text())
     assert plan["virtual_stages"] == 1 and all(r["virtual_stages"] == 1 for r in plan["runners_up"])
+
+
+def test_bad_network_bandwidth_names_its_own_flag(user_dir: Path):
+    write_json(user_dir / "profile.json", profile_doc(L=6, batch_size=8))
+    result = cli("solve", "profile.json", "--devices", "4", "--nodes", "2", "--network-bandwidth", "-1")
+    assert result.exit_code == 2 and "--network-bandwidth must be a positive number" in result.output
+
+
+def test_a_replicas_micro_batches_are_checked_against_its_own_batch(user_dir: Path):
+    write_json(user_dir / "profile.json", profile_doc(L=6, batch_size=8))
+    result = cli("solve", "profile.json", "--devices", "4", "--data-parallel", "4", "-b", "8", "-m", "4")
+    assert result.exit_code == 2 and "does not divide a replica's batch of 2" in result.output, result.output

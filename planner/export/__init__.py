@@ -61,7 +61,7 @@ def export_plan(plan_path: str, target: str, out: str | None = None) -> Exported
     if target not in TARGETS:
         raise BadInput(f"unknown export target '{target}': choose one of {', '.join(TARGETS)}")
     out = out or default_out(plan_path, target)
-    check_output_paths({"--out": out})
+    check_output_paths({"--out": out}, inputs=(plan_path,))
     from .view import read_plan
 
     view = read_plan(plan_path)
@@ -80,7 +80,7 @@ def export_plan(plan_path: str, target: str, out: str | None = None) -> Exported
             exported.cost_note = f"the exported split {exported.exported_balance}: {cost.note}"
     for path in exported.files:
         if path != out:
-            check_output_paths({"--out (its companion file)": path})
+            check_output_paths({"--out (its companion file)": path}, inputs=(plan_path,))
     for path, text in exported.files.items():
         write_text_atomic(path, text)
     return exported

@@ -46,7 +46,7 @@ def plan_actions(plan: dict[str, Any], where: str) -> list[list[Action]]:
 def export_schedule_csv(plan_path: str, csv_path: str) -> ExportedSchedule:
     """Write the plan's schedule as torch's compute-only CSV, atomically; raise
     :class:`~gpipe_plan.artifacts.BadInput` (nothing written) when the plan is not one to export."""
-    check_output_paths({"--schedule-csv": csv_path})
+    check_output_paths({"--schedule-csv": csv_path}, inputs=(plan_path,))
     plan = read_artifact(plan_path, PLAN_FORMAT)
     where = f"plan '{plan_path}'"
     validate(plan, "plan", where)

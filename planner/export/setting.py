@@ -20,14 +20,17 @@ def plan_setting(view: PlanView, profile: Profile) -> tuple[Setting, int]:
     """(the plan's Setting, its micro-batch size per replica)."""
     options: dict[str, Any] = view.doc.get("options") or {}
     placement: dict[str, Any] = view.doc.get("placement") or {}
-    bandwidth = options.get("link_bandwidth_bytes_per_s")
+    # What the pipeline's sends were charged: the placement's (format 6), else the link.
+    charged = placement if "pipeline_bandwidth_bytes_per_s" in placement else {
+        "pipeline_bandwidth_bytes_per_s": options.get("link_bandwidth_bytes_per_s"),
+        "pipeline_latency_s": options.get("link_latency_s")}
     limit = options.get("memory_limit_bytes")
     setting = Setting(
         stages=view.stages, micro_batches=view.micro_batches, schedule=view.schedule,
         recompute=str(options.get("recompute") or "auto"),
         memory_limit_bytes=float(limit) if isinstance(limit, (int, float)) else None,
-        link_bandwidth_bytes_per_s=_bandwidth(bandwidth),
-        link_latency_s=float(options.get("link_latency_s") or 0.0),
+        link_bandwidth_bytes_per_s=_bandwidth(charged.get("pipeline_bandwidth_bytes_per_s")),
+        link_latency_s=float(charged.get("pipeline_latency_s") or 0.0),
         optimizer=str(options.get("optimizer") or "adam"),
         overhead_s=float(options.get("per_microbatch_overhead_s") or 0.0),
         compute_scale=float(options.get("compute_scale") or 1.0),

@@ -44,13 +44,16 @@ def export(view: PlanView, out: str) -> Exported:
                        f"holds {view.virtual_stages}: solve with --schedule 1f1b (or gpipe) to export to DeepSpeed")
     balance = view.balance
     uniform = partition_uniform(sum(balance), view.stages)
-    exact = balance == uniform
+    by_rule = balance == uniform          # partition_method 'uniform' says the plan's balance
     notes: list[str] = []
     if view.schedule != "1f1b":
         notes.append(f"DeepSpeed runs 1F1B only: the plan's {view.schedule} order does not export, its balance does")
-    if not exact:
+    if not by_rule:
         notes.append(f"partition_method cannot say the balance {balance}: 'uniform' gives {uniform}; the exact "
                      f"boundaries are in 'gpipe_plan.parts'")
+    placement = view.placement_note("DeepSpeed")
+    if placement:
+        notes.append(placement)
     if view.gradient_sync == "fsdp":
         notes.append("DeepSpeed's pipeline engine does not shard parameters across replicas (ZeRO stage 1 at most): "
                      "the plan's fsdp memory does not hold there")
@@ -67,21 +70,22 @@ def export(view: PlanView, out: str) -> Exported:
         "gradient_accumulation_steps": view.micro_batches,
         "pipeline": {"stages": view.stages, "partition_method": "uniform"},
         "gpipe_plan": {
-            "plan": view.path, "exact_with_partition_method": exact,
+            "plan": view.path, "exact_with_partition_method": by_rule,
             "parts": parts, "balance": balance, "layers": view.layers,
             "data_parallel": view.data_parallel, "notes": notes,
         },
     }
     files = {out: json.dumps(config, indent=2) + "\n"}
-    if not exact:
+    if not by_rule:
         snippet = str(Path(out).with_suffix(".partition.py"))
         files[snippet] = SUBCLASS_SNIPPET.format(balance=balance, parts=parts, stages=view.stages,
                                                  first=view.layers[0], last=view.layers[-1])
         notes.append(f"the exact split: {snippet} (a PipelineModule subclass setting DeepSpeed's private 'parts')")
-    return Exported("deepspeed", files, exact=exact, notes=notes, exported_balance=None if exact else uniform,
+    return Exported("deepspeed", files, exact=by_rule and not placement, notes=notes,
+                    exported_balance=None if by_rule else uniform,
                     summary=f"deepspeed: {view.stages} stages, partition_method 'uniform' "
-                            f"({'exact' if exact else 'nearest'}), {view.micro_batches} micro-batches of "
-                            f"{view.micro_batch_size}")
+                            f"({'exact' if by_rule else 'nearest'}), M = {view.micro_batches} "
+                            f"micro-batches of {view.micro_batch_size}")
 
 
 SUBCLASS_SNIPPET = '''\

@@ -102,6 +102,9 @@ def export(view: PlanView, out: str) -> Exported:
     if view.schedule == "zb-v":
         notes.append("zb-v places chunks in a V (stage k holds chunks k and 2K-1-k); Megatron's virtual stages are "
                      "round-robin, so its ranks hold other chunks than the plan's")
+    placement = view.placement_note("Megatron")
+    if placement:
+        notes.append(placement)
     decoder_layers = len({n for kind, n in parts if kind == "t"})
     args = [f"--pipeline-model-parallel-size {view.stages}",
             f"--num-layers {decoder_layers}",
@@ -115,7 +118,9 @@ def export(view: PlanView, out: str) -> Exported:
                       f"{view.stages * view.data_parallel} ranks for {view.data_parallel} replica(s)",
                       *[f"# {line}" for line in _without_layout(exported, parts, view.virtual_stages)],
                       " \\\n".join(args), ""])
-    return Exported("megatron", {out: text}, exact=exported == balance, notes=notes, exported_balance=exported,
+    # The same split, and each rank the same chunks in the same order as the plan's.
+    exact = exported == balance and view.schedule != "zb-v" and not placement
+    return Exported("megatron", {out: text}, exact=exact, notes=notes, exported_balance=exported,
                     summary=f"megatron: {view.stages} pipeline ranks, layout {layout(exported, parts)}")
 
 

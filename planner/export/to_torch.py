@@ -122,7 +122,7 @@ SCHEDULE_CSV = """\\
 SCHEDULE_CLASS = {schedule_class}
 N_MICROBATCHES = {micro_batches}
 MICRO_BATCH_SIZE = {micro_batch_size}
-GLOBAL_BATCH_SIZE = {batch}
+BATCH_SIZE = {batch}   # samples per step of the script's one pipeline: N_MICROBATCHES x MICRO_BATCH_SIZE
 OPTIMIZER = {optimizer}
 
 
@@ -138,7 +138,7 @@ def batches(model, seed):
     """Step s's (inputs, targets): the whole batch of the step, the same on every rank."""
     from gpipe_plan.runtime.data import batch_source
 
-    return batch_source(model, None, GLOBAL_BATCH_SIZE, seed)
+    return batch_source(model, None, BATCH_SIZE, seed)
 
 
 def loss_fn(model):

@@ -66,6 +66,9 @@ def export(view: PlanView, out: str) -> Exported:
     empty = [c for c, part in enumerate(named_parts) if not part]
     if empty:
         raise BadInput(f"plan '{view.path}': {_no_names(view, empty)}")
+    placement = view.placement_note("torchtitan")
+    if placement:
+        notes.append(placement)
     parallelism: dict[str, object] = {
         "pipeline_parallel_degree": view.stages,
         "pipeline_parallel_schedule": schedule,
@@ -81,7 +84,7 @@ def export(view: PlanView, out: str) -> Exported:
     training = {"local_batch_size": view.global_batch_size // view.data_parallel,
                 "global_batch_size": view.global_batch_size}
     files[out] = _toml(view, parallelism, training, notes)
-    exact = not unnamed
+    exact = not unnamed and not placement
     return Exported("torchtitan", files, exact=exact, notes=notes,
                     summary=f"torchtitan: {view.stages} ranks x {view.data_parallel} replica(s), "
                             f"{len(named_parts)} model parts, schedule {schedule}")

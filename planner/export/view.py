@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...artifacts import PLAN_FORMAT, BadInput, read_artifact
-from ...plan_layout import data_parallel, gradient_sync, plan_chunks, virtual_stages
+from ...plan_layout import check_replicas, data_parallel, gradient_sync, plan_chunks, virtual_stages
 from ...schedules import Action, all_actions
 from ...schema import validate
 
@@ -55,6 +55,8 @@ class PlanView:
     data_parallel: int               # d
     gradient_sync: str               # ddp | fsdp
     chunks: tuple[ExportChunk, ...]
+    placement_order: str = "pipeline-inner"    # how the plan laid ranks out (plan_layout.PLACEMENT_ORDERS)
+    nodes: int = 1
 
     @property
     def layers(self) -> list[str]:
@@ -79,6 +81,16 @@ class PlanView:
         """Every stage's action list: the schedule the planner simulated."""
         return all_actions(self.schedule, self.stages, self.micro_batches, self.virtual_stages)
 
+    def placement_note(self, target: str) -> str | None:
+        """What a target that numbers a stage's replicas consecutively (torchtitan's, Megatron's and
+        DeepSpeed's default rank order: data-inner) changes of a plan placed otherwise across
+        nodes; None when nothing changes (one node, one replica, or the plan's order is theirs)."""
+        if self.data_parallel == 1 or self.nodes == 1 or self.placement_order == "data-inner":
+            return None
+        return (f"{target} orders ranks data-inner (a stage's replicas on consecutive ranks); the plan placed "
+                f"them {self.placement_order} over {self.nodes} nodes so that the pipeline's sends stay in a node: "
+                f"under {target}'s order they cross the network and the gradient syncs stay in a node")
+
     def unnamed(self) -> list[str]:
         """The layers that are not one module of the unsplit model (a target cannot name them)."""
         return [name for chunk in self.chunks for name, module in zip(chunk.layers, chunk.modules) if module is None]
@@ -89,6 +101,7 @@ def read_plan(path: str) -> PlanView:
     doc = read_artifact(path, PLAN_FORMAT)
     where = f"plan '{path}'"
     validate(doc, "plan", where)
+    check_replicas(doc, where)
     raw = plan_chunks(doc, where)
     model = doc.get("model") or {}
     chunks = []
@@ -96,10 +109,13 @@ def read_plan(path: str) -> PlanView:
         layers = tuple(item["layers"])
         chunks.append(ExportChunk(item["index"], item["stage"], layers, _modules(entry, layers, model, where),
                                   item["first_layer"], bool(item["recompute"])))
+    placement = doc.get("placement") if isinstance(doc.get("placement"), dict) else {}
     return PlanView(path=path, doc=doc, model=model, schedule=doc["schedule"], stages=len(doc["stages"]),
                     virtual_stages=virtual_stages(doc), micro_batches=int(doc["micro_batches"]),
                     micro_batch_size=int(doc["micro_batch_size"]), global_batch_size=int(doc["global_batch_size"]),
-                    data_parallel=data_parallel(doc), gradient_sync=gradient_sync(doc), chunks=tuple(chunks))
+                    data_parallel=data_parallel(doc), gradient_sync=gradient_sync(doc), chunks=tuple(chunks),
+                    placement_order=str(placement.get("order") or "pipeline-inner"),
+                    nodes=int(placement.get("nodes") or 1))
 
 
 def _modules(entry: dict[str, Any], layers: tuple[str, ...], model: dict[str, Any],
