@@ -630,9 +630,9 @@ def explain_infeasible(profile: Profile, options: SolveOptions, batch: int, sync
     limit = options.memory_limit_bytes or 0
     budget = MemorySearch(time.perf_counter() + LEAST_MEMORY_BUDGET_S)
 
-    def least(opts: SolveOptions) -> float:
-        return min((least_memory(profile, s, size, budget) for s, size in settings_for(profile, opts, batch, sync)),
-                   default=math.inf)
+    def least(opts: SolveOptions, replica_sync: ReplicaSync = sync) -> float:
+        return min((least_memory(profile, s, size, budget)
+                    for s, size in settings_for(profile, opts, batch, replica_sync)), default=math.inf)
 
     need = least(options)
     if options.memory_limit_source == "device":
@@ -649,15 +649,22 @@ def explain_infeasible(profile: Profile, options: SolveOptions, batch: int, sync
         relaxations.append(("--schedule 1f1b", {"schedule": "1f1b", "virtual_stages": "auto"}))
     if options.micro_batches != "auto":
         relaxations.append(("--micro-batches auto", {"micro_batches": "auto"}))
+    d = sync.data_parallel
     if options.stages < profile.num_layers:
         more = min(profile.num_layers, options.stages * 2)
-        relaxations.append((f"--stages {more}", {"stages": more}))
+        # As one of d replicas, more stages per replica means more devices: K x d = N.
+        flag = f"--stages {more}" if d == 1 else f"--devices {more * d} --stages {more}"
+        relaxations.append((flag, {"stages": more}))
     helps = []
     for flag, change in relaxations:
         relaxed = SolveOptions(**{**options.__dict__, **change})
         relaxed_need = least(relaxed)
         if relaxed_need < need:
             helps.append((relaxed_need, flag))
+    if d > 1 and sync.gradient_sync != "fsdp":   # fsdp keeps 1/d of the optimizer state per rank
+        sharded_need = least(options, replace(sync, gradient_sync="fsdp"))
+        if sharded_need < need:
+            helps.append((sharded_need, "--gradient-sync fsdp"))
     helps.sort()
     fitting = [(n, flag) for n, flag in helps if n <= limit]
     if fitting:

@@ -444,3 +444,12 @@ def test_a_replicas_micro_batches_are_checked_against_its_own_batch(user_dir: Pa
     write_json(user_dir / "profile.json", profile_doc(L=6, batch_size=8))
     result = cli("solve", "profile.json", "--devices", "4", "--data-parallel", "4", "-b", "8", "-m", "4")
     assert result.exit_code == 2 and "does not divide a replica's batch of 2" in result.output, result.output
+
+
+def test_out_of_memory_with_replicas_suggests_what_keeps_k_times_d(user_dir: Path):
+    """More stages per replica means more devices: the hint says --devices with --stages."""
+    write_json(user_dir / "profile.json", profile_doc(L=6, batch_size=8))
+    result = cli("solve", "profile.json", "--devices", "4", "--data-parallel", "2", "--memory-limit", "10KB")
+    assert result.exit_code == 2 and "no plan fits" in result.output, result.output
+    assert "--devices 8 --stages 4" in result.output or "--gradient-sync fsdp" in result.output, result.output
+    assert " --stages 4 would" not in result.output.replace("--devices 8 --stages 4", "")
