@@ -462,7 +462,7 @@ def demo(**options: Any) -> None:
     The whole loop in a few minutes: profile -> solve -> run on a public-domain text the
     package ships, then the plan, its timeline, measured against predicted, and the loss.
     """
-    from .runtime.demo import demo_command
+    from .demo import demo_command
 
     demo_command(**options)
 

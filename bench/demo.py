@@ -39,7 +39,7 @@ def recipe_worker(layers: int, steps: int, lr: float, warmup: int, clip: float |
 
     from gpipe_plan.models import build_model, model_spec
     from gpipe_plan.runtime.data import TextBatches
-    from gpipe_plan.runtime.demo import DEMO_TEXT, GLOBAL_BATCH
+    from gpipe_plan.demo import DEMO_TEXT, GLOBAL_BATCH
 
     torch.set_num_threads(1)
     spec = model_spec("gpt", layers=layers)
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     (RESULTS / "data").mkdir(parents=True, exist_ok=True)
     (RESULTS / "data" / "demo.json").write_text(json.dumps(data, indent=1) + "\n")
     run = report["run"]
-    from gpipe_plan.runtime.demo import DEMO_TEXT, GRAD_CLIP
+    from gpipe_plan.demo import DEMO_TEXT, GRAD_CLIP
 
     entropy = byte_entropy(DEMO_TEXT.read_bytes())
     text = "\n".join([
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         f"global batch {report['global_batch_size']} = {report['micro_batches']} x {report['micro_batch_size']}, "
         f"{report['schedule']}, for {run.get('steps')} steps on the Declaration of Independence (8.7 KB, public "
         f"domain, runtime/texts/), byte by byte: Adam at {run.get('lr')}, a {max(1, run.get('steps', 0) // 10)}-step "
-        f"warm-up, gradients clipped to {GRAD_CLIP} (runtime/demo.py).",
+        f"warm-up, gradients clipped to {GRAD_CLIP} (demo.py).",
         "",
         table(["step", "loss (nats per byte)"], [[s + 1, f"{per_step[s]:.3f}"] for s in samples]),
         "",

@@ -297,7 +297,7 @@ def test_run_help_does_not_import_torch() -> None:
 
 
 def test_demo_draws_the_predicted_timeline() -> None:
-    from gpipe_plan.runtime.demo import text_timeline
+    from gpipe_plan.demo import text_timeline
 
     plan = {"schedule": "gpipe", "micro_batches": 2, "balance": [1, 1],
              "chunks": [{"layers": ["a"], "forward_s": 1.0, "backward_s": 2.0},

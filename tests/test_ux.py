@@ -453,7 +453,7 @@ def test_profile_summary_explains_the_consistency_ratio() -> None:
 def test_the_demo_text_is_shipped_with_its_source_and_licence() -> None:
     import tomllib
 
-    from gpipe_plan.runtime.demo import DEMO_TEXT
+    from gpipe_plan.demo import DEMO_TEXT
 
     text = DEMO_TEXT.read_text(encoding="utf-8")
     header = [line for line in text.splitlines() if line.startswith("#")]
@@ -471,7 +471,7 @@ def test_the_demo_recipe_learns_the_shipped_text() -> None:
 
     from gpipe_plan.models import build_model, model_spec
     from gpipe_plan.runtime.data import TextBatches
-    from gpipe_plan.runtime.demo import DEMO_TEXT, GRAD_CLIP, LEARNING_RATE
+    from gpipe_plan.demo import DEMO_TEXT, GRAD_CLIP, LEARNING_RATE
     from gpipe_plan.runtime.optim import learning_rate
     from gpipe_plan.runtime.options import RunOptions
 

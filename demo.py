@@ -1,5 +1,8 @@
 """``gpipe-plan demo``: the whole loop on the built-in gpt, on this CPU, in about two minutes.
 
+It joins the three packages (profile, planner, runtime) as the command line does, so it lives
+beside cli.py, not in any of them.
+
 1. profile the default ``gpt`` layer by layer (one thread, as each rank will run), for the
    demo's global batch;
 2. solve for 2 stages: where to cut, how many micro-batches, which schedule;
@@ -22,15 +25,15 @@ from typing import Any
 
 from rich.console import Console
 
-from ..artifacts import BadInput, RunFailure, write_json_atomic
-from .options import RunOptions, check_options
+from .artifacts import BadInput, write_json_atomic
+from .runtime.options import RunOptions, check_options
 
 GLOBAL_BATCH = 32
 MICRO_BATCH_SIZES = [1, 2, 4, 8, 16, 32]
 # The text the demo learns, and how (the README's recipe for real text, scaled to a short run):
 # Adam at LEARNING_RATE after a linear warm-up over the first tenth of the steps, the global
 # gradient norm clipped to GRAD_CLIP (docs/runtime.md, "Real text"; docs/benchmarks.md, "Demo").
-DEMO_TEXT = Path(__file__).resolve().parent / "texts" / "declaration-of-independence.txt"
+DEMO_TEXT = Path(__file__).resolve().parent / "runtime" / "texts" / "declaration-of-independence.txt"
 LEARNING_RATE = 1e-3
 GRAD_CLIP = 1.0
 STEPS = 100
@@ -85,7 +88,7 @@ def _demo(console: Console, folder: Path, steps: int, stages: int) -> None:
     _show_plan(console, plan_path, plan)
 
     console.rule(f"[bold]3. run[/] {steps} steps with the plan, {stages} processes, on {DEMO_TEXT.name}")
-    from .launch import launch_local
+    from .runtime.launch import launch_local
 
     report_path = folder / "report.json"
     options = check_options(RunOptions(plan=str(plan_path), steps=steps, report=str(report_path),
@@ -102,8 +105,8 @@ def _demo(console: Console, folder: Path, steps: int, stages: int) -> None:
 def _profile(console: Console, path: Path, stages: int) -> dict[str, Any]:
     import torch
 
-    from ..models import model_spec
-    from ..profiles.profiler import ProfileRequest, profile_model
+    from .models import model_spec
+    from .profiles.profiler import ProfileRequest, profile_model
 
     request = ProfileRequest(spec=model_spec("gpt"), micro_batch_sizes=MICRO_BATCH_SIZES,
                              device=torch.device("cpu"), threads=1, warmup=2, repeats=5, batch_size=GLOBAL_BATCH,
@@ -112,26 +115,21 @@ def _profile(console: Console, path: Path, stages: int) -> dict[str, Any]:
     doc = profile_model(request)
     doc["global_batch_size"] = GLOBAL_BATCH   # as `profile --global-batch-size`: what solve plans for
     write_json_atomic(path, doc)
-    try:
-        from ..profiles.show import render_profile
+    from .profiles.show import render_profile
 
-        render_profile(doc, console)
-    except ImportError:  # pragma: no cover - the profiler's pretty-printer is optional here
-        console.print(f"wrote {path}")
+    render_profile(doc, console)
     return doc
 
 
 def _solve(profile_path: Path, plan_path: Path, stages: int) -> dict[str, Any]:
-    try:
-        from ..planner import solve_file
-    except ImportError as exc:  # pragma: no cover - the planner ships with the package
-        raise RunFailure(f"the planner is not available: {exc}") from None
+    from .planner import solve_file
+
     return solve_file(str(profile_path), str(plan_path), stages=stages)   # the profile's global batch
 
 
 def loss_line(report_path: Path) -> str:
     """What the model learned: its loss on the text at the first step and at the last."""
-    from ..artifacts import read_json
+    from .artifacts import read_json
 
     loss = read_json(report_path, "report").get("loss") or {}
     if loss.get("first") is None:
@@ -141,8 +139,8 @@ def loss_line(report_path: Path) -> str:
 
 
 def _show_plan(console: Console, plan_path: Path, plan: dict[str, Any]) -> None:
-    from ..artifacts import write_text_atomic
-    from ..planner.render import plan_timeline_svg, render_plan
+    from .artifacts import write_text_atomic
+    from .planner.render import plan_timeline_svg, render_plan
 
     render_plan(plan, console)
     console.print(text_timeline(plan), highlight=False)
@@ -156,7 +154,7 @@ def text_timeline(plan: dict[str, Any], width: int = 72) -> str:
     halves under a zero-bubble schedule, ``R`` a recomputation), ``o`` the optimizer step,
     ``.`` idle: the dots are the bubble.
     """
-    from ..planner.render import plan_timeline
+    from .planner.render import plan_timeline
 
     timeline = plan_timeline(plan)
     span = timeline.step_s or 1.0
