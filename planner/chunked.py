@@ -53,7 +53,7 @@ from typing import Iterable, Sequence
 
 from ..schedules import all_actions
 from .costmodel import CostModel
-from .objective import Evaluation, Solution, evaluate
+from .objective import Incumbent, Solution
 
 INF = math.inf
 _RELATIVE_SLACK = 1e-12
@@ -260,24 +260,21 @@ class ChunkedSolver:
         started = time.perf_counter()
         if C > L:
             return None
-        best: Evaluation | None = None
+        found = Incumbent(cm)
 
         def consider(bounds: tuple[int, ...]) -> None:
-            nonlocal best
-            ev = evaluate(cm, bounds)
+            found.consider(bounds)
             self.simulations += 1
             self.work_done += self.simulation_work
-            if ev.fits and (best is None or ev.step_s < best.step_s):
-                best = ev
 
         for seed in [*self.seeds, *self._heuristic_seeds()]:
             if len(seed) == C + 1 and seed[0] == 0 and seed[-1] == L and all(a < b for a, b in zip(seed, seed[1:])):
                 consider(tuple(seed))
         # A first incumbent worth pruning with: move one cut at a time by one layer while that
         # helps (a quarter of the budget at most; the search below is what proves anything).
-        improved = best is not None
+        improved = found.best is not None
         while improved and not self._spent(started, 0.25):
-            current = best
+            current = found.best
             for step in (1, 2, 4, 8):
                 for j in range(1, C):
                     for move in (-step, step):
@@ -285,15 +282,15 @@ class ChunkedSolver:
                         cuts[j] += move
                         if cuts[j - 1] < cuts[j] < cuts[j + 1]:
                             consider(tuple(cuts))
-                if best is not current:
+                if found.best is not current:
                     break
-            improved = best is not current
+            improved = found.best is not current
         global_bound = self.bound((0,), [None] * K)
         out_of_time = False
         open_bound = INF
 
         def incumbent() -> float:
-            return min(best.step_s if best else INF, self.cutoff_s) * (1 - _RELATIVE_SLACK)
+            return min(found.best.step_s if found.best else INF, self.cutoff_s) * (1 - _RELATIVE_SLACK)
 
         def dfs(cuts: list[int], recompute: list[bool | None]) -> None:
             nonlocal out_of_time, open_bound
@@ -340,10 +337,10 @@ class ChunkedSolver:
 
         if global_bound < incumbent():
             dfs([0], [None] * K)
-        if best is None:
+        if found.best is None:
             return None
-        lower = max(global_bound, min(best.step_s, self.cutoff_s, open_bound))
-        return Solution(best, lower >= best.step_s, lower,
+        lower = max(global_bound, min(found.best.step_s, self.cutoff_s, open_bound))
+        return Solution(found.best, lower >= found.best.step_s, lower,
                         f"{cm.schedule} event simulation; per-stage lower bounds + branch and bound over the chunk cuts",
                         {"simulations": self.simulations, "nodes": self.nodes, "work": round(self.work_done),
                          "seconds": round(time.perf_counter() - started, 3)})

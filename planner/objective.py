@@ -60,6 +60,23 @@ class Solution:
     method: str
     stats: dict = field(default_factory=dict)
 
+
+class Incumbent:
+    """The best plan a search has found so far: every partition it tries goes through
+    :meth:`consider`, which evaluates it and keeps it when it fits and is faster."""
+
+    def __init__(self, cm: CostModel) -> None:
+        self.cm = cm
+        self.best: Evaluation | None = None
+        self.evaluations = 0
+
+    def consider(self, bounds: Sequence[int]) -> Evaluation:
+        ev = evaluate(self.cm, bounds)
+        self.evaluations += 1
+        if ev.fits and (self.best is None or ev.step_s < self.best.step_s):
+            self.best = ev
+        return ev
+
 def evaluate(cm: CostModel, bounds: Sequence[int], recompute: Sequence[bool] | None = None) -> Evaluation:
     """Step time and memory of the chunk boundaries ``bounds`` (recompute per stage; chosen per
     stage when not given)."""

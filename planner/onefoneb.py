@@ -29,7 +29,7 @@ import time
 from typing import Iterable
 
 from .costmodel import CostModel
-from .objective import Evaluation, Solution, evaluate
+from .objective import Incumbent, Solution
 
 INF = math.inf
 _RELATIVE_SLACK = 1e-12
@@ -176,14 +176,11 @@ class OneFOneBSolver:
         global_bound = rest[0][0] + least_optimizer
         if global_bound == INF:
             return None
-        best: Evaluation | None = None
+        found = Incumbent(cm)
 
         def consider(bounds: tuple[int, ...]) -> None:
-            nonlocal best
-            ev = evaluate(cm, bounds)
+            found.consider(bounds)
             self.simulations += 1
-            if ev.fits and (best is None or ev.step_s < best.step_s):
-                best = ev
 
         for seed in self.seeds:
             if len(seed) == K + 1 and seed[-1] == L:
@@ -193,7 +190,7 @@ class OneFOneBSolver:
         open_bound = INF        # the least bound among prefixes left unexplored
 
         def incumbent() -> float:
-            return min(best.step_s if best else INF, self.cutoff_s) * (1 - _RELATIVE_SLACK)
+            return min(found.best.step_s if found.best else INF, self.cutoff_s) * (1 - _RELATIVE_SLACK)
 
         def dfs(k: int, s: int, before: float, worst: float, optimizer_s: float, cuts: list[int]) -> None:
             nonlocal out_of_time, open_bound
@@ -227,15 +224,15 @@ class OneFOneBSolver:
 
         if global_bound < incumbent():
             dfs(0, 0, 0.0, 0.0, 0.0, [0])
-        if best is None:
+        if found.best is None:
             return None
         # What the search did not rule out (time ran out, or it could not beat the cutoff)
-        # keeps a lower bound; with nothing left open, `best` is this setting's optimum.
-        # Every partition was pruned (bound >= the best or the cutoff at the time), simulated
-        # (>= best), or left open by the time budget (>= open_bound).
-        lower = max(global_bound, min(best.step_s, self.cutoff_s, open_bound))
-        proven = lower >= best.step_s
-        return Solution(best, proven, lower,
+        # keeps a lower bound; with nothing left open, `found.best` is this setting's optimum.
+        # Every partition was pruned (bound >= the found.best or the cutoff at the time), simulated
+        # (>= found.best), or left open by the time budget (>= open_bound).
+        lower = max(global_bound, min(found.best.step_s, self.cutoff_s, open_bound))
+        proven = lower >= found.best.step_s
+        return Solution(found.best, proven, lower,
                         f"{cm.setting.schedule} {'closed form' if self.gpipe else 'event simulation'}; "
                         "per-stage lower bounds + branch and bound",
                         {"simulations": self.simulations, "nodes": self.nodes,
@@ -252,13 +249,12 @@ class OneFOneBSolver:
         """
         cm, L, K, M = self.cm, self.L, self.K, self.M
         even = tuple(k * L // K for k in range(K + 1))
-        best: Evaluation | None = None
+        found = Incumbent(cm)
         for bounds in [*self.seeds, even]:
             if len(bounds) == K + 1 and bounds[0] == 0 and bounds[-1] == L:
-                ev = evaluate(cm, tuple(bounds))
+                found.consider(tuple(bounds))
                 self.simulations += 1
-                if ev.fits and (best is None or ev.step_s < best.step_s):
-                    best = ev
+        best = found.best
         if best is None:
             return None
         average_work = M * (cm.pf[L] + self.other_backward[L] + 2 * K * cm.overhead) / K
