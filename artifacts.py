@@ -272,6 +272,14 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
+def json_number(value: Any) -> float | None:
+    """A number read from an artifact, as a float; None when it is absent, null, a bool (JSON's
+    true is not 1 here) or not finite. The one reading of an optional figure for every reader."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
 def _finite(doc: Any) -> Any:
     """JSON has no infinity: store it as null (the formats document which keys may be null)."""
     if isinstance(doc, float) and not math.isfinite(doc):

@@ -26,11 +26,11 @@ Pure JSON in, numbers out: no torch here.
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from ..artifacts import json_number
 from ..schedules import SPLIT_BACKWARD, chunks_per_stage, problem, stage_actions
 
 
@@ -70,7 +70,7 @@ def measure_overhead(report: dict[str, Any]) -> OverheadMeasurement:
     Not measured, with the reason, when the report lacks what it takes: the step time, the
     schedule's shape (schedule, stages, micro-batches), or a stage's busy or waiting time.
     """
-    step_s = _number(report.get("measured_step_s"))
+    step_s = json_number(report.get("measured_step_s"))
     schedule, stages, micro_batches = report.get("schedule"), report.get("num_stages"), report.get("micro_batches")
     if step_s is None:
         return OverheadMeasurement(None, reason="the report has no measured step time")
@@ -83,11 +83,11 @@ def measure_overhead(report: dict[str, Any]) -> OverheadMeasurement:
     gaps = []
     for stage in report["stages"]:
         k = stage["index"]
-        busy, wait = _number(stage.get("measured_busy_s")), _number(stage.get("measured_wait_s"))
+        busy, wait = json_number(stage.get("measured_busy_s")), json_number(stage.get("measured_wait_s"))
         if busy is None or wait is None or k >= stages:
             return OverheadMeasurement(None, reason=f"the report does not give stage {k}'s busy and waiting time "
                                                     "per step (measured_busy_s, measured_wait_s)")
-        apart = (_number(stage.get("measured_gradient_sync_s")) or 0.0) + (_number(stage.get("measured_other_s")) or 0.0)
+        apart = (json_number(stage.get("measured_gradient_sync_s")) or 0.0) + (json_number(stage.get("measured_other_s")) or 0.0)
         actions = len(stage_actions(schedule, k, stages, micro_batches, v))
         gaps.append(StageGap(k, step_s - busy - wait - apart, actions))
     if not gaps:
@@ -101,10 +101,3 @@ def overheads_in_prediction(schedule: str | None, kind: str) -> int:
     if kind == "backward" and schedule in SPLIT_BACKWARD:
         return 2
     return 1
-
-
-def _number(value: Any) -> float | None:
-    """A finite number, or None (absent, null, or not a number)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..artifacts import PLAN_FORMAT, BadInput, file_sha256, precision_of, read_artifact
+from ..artifacts import PLAN_FORMAT, BadInput, file_sha256, json_number, precision_of, read_artifact
 from ..schema import validate
 from ..plan_layout import check_replicas, data_parallel, gradient_sync, plan_chunks, virtual_stages
 from ..schedules import SPLIT_BACKWARD, Action, all_actions, chunks_of_stage
@@ -190,10 +190,10 @@ def load_plan(path: str | os.PathLike[str]) -> RunPlan:
         layers=tuple(raw["layers"]),
         first_layer=raw["first_layer"],
         recompute=raw["recompute"],
-        forward_s=_number(raw["forward_s"]),
-        backward_s=_number(raw["backward_s"]),
-        backward_input_s=_number(raw["backward_input_s"]),
-        backward_weight_s=_number(raw["backward_weight_s"]),
+        forward_s=json_number(raw["forward_s"]),
+        backward_s=json_number(raw["backward_s"]),
+        backward_input_s=json_number(raw["backward_input_s"]),
+        backward_weight_s=json_number(raw["backward_weight_s"]),
         output_shapes=tuple(tuple(int(d) for d in s) for s in raw["output_shapes"])
         if raw["output_shapes"] is not None else None,
         output_dtypes=tuple(str(d) for d in raw["output_dtypes"]) if raw["output_shapes"] is not None else None,
@@ -206,11 +206,11 @@ def load_plan(path: str | os.PathLike[str]) -> RunPlan:
         stages.append(StagePlan(
             index=k,
             chunks=tuple(chunks_of_stage(schedule, k, K, v)),
-            memory_bytes=_number(raw.get("memory_bytes")),
-            memory_parts={k: float(v) for k, v in (raw.get("memory") or {}).items() if _number(v) is not None},
-            idle_fraction=_number(raw.get("idle_fraction")),
+            memory_bytes=json_number(raw.get("memory_bytes")),
+            memory_parts={k: float(v) for k, v in (raw.get("memory") or {}).items() if json_number(v) is not None},
+            idle_fraction=json_number(raw.get("idle_fraction")),
             in_flight=in_flight if isinstance(in_flight, int) and not isinstance(in_flight, bool) else None,
-            gradient_sync_s=_number(raw.get("gradient_sync_s")),
+            gradient_sync_s=json_number(raw.get("gradient_sync_s")),
         ))
 
     predicted = doc.get("predicted") if isinstance(doc.get("predicted"), dict) else {}
@@ -230,9 +230,9 @@ def load_plan(path: str | os.PathLike[str]) -> RunPlan:
         global_batch_size=B,
         schedule=schedule,
         virtual_stages=v,
-        predicted_step_s=_number(predicted.get("step_s")),
-        predicted_bubble_fraction=_number(predicted.get("bubble_fraction")),
-        predicted_samples_per_s=_number(predicted.get("samples_per_s")),
+        predicted_step_s=json_number(predicted.get("step_s")),
+        predicted_bubble_fraction=json_number(predicted.get("bubble_fraction")),
+        predicted_samples_per_s=json_number(predicted.get("samples_per_s")),
         profile_device=device,
         optimizer=optimizer,
         precision=precision,
@@ -261,10 +261,6 @@ def check_precision_matches(plan: RunPlan, precision: str | None, param_dtype: s
     return plan.precision, plan.param_dtype
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return None
 
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:

@@ -29,7 +29,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from ..artifacts import REPORT_FORMAT, FORMAT_VERSIONS
+from ..artifacts import REPORT_FORMAT, FORMAT_VERSIONS, json_number
 from ..schedules import label as schedule_label
 from ..schema import CHUNK_TIME_KINDS, timing_key
 from ..units import format_percent
@@ -140,7 +140,7 @@ def build_report(plan: RunPlan, results: list[RankResult], *, losses: dict[int, 
         # syncs add to the step (hidden, where the next step's fill leaves room).
         "predicted_gradient_sync_s": _slowest([sp.gradient_sync_s for sp in plan.stages]),
         "measured_gradient_sync_s": _slowest([st["measured_gradient_sync_s"] for st in stages]),
-        "predicted_exposed_gradient_sync_s": _number((plan.doc.get("predicted") or {}).get("gradient_sync_s")),
+        "predicted_exposed_gradient_sync_s": json_number((plan.doc.get("predicted") or {}).get("gradient_sync_s")),
         "micro_batches": plan.micro_batches,
         "micro_batch_size": plan.micro_batch_size,
         "global_batch_size": B,
@@ -181,10 +181,6 @@ def _slowest(values: list[float | None]) -> float | None:
     """The largest known value: a stage's replicas sync together, so the step waits for the slowest."""
     known = [v for v in values if v is not None]
     return max(known) if known else None
-
-
-def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _replica_report(res: RankResult, spans: list[Span], steps: list[int], replica: int,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ...artifacts import json_number
 from ..costmodel import Setting
 from ..profile import Profile
 from .view import PlanView
@@ -28,7 +29,7 @@ def plan_setting(view: PlanView, profile: Profile) -> tuple[Setting, int]:
     setting = Setting(
         stages=view.stages, micro_batches=view.micro_batches, schedule=view.schedule,
         recompute=str(options.get("recompute") or "auto"),
-        memory_limit_bytes=float(limit) if isinstance(limit, (int, float)) else None,
+        memory_limit_bytes=json_number(limit),
         link_bandwidth_bytes_per_s=_bandwidth(charged.get("pipeline_bandwidth_bytes_per_s")),
         link_latency_s=float(charged.get("pipeline_latency_s") or 0.0),
         optimizer=str(options.get("optimizer") or "adam"),
@@ -45,4 +46,5 @@ def plan_setting(view: PlanView, profile: Profile) -> tuple[Setting, int]:
 
 def _bandwidth(value: Any) -> float:
     """A recorded bandwidth; null (or absent) is a free link."""
-    return float(value) if isinstance(value, (int, float)) else math.inf
+    number = json_number(value)
+    return math.inf if number is None else number
