@@ -8,6 +8,17 @@ from typing import Sequence
 from .costmodel import ChunkCost, CostModel, StageCost
 from .schedule import gpipe_makespan, simulate_plan
 
+# Bounds and step times are sums of floats, so two equal costs can differ in their last bits:
+# a search prunes a branch, or prefers a plan, only when it is better by more than this share.
+RELATIVE_SLACK = 1e-12
+
+# Wall time defaults, in one place. ``solve --time-budget`` is shared by all the settings
+# (stages x micro-batches x schedules) a solve tries; ``explore --time-budget`` is per point of
+# its grid, which holds many; a solver built without a budget (tests, benches) gets its own.
+SOLVE_TIME_BUDGET_S = 30.0
+EXPLORE_POINT_TIME_BUDGET_S = 0.5
+SOLVER_TIME_BUDGET_S = 10.0
+
 
 @dataclass(frozen=True)
 class Evaluation:
