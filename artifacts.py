@@ -1,11 +1,14 @@
 """Reading and writing gpipe-plan's JSON artifacts (profile, plan, report), safely.
 
-The three packages are coupled only through these files, so this module is the one piece
-they share. It gives them three guarantees a user can rely on:
+The three packages are coupled only through these files: gpipe_plan/schema.py says what the
+files hold, and this module how they are read and written. It gives three guarantees a user
+can rely on:
 
 - a bad file is reported in one line that names the file and what is wrong with it
   (:class:`BadInput`, which the CLI turns into exit code 2, without a traceback);
-- an artifact of the wrong kind or version is refused before anything uses it;
+- an artifact of the wrong kind or version is refused before anything uses it (the formats,
+  their versions and their keys are gpipe_plan/schema.py's, which reads and writes artifacts
+  through this module);
 - an output file is either the whole new document or absent: it is written to a temporary
   file in the same folder and renamed over the target, so an interrupted run never leaves
   half a JSON file behind.
@@ -22,38 +25,6 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Any
-
-PROFILE_FORMAT = "gpipe-plan.profile"
-PLAN_FORMAT = "gpipe-plan.plan"
-REPORT_FORMAT = "gpipe-plan.report"
-
-# The version each format is written with, and the versions this code can read. Profile 2
-# added ``contention`` and plan 2 ``options.compute_scale``; profile 3 the recompute timings;
-# profile 4 takes ``contention.slowdown`` from the slowest process (and adds
-# ``slowest_step_s``); profile 5 and plan 3 record the precision (``precision``,
-# ``param_dtype``), and CUDA profiles the memory the CUDA context takes; report 2 adds the
-# run's precision and, on CUDA, the allocator's reserved memory and what lies outside it;
-# profile 6 measures each kind of layer once (``measured_as``), times one layer for
-# ``contention`` and may leave ``consistency`` out (a model too large to step whole).
-# Plan 4 compares the plan with the best one-device plan of the same global batch
-# (``predicted.one_stage_step_s``, ``speedup_over_one_stage``) and gives its noise band.
-# Profile 7 times each layer's backward split in two (``backward_input_s``, ``backward_weight_s``)
-# and weighs what stays alive between the halves (``weight_kept_bytes``).
-# Plan 5 lists ``chunks`` placed on ``stages`` (several per stage for interleaved and zb-v);
-# a plan before it reads as one chunk per stage (gpipe_plan/plan_layout.py).
-# Plan 6 runs d replicas of the pipeline (``data_parallel``, ``gradient_sync``, ``placement``,
-# ``factorisations``); a plan before it is one replica, stage k on rank k.
-# Report 3 moves the per-micro-batch times into ``chunks`` (with the halves of a split
-# backward); its ``stages`` are devices, with their memory and idle time.
-# Report 4 adds data parallel: ``data_parallel``, ``gradient_sync``, per stage its measured
-# gradient sync beside the plan's and its ``replicas``; the stages' figures are replica 0's.
-# Profile 8 adds the all-reduce to ``link`` (``allreduce_bandwidth_bytes_per_s``, ...), what a
-# data-parallel gradient sync costs.
-# Each only adds keys or refines a measurement, so older files still read (a version 1
-# profile plans as if neighbours cost nothing; anything before profile 5 / plan 3 ran fp32).
-FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 8, PLAN_FORMAT: 6, REPORT_FORMAT: 4}
-READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8), PLAN_FORMAT: (1, 2, 3, 4, 5, 6),
-                                                 REPORT_FORMAT: (1, 2, 3, 4)}
 
 # Precision (docs/runtime.md, "Precision"): ``precision`` is the dtype the layers compute in
 # (fp32, or bf16/fp16 under autocast), ``param_dtype`` the dtype the parameters, their
@@ -116,32 +87,6 @@ def read_json(path: str | os.PathLike[str], what: str = "file") -> Any:
         raise BadInput(f"{what} '{p}' holds an integer too long to read (thousands of digits)") from None
 
 
-def read_artifact(path: str | os.PathLike[str], fmt: str) -> dict[str, Any]:
-    """Read a gpipe-plan artifact and check that it is the expected format and version."""
-    what = fmt.split(".")[-1]
-    doc = read_json(path, what)
-    check_format(doc, fmt, str(path))
-    return doc
-
-
-def check_format(doc: Any, fmt: str, where: str) -> None:
-    """Refuse a document that is not ``fmt`` at a version this code reads."""
-    what = fmt.split(".")[-1]
-    if not isinstance(doc, dict):
-        raise BadInput(f"'{where}' is not a gpipe-plan {what}: expected a JSON object")
-    found = doc.get("format")
-    if found != fmt:
-        hint = f" (it is a {found.split('.')[-1]})" if isinstance(found, str) and found.startswith("gpipe-plan.") else ""
-        raise BadInput(f"'{where}' is not a gpipe-plan {what}: \"format\" is {found!r}, expected {fmt!r}{hint}")
-    version = doc.get("version")
-    readable = READABLE_VERSIONS[fmt]
-    if version not in readable or isinstance(version, bool):
-        raise BadInput(
-            f"'{where}' is {what} format version {version!r}; this gpipe-plan reads {_versions(readable)}: "
-            "re-create it with this version of gpipe-plan"
-        )
-
-
 def check_precision(precision: Any, param_dtype: Any, where: str = "") -> tuple[str, str]:
     """``(precision, param_dtype)`` if it is a pair gpipe-plan trains with, else :class:`BadInput`.
 
@@ -170,13 +115,6 @@ def precision_label(precision: str, param_dtype: str) -> str:
 def precision_of(doc: dict[str, Any], where: str) -> tuple[str, str]:
     """A profile's or plan's ``(precision, param_dtype)``; files written before they existed ran fp32."""
     return check_precision(doc.get("precision", "fp32"), doc.get("param_dtype", "fp32"), where)
-
-
-def _versions(readable: tuple[int, ...]) -> str:
-    """(1,) -> 'version 1'; (1, 2, 3) -> 'versions 1, 2 or 3'."""
-    if len(readable) == 1:
-        return f"version {readable[0]}"
-    return "versions " + ", ".join(map(str, readable[:-1])) + f" or {readable[-1]}"
 
 
 def dumps(doc: Any) -> str:

@@ -1,7 +1,9 @@
 """The ``gpipe-plan`` command line: parse, call one function of a package, print.
 
-Each command imports its package only when it runs, so ``gpipe-plan --help`` and everything
-the planner does (``solve``, ``explore``, ``show`` of a plan) start without importing torch.
+Each command imports its package only when it runs (only planner/budgets.py, which imports
+nothing, loads up front for the defaults the help shows), so ``gpipe-plan --help`` and
+everything the planner does (``solve``, ``explore``, ``show`` of a plan) start without
+importing torch.
 Errors a user can fix are :class:`artifacts.BadInput`: one line on stderr and exit status 2.
 """
 
@@ -15,6 +17,7 @@ import click
 from . import __version__
 from .artifacts import LOSSES, PARAM_DTYPES, PRECISIONS, BadInput, RunFailure
 from .plan_layout import GRADIENT_SYNCS
+from .planner.budgets import EXPLORE_POINT_TIME_BUDGET_S, SOLVE_TIME_BUDGET_S
 from .schedules import SCHEDULES
 
 
@@ -209,7 +212,7 @@ def profile(**options: Any) -> None:
               help="Where to write the plan JSON.")
 @click.option("--timeline", type=click.Path(dir_okay=False), default=None,
               help="Also draw the predicted schedule as an SVG timeline.")
-@click.option("--time-budget", type=float, default=30.0, show_default=True,
+@click.option("--time-budget", type=float, default=SOLVE_TIME_BUDGET_S, show_default=True,
               help="Seconds the search may take in all; past it the best plan found is kept, with its gap "
                    "to the proven lower bound.")
 @click.option("--quiet", "-q", is_flag=True, help="Print only the plan's path, predicted step time and batch.")
@@ -254,7 +257,7 @@ def solve(**options: Any) -> None:
 @click.option("--optimizer", type=click.Choice(["adam", "sgd", "momentum"]), default="adam", show_default=True)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write every cell as JSON rows.")
 @click.option("--chart", type=click.Path(dir_okay=False), default=None, help="Draw throughput vs M (SVG).")
-@click.option("--time-budget", type=float, default=0.5, show_default=True,
+@click.option("--time-budget", type=float, default=EXPLORE_POINT_TIME_BUDGET_S, show_default=True,
               help="Seconds per cell before a search settles for its best plan so far (marked *).")
 def explore(**options: Any) -> None:
     """What-if tables for PROFILE: throughput and memory for each K, M, schedule, recompute.
@@ -276,8 +279,9 @@ def explore(**options: Any) -> None:
               help="Where to write the calibrated profile. Default: PROFILE with .calibrated.json.")
 @click.option("--speed-correction/--no-speed-correction", default=False, show_default=True,
               help="Divide the machine's speed drift during the run (the report's speed probe) out of the "
-                   "measured times. Off by default: on the development VM the generic probe tracked the "
-                   "model's own drift too poorly for it to help (docs/runtime.md, 'Calibration').")
+                   "measured times. Off by default: the probe times a generic workload, whose drift can differ "
+                   "from the model's own, so dividing it out can move the times away from what the model cost "
+                   "(docs/runtime.md, 'Calibration').")
 def calibrate(report: str, profile_path: str | None, out: str | None, speed_correction: bool) -> None:
     """Fold a run's measured per-stage times (REPORT from `run --report`) into its profile.
 
@@ -346,9 +350,8 @@ def export(plan: str, target: str | None, out: str | None, schedule_csv: str | N
               help="For a plan: also draw its predicted schedule as an SVG timeline.")
 def show(file: str, timeline: str | None) -> None:
     """Pretty-print a profile, a plan or a run's report (none needs torch)."""
-    from .artifacts import (PLAN_FORMAT, PROFILE_FORMAT, REPORT_FORMAT, check_format, check_output_paths,
-                            precision_of, read_json)
-    from .schema import validate
+    from .artifacts import check_output_paths, precision_of, read_json
+    from .schema import PLAN_FORMAT, PROFILE_FORMAT, REPORT_FORMAT, check_format, validate
 
     check_output_paths({"--timeline": timeline}, inputs=(file,))
     doc = read_json(file, "file")

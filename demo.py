@@ -25,8 +25,9 @@ from typing import Any
 
 from rich.console import Console
 
-from .artifacts import BadInput, write_json_atomic
+from .artifacts import BadInput
 from .runtime.options import RunOptions, check_options
+from .schema import write_artifact
 
 GLOBAL_BATCH = 32
 MICRO_BATCH_SIZES = [1, 2, 4, 8, 16, 32]
@@ -114,7 +115,7 @@ def _profile(console: Console, path: Path, stages: int) -> dict[str, Any]:
                              contention_processes=stages if stages > 1 else 0)
     doc = profile_model(request)
     doc["global_batch_size"] = GLOBAL_BATCH   # as `profile --global-batch-size`: what solve plans for
-    write_json_atomic(path, doc)
+    write_artifact(path, doc, "profile")
     from .profiles.show import render_profile
 
     render_profile(doc, console)

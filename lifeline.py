@@ -1,7 +1,7 @@
 """Helper processes that die with the process that started them, however it ends.
 
 A process killed with SIGKILL runs no cleanup: its children are reparented to init and keep
-computing (the profiler's contention helpers once ran on for about 9 s, each pinning a core).
+computing, each pinning a core, until it finishes on its own.
 Linux can do what the parent no longer can: ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` asks the
 kernel to kill the calling process as soon as its parent dies. A child calls
 :func:`die_with_parent` first thing; ``run``'s ranks (runtime/worker.py) and the profiler's

@@ -16,16 +16,24 @@ has a ceiling far above any real machine (:data:`MAX_BYTES`, :data:`MAX_SECONDS`
 
 Keys not declared are let through untouched: a newer writer may add keys, and readers
 ``.get`` only what is declared. Pure Python, no torch: ``gpipe-plan solve`` imports this.
+
+The formats' names and versions live here too (:data:`FORMAT_VERSIONS`, :data:`READABLE_VERSIONS`,
+with what each version added), and so do the two doors every artifact goes through:
+:func:`read_artifact` (the right format, at a version this code reads) and :func:`write_artifact`
+(a document this code built is checked against its schema before it is written, so a writer
+that drifts from the format fails at once instead of writing a file no reader accepts).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .artifacts import BadInput
+from .artifacts import BadInput, dumps, read_json, write_text_atomic
 from .plan_layout import GRADIENT_SYNCS, PLACEMENT_ORDERS
 
 # Ceilings: far above any real value, far below where sums of them overflow a float.
@@ -33,12 +41,130 @@ MAX_BYTES = 2.0 ** 60        # 1 EiB: bytes of one tensor, layer or device
 MAX_SECONDS = 1e7            # about 4 months: one measured time
 MAX_COUNT = 2 ** 40          # a micro-batch size, a dimension, a step count
 MAX_RATE = 1e18              # bytes per second of a link
-MAX_RATIO = 1e6              # a ratio, a fraction, a loss: any finite value of modest size
+MAX_RATIO = 1e6              # a ratio or a fraction: any finite value of modest size
+MAX_LOSS = 1e300             # a loss: whatever the user's loss function returns, if finite
 
 _CEILING_NAMES = {MAX_BYTES: "2^60", float(MAX_COUNT): "2^40"}   # as messages print them
 
 # The dtypes the runtime can send between stages (runtime/stage.py, ``_DTYPES``).
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
+
+
+# --------------------------------------------------------------------------- formats and versions
+PROFILE_FORMAT = "gpipe-plan.profile"
+PLAN_FORMAT = "gpipe-plan.plan"
+REPORT_FORMAT = "gpipe-plan.report"
+
+# The version each format is written with, and the versions this code reads. Each version only
+# adds keys or refines a measurement, so older files still read: what one lacks is read as a
+# default (a profile: "What an older profile lacks" below; a plan: gpipe_plan/plan_layout.py).
+#
+# Profile
+#   2  ``contention`` (a version 1 profile plans as if neighbours cost nothing).
+#   3  the recompute timings.
+#   4  ``contention.slowdown`` from the slowest process (and ``slowest_step_s``).
+#   5  the precision (``precision``, ``param_dtype``; before it, fp32); on CUDA, the memory the
+#      CUDA context takes.
+#   6  each kind of layer measured once (``measured_as``); ``contention`` times one layer;
+#      ``consistency`` may be left out (a model too large to step whole).
+#   7  each layer's backward split in two (``backward_input_s``, ``backward_weight_s``) and what
+#      stays alive between the halves (``weight_kept_bytes``).
+#   8  the all-reduce in ``link`` (``allreduce_bandwidth_bytes_per_s``, ...): what a data-parallel
+#      gradient sync costs; each layer's ``module``.
+# Plan
+#   2  ``options.compute_scale``.
+#   3  the precision (``precision``, ``param_dtype``; before it, fp32).
+#   4  the best one-device plan of the same global batch (``predicted.one_stage_step_s``,
+#      ``speedup_over_one_stage``) and the noise band.
+#   5  ``chunks`` placed on ``stages`` (several per stage for interleaved and zb-v); a plan before
+#      it reads as one chunk per stage.
+#   6  d replicas of the pipeline (``data_parallel``, ``gradient_sync``, ``placement``,
+#      ``factorisations``); a plan before it is one replica, stage k on rank k.
+# Report
+#   2  the run's precision and, on CUDA, the allocator's reserved memory and what lies outside it.
+#   3  the per-micro-batch times move into ``chunks`` (with the halves of a split backward); its
+#      ``stages`` are devices, with their memory and idle time.
+#   4  data parallel: ``data_parallel``, ``gradient_sync``, per stage its measured gradient sync
+#      beside the plan's and its ``replicas``; the stages' figures are replica 0's.
+FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 8, PLAN_FORMAT: 6, REPORT_FORMAT: 4}
+READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8),
+                                                 PLAN_FORMAT: (1, 2, 3, 4, 5, 6),
+                                                 REPORT_FORMAT: (1, 2, 3, 4)}
+
+
+# What an older profile lacks, and what it is read as: the one place that says so, beside the
+# versions above and the PROFILE schema below (every key and its type). A reader (the planner's
+# planner/profile.py, the viewer profiles/show.py) asks the functions below whether a
+# profile has a measurement, never which version it is, because newer profiles leave some out too
+# (a GPU has no contention; ``profile --no-recompute-timing`` times no recomputation).
+#   ``contention`` (before 2; never on a GPU): neighbours cost nothing (slowdown 1).
+#   the recompute timings (before 3): recomputation costs one more forward (:func:`recompute_timed`).
+#   ``contention.slowest_step_s`` (before 4): the slowdown is the median process's (:func:`slowdown_of_slowest`).
+#   ``precision``, ``param_dtype`` (before 5): fp32 (gpipe_plan.artifacts.precision_of).
+#   ``measured_as`` (before 6): every layer was measured (:func:`layers_sharing_figures`).
+#   the split backward (before 7): I = W = backward / 2 (:func:`split_backward_timed`, LayerFigures).
+#   the all-reduce in ``link`` (before 8): a gradient sync is priced with the point-to-point figures.
+RECOMPUTE_FIELDS = ("recompute_forward_s", "recompute_backward_s")
+SPLIT_FIELDS = ("backward_input_s", "backward_weight_s", "weight_kept_bytes")
+
+
+def recompute_timed(doc: dict[str, Any]) -> bool:
+    """Whether the profile timed recomputation: ``recompute_call_s`` and every layer's recompute times."""
+    return doc.get("recompute_call_s") is not None and all(
+        layer.get(key) is not None for layer in doc["layers"] for key in RECOMPUTE_FIELDS)
+
+
+def split_backward_timed(layers: list[dict[str, Any]]) -> bool:
+    """Whether every layer has its backward split in two (I, W) and what W keeps alive."""
+    return bool(layers) and all(layer.get(key) is not None for layer in layers for key in SPLIT_FIELDS)
+
+
+def layers_sharing_figures(layers: list[dict[str, Any]]) -> int | None:
+    """How many layers took another's figures (``measured_as``); None: not recorded, every layer measured."""
+    if any("measured_as" not in layer for layer in layers):
+        return None
+    return sum(1 for layer in layers if layer["measured_as"])
+
+
+def slowdown_of_slowest(contention: dict[str, Any]) -> bool:
+    """Whether ``contention.slowdown`` is the slowest process's (else the median one's)."""
+    return "slowest_step_s" in contention
+
+
+def check_format(doc: Any, fmt: str, where: str) -> None:
+    """Refuse a document that is not ``fmt`` at a version this code reads."""
+    what = fmt.split(".")[-1]
+    if not isinstance(doc, dict):
+        raise BadInput(f"'{where}' is not a gpipe-plan {what}: expected a JSON object")
+    found = doc.get("format")
+    if found != fmt:
+        hint = f" (it is a {found.split('.')[-1]})" if isinstance(found, str) and found.startswith("gpipe-plan.") else ""
+        raise BadInput(f"'{where}' is not a gpipe-plan {what}: \"format\" is {found!r}, expected {fmt!r}{hint}")
+    version = doc.get("version")
+    readable = READABLE_VERSIONS[fmt]
+    if version not in readable or isinstance(version, bool):
+        raise BadInput(
+            f"'{where}' is {what} format version {version!r}; this gpipe-plan reads {_versions(readable)}: "
+            "re-create it with this version of gpipe-plan"
+        )
+
+
+def _versions(readable: tuple[int, ...]) -> str:
+    """(1,) -> 'version 1'; (1, 2, 3) -> 'versions 1, 2 or 3'."""
+    if len(readable) == 1:
+        return f"version {readable[0]}"
+    return "versions " + ", ".join(map(str, readable[:-1])) + f" or {readable[-1]}"
+
+
+def read_artifact(path: str | os.PathLike[str], fmt: str) -> dict[str, Any]:
+    """Read a gpipe-plan artifact and check that it is the expected format and version.
+
+    Its keys are checked by :func:`validate`, which the reader calls with the schema it reads
+    by (a plan shown needs its predictions; a plan run does not)."""
+    what = fmt.split(".")[-1]
+    doc = read_json(path, what)
+    check_format(doc, fmt, str(path))
+    return doc
 
 
 # --------------------------------------------------------------------------- the spec language
@@ -251,6 +377,10 @@ def _count(minimum: int = 0, nullable: bool = False) -> Number:
 
 def _ratio(nullable: bool = True) -> Number:
     return Number(None, MAX_RATIO, nullable=nullable)
+
+
+def _loss() -> Number:
+    return Number(None, MAX_LOSS, nullable=True)
 
 
 def _per_size(item: Spec, nullable: bool = False) -> Items:
@@ -624,9 +754,9 @@ REPORT = Object({
     "samples_per_s": may(Number(0.0, MAX_RATE, nullable=True)),
     "tokens_per_s": may(Number(0.0, MAX_RATE, nullable=True)),
     "loss": may(Object({
-        "first": may(_ratio()),
-        "last": may(_ratio()),
-        "per_step": may(Table(_ratio(), key_pattern=_STEP_KEYS, nullable=True)),
+        "first": may(_loss()),
+        "last": may(_loss()),
+        "per_step": may(Table(_loss(), key_pattern=_STEP_KEYS, nullable=True)),
     }, nullable=True)),
     "chunks": may(Items(REPORT_CHUNK, nullable=True)),   # version 3; before it, the stages are the chunks
     "stages": need(Items(REPORT_STAGE)),   # empty: calibrate says it has nothing to calibrate with
@@ -661,3 +791,45 @@ def validate(doc: Any, kind: str, where: str) -> None:
         sizes = len(doc["micro_batch_sizes"])
     _Context(where, sizes).walk(schema, doc, "")
 
+
+
+# --------------------------------------------------------------------------- writing
+# The format each schema's documents carry in their ``format`` key.
+FORMAT_OF: dict[str, str] = {"profile": PROFILE_FORMAT, "report": REPORT_FORMAT,
+                             **{kind: PLAN_FORMAT for kind in SCHEMAS if kind.endswith("plan")}}
+
+
+class InvalidOutput(Exception):
+    """A document gpipe-plan built that its own schema refuses: a bug in gpipe-plan, not in the
+    user's input. It is not a :class:`~gpipe_plan.artifacts.BadInput`, which tells the user to
+    fix something: the CLI lets it through with its traceback, which shows where it was built."""
+
+
+def check_built(doc: Any, kind: str, where: str) -> None:
+    """Check a document this code built against the schema of ``kind`` (a key of :data:`SCHEMAS`),
+    as a reader will read it back; :class:`InvalidOutput` if it is refused.
+
+    Read back: through :func:`~gpipe_plan.artifacts.dumps` and ``json.loads``, so that what is
+    checked is what a file would hold (an infinity as null, a tuple as a list). ``where`` names
+    the document in the message: the file it is for, or the function that built it.
+    """
+    _check_written(dumps(doc), kind, where)
+
+
+def write_artifact(path: str | os.PathLike[str], doc: Any, kind: str) -> None:
+    """Write a profile, plan or report: checked as :func:`check_built` checks it, then written
+    atomically (:func:`~gpipe_plan.artifacts.write_text_atomic`). The one way an artifact is
+    written: a document its own schema refuses is never written, and the writer fails loudly."""
+    text = dumps(doc)
+    _check_written(text, kind, str(path))
+    write_text_atomic(path, text)
+
+
+def _check_written(text: str, kind: str, where: str) -> None:
+    read_back = json.loads(text)
+    try:
+        check_format(read_back, FORMAT_OF[kind], where)
+        validate(read_back, kind, f"{kind} '{where}'")
+    except BadInput as exc:
+        raise InvalidOutput(f"gpipe-plan built a {kind} that its own schema refuses (a bug in gpipe-plan): "
+                            f"{exc}") from None

@@ -3,8 +3,8 @@
 Each part writes docs/benchmarks/PART.md (and its pictures, docs/benchmarks/*.svg, and its
 raw figures, docs/benchmarks/data/PART.json where it measures runs). 'all' runs every part
 with its defaults, in the order below, then 'assemble' joins the sections into
-docs/benchmarks.md. On the 2-core development VM 'all' takes about 3 hours (see
-docs/benchmarks.md for the time each part took); every part takes options to be quicker
+docs/benchmarks.md. On a small CPU machine 'all' takes hours (docs/benchmarks.md lists the
+time each part took when last run); every part takes options to be quicker
 (python -m bench PART --help). Leave the machine to the benchmark while it runs: the parts
 that time runs record the cores other processes used meanwhile.
 """

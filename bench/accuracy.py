@@ -1,7 +1,7 @@
 """Cost-model accuracy: measured against predicted step time and memory, before and after calibration.
 
-    python -m bench accuracy                      # 2 models x 24 settings x 2 rounds: ~30 minutes
-    python -m bench accuracy --rounds 1 --micro-batches 1,8 --models gpt   # a few minutes
+    python -m bench accuracy                      # 2 models x 24 settings x 2 rounds
+    python -m bench accuracy --rounds 1 --micro-batches 1,8 --models gpt   # a quicker, rougher run
 
 For the built-ins (``gpt``, ``resnet``, default sizes, global batch 8), K in {1, 2}, M in
 {1, 2, 4, 8}, recomputation never/always, GPipe and 1F1B (K = 1 runs one schedule: with one
@@ -23,9 +23,9 @@ clock*: in its own process, one thread, it times the whole model's forward+backw
 cell's micro-batch size for about a second right before and right after each run, and the
 same around each profile. ``model_speed_ratio`` (run's reference / profile's reference) is
 how much slower the machine ran this model during the run than during its profile; "at the
-model's speed" divides it out, to tell the host's drift from the model's own error (over two
-runs it did not do so reliably: a second of timing misses spells the run catches, and the
-other way round).
+model's speed" divides it out, to tell the host's drift from the model's own error. It is no
+reliable correction: a second of timing can miss a slow spell that the run catches, and the
+other way round.
 
 To say *where* an error comes from, each run's step is also re-predicted from the per-stage
 forward, backward and optimizer times the run itself measured, through the same schedule
@@ -64,7 +64,15 @@ class Cell:
 
     @property
     def key(self) -> str:
+        """The cell's name in the saved results: ``gpt K2 M4 1f1b rc=never``."""
         return f"{self.model} K{self.K} M{self.M} {self.schedule} rc={self.recompute}"
+
+    @classmethod
+    def from_key(cls, key: str) -> Cell:
+        """The cell a saved result's ``key`` names (the inverse of :attr:`key`)."""
+        model, stages, micro_batches, schedule, recompute = key.split()
+        return cls(model, int(stages.removeprefix("K")), int(micro_batches.removeprefix("M")), schedule,
+                   recompute.removeprefix("rc="))
 
     @property
     def slug(self) -> str:
@@ -246,7 +254,8 @@ def op_points(runs: list[dict[str, Any]], speed_key: str | None) -> list[tuple[f
 
 
 def summarise(data: dict[str, Any]) -> dict[str, Any]:
-    rows, per_cell = [], {}
+    """Per cell key: the cell and the medians over its rounds of every figure the section shows."""
+    per_cell: dict[str, dict[str, Any]] = {}
     for c in data["cells"]:
         res = data["results"][c["key"]]
         b, a = res["before"], res["after"]
@@ -267,18 +276,20 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
             "model_speed": med(x.get("model_speed_ratio") for x in b),
             "ratio_at_model_speed": med(x.get("ratio_at_model_speed") for x in b),
         }
-        rows.append(per_cell[c["key"]])
     return per_cell
 
 
 def _other_correction(before: dict[str, Any], after: dict[str, Any]) -> float:
     """The after-run's ratio had calibration made the other ``--speed-correction`` choice."""
     speed = before["speed_ratio"] or 1.0
-    divided = after.get("speed_divided", True)   # runs before 8b4292b always divided it out
+    # A run saved without ``speed_divided`` was calibrated before ``--speed-correction`` existed,
+    # when calibration always divided the speed ratio out.
+    divided = after.get("speed_divided", True)
     return after["ratio"] / speed if divided else after["ratio"] * speed
 
 
 def _divided(data: dict[str, Any]) -> bool:
+    """Whether calibration divided the speed ratio out (in any of the saved runs)."""
     return any(y.get("speed_divided", True) for res in data["results"].values() for y in res["after"])
 
 
@@ -287,32 +298,38 @@ def err_stats(values: list[float | None]) -> tuple[float, float] | None:
     return (statistics.median(xs), max(xs)) if xs else None
 
 
-def render(data: dict[str, Any]) -> str:
-    args = argparse.Namespace(**data["args"])
-    per_cell = summarise(data)
-    cells = list(per_cell.values())
-    calibrated = any(c["after"] is not None for c in cells)
-    all_before = [x for res in data["results"].values() for x in res["before"]]
-    all_after = [x for res in data["results"].values() for x in res["after"]]
+def cell_results(data: dict[str, Any]) -> list[tuple[Cell, dict[str, list]]]:
+    """Each cell's saved runs (``{"before": [...], "after": [...]}``) with the cell its key names, in
+    the order they were saved."""
+    return [(Cell.from_key(key), res) for key, res in data["results"].items()]
 
-    def stat_row(label: str, key: str, runs_key: str, runs: list) -> list[str]:
-        s = err_stats([c[key] for c in cells])
-        single = err_stats([x[runs_key] for x in runs])
-        if s is None:
-            return [label, "-", "-", "-"]
-        return [label, f"{s[0]:.1%}", f"{s[1]:.1%}", f"{single[1]:.1%}" if single else "-"]
 
-    summary = [stat_row("step, raw (before calibration)", "ratio", "ratio", all_before),
-               stat_row("step, at the run's speed (before)", "ratio_at_speed", "ratio_at_speed", all_before)]
-    model_clocked = any(c["ratio_at_model_speed"] is not None for c in cells)
+def _stat_row(label: str, cells: list[dict[str, Any]], key: str, runs_key: str, runs: list) -> list[str]:
+    """A summary row: the error of ``key`` over the cells (median, worst), and of ``runs_key`` over
+    single ``runs`` (worst)."""
+    s = err_stats([c[key] for c in cells])
+    single = err_stats([x[runs_key] for x in runs])
+    if s is None:
+        return [label, "-", "-", "-"]
+    return [label, f"{s[0]:.1%}", f"{s[1]:.1%}", f"{single[1]:.1%}" if single else "-"]
+
+
+def summary_rows(data: dict[str, Any], cells: list[dict[str, Any]], before: list[tuple[Cell, dict]],
+                 model_clocked: bool) -> list[list[str]]:
+    """The headline table: step and memory error before calibration, after it, and by K."""
+    all_before = [x for _, x in before]
+    all_after = [x for _, res in cell_results(data) for x in res["after"]]
+    summary = [_stat_row("step, raw (before calibration)", cells, "ratio", "ratio", all_before),
+               _stat_row("step, at the run's speed (before)", cells, "ratio_at_speed", "ratio_at_speed", all_before)]
     if model_clocked:
-        summary.append(stat_row("step, at the model's speed (before)", "ratio_at_model_speed", "ratio_at_model_speed",
-                                all_before))
-    if calibrated:
-        summary += [stat_row("step, raw (after one calibration round)", "after", "ratio", all_after),
-                    stat_row("step, at the run's speed (after)", "after_at_speed", "ratio_at_speed", all_after),
-                    stat_row(f"step, raw, after calibrating {'*without*' if _divided(data) else '*with*'} the "
-                             f"speed correction (derived: the other `--speed-correction`)", "after_other", "ratio", [])]
+        summary.append(_stat_row("step, at the model's speed (before)", cells, "ratio_at_model_speed",
+                                 "ratio_at_model_speed", all_before))
+    if any(c["after"] is not None for c in cells):
+        summary += [_stat_row("step, raw (after one calibration round)", cells, "after", "ratio", all_after),
+                    _stat_row("step, at the run's speed (after)", cells, "after_at_speed", "ratio_at_speed", all_after),
+                    _stat_row(f"step, raw, after calibrating {'*without*' if _divided(data) else '*with*'} the "
+                              f"speed correction (derived: the other `--speed-correction`)", cells, "after_other",
+                              "ratio", [])]
     # One stage runs no pipeline at all: its error is the profile against the machine of the moment
     # (the floor the host's drift sets); what K = 2 adds on top of it is the pipeline's.
     for label, key in (("raw", "ratio"), ("at the model's speed", "ratio_at_model_speed")):
@@ -320,19 +337,20 @@ def render(data: dict[str, Any]) -> str:
             continue
         for K in sorted({c["cell"]["K"] for c in cells}):
             s = err_stats([c[key] for c in cells if c["cell"]["K"] == K])
-            single = err_stats([x.get(key) for k, res in data["results"].items() for x in res["before"]
-                                if int(k.split()[1][1:]) == K])
+            single = err_stats([x.get(key) for cell, x in before if cell.K == K])
             if s:
                 summary.append([f"step, {label} (before), K = {K} only", f"{s[0]:.1%}", f"{s[1]:.1%}",
                                 f"{single[1]:.1%}" if single else "-"])
-    summary.append(stat_row("peak memory per stage (worst stage)", "memory", "memory_ratio", all_before))
+    summary.append(_stat_row("peak memory per stage (worst stage)", cells, "memory", "memory_ratio", all_before))
+    return summary
 
-    # Where the error comes from.
+
+def fit_rows(before: list[tuple[Cell, dict]], model_clocked: bool) -> list[list[object]]:
+    """Per K and per speed correction: every operation's measured = c x predicted + a."""
     by_k: dict[int, list[dict]] = {}
-    for key, res in data["results"].items():
-        K = int(key.split()[1][1:])
-        by_k.setdefault(K, []).extend(res["before"])
-    fits = []
+    for cell, run in before:
+        by_k.setdefault(cell.K, []).append(run)
+    fits: list[list[object]] = []
     for K, runs in sorted(by_k.items()):
         for label, speed_key in (("raw", None), ("at run speed", "speed_ratio"),
                                  ("at the model's speed", "model_speed_ratio")):
@@ -344,35 +362,44 @@ def render(data: dict[str, Any]) -> str:
             c, a = fit_line(pts)
             ratios = [m / p for p, m in pts]
             fits.append([K, label, len(pts), f"{statistics.median(ratios):.3f}", f"{c:.3f}", f"{a * 1e3:+.2f}"])
-    # Two ranks at once: K = 2, M = 1 (the stages take turns) against M > 1 (they overlap).
-    overlap = []
+    return fits
+
+
+def overlap_rows(before: list[tuple[Cell, dict]], model_clocked: bool) -> list[list[object]]:
+    """Two ranks at once: K = 2, M = 1 (the stages take turns) against M > 1 (they overlap), and K = 1."""
+    overlap: list[list[object]] = []
     for label, pick in (("K = 1", lambda k, m: k == 1), ("K = 2, M = 1 (stages take turns)", lambda k, m: k == 2 and m == 1),
                         ("K = 2, M >= 2 (stages overlap)", lambda k, m: k == 2 and m >= 2)):
-        runs = [x for key, res in data["results"].items() for x in res["before"]
-                if pick(int(key.split()[1][1:]), int(key.split()[2][1:]))]
+        runs = [run for cell, run in before if pick(cell.K, cell.M)]
         pts = op_points(runs, "speed_ratio")
         model_pts = op_points(runs, "model_speed_ratio") if model_clocked else []
         if pts:
             overlap.append([label, len(pts), f"{statistics.median(m / p for p, m in pts):.3f}",
                             f"{statistics.median(x['speed_ratio'] or float('nan') for x in runs):.3f}",
                             f"{statistics.median(m / p for p, m in model_pts):.3f}" if model_pts else "-"])
-    # The profiles themselves: the whole-model step per sample at each size, and the probes.
-    prof_rows = []
+    return overlap
+
+
+def profile_rows(data: dict[str, Any]) -> list[list[object]]:
+    """The profiles themselves: the whole-model step at each size, per sample, and the probes."""
+    rows: list[list[object]] = []
     for pm in data.get("profiles", []):
         if not pm.get("model_step_s"):
             continue
         per = [t / b * 1e3 for t, b in zip(pm["model_step_s"], pm["sizes"])]
         probes = pm.get("probes_s") or []
-        prof_rows.append([pm["round"] + 1, pm["model"],
-                          " ".join(f"{t * 1e3:.1f}" for t in pm["model_step_s"]),
-                          " ".join(f"{v:.2f}" for v in per),
-                          f"{pm['model_step_s'][1] / pm['model_step_s'][0]:.2f}" if len(pm["model_step_s"]) > 1 else "-",
-                          " / ".join(f"{v * 1e3:.1f}" for v in probes),
-                          f"{pm['contention']:.2f}" if pm.get("contention") else "-"])
-    ops_err = err_stats([c["ops"] for c in cells])
-    left_err = err_stats([c["left"] for c in cells])
+        rows.append([pm["round"] + 1, pm["model"],
+                     " ".join(f"{t * 1e3:.1f}" for t in pm["model_step_s"]),
+                     " ".join(f"{v:.2f}" for v in per),
+                     f"{pm['model_step_s'][1] / pm['model_step_s'][0]:.2f}" if len(pm["model_step_s"]) > 1 else "-",
+                     " / ".join(f"{v * 1e3:.1f}" for v in probes),
+                     f"{pm['contention']:.2f}" if pm.get("contention") else "-"])
+    return rows
 
-    detail = []
+
+def detail_rows(data: dict[str, Any], cells: list[dict[str, Any]]) -> list[list[object]]:
+    """One row per cell: its plan, its predictions and every ratio, medians with [min..max] over rounds."""
+    detail: list[list[object]] = []
     for c in cells:
         cc = c["cell"]
         res = data["results"][cc["key"]]
@@ -391,8 +418,12 @@ def render(data: dict[str, Any]) -> str:
                        f"{c['after']:.3f} [{rng([x['ratio'] for x in res['after']])}]" if c["after"] else "-",
                        f"{c['after_at_speed']:.3f}" if c["after_at_speed"] else "-",
                        f"{c['after_other']:.3f}" if c["after_other"] else "-"])
+    return detail
 
-    # Pictures.
+
+def draw_pictures(data: dict[str, Any], cells: list[dict[str, Any]]) -> None:
+    """docs/benchmarks/accuracy-*.svg: step measured against predicted (raw and at the run's speed),
+    and each stage's peak memory."""
     step_series: dict[str, list[tuple[float, float]]] = {}
     speed_series: dict[str, list[tuple[float, float]]] = {}
     for c in cells:
@@ -412,19 +443,24 @@ def render(data: dict[str, Any]) -> str:
         "Step time: measured vs predicted at the run's measured speed", {k: speed_series[k] for k in sorted(speed_series)},
         "predicted step x speed ratio", "measured step"))
     mem_series: dict[str, list[tuple[float, float]]] = {}
-    for key, res in data["results"].items():
+    for cell, res in cell_results(data):
         for x in res["before"][:1]:
             for st in x["stages"]:
                 if st["predicted_memory_bytes"] and st["measured_peak_memory_bytes"]:
-                    mem_series.setdefault(key.split()[0], []).append(
+                    mem_series.setdefault(cell.model, []).append(
                         (st["predicted_memory_bytes"], st["measured_peak_memory_bytes"]))
     write_svg("accuracy-memory.svg", scatter_svg("Peak memory per stage: measured vs predicted", mem_series,
                                                  "predicted", "measured", unit_scale=2 ** -20, unit="MiB"))
 
-    before = err_stats([c["ratio"] for c in cells])
-    before_s = err_stats([c["ratio_at_speed"] for c in cells])
-    before_m = err_stats([c["ratio_at_model_speed"] for c in cells])
-    text = [
+
+def summary_section(data: dict[str, Any], cells: list[dict[str, Any]], before: list[tuple[Cell, dict]],
+                    model_clocked: bool) -> str:
+    """The section's head: the machine, what each cell ran, the pictures and the headline errors."""
+    args = argparse.Namespace(**data["args"])
+    raw = err_stats([c["ratio"] for c in cells])
+    at_speed = err_stats([c["ratio_at_speed"] for c in cells])
+    at_model_speed = err_stats([c["ratio_at_model_speed"] for c in cells])
+    return "\n".join([
         "## Cost-model accuracy on this CPU: measured against predicted",
         "",
         f"Machine: {data['machine']}; revision {data['revision']}. {data['ledger']}",
@@ -448,13 +484,22 @@ def render(data: dict[str, Any]) -> str:
         "Error = |measured / predicted - 1|, over the cells (each cell the median of its rounds); the last "
         "column is the worst single run:",
         "",
-        table(["figure", "median error", "worst error (cells)", "worst single run"], summary),
+        table(["figure", "median error", "worst error (cells)", "worst single run"],
+              summary_rows(data, cells, before, model_clocked)),
         "",
         f"Target: median within 10%, worst within 25%. Before calibration the raw step error is "
-        f"{before[0]:.1%} median, {before[1]:.1%} worst; at the run's speed {before_s[0]:.1%} / {before_s[1]:.1%}"
-        + (f"; at the model's speed {before_m[0]:.1%} / {before_m[1]:.1%}." if before_m else ".")
-        if before and before_s else "",
-        "",
+        f"{raw[0]:.1%} median, {raw[1]:.1%} worst; at the run's speed {at_speed[0]:.1%} / {at_speed[1]:.1%}"
+        + (f"; at the model's speed {at_model_speed[0]:.1%} / {at_model_speed[1]:.1%}." if at_model_speed else ".")
+        if raw and at_speed else "",
+    ])
+
+
+def error_source_section(cells: list[dict[str, Any]], before: list[tuple[Cell, dict]], model_clocked: bool) -> str:
+    """Where the error comes from: the schedule model against the per-operation times, the
+    per-operation fit, and two ranks computing at once."""
+    ops_err = err_stats([c["ops"] for c in cells])
+    left_err = err_stats([c["left"] for c in cells])
+    return "\n".join([
         "### Where the error comes from",
         "",
         f"Re-predicting each run's step from the per-stage times *that run measured* (same schedule model) "
@@ -467,14 +512,21 @@ def render(data: dict[str, Any]) -> str:
         "('at run speed': predicted first scaled by the run's speed ratio). `a` is a fixed cost per operation "
         "(the executor's per-micro-batch work), `c - 1` a proportional slowdown:",
         "",
-        table(["K", "prediction", "operations", "median measured/predicted", "c", "a (ms)"], fits),
+        table(["K", "prediction", "operations", "median measured/predicted", "c", "a (ms)"],
+              fit_rows(before, model_clocked)),
         "",
         "Two ranks computing at once: per-operation measured / predicted at the run's speed, where the stages "
         "take turns and where they overlap (and the speed probe's ratio, which each rank measures alone):",
         "",
         table(["runs", "operations", "median op ratio at run speed", "median speed ratio",
-               "median op ratio at the model's speed"], overlap),
-        "",
+               "median op ratio at the model's speed"], overlap_rows(before, model_clocked)),
+    ])
+
+
+def profiles_section(data: dict[str, Any]) -> str:
+    """The profiles the cells were planned from, as the profiler measured them."""
+    rows = profile_rows(data)
+    return "\n".join([
         "The profiles (taken right before their cells): the whole-model forward+backward at each micro-batch "
         "size as the profiler measured it (`consistency.model_step_s`), per sample, the step at b = 2 over the "
         "step at b = 1 (a compute-bound model would be near 2; per-call costs make it somewhat less), and the "
@@ -483,8 +535,13 @@ def render(data: dict[str, Any]) -> str:
         "",
         table(["round", "model", "step at each size (ms)", "per sample (ms)", "b=2 / b=1", "probe before / after (ms)",
                "contention slowdown"],
-              prof_rows) if prof_rows else "(not recorded in this run)",
-        "",
+              rows) if rows else "(not recorded in this run)",
+    ])
+
+
+def every_cell_section(data: dict[str, Any], cells: list[dict[str, Any]]) -> str:
+    """Every cell's figures, folded away."""
+    return "\n".join([
         "<details><summary>Every cell</summary>",
         "",
         "Times in ms. `speed`: the run's speed probe / the profile's (> 1: the machine was slower); `model "
@@ -495,11 +552,23 @@ def render(data: dict[str, Any]) -> str:
         table(["model", "K", "M", "schedule", "recompute", "balance", "predicted", "measured", "measured/predicted",
                "speed", "at run speed", "model speed", "at model speed", "ops", "measured/ops", "memory", "after calibration", "after, at run speed",
                "after, other speed correction"],
-              detail),
+              detail_rows(data, cells)),
         "",
         "</details>",
-    ]
-    return "\n".join(text) + "\n"
+    ])
+
+
+def render(data: dict[str, Any]) -> str:
+    """The part's markdown section from its saved figures (and its pictures, written beside it)."""
+    cells = list(summarise(data).values())
+    before = [(cell, run) for cell, res in cell_results(data) for run in res["before"]]
+    model_clocked = any(c["ratio_at_model_speed"] is not None for c in cells)
+    draw_pictures(data, cells)
+    sections = [summary_section(data, cells, before, model_clocked),
+                error_source_section(cells, before, model_clocked),
+                profiles_section(data),
+                every_cell_section(data, cells)]
+    return "\n\n".join(sections) + "\n"
 
 
 def main(argv=None) -> None:

@@ -10,14 +10,17 @@ from pathlib import Path
 from .common import RESULTS, ROOT, git_revision, machine
 
 TIMINGS = RESULTS / "data" / "timings.json"
-# Sections written by hand from scripts that run where `python -m bench` does not (a GPU machine).
-ELSEWHERE = {"gpu": "bench/gpu_smoke.sh and bench/gpu.sh on the GPU machine: CUDA paths, bf16 against fp32"}
+# Sections written by hand: figures from scripts that run where `python -m bench` does not (a GPU
+# machine), and the measurements behind rules the code states (moved out of its comments).
+ELSEWHERE = {"gpu": "bench/gpu_smoke.sh and bench/gpu.sh on the GPU machine: CUDA paths, bf16 against fp32",
+             "notes": "the measurements behind rules the code states (comments keep the rule, this its figures)"}
 
 INTRO = """\
 # Benchmarks
 
 Every figure below comes from a run of `python -m bench PART` (bench/), on the machine named in
-its section; nothing is copied from elsewhere. Regenerate everything with `python -m bench all`
+its section, except the last sections, which say where theirs come from (the GPU scripts, and
+the measurements behind rules the code states). Regenerate everything with `python -m bench all`
 (then this file is rebuilt), one part with `python -m bench PART` followed by
 `python -m bench assemble`. Each part's section is also in `docs/benchmarks/PART.md`, its
 pictures are `docs/benchmarks/*.svg` and the raw figures of the parts that time runs are in

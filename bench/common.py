@@ -174,11 +174,6 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def geomean(values: Iterable[float]) -> float:
-    xs = list(values)
-    return math.exp(sum(math.log(v) for v in xs) / len(xs))
-
-
 def med(values: Iterable[float | None]) -> float | None:
     xs = [v for v in values if v is not None and math.isfinite(v)]
     return statistics.median(xs) if xs else None
@@ -190,12 +185,6 @@ def rng(values: Iterable[float | None], fmt: str = "{:.2f}") -> str:
     if len(xs) < 2:
         return ""
     return f"{fmt.format(min(xs))}..{fmt.format(max(xs))}"
-
-
-def pct(x: float | None, signed: bool = True) -> str:
-    if x is None or not math.isfinite(x):
-        return "-"
-    return f"{x:+.1%}" if signed else f"{x:.1%}"
 
 
 def ms(seconds: float | None) -> str:

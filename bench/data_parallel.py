@@ -1,8 +1,8 @@
 """Pipeline x data parallel: which K x d the planner picks for N devices, and what it measures.
 
-    python -m bench data-parallel                       # both parts: ~12 minutes on the 2-core VM
-    python -m bench data-parallel --part pipedream      # planned only, the PipeDream profiles: ~8 minutes
-    python -m bench data-parallel --part cpu            # measured, gpt on 4 processes of this CPU: ~4 minutes
+    python -m bench data-parallel                       # both parts (how long each took: docs/benchmarks.md)
+    python -m bench data-parallel --part pipedream      # planned only, the PipeDream profiles
+    python -m bench data-parallel --part cpu            # measured, gpt on 4 processes of this CPU
     python -m bench data-parallel --part render         # rewrite the page from the saved figures
 
 N devices run d replicas of a K-stage pipeline (K x d = N). More pipeline stages cost a bubble

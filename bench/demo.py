@@ -1,6 +1,6 @@
 """`gpipe-plan demo` as a user runs it, and the text recipe a deeper model needs.
 
-    python -m bench demo                      # about 8 minutes on the 2-core VM
+    python -m bench demo                      # minutes (docs/benchmarks.md: how long it took)
     python -m bench demo --recipe-steps 100   # quicker, a shorter comparison
 
 1. runs ``gpipe-plan demo`` (the README's first set-up command ends with it) in a fresh folder

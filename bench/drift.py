@@ -1,6 +1,6 @@
 """The machine's own speed over time: the reference workload, alone and two at once.
 
-    python -m bench drift                 # about 3 minutes
+    python -m bench drift                 # (docs/benchmarks.md: how long it took)
     python -m bench drift --seconds 20
 
 Runs gpipe-plan's speed probe workload (speedprobe.py: matrix product, GELU, layer norm;
@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
-from typing import Any
 
 from .common import (COLOURS, BENCH_ENV, RESULTS, ROOT, Ledger, Others, git_revision, machine, table,
                      write_section, write_svg)

@@ -1,6 +1,6 @@
 """Runtime efficiency: the measured step against the ideal, GPipe's bubble bound and torch by hand.
 
-    python -m bench efficiency                       # gpt, batch 32, M = 4 and 8, 3 rounds: ~12 minutes
+    python -m bench efficiency                       # gpt, batch 32, M = 4 and 8, 3 rounds
     python -m bench efficiency --rounds 1 --micro-batches 8
 
 For the built-in ``gpt`` (default sizes) with a global batch of 32 on K = 2 stages (one thread

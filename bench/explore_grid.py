@@ -1,6 +1,6 @@
 """`gpipe-plan explore`: the what-if grid on real GPU profiles, and three of its cells run for real.
 
-    python -m bench explore                  # ~3 minutes
+    python -m bench explore                  # (docs/benchmarks.md: how long it took)
 
 1. Two PipeDream GPU profiles (vgg16, resnet50; ../data/pipedream-profiles, imported with
    ``gpipe-plan import-pipedream``): the 4 x 6 x 2 x 2 grid (K in 1,2,4,8; M in 1..32;

@@ -47,7 +47,7 @@ def versions() -> None:
     facts: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__,
                              "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
                              "gpus": [], "pipelining": pipelining_features().__dict__}
-    try:
+    try:   # the GPU machine's image may lack pulp (its wheel is carried there): say which
         import pulp  # noqa: F401
 
         facts["pulp"] = pulp.__version__

@@ -1,6 +1,6 @@
 """Planning against hand-tuning, measured: our plan vs a grid of uniform splits x M on this CPU.
 
-    python -m bench handtuning                          # 2 models x 20 runs x 2 rounds: ~25 minutes
+    python -m bench handtuning                          # 2 models x 20 runs x 2 rounds
     python -m bench handtuning --rounds 1 --models resnet --shifts 0
 
 For each model (``resnet`` at default sizes, and ``gpt --vocab-size 8192 --layers 6``, whose
@@ -13,7 +13,7 @@ rank:
   ``solve`` on the calibrated profile, ``run``;
 - the hand-tuned grid: equal layer counts (and, with ``--shifts 1``, the splits one layer either
   side), GPipe, every M dividing the batch (the M the planner also considers), written with
-  ``runtime.handplan.hand_plan`` and run by ``gpipe-plan run``.
+  ``hand_plan`` (tests/handplan.py) and run by ``gpipe-plan run``.
 
 Each round re-profiles and runs every configuration once (the grid in a rotated order); the
 figures are medians over rounds. "Best grid point" is the grid point with the highest median
@@ -33,7 +33,7 @@ from gpipe_plan.artifacts import write_json_atomic
 from gpipe_plan.planner.costmodel import CostModel, Setting, neighbour_scale
 from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.profile import Profile
-from gpipe_plan.runtime.handplan import hand_plan
+from tests.handplan import hand_plan  # the hand-written plans are the tests' helper
 
 from .common import (COLOURS, RESULTS, Ledger, bars_svg, cli, divisors, git_revision, machine, measured_or_saved,
                      med, publish, read_json, rng, run_plan, table, write_svg)

@@ -1,6 +1,6 @@
 """Models larger than one process: the memory and time of profiling and running a model built on meta.
 
-    python -m bench meta_memory                 # about 25 minutes on the 2-core VM
+    python -m bench meta_memory                 # tens of minutes (docs/benchmarks.md: how long it took)
     python -m bench meta_memory --quick         # a 4-block width-512 model instead: a few minutes
 
 The profiler and every rank of a run build the model on the meta device and make real only the
@@ -42,8 +42,6 @@ from .common import BENCH_ENV, GPIPE_PLAN, RESULTS, ROOT, Ledger, Others, git_re
 
 GiB = 2**30
 PAGE = os.sysconf("SC_PAGE_SIZE")
-# The last revision whose profiler built the whole model and timed all layers in the same rounds.
-BASELINE = "424e49f"
 
 
 def _children() -> dict[int, list[int]]:

@@ -52,7 +52,6 @@ def run(stages=(2, 4, 8, 16), micro_batches=(64,), ilp_seconds: float = 0.0, ilp
         for K in stages:
             if K > fig.num_layers:
                 continue
-            best_bneck = bottleneck_opt = None
             for M in micro_batches:
                 cm = CostModel(fig, Setting(K, M, "gpipe", "never"))
                 started = time.perf_counter()

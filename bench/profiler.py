@@ -1,6 +1,6 @@
 """The profiler: how long `gpipe-plan profile` takes, how consistent and repeatable its figures are.
 
-    python -m bench profiler                 # gpt and resnet, 5 profiles each: ~3 minutes
+    python -m bench profiler                 # gpt and resnet, 5 profiles each
     python -m bench profiler --runs 3 --models gpt
 
 For each built-in (default sizes, the default doubling sweep up to batch 8, one thread):

@@ -1,8 +1,9 @@
 """Does pipelining pay on this machine? Samples per second, 2 stages against 1, and the overhead.
 
-    .venv/bin/python bench/runtime_speedup.py             # about 8 minutes on 2 cores
-    .venv/bin/python bench/runtime_speedup.py --quick     # one round, a rough figure
-    .venv/bin/python -m bench runtime                     # the same, once registered in bench/__main__.py
+    python -m bench runtime            # minutes (docs/benchmarks.md: how long it took)
+    python -m bench runtime --quick    # one round, a rough figure
+
+(from the repository root: the hand-written plans are the tests' helper, tests/handplan.py)
 
 Runs ``gpipe-plan run`` (as a user would: separate processes, gloo) on hand-written plans of a
 compute-heavy, balanced model (:func:`token_mlp`: 8 identical residual MLP blocks over 64
@@ -84,7 +85,7 @@ def write_plan(folder: Path, factory: str, shape: list[int], balance: list[int],
                name: str) -> Path:
     from gpipe_plan.artifacts import write_json_atomic
     from gpipe_plan.models import model_spec
-    from gpipe_plan.runtime.handplan import hand_plan
+    from tests.handplan import hand_plan  # the hand-written plans are the tests' helper
 
     spec = model_spec(factory, input_shape=shape, num_classes=10 if factory.endswith("token_mlp") else 8)
     path = folder / name

@@ -1,7 +1,7 @@
 """Today's schedules: what each one measures and predicts, and what the planner picks.
 
-    python -m bench schedules                       # both parts: ~15 minutes on 2 cores
-    python -m bench schedules --part pipedream      # the PipeDream profiles only: ~9 minutes
+    python -m bench schedules                       # both parts (how long each took: docs/benchmarks.md)
+    python -m bench schedules --part pipedream      # the PipeDream profiles only
     python -m bench schedules --rounds 1 --steps 6  # a rough CPU figure
 
 Two parts:

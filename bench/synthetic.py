@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from gpipe_plan.artifacts import FORMAT_VERSIONS, PROFILE_FORMAT
+from gpipe_plan.schema import FORMAT_VERSIONS, PROFILE_FORMAT
 
 
 def synthetic_profile(layers: int, seed: int = 0, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),

@@ -104,7 +104,6 @@ class FactoryData(SyntheticData):
         inputs, targets = self.batch(2, torch.Generator().manual_seed(0))
         self.input_shapes = tuple(tuple(x.shape[1:]) for x in inputs)
         self.input_dtypes = tuple(x.dtype for x in inputs)
-        self.target_shape, self.target_dtype = tuple(targets.shape[1:]), targets.dtype
 
     def batch(self, batch_size: int, generator: torch.Generator) -> Batch:
         """The first mini-batch of ``factory(batch_size)``, on a stream seeded from ``generator``."""

@@ -414,11 +414,6 @@ def release_layers(model: LayeredModel, indices: Iterable[int], keep: Iterable[t
     m.release(p for p in m.layer_parameters(indices) if id(p) not in kept)
 
 
-def is_materialized(model: LayeredModel, index: int) -> bool:
-    """Whether every parameter of layer ``index`` is real."""
-    return not any(p.is_meta for p in model.layers[index][1].parameters())
-
-
 @contextlib.contextmanager
 def layer_materialized(model: LayeredModel, index: int,
                        device: torch.device | str | None = None) -> Iterator[nn.Module]:

@@ -52,15 +52,16 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from ..schedules import all_actions
+from .budgets import SOLVER_TIME_BUDGET_S
 from .costmodel import CostModel
-from .objective import Incumbent, Solution
+from .objective import RELATIVE_SLACK, Incumbent, Solution
 
 INF = math.inf
-_RELATIVE_SLACK = 1e-12
 # The search is budgeted in work, not in wall time, so that a plan is the same on every run:
 # this many units per second of budget (a bound is one unit, a simulation one per 64 actions
-# it plays out), about half what the 2-core development VM does, so that the wall-time
-# budget, still checked, rarely binds first.
+# it plays out). It is set well below what a slow machine does in a second, so that the
+# wall-time budget, still checked, rarely binds first and the plan does not depend on the
+# machine's speed or load.
 WORK_PER_SECOND = 20000
 _KIND = {"F": 0, "B": 1, "I": 1, "W": 2}    # forward, the backward the previous chunk waits for, W
 
@@ -105,7 +106,8 @@ def stage_shapes(schedule: str, stages: int, micro_batches: int, virtual_stages:
 class ChunkedSolver:
     """Branch and bound over the C - 1 cuts of a chunked or split-backward schedule."""
 
-    def __init__(self, cm: CostModel, seeds: Iterable[Sequence[int]] = (), time_budget_s: float = 10.0,
+    def __init__(self, cm: CostModel, seeds: Iterable[Sequence[int]] = (),
+                 time_budget_s: float = SOLVER_TIME_BUDGET_S,
                  cutoff_s: float = INF, work_budget_s: float | None = None):
         """``time_budget_s``: wall time at most; ``work_budget_s`` (default the same): the
         seconds of work (WORK_PER_SECOND) after which the search stops, whatever the clock."""
@@ -290,7 +292,7 @@ class ChunkedSolver:
         open_bound = INF
 
         def incumbent() -> float:
-            return min(found.best.step_s if found.best else INF, self.cutoff_s) * (1 - _RELATIVE_SLACK)
+            return min(found.best.step_s if found.best else INF, self.cutoff_s) * (1 - RELATIVE_SLACK)
 
         def dfs(cuts: list[int], recompute: list[bool | None]) -> None:
             nonlocal out_of_time, open_bound

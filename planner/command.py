@@ -12,14 +12,15 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Task, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from ..artifacts import (PLAN_FORMAT, PROFILE_FORMAT, BadInput, check_output_paths, file_sha256, precision_of, read_artifact,
-                         write_json_atomic, write_text_atomic)
+from ..artifacts import BadInput, check_output_paths, file_sha256, precision_of, write_json_atomic, write_text_atomic
+from ..schema import PLAN_FORMAT, PROFILE_FORMAT, read_artifact, write_artifact
 from ..schedules import SCHEDULES
+from .budgets import LEAST_ONE_DEVICE_S, SOLVE_TIME_BUDGET_S
 from .plan import build_plan
 from .profile import Profile
 from .render import batch_line, plan_timeline_svg, render_plan
 from .replicas import search_devices
-from .search import SolveOptions, device_memory_limit, one_stage_baseline, search
+from .search import SolveOptions, device_memory_limit, one_stage_baseline, search, share_of_budget
 from ..units import format_seconds, parse_bandwidth, parse_size
 
 
@@ -75,7 +76,7 @@ def solve_options(
     link_latency: float | None = None,
     optimizer: str = "adam",
     solver: str = "exact",
-    time_budget_s: float = 30.0,
+    time_budget_s: float = SOLVE_TIME_BUDGET_S,
     devices: int | None = None,
     data_parallel: str | int | None = None,
     nodes: int = 1,
@@ -145,21 +146,21 @@ def solve_file(profile_path: str, plan_path: str | None = None, *, stages: int |
     devices = found if replicated else None
     result = found.best.result if replicated else found
     # What the pipeline must beat: the best plan of the same batch on one device.
-    # It shares the time budget: what the pipeline's search left of it (a tenth of a second at least).
-    left = max(0.1, opts.time_budget_s - (time.perf_counter() - started))
+    # It shares the time budget: what the pipeline's search left of it.
+    left = share_of_budget(opts.time_budget_s, started, 1, least_s=LEAST_ONE_DEVICE_S)
     used = len(result.best.solution.evaluation.stages) * (devices.best.data_parallel if devices else 1)
     single = replace(opts, stages=1, devices=None, data_parallel=1, time_budget_s=left)
     baseline = one_stage_baseline(profile, single) if used > 1 else None
     plan = build_plan(profile, profile_path, file_sha256(profile_path), result, one_stage=baseline, devices=devices)
     if plan_path is not None:
-        write_json_atomic(plan_path, plan)
+        write_artifact(plan_path, plan, "solved plan")
     return plan
 
 
 def solve_command(profile: str, stages: int | None, micro_batches: str, global_batch_size: int | None, schedule: str,
                   recompute: str, memory_limit: str | None, link_bandwidth: str | None, link_latency: float | None,
                   optimizer: str, solver: str, out: str, timeline: str | None, quiet: bool,
-                  time_budget: float = 30.0, virtual_stages: str = "auto", devices: int | None = None,
+                  time_budget: float = SOLVE_TIME_BUDGET_S, virtual_stages: str = "auto", devices: int | None = None,
                   data_parallel: str | None = None, nodes: int = 1, network_bandwidth: str | None = None,
                   network_latency: float = 0.0, gradient_sync: str = "ddp") -> None:
     started = time.perf_counter()
@@ -203,7 +204,7 @@ def import_pipedream_command(graph: str, batch_size: int | None, out: str | None
     Profile(doc, where=graph)   # what we write must be a profile the planner accepts
     target = out or f"{doc['model']['name']}.profile.json"
     check_output_paths({"--out": target}, inputs=(graph,))   # the default name, once the model's name is known
-    write_json_atomic(target, doc)
+    write_artifact(target, doc, "profile")
     Console().print(f"wrote {target}: {len(doc['layers'])} layers from {doc['source']['nodes']} nodes, "
                     f"batch {doc['batch_size']}", highlight=False)
 

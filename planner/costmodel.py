@@ -13,6 +13,14 @@ micro-batch::
 ``overhead`` is the runtime's fixed cost per micro-batch and action (profile key
 ``overhead.per_microbatch_s``; zero unless calibrated): once for F and B, once each for I and W.
 
+F and B have one definition, :func:`stage_time_formula`: :class:`CostModel` makes it once per
+setting (``CostModel.forward`` and ``CostModel.whole_backward``, from prefix sums: any stage in
+O(1)), its chunk figures call it, and so do the solvers (planner/dp.py, planner/onefoneb.py,
+planner/chunked.py), binding those two functions to local names in their innermost loops
+rather than summing the prefixes themselves. Where a solver needs "the largest stage within a
+time", it asks :meth:`CostModel.forward_reach` / :meth:`CostModel.backward_reach`, which
+bisect on the same prefix sums and settle on the same expression.
+
 Recomputation (activation checkpointing) is not free beyond the rerun forward: the checkpointed
 forward runs hooks on every tensor it would have saved, the rerun happens inside the backward,
 and the wrapper itself costs a fixed ~0.1-0.5 ms per call on a CPU. A profile that timed the
@@ -72,7 +80,7 @@ import functools
 import math
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..schedules import SCHEDULES, SPLIT_BACKWARD, all_actions, chunks_of_stage, chunks_per_stage, problem, stage_of_chunk
 from .profile import LayerFigures
@@ -134,10 +142,10 @@ def neighbour_scale(slowdown: float, processes: int, stages: int) -> float:
     ``slowdown`` was measured with ``processes`` copies computing at once. With K stages a
     stage has K - 1 neighbours; we take the interference as growing in proportion to them
     (capped at what was measured). It does not depend on how much the stages overlap in time:
-    on the development VM two stages that take turns (M = 1) ran each operation about as much
-    slower than one stage as two that overlap (M >= 2), in two accuracy runs (docs/planner.md,
-    "Neighbours"): the penalty comes with the neighbour process, not only with its computing at
-    the same moment. One stage computes as profiled.
+    the penalty comes with the neighbour process, not only with its computing at the same
+    moment: stages that take turns (M = 1) were measured to slow each other about as much as
+    stages that overlap (M >= 2) (docs/planner.md, "Neighbours"). One stage computes as
+    profiled.
     """
     if stages <= 1 or slowdown <= 1.0:
         return 1.0
@@ -257,6 +265,36 @@ def _undominated(points: set[tuple[tuple[int, ...], tuple[int, ...], int]]) -> t
     return tuple(kept)
 
 
+def stage_time_formula(forward_terms: tuple[list[float], float],
+                       backward_terms: dict[bool, tuple[list[float], float]]
+                       ) -> tuple[Callable[[int, int], float], Callable[[int, int, bool], float]]:
+    """The stage-time formula: ``forward(s, e)`` and ``backward(s, e, recompute)`` of layers
+    ``[s, e)``, per micro-batch, the F and B of the module docstring (B whole, as GPipe and
+    1F1B run it).
+
+    Each term is (prefix sums of the layers' times, fixed cost per micro-batch) and a time is
+    ``prefix[e] - prefix[s] + fixed``, always in that order, so that every caller gets the very
+    same float for the same stage: a solver's bound and the evaluation of its plan must agree
+    to the last bit. :class:`CostModel` makes the two functions once per setting; its chunk
+    figures and the solvers' innermost loops (once per candidate stage, O(K L^2) calls) call
+    them. They are closures rather than methods because a closure reads its prefix sums as
+    local cells, where a method looks each one up on the instance at every call.
+    """
+    forward_prefix, forward_fixed = forward_terms
+    plain_prefix, plain_fixed = backward_terms[False]
+    rerun_prefix, rerun_fixed = backward_terms[True]
+
+    def forward(s: int, e: int) -> float:
+        return forward_prefix[e] - forward_prefix[s] + forward_fixed
+
+    def backward(s: int, e: int, recompute: bool) -> float:
+        if recompute:
+            return rerun_prefix[e] - rerun_prefix[s] + rerun_fixed
+        return plain_prefix[e] - plain_prefix[s] + plain_fixed
+
+    return forward, backward
+
+
 class CostModel:
     """Per-chunk and per-stage costs for one :class:`Setting`, from prefix sums: any chunk costs O(1)."""
 
@@ -300,6 +338,15 @@ class CostModel:
         self.pkept = _prefix(figures.kept_bytes())
         # ... plus the checkpoint wrapper's own cost, once per stage and micro-batch.
         self.overhead_recompute = self.overhead + _cost(figures.recompute_call_s)
+        # Each pass over layers [s, e) costs prefix[e] - prefix[s] + its fixed cost: the pairs,
+        # named once here, and the one formula on them (stage_time_formula).
+        self.forward_terms: tuple[list[float], float] = (self.pf, self.overhead)
+        self.backward_terms: dict[bool, tuple[list[float], float]] = {
+            False: (self.pg, self.overhead), True: (self.pgr, self.overhead_recompute)}
+        self.forward, self.whole_backward = stage_time_formula(self.forward_terms, self.backward_terms)
+        # A split backward runs I and W: its B is their sum (see backward_input).
+        self.backward: Callable[[int, int, bool], float] = (
+            self._split_backward if self.split else self.whole_backward)
         self.pa = _prefix(figures.activation_bytes)
         self.pp = _prefix(figures.param_bytes)
         self.pbuf = _prefix(figures.buffer_bytes)
@@ -336,16 +383,22 @@ class CostModel:
         """Most micro-batches whose activations stage k holds at once (from its action list)."""
         return self.peaks[k].in_flight
 
-    def forward(self, s: int, e: int) -> float:
-        return self.pf[e] - self.pf[s] + self.overhead
+    # forward(s, e), whole_backward(s, e, recompute) and backward(s, e, recompute) are set in
+    # __init__: see stage_time_formula.
 
-    def backward(self, s: int, e: int, recompute: bool) -> float:
-        """The whole backward B of layers [s, e) (a split backward: I + W)."""
-        if self.split:
-            return self.backward_input(s, e, recompute) + self.backward_weight(s, e, recompute)
-        if recompute:
-            return self.pgr[e] - self.pgr[s] + self.overhead_recompute
-        return self.pg[e] - self.pg[s] + self.overhead
+    def _split_backward(self, s: int, e: int, recompute: bool) -> float:
+        """B of layers [s, e) under a schedule that splits it: I + W."""
+        return self.backward_input(s, e, recompute) + self.backward_weight(s, e, recompute)
+
+    def forward_reach(self, s: int, budget: float) -> int:
+        """The largest e >= s with ``forward(s, e) <= budget`` (s if none), by bisection."""
+        prefix, fixed = self.forward_terms
+        return reach(prefix, s, budget, fixed)
+
+    def backward_reach(self, s: int, budget: float, recompute: bool) -> int:
+        """The largest e >= s with ``whole_backward(s, e, recompute) <= budget`` (s if none)."""
+        prefix, fixed = self.backward_terms[recompute]
+        return reach(prefix, s, budget, fixed)
 
     def backward_input(self, s: int, e: int, recompute: bool) -> float:
         """I of layers [s, e): the input gradient, with the recomputed forward when recomputing.
@@ -361,14 +414,8 @@ class CostModel:
     def backward_weight(self, s: int, e: int, recompute: bool = False) -> float:
         """W of layers [s, e): the weight gradient (for chunk 0, the whole backward: see I)."""
         if s == 0 and self.split:
-            if recompute:
-                return self.pgr[e] + self.overhead_recompute
-            return self.pg[e] + self.overhead
+            return self.whole_backward(0, e, recompute)
         return self.pgw[e] - self.pgw[s] + self.overhead
-
-    def backward_overhead(self, recompute: bool) -> float:
-        """The fixed part of a stage's backward: the runtime's, and checkpointing's when recomputing."""
-        return self.overhead_recompute if recompute else self.overhead
 
     def optimizer(self, s: int, e: int) -> float:
         """The step after the backward: the gradient sync over the replicas, the optimizer on

@@ -44,12 +44,11 @@ import struct
 import time
 from collections import deque
 
+from .budgets import SOLVER_TIME_BUDGET_S
 from .costmodel import CostModel
-from .objective import Evaluation, Solution, evaluate
-from .costmodel import reach
+from .objective import RELATIVE_SLACK, Evaluation, Solution, evaluate
 
 INF = math.inf
-_RELATIVE_SLACK = 1e-12   # bounds are sums of floats: prune only when clearly no better
 # A bisection over the bits of a float >= 0 ends within 64 halvings (and the jumps after a failed
 # greedy probe only shorten it); the cap makes "every loop ends" hold whatever the numbers.
 _MAX_BISECTION_STEPS = 256
@@ -79,7 +78,7 @@ class GPipeSolver:
     is not proven and carries the lower bound that the unexplored part still allows.
     """
 
-    def __init__(self, cm: CostModel, time_budget_s: float = 10.0):
+    def __init__(self, cm: CostModel, time_budget_s: float = SOLVER_TIME_BUDGET_S):
         self.cm = cm
         self.time_budget_s = time_budget_s
         self.started = time.perf_counter()
@@ -156,15 +155,14 @@ class GPipeSolver:
         """
         cm, L, K = self.cm, self.L, self.K
         r = bool(self.fixed_recompute)
-        backward_prefix = cm.pgr if r else cm.pg
         cut_cap = min(X, Y)
         comm = cm.comm
         bounds = [0]
         s = 0
         next_forward = next_backward = INF
         while s < L:
-            e_forward = reach(cm.pf, s, X, cm.overhead)
-            e_backward = reach(backward_prefix, s, Y, cm.backward_overhead(r))
+            e_forward = cm.forward_reach(s, X)
+            e_backward = cm.backward_reach(s, Y, r)
             e = self._mem_reach(s, min(e_forward, e_backward), r)
             if s == 0 and first_cap is not None:
                 e = min(e, first_cap)
@@ -205,22 +203,21 @@ class GPipeSolver:
     def _valid_ends(self, s: int, X: float, Y: float) -> list[tuple[int, int]]:
         """Intervals (lo, hi) of ends e for which the stage [s, e) meets X, Y and memory."""
         cm = self.cm
-        e_forward = reach(cm.pf, s, X, cm.overhead)
+        e_forward = cm.forward_reach(s, X)
         if e_forward <= s:
             return []
         if self.fixed_recompute is not None:
             r = self.fixed_recompute
-            prefix = cm.pgr if r else cm.pg
-            e = self._mem_reach(s, min(e_forward, reach(prefix, s, Y, cm.backward_overhead(r))), r)
+            e = self._mem_reach(s, min(e_forward, cm.backward_reach(s, Y, r)), r)
             return [(s + 1, e)] if e > s else []
         # Per-stage choice: without recomputation while it fits, with it beyond.
         fits_plain = self._mem_reach(s, e_forward, False)
         out = []
-        e0 = min(fits_plain, reach(cm.pg, s, Y, cm.overhead))
+        e0 = min(fits_plain, cm.backward_reach(s, Y, False))
         if e0 > s:
             out.append((s + 1, e0))
         if fits_plain < e_forward:
-            e1 = self._mem_reach(s, min(e_forward, reach(cm.pgr, s, Y, cm.overhead_recompute)), True)
+            e1 = self._mem_reach(s, min(e_forward, cm.backward_reach(s, Y, True)), True)
             if e1 > fits_plain:
                 out.append((fits_plain + 1, e1))
         return out
@@ -371,10 +368,11 @@ class GPipeSolver:
         cm, L, K = self.cm, self.L, self.K
         r = bool(self.fixed_recompute)
         cut_cap = min(X, Y)
+        forward, backward, fits = cm.forward, cm.backward, cm.fits
         lo = [0] * (L + 1)
         s = 0
         for e in range(1, L + 1):
-            while s < e and not (cm.forward(s, e) <= X and cm.backward(s, e, r) <= Y and cm.fits(s, e, 0, r)):
+            while s < e and not (forward(s, e) <= X and backward(s, e, r) <= Y and fits(s, e, 0, r)):
                 s += 1
             lo[e] = s
         comm2 = [2 * c for c in cm.comm]
@@ -416,7 +414,7 @@ class GPipeSolver:
         """D(X, Y) by relaxing, from every reachable cut s, the stages [s, e) that meet the
         thresholds (their ends form at most two intervals: see _valid_ends)."""
         cm, L, K = self.cm, self.L, self.K
-        pf, pg, pgr, comm, ovh, ovh_r = cm.pf, cm.pg, cm.pgr, cm.comm, cm.overhead, cm.overhead_recompute
+        forward, backward, comm = cm.forward, cm.backward, cm.comm
         cut_cap = min(X, Y)
         plain_ok = False in cm.allowed_recompute
         cost = [INF] * (L + 1)
@@ -437,14 +435,12 @@ class GPipeSolver:
                     ends[s] = self._valid_ends(s, X, Y)
                 plain_end = cm.max_end(s, 0, False) if plain_ok else s
                 for lo, hi in ends[s]:
-                    for e in range(max(lo, k + 1), min(hi, last) + 1):
-                        if k == K - 1 and e != L:
-                            continue
-                        send = comm[e] if e < L else 0.0
+                    # the last stage ends at L: its other ends need not be visited
+                    for e in range(max(lo, k + 1, L if k == K - 1 else 0), min(hi, last) + 1):
+                        send = comm[e]           # 0.0 at e = L: there is no cut there
                         if send > cut_cap:
                             continue
-                        back, back_ovh = (pg, ovh) if e <= plain_end else (pgr, ovh_r)
-                        c = (base + (pf[e] - pf[s] + ovh) + (back[e] - back[s] + back_ovh) + 2 * send
+                        c = (base + forward(s, e) + backward(s, e, e > plain_end) + 2 * send
                              + (cm.optimizer(0, e) if k == 0 else 0.0))
                         if c < new[e] or (c == new[e] and s > parent[e]):
                             new[e], parent[e] = c, s
@@ -548,7 +544,7 @@ class GPipeSolver:
         if self.constant_additive or M == 1:
             # A(P) is the same for every plan, or (M = 1) it is the whole objective: done.
             method = "staircase over the two maxima" if M > 1 else "least-additive DP"
-        elif floor >= incumbent() * (1 - _RELATIVE_SLACK):
+        elif floor >= incumbent() * (1 - RELATIVE_SLACK):
             method = "lower bound"
         elif self.window_ok and not self.comm_on:
             open_bound = self._first_stage_search(least_sum, front[0], consider, incumbent)
@@ -593,7 +589,7 @@ class GPipeSolver:
             rest_floor = ((cm.pf[L] - cm.pf[cap] + rest * cm.overhead) / rest
                           + (cm.pg[L] - cm.pg[cap] + rest * cm.overhead) / rest)
             floor = constant + cheapest_optimizer + (M - 1) * max(least_sum, rest_floor)
-            if floor >= incumbent() * (1 - _RELATIVE_SLACK):
+            if floor >= incumbent() * (1 - RELATIVE_SLACK):
                 break
             if self._out_of_time():
                 return floor
@@ -616,7 +612,7 @@ class GPipeSolver:
         heapq.heappush(boxes, (bound(additive_floor, 0.0, 0.0), counter, 0.0, INF, 0.0, INF))
         while boxes:
             box_bound, _, xa, xb, ya, yb = heapq.heappop(boxes)
-            if box_bound >= incumbent() * (1 - _RELATIVE_SLACK):
+            if box_bound >= incumbent() * (1 - RELATIVE_SLACK):
                 break
             if self._out_of_time():
                 return box_bound
@@ -631,7 +627,7 @@ class GPipeSolver:
             if corner is None:
                 continue
             d, b = corner
-            if bound(d, xa, ya) >= incumbent() * (1 - _RELATIVE_SLACK):
+            if bound(d, xa, ya) >= incumbent() * (1 - RELATIVE_SLACK):
                 continue
             consider(b)
             phi, gamma = self.stations(b)

@@ -29,14 +29,15 @@ from typing import Any, Sequence
 
 from ..artifacts import BadInput
 from ..schedules import SCHEDULES, chunks_per_stage, problem
+from .budgets import EXPLORE_POINT_TIME_BUDGET_S
 from .chunked import ChunkedSolver
 from .costmodel import OPTIMIZER_STATE_MULTIPLIER, CostModel, Setting, stage_peaks
 from .dp import GPipeSolver
 from .objective import Solution
 from .onefoneb import OneFOneBSolver
 from .profile import LayerFigures, Profile
-from .search import (AUTO_VIRTUAL_STAGES, MAX_MICRO_BATCHES, ReplicaSync, cost_setting, micro_batch_counts,
-                     profile_global_batch, sharded_tie_problem)
+from .search import (ReplicaSync, SolveOptions, check_micro_batches, cost_setting, micro_batch_counts, pipeline_link,
+                     resolve_global_batch, sharded_tie_problem, virtual_stage_choices)
 from ..units import format_bytes
 
 
@@ -93,7 +94,7 @@ def explore(profile: Profile, stages: Sequence[int] | None, micro_batches: Seque
             global_batch_size: int | None = None, memory_limit_bytes: int | None = None,
             schedules: Sequence[str] = ("gpipe", "1f1b"), recomputes: Sequence[str] = ("never", "always"),
             link_bandwidth_bytes_per_s: float | None = None, link_latency_s: float | None = None,
-            optimizer: str = "adam", capacity: bool = True, time_budget_s: float = 5.0,
+            optimizer: str = "adam", capacity: bool = True, time_budget_s: float = EXPLORE_POINT_TIME_BUDGET_S,
             progress=None, devices: int | None = None, nodes: int | None = None,
             network_bandwidth_bytes_per_s: float | None = None, network_latency_s: float | None = None,
             gradient_sync: str = "ddp") -> Exploration:
@@ -104,134 +105,217 @@ def explore(profile: Profile, stages: Sequence[int] | None, micro_batches: Seque
     else every divisor of N): d replicas of a K-stage pipeline, each replica taking the global
     batch / d samples a step, placed on ``nodes`` machines as the planner would place them
     (planner/replicas.py), each stage's gradients synchronised over its d replicas.
+    ``time_budget_s`` is each cell's search's, not the whole grid's.
     """
-    # The profile's own global batch unless told (older profiles: their largest micro-batch).
-    batch = global_batch_size if global_batch_size is not None else profile_global_batch(profile)[0]
-    if batch < 1:
-        raise BadInput(f"--global-batch-size must be at least 1, got {batch}")
+    # The options the planner's own solve would take: what explore asks beyond them is the grid.
+    given = {k: v for k, v in dict(nodes=nodes, network_latency_s=network_latency_s).items() if v is not None}
+    request = SolveOptions(stages=None, global_batch_size=global_batch_size, devices=devices,
+                           data_parallel="auto" if devices is not None else 1,
+                           link_bandwidth_bytes_per_s=link_bandwidth_bytes_per_s, link_latency_s=link_latency_s,
+                           network_bandwidth_bytes_per_s=network_bandwidth_bytes_per_s, gradient_sync=gradient_sync,
+                           optimizer=optimizer, **given)
+    grid = _grid(profile, request, stages, micro_batches, memory_limit_bytes, schedules, recomputes, time_budget_s)
+    reference_step_s = _reference_step_s(grid)
+    cells = _solve_cells(grid, reference_step_s, progress)
+    block = find_repeated_block(profile)
+    caps = _capacity_table(grid, block) if capacity else []
+    summaries = factorisation_summaries(grid.shapes, cells) if devices is not None else []
+    return Exploration(grid.batch, reference_step_s, cells, caps, block, devices=devices, factorisations=summaries)
+
+
+DEFAULT_STAGES = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """An exploration's question, checked and resolved once: the request as the planner's own
+    options, the global batch, the rows (``shapes``), the columns (``micro_batches``), what
+    each cell varies besides, and each cell's search budget."""
+
+    profile: Profile
+    request: SolveOptions
+    batch: int
+    one_replica_stages: tuple[int, ...]   # the rows K without --devices (and the capacity table's)
+    shapes: list[_Shape]
+    micro_batches: list[int]
+    schedules: Sequence[str]
+    recomputes: Sequence[str]
+    memory_limit_bytes: int | None
+    link: tuple[float, float]              # the link as given (search.pipeline_link): bandwidth, latency
+    point_budget_s: float
+
+    def setting(self, shape: _Shape, micro_batches: int, schedule: str, recompute: str, limit: int | None,
+                virtual_stages: int = 1) -> Setting:
+        """The cost model's setting of one cell (search.cost_setting, as solve makes it).
+
+        One replica alone: the link as given. Replicas: the placement says which link the
+        pipeline's sends and the gradient sync cross (inside a node, or the network).
+        """
+        placement = shape.placement
+        if placement is None:
+            (pipe_bw, pipe_lat), sync = self.link, ReplicaSync()
+        else:
+            pipe_bw, pipe_lat = placement.pipeline_bandwidth_bytes_per_s, placement.pipeline_latency_s
+            sync = placement.replica_sync(shape.data_parallel, self.request.gradient_sync)
+        return cost_setting(self.profile, stages=shape.stages, micro_batches=micro_batches, schedule=schedule,
+                            virtual_stages=virtual_stages, recompute=recompute, memory_limit_bytes=limit,
+                            link_bandwidth_bytes_per_s=pipe_bw, link_latency_s=pipe_lat,
+                            optimizer=self.request.optimizer, sync=sync)
+
+
+def _grid(profile: Profile, request: SolveOptions, stages: Sequence[int] | None,
+          micro_batches: Sequence[int] | str, memory_limit_bytes: int | None, schedules: Sequence[str],
+          recomputes: Sequence[str], point_budget_s: float) -> _Grid:
+    """Check the question (one line for each thing wrong) and resolve it into a :class:`_Grid`.
+
+    The global batch and the link are resolved as solve resolves them (the profile's own
+    unless told; older profiles: their largest micro-batch). ``auto`` columns are the powers
+    of two that divide the batch; a given M must be one solve would take.
+    """
+    batch = resolve_global_batch(profile, request)
     for K in stages or ():
         if K < 1:
             raise BadInput(f"--stages values must be at least 1, got {K}")
-    bandwidth = link_bandwidth_bytes_per_s if link_bandwidth_bytes_per_s is not None else (
-        profile.link_bandwidth_bytes_per_s or math.inf)
-    latency = link_latency_s if link_latency_s is not None else profile.link_latency_s
-    if devices is None:
-        shapes = [_Shape(K, 1, None, "") for K in (stages or DEFAULT_STAGES)]
+    one_replica_stages = tuple(stages or DEFAULT_STAGES)
+    if request.devices is None:
+        shapes = [_Shape(K, 1, None, "") for K in one_replica_stages]
     else:
-        shapes = replica_shapes(profile, devices, stages, batch, nodes, link_bandwidth_bytes_per_s, link_latency_s,
-                                network_bandwidth_bytes_per_s, network_latency_s, gradient_sync, optimizer)
+        shapes = replica_shapes(profile, request, request.devices, stages, batch)
     if micro_batches == "auto":
         ms = [m for m in micro_batch_counts(batch) if m & (m - 1) == 0]   # the powers of two that divide B
     else:
         ms = list(micro_batches)
-        bad = [m for m in ms if m < 1 or batch % m or m > MAX_MICRO_BATCHES]
-        if bad:
-            raise BadInput(f"--micro-batches {bad[0]} does not divide the global batch of {batch}: "
-                           f"use divisors of {batch}, at most {MAX_MICRO_BATCHES}, or 'auto'")
+        for m in ms:
+            check_micro_batches(m, batch)
+    return _Grid(profile, request, batch, one_replica_stages, shapes, ms, schedules, recomputes, memory_limit_bytes,
+                 pipeline_link(profile, request), point_budget_s)
 
-    def setting(shape: _Shape, M: int, schedule: str, recompute: str, limit: int | None,
-                virtual_stages: int = 1) -> Setting:
-        # One replica alone: the link as given. Replicas: the placement says which link the
-        # pipeline's sends and the gradient sync cross (inside a node, or the network).
-        placement = shape.placement
-        if placement is None:
-            pipe_bw, pipe_lat, sync = bandwidth, latency, ReplicaSync()
-        else:
-            pipe_bw, pipe_lat = placement.pipeline_bandwidth_bytes_per_s, placement.pipeline_latency_s
-            sync = placement.replica_sync(shape.data_parallel, gradient_sync)
-        return cost_setting(profile, stages=shape.stages, micro_batches=M, schedule=schedule,
-                            virtual_stages=virtual_stages, recompute=recompute, memory_limit_bytes=limit,
-                            link_bandwidth_bytes_per_s=pipe_bw, link_latency_s=pipe_lat, optimizer=optimizer,
-                            sync=sync)
 
+def _reference_step_s(grid: _Grid) -> float:
+    """The step every throughput is normalised to: one device, one micro-batch, GPipe, no
+    recomputation, no memory limit."""
     one_device = _Shape(1, 1, None, "")
-    reference = GPipeSolver(CostModel(profile.at(batch), setting(one_device, 1, "gpipe", "never", None))).solve()
+    reference = GPipeSolver(CostModel(grid.profile.at(grid.batch),
+                                      grid.setting(one_device, 1, "gpipe", "never", None))).solve()
     assert reference is not None
-    ref_step = reference.evaluation.step_s
+    return reference.evaluation.step_s
+
+
+def _solve_cells(grid: _Grid, reference_step_s: float, progress) -> list[Cell]:
+    """Every cell of the grid, in the grid's order (rows, then M, schedule, recompute).
+
+    The largest K goes first, to fill the 1F1B tables its smaller K share; a factorisation's
+    placements follow each other, and :func:`_merge` keeps each cell's best placement. Within
+    a (K, M, recompute), GPipe goes first: its optimal partition seeds the other schedules.
+    """
+    profile, batch = grid.profile, grid.batch
     tables: dict[tuple, dict[int, list[float]]] = {}
     cells: list[Cell] = []
     done = 0
-    total = len({(s.stages, s.data_parallel) for s in shapes}) * len(ms) * len(schedules) * len(recomputes)
-    # The largest K fills the shared 1F1B tables; a factorisation's placements follow each other.
-    for shape in sorted(shapes, key=lambda s: (-s.stages, s.data_parallel)):
+    total = (len({(s.stages, s.data_parallel) for s in grid.shapes}) * len(grid.micro_batches)
+             * len(grid.schedules) * len(grid.recomputes))
+    for shape in sorted(grid.shapes, key=lambda s: (-s.stages, s.data_parallel)):
         K, d = shape.stages, shape.data_parallel
         replica_batch = batch // d
-        for M in ms:
+        for M in grid.micro_batches:
             size = replica_batch // M if replica_batch % M == 0 else 0
-            for recompute in recomputes:
+            for recompute in grid.recomputes:
                 gpipe_partition = None
-                for schedule in sorted(schedules, key=lambda s: s != "gpipe"):
-                    def note(text: str) -> None:
-                        cells.append(Cell(K, M, size, schedule, recompute, None, None, None, None, None, False, False,
-                                          note=text, data_parallel=d, order=shape.order))
-                    if shape.reason:
-                        note(shape.reason)
+                for schedule in sorted(grid.schedules, key=lambda s: s != "gpipe"):
+                    skipped = _skip_reason(grid, shape, M, size, replica_batch, schedule)
+                    if skipped:
+                        # A cell that cannot run is noted, and not counted as progress.
+                        cells.append(_note(K, M, size, schedule, recompute, skipped, d, shape.order))
                         continue
-                    if size == 0:
-                        note(f"M = {M} does not divide a replica's batch of {replica_batch}")
-                        continue
-                    if K > profile.num_layers:
-                        note(f"more stages than the {profile.num_layers} layers")
-                        continue
-                    if shape.placement is not None and sharded_tie_problem(
-                            profile, schedule, chunks_per_stage(schedule, 2),
-                            shape.placement.replica_sync(d, gradient_sync)):
-                        note(f"{gradient_sync} cannot shard a tied weight twice on one stage")
-                        continue
-                    sol, fits, v = None, True, 1
-                    for limit in ([memory_limit_bytes, None] if memory_limit_bytes else [None]):
-                        if schedule in ("gpipe", "1f1b"):
-                            cm = CostModel(profile.at(size), setting(shape, M, schedule, recompute, limit))
-                            if schedule == "gpipe":
-                                sol = GPipeSolver(cm, time_budget_s=time_budget_s).solve()
-                            else:
-                                # Tables depend on the layer times and links: share them only alike.
-                                st = cm.setting
-                                key = (M, size, recompute, limit, st.compute_scale, st.link_bandwidth_bytes_per_s,
-                                       st.link_latency_s, st.data_parallel, st.sync_bandwidth_bytes_per_s,
-                                       st.sync_latency_s, st.gradient_sync)
-                                sol = OneFOneBSolver(cm, seeds=[gpipe_partition] if gpipe_partition else [],
-                                                     time_budget_s=time_budget_s,
-                                                     suffix_tables=tables.setdefault(key, {})).solve()
-                        else:
-                            sol, v = _chunked(profile.at(size), K, M, schedule, profile.num_layers, time_budget_s,
-                                              lambda vs: setting(shape, M, schedule, recompute, limit, vs),
-                                              [gpipe_partition] if gpipe_partition else [])
-                        if sol is not None:
-                            break
-                        fits = False
+                    sol, fits, v = _solve_point(grid, shape, M, size, schedule, recompute, gpipe_partition, tables)
                     if sol is None and not _runs(schedule, K, M, profile.num_layers):
-                        note(_why_not(schedule, K, M, profile.num_layers))
+                        cells.append(_note(K, M, size, schedule, recompute,
+                                           _why_not(schedule, K, M, profile.num_layers), d, shape.order))
                     else:
-                        cells.append(_cell(K, M, size, schedule, recompute, sol, fits, batch, ref_step, v,
+                        cells.append(_cell(K, M, size, schedule, recompute, sol, fits, batch, reference_step_s, v,
                                            data_parallel=d, order=shape.order))
                         if schedule == "gpipe" and sol is not None and fits:
                             gpipe_partition = sol.evaluation.bounds
                     done += not shape.later_placement
                     if progress and not shape.later_placement:
                         progress(done, total, f"K={K} d={d} M={M} {schedule} {recompute}"
-                                 if devices is not None else f"K={K} M={M} {schedule} {recompute}")
-    cells = _merge(cells)
+                                 if grid.request.devices is not None else f"K={K} M={M} {schedule} {recompute}")
+    return _in_grid_order(grid, _merge(cells))
+
+
+def _skip_reason(grid: _Grid, shape: _Shape, M: int, size: int, replica_batch: int, schedule: str) -> str:
+    """Why a cell is not solved at all ("" when it is): its K x d cannot run, M does not divide
+    a replica's batch, more stages than layers, or fsdp would shard a tied weight twice."""
+    K, layers, gradient_sync = shape.stages, grid.profile.num_layers, grid.request.gradient_sync
+    if shape.reason:
+        return shape.reason
+    if size == 0:
+        return f"M = {M} does not divide a replica's batch of {replica_batch}"
+    if K > layers:
+        return f"more stages than the {layers} layers"
+    if shape.placement is not None and sharded_tie_problem(
+            grid.profile, schedule, chunks_per_stage(schedule, 2),
+            shape.placement.replica_sync(shape.data_parallel, gradient_sync)):
+        return f"{gradient_sync} cannot shard a tied weight twice on one stage"
+    return ""
+
+
+def _solve_point(grid: _Grid, shape: _Shape, M: int, size: int, schedule: str, recompute: str,
+                 gpipe_partition: tuple[int, ...] | None,
+                 tables: dict[tuple, dict[int, list[float]]]) -> tuple[Solution | None, bool, int]:
+    """The best plan of one cell, as (solution, fits, virtual stages): within the memory limit,
+    else the best without it (``fits`` False), to show what the cell would need.
+
+    ``gpipe_partition`` seeds the searches of the other schedules; ``tables`` are 1F1B's
+    suffix bounds, shared by the cells whose layer times and links are alike.
+    """
+    K, profile, budget_s = shape.stages, grid.profile, grid.point_budget_s
+    seeds = [gpipe_partition] if gpipe_partition else []
+    sol, fits, v = None, True, 1
+    for limit in ([grid.memory_limit_bytes, None] if grid.memory_limit_bytes else [None]):
+        if schedule in ("gpipe", "1f1b"):
+            cm = CostModel(profile.at(size), grid.setting(shape, M, schedule, recompute, limit))
+            if schedule == "gpipe":
+                sol = GPipeSolver(cm, time_budget_s=budget_s).solve()
+            else:
+                # Tables depend on the layer times and links: share them only alike.
+                st = cm.setting
+                key = (M, size, recompute, limit, st.compute_scale, st.link_bandwidth_bytes_per_s,
+                       st.link_latency_s, st.data_parallel, st.sync_bandwidth_bytes_per_s,
+                       st.sync_latency_s, st.gradient_sync)
+                sol = OneFOneBSolver(cm, seeds=seeds, time_budget_s=budget_s,
+                                     suffix_tables=tables.setdefault(key, {})).solve()
+        else:
+            sol, v = _chunked(profile.at(size), K, M, schedule, profile.num_layers, budget_s,
+                              lambda vs: grid.setting(shape, M, schedule, recompute, limit, vs), seeds)
+        if sol is not None:
+            break
+        fits = False
+    return sol, fits, v
+
+
+def _in_grid_order(grid: _Grid, cells: list[Cell]) -> list[Cell]:
+    """The cells in the order the grid lists them: rows, then M, schedule and recompute."""
     order = {key: i for i, key in enumerate(
-        (s.stages, s.data_parallel, M, sc, r) for s in shapes for M in ms for sc in schedules for r in recomputes)}
-    cells.sort(key=lambda c: order[(c.stages, c.data_parallel, c.micro_batches, c.schedule, c.recompute)])
-    block = find_repeated_block(profile)
-    caps: list[Capacity] = []
-    # Capacity counts one chunk per stage with a whole backward (gpipe, 1f1b): the greedy fill
-    # below cuts stages, not chunks spread through the model. It is a one-replica question
-    # (how deep a pipeline a model needs), so a --devices exploration leaves it out.
-    capacity_schedules = [s for s in schedules if s in ("gpipe", "1f1b")]
-    if capacity and devices is None and block and memory_limit_bytes and capacity_schedules:
-        for K in (stages or DEFAULT_STAGES):
-            for recompute in recomputes:
-                caps.append(block_capacity(profile, block, K, ms, batch, capacity_schedules, recompute,
-                                           memory_limit_bytes,
-                                           lambda K, M, s, r, lim: setting(_Shape(K, 1, None, ""), M, s, r, lim)))
-    summaries = factorisation_summaries(shapes, cells) if devices is not None else []
-    return Exploration(batch, ref_step, cells, caps, block, devices=devices, factorisations=summaries)
+        (s.stages, s.data_parallel, M, sc, r)
+        for s in grid.shapes for M in grid.micro_batches for sc in grid.schedules for r in grid.recomputes)}
+    return sorted(cells, key=lambda c: order[(c.stages, c.data_parallel, c.micro_batches, c.schedule, c.recompute)])
 
 
-DEFAULT_STAGES = (1, 2, 4, 8)
+def _capacity_table(grid: _Grid, block: dict[str, Any] | None) -> list[Capacity]:
+    """The most blocks that fit each K, per recompute (needs a repeated block and a memory limit).
+
+    Capacity counts one chunk per stage with a whole backward (gpipe, 1f1b): the greedy fill
+    cuts stages, not chunks spread through the model. It is a one-replica question (how deep
+    a pipeline a model needs), so a --devices exploration leaves it out.
+    """
+    capacity_schedules = [s for s in grid.schedules if s in ("gpipe", "1f1b")]
+    if grid.request.devices is not None or not block or not grid.memory_limit_bytes or not capacity_schedules:
+        return []
+    return [block_capacity(grid.profile, block, K, grid.micro_batches, grid.batch, capacity_schedules, recompute,
+                           grid.memory_limit_bytes,
+                           lambda K, M, s, r, lim: grid.setting(_Shape(K, 1, None, ""), M, s, r, lim))
+            for K in grid.one_replica_stages for recompute in grid.recomputes]
 
 
 @dataclass(frozen=True)
@@ -256,26 +340,19 @@ class _Shape:
         return getattr(self.placement, "order", "") if self.placement is not None else ""
 
 
-def replica_shapes(profile: Profile, devices: int, stages: Sequence[int] | None, batch: int, nodes: int | None,
-                   link_bandwidth_bytes_per_s: float | None, link_latency_s: float | None,
-                   network_bandwidth_bytes_per_s: float | None, network_latency_s: float | None,
-                   gradient_sync: str, optimizer: str) -> list[_Shape]:
+def replica_shapes(profile: Profile, request: SolveOptions, devices: int, stages: Sequence[int] | None,
+                   batch: int) -> list[_Shape]:
     """Every K x d = ``devices`` to explore, with each placement the planner would consider.
 
-    The factorisations, the machines' topology and the placements are the planner's own
-    (planner/replicas.py), so that a row of the grid is a plan ``solve --devices`` could make.
+    The factorisations, the machines' topology (from ``request``, the exploration's options)
+    and the placements are the planner's own (planner/replicas.py), so that a row of the grid
+    is a plan ``solve --devices`` could make.
     """
     from .replicas import factorisations, placements, topology_for
-    from .search import SolveOptions
 
     if devices < 1:
         raise BadInput(f"--devices must be at least 1, got {devices}")
-    given = {k: v for k, v in dict(nodes=nodes, network_latency_s=network_latency_s).items() if v is not None}
-    options = SolveOptions(stages=None, devices=devices, data_parallel="auto", global_batch_size=batch,
-                           link_bandwidth_bytes_per_s=link_bandwidth_bytes_per_s, link_latency_s=link_latency_s,
-                           network_bandwidth_bytes_per_s=network_bandwidth_bytes_per_s, gradient_sync=gradient_sync,
-                           optimizer=optimizer, **given)
-    topology = topology_for(profile, options, devices)
+    topology = topology_for(profile, request, devices)
     pairs = factorisations(devices, None, "auto", batch, profile.num_layers)
     if stages:
         unknown = [K for K in stages if devices % K]
@@ -362,6 +439,13 @@ def factorisation_summaries(shapes: Sequence[_Shape], cells: Sequence[Cell]) -> 
     return out
 
 
+def _note(K: int, M: int, size: int, schedule: str, recompute: str, text: str, data_parallel: int,
+          order: str) -> Cell:
+    """A cell with no plan, only why."""
+    return Cell(K, M, size, schedule, recompute, None, None, None, None, None, False, False,
+                note=text, data_parallel=data_parallel, order=order)
+
+
 def _cell(K, M, size, schedule, recompute, sol: Solution | None, fits: bool, batch: int, ref_step: float,
           virtual_stages: int = 1, data_parallel: int = 1, order: str = "") -> Cell:
     if sol is None:
@@ -379,8 +463,7 @@ def _cell(K, M, size, schedule, recompute, sol: Solution | None, fits: bool, bat
 
 def _shapes(schedule: str, K: int, M: int, layers: int) -> list[int]:
     """The virtual stages a chunked schedule can take here (interleaved: 2..4; others: 1)."""
-    vs = AUTO_VIRTUAL_STAGES if schedule == "interleaved" else (1,)
-    return [v for v in vs if K * chunks_per_stage(schedule, v) <= layers and not problem(schedule, K, M, v)]
+    return [v for v in virtual_stage_choices(schedule, "auto", K, layers) if not problem(schedule, K, M, v)]
 
 
 def _runs(schedule: str, K: int, M: int, layers: int) -> bool:
@@ -450,7 +533,7 @@ class _Replicated:
     def __init__(self, fig: LayerFigures, block: dict[str, Any], blocks: int, setting: Setting):
         a, p, n = block["first_layer"], block["layers_per_block"], block["blocks"]
         self.a, self.p, self.blocks = a, p, blocks
-        self.head_end, self.tail_start = a, a + p * n
+        self.tail_start = a + p * n
         self.L = a + p * blocks + (fig.num_layers - self.tail_start)
         self.setting = setting
         self.per_param = 2 + OPTIMIZER_STATE_MULTIPLIER[setting.optimizer]

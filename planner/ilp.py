@@ -25,6 +25,8 @@ constraint for each choice, the one not taken relaxed by a big-M.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
+from typing import Any
 
 try:  # only --solver ilp needs pulp; the exact solvers and every other command run without it
     import pulp
@@ -32,42 +34,84 @@ except ImportError:  # pragma: no cover - pulp is a dependency; a GPU image may 
     pulp = None
 
 from ..artifacts import BadInput
+from .budgets import SOLVER_TIME_BUDGET_S
 from .costmodel import CostModel
 from .objective import Solution, evaluate
 from ..schedules import all_actions
 
 
-def solve_ilp(cm: CostModel, time_limit_s: float = 60.0) -> Solution | None:
+def solve_ilp(cm: CostModel, time_limit_s: float = SOLVER_TIME_BUDGET_S) -> Solution | None:
+    """The best partition of ``cm`` as CBC finds it within ``time_limit_s`` (None: nothing fits,
+    or CBC found no plan in time). ``proven`` only when CBC proved its optimum."""
+    _check_supported(cm)
+    model = _build_model(cm)
+    with warnings.catch_warnings():
+        # PuLP 3.3 announces API changes for 4.0 (pyproject keeps us below it).
+        warnings.simplefilter("ignore", DeprecationWarning)
+        status = model.prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(time_limit_s)), gapRel=0,
+                                                    gapAbs=1e-9))
+    return _read_solution(cm, model, status)
+
+
+def _check_supported(cm: CostModel) -> None:
+    """Refuse what the ILP cannot do, in one line: pulp missing, or a schedule it does not model."""
     if pulp is None:
         raise BadInput("--solver ilp needs the pulp package, which is not installed here: pip install pulp, "
                        "or use --solver exact")
     if cm.schedule not in ("gpipe", "1f1b"):
         raise BadInput(f"--solver ilp plans gpipe and 1f1b only, not {cm.schedule}: use --solver exact "
                        "(the default), which plans every schedule")
-    L, K, M = cm.L, cm.K, cm.M
-    fig = cm.figures
-    # Scale to keep CBC's tolerances meaningful: time in units of the mean layer's work.
-    time_unit = (sum(fig.forward_s) + sum(fig.backward_s)) / L or 1.0
-    f = [x / time_unit for x in fig.forward_s]
-    g = [x / time_unit for x in fig.backward_s]
-    # What recomputing adds to each layer's backward (>= 0), and the checkpoint call per stage.
-    rerun = [(r - b) / time_unit for r, b in zip(fig.recomputing_backward_s(), fig.backward_s)]
-    call = fig.recompute_call_s / time_unit
-    opt = [x / time_unit for x in fig.optimizer_s]
-    ovh = cm.overhead / time_unit
-    comm = [c / time_unit for c in cm.comm]            # comm[e]: the cut before layer e
 
+
+@dataclass(frozen=True)
+class _ScaledTimes:
+    """The cost model's times in units of the mean layer's work, which keeps CBC's tolerances
+    meaningful whatever the model's scale."""
+
+    time_unit: float
+    forward: list[float]         # per layer
+    backward: list[float]
+    rerun: list[float]           # what recomputing adds to each layer's backward (>= 0)
+    call: float                  # the checkpoint call, once per recomputing stage
+    optimizer: list[float]       # per layer
+    overhead: float              # per micro-batch and stage
+    comm: list[float]            # comm[e]: the cut before layer e
+
+
+def _scaled_times(cm: CostModel) -> _ScaledTimes:
+    fig = cm.figures
+    unit = (sum(fig.forward_s) + sum(fig.backward_s)) / cm.L or 1.0
+    return _ScaledTimes(
+        time_unit=unit,
+        forward=[x / unit for x in fig.forward_s],
+        backward=[x / unit for x in fig.backward_s],
+        rerun=[(r - b) / unit for r, b in zip(fig.recomputing_backward_s(), fig.backward_s)],
+        call=fig.recompute_call_s / unit,
+        optimizer=[x / unit for x in fig.optimizer_s],
+        overhead=cm.overhead / unit,
+        comm=[c / unit for c in cm.comm],
+    )
+
+
+@dataclass
+class _Model:
+    """The programme and the variables a plan is read back from."""
+
+    prob: Any
+    below: list[list[Any]]       # below[i][k]: layer i sits in stage k or earlier
+    recompute: list[Any]         # per stage: 0 or 1 when fixed, else a binary variable
+
+
+def _build_model(cm: CostModel) -> _Model:
+    """The whole programme: the partition's variables, each stage's times, the step time to
+    minimise, and (under a limit) the memory constraints."""
+    L, K = cm.L, cm.K
+    times = _scaled_times(cm)
     prob = pulp.LpProblem("gpipe_plan", pulp.LpMinimize)
-    below = [[_var(prob, f"below_{i}_{k}", cat="Binary") for k in range(K)] for i in range(L)]
-    for i in range(L):
-        prob += below[i][K - 1] == 1
-        for k in range(K - 1):
-            prob += below[i][k] <= below[i][k + 1]
-        if i + 1 < L:
-            for k in range(K):
-                prob += below[i + 1][k] <= below[i][k]
+    below = _contiguous_stages(prob, L, K)
 
     def member(i: int, k: int):
+        """1 when layer i is in stage k."""
         return below[i][k] - (below[i][k - 1] if k else 0)
 
     for k in range(K):
@@ -77,59 +121,95 @@ def solve_ilp(cm: CostModel, time_limit_s: float = 60.0) -> Solution | None:
         """1 when layer i is the last layer of stage k (k < K-1)."""
         return below[i][k] - below[i + 1][k]
 
+    recompute = _recompute_choices(prob, cm)
+    forward, backward, send = _stage_times(prob, cm, times, member, ends, recompute)
+    optimizer_tail = _optimizer_tail(prob, cm, times, member, forward, send)
+    prob += _makespan(prob, cm, forward, backward, send) + optimizer_tail
+    if cm.limit is not None:
+        _memory_constraints(prob, cm, member, ends, recompute)
+    return _Model(prob, below, recompute)
+
+
+def _contiguous_stages(prob, L: int, K: int) -> list[list[Any]]:
+    """``below[i][k]``, constrained so that every stage is a contiguous run of layers and the
+    last stage ends the model."""
+    below = [[_var(prob, f"below_{i}_{k}", cat="Binary") for k in range(K)] for i in range(L)]
+    for i in range(L):
+        prob += below[i][K - 1] == 1
+        for k in range(K - 1):
+            prob += below[i][k] <= below[i][k + 1]
+        if i + 1 < L:
+            for k in range(K):
+                prob += below[i + 1][k] <= below[i][k]
+    return below
+
+
+def _recompute_choices(prob, cm: CostModel) -> list[Any]:
+    """Per stage: 0 or 1 when the setting fixes recomputation, else a binary variable."""
     recompute = []
-    for k in range(K):
+    for k in range(cm.K):
         if cm.allowed_recompute == (False,):
             recompute.append(0)
         elif cm.allowed_recompute == (True,):
             recompute.append(1)
         else:
             recompute.append(_var(prob, f"recompute_{k}", cat="Binary"))
+    return recompute
 
+
+def _stage_times(prob, cm: CostModel, times: _ScaledTimes, member, ends, recompute):
+    """Each stage's forward and backward (recomputation's extra linearised with a big-M) and
+    each cut's send, as expressions: (forward, backward, send)."""
+    L, K = cm.L, cm.K
     forward, backward, send = [], [], []
-    big_extra = sum(rerun) + call
+    big_extra = sum(times.rerun) + times.call
     for k in range(K):
-        fk = pulp.lpSum(f[i] * member(i, k) for i in range(L)) + ovh
-        rerun_k = pulp.lpSum(rerun[i] * member(i, k) for i in range(L)) + call
+        fk = pulp.lpSum(times.forward[i] * member(i, k) for i in range(L)) + times.overhead
+        rerun_k = pulp.lpSum(times.rerun[i] * member(i, k) for i in range(L)) + times.call
         extra = _var(prob, f"recompute_time_{k}", 0)
         if isinstance(recompute[k], int):
             prob += extra == (rerun_k if recompute[k] else 0)
         else:
             prob += extra >= rerun_k - big_extra * (1 - recompute[k])
         forward.append(fk)
-        backward.append(pulp.lpSum(g[i] * member(i, k) for i in range(L)) + ovh + extra)
+        backward.append(pulp.lpSum(times.backward[i] * member(i, k) for i in range(L)) + times.overhead + extra)
         if k < K - 1:
-            send.append(pulp.lpSum(comm[i + 1] * ends(i, k) for i in range(L - 1)))
-    # The optimizer tail (planner.objective.gpipe_optimizer_tail): max_k (optimizer_k - fill before k).
+            send.append(pulp.lpSum(times.comm[i + 1] * ends(i, k) for i in range(L - 1)))
+    return forward, backward, send
+
+
+def _optimizer_tail(prob, cm: CostModel, times: _ScaledTimes, member, forward, send):
+    """The optimizer tail (planner.objective.gpipe_optimizer_tail): max_k (optimizer_k - fill before k)."""
+    L, K = cm.L, cm.K
     optimizer_tail = _var(prob, "optimizer_tail", 0)
     before = 0
     for k in range(K):
-        prob += optimizer_tail >= (pulp.lpSum(opt[i] * member(i, k) for i in range(L))
-                                   + _tied_exchange(prob, cm, member, k, time_unit) - before)
+        prob += optimizer_tail >= (pulp.lpSum(times.optimizer[i] * member(i, k) for i in range(L))
+                                   + _tied_exchange(prob, cm, member, k, times.time_unit) - before)
         before = before + forward[k] + (send[k] if k < K - 1 else 0)
+    return optimizer_tail
 
-    if cm.setting.schedule == "gpipe":
-        phi = _var(prob, "phi", 0)
-        gamma = _var(prob, "gamma", 0)
-        for k in range(K):
-            prob += phi >= forward[k]
-            prob += gamma >= backward[k]
-        for c in send:
-            prob += phi >= c
-            prob += gamma >= c
-        prob += (pulp.lpSum(forward) + pulp.lpSum(backward) + 2 * pulp.lpSum(send)
-                 + (M - 1) * (phi + gamma) + optimizer_tail)
-    else:
-        prob += _schedule_makespan(prob, cm.setting.schedule, K, M, forward, backward, send) + optimizer_tail
 
-    if cm.limit is not None:
-        _memory_constraints(prob, cm, member, ends, recompute)
+def _makespan(prob, cm: CostModel, forward, backward, send):
+    """The schedule's makespan: GPipe's closed form, with ``phi >= F_k, C_k`` and
+    ``gamma >= B_k, C_k``; 1F1B's longest path over start times (:func:`_schedule_makespan`)."""
+    K, M = cm.K, cm.M
+    if cm.setting.schedule != "gpipe":
+        return _schedule_makespan(prob, cm.setting.schedule, K, M, forward, backward, send)
+    phi = _var(prob, "phi", 0)
+    gamma = _var(prob, "gamma", 0)
+    for k in range(K):
+        prob += phi >= forward[k]
+        prob += gamma >= backward[k]
+    for c in send:
+        prob += phi >= c
+        prob += gamma >= c
+    return pulp.lpSum(forward) + pulp.lpSum(backward) + 2 * pulp.lpSum(send) + (M - 1) * (phi + gamma)
 
-    with warnings.catch_warnings():
-        # PuLP 3.3 announces API changes for 4.0 (pyproject keeps us below it).
-        warnings.simplefilter("ignore", DeprecationWarning)
-        status = prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(time_limit_s)), gapRel=0,
-                                              gapAbs=1e-9))
+
+def _read_solution(cm: CostModel, model: _Model, status) -> Solution | None:
+    """The plan CBC found, evaluated by the cost model (None when it found none)."""
+    prob, below, L, K = model.prob, model.below, cm.L, cm.K
     if pulp.LpStatus[status] == "Infeasible":
         return None
     if pulp.LpStatus[status] != "Optimal" and prob.sol_status not in (pulp.LpSolutionIntegerFeasible,):
@@ -138,7 +218,7 @@ def solve_ilp(cm: CostModel, time_limit_s: float = 60.0) -> Solution | None:
     bounds = [0] + [i for i in range(1, L) if stage_of[i] != stage_of[i - 1]] + [L]
     # A recompute variable no constraint needs (e.g. stages with no forward time) may be left
     # without a value: it changes nothing, so read it as "no".
-    chosen = [bool(r) if isinstance(r, int) else bool(round(r.value() or 0)) for r in recompute]
+    chosen = [bool(r) if isinstance(r, int) else bool(round(r.value() or 0)) for r in model.recompute]
     ev = evaluate(cm, bounds, chosen)
     proven = pulp.LpStatus[status] == "Optimal" and prob.sol_status == pulp.LpSolutionOptimal
     lower = ev.step_s if proven else 0.0     # CBC stopped early: no bound we can vouch for

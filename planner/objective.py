@@ -12,12 +12,11 @@ from .schedule import gpipe_makespan, simulate_plan
 # a search prunes a branch, or prefers a plan, only when it is better by more than this share.
 RELATIVE_SLACK = 1e-12
 
-# Wall time defaults, in one place. ``solve --time-budget`` is shared by all the settings
-# (stages x micro-batches x schedules) a solve tries; ``explore --time-budget`` is per point of
-# its grid, which holds many; a solver built without a budget (tests, benches) gets its own.
-SOLVE_TIME_BUDGET_S = 30.0
-EXPLORE_POINT_TIME_BUDGET_S = 0.5
-SOLVER_TIME_BUDGET_S = 10.0
+
+def proven_optimal(step_s: float, lower_bound_s: float) -> bool:
+    """Whether a plan of ``step_s`` is proven optimal: no plan can be faster than the lower bound,
+    and the bound reaches the plan's step time (up to :data:`RELATIVE_SLACK`)."""
+    return lower_bound_s >= step_s * (1 - RELATIVE_SLACK)
 
 
 @dataclass(frozen=True)
@@ -79,14 +78,13 @@ class Incumbent:
     def __init__(self, cm: CostModel) -> None:
         self.cm = cm
         self.best: Evaluation | None = None
-        self.evaluations = 0
 
     def consider(self, bounds: Sequence[int]) -> Evaluation:
         ev = evaluate(self.cm, bounds)
-        self.evaluations += 1
         if ev.fits and (self.best is None or ev.step_s < self.best.step_s):
             self.best = ev
         return ev
+
 
 def evaluate(cm: CostModel, bounds: Sequence[int], recompute: Sequence[bool] | None = None) -> Evaluation:
     """Step time and memory of the chunk boundaries ``bounds`` (recompute per stage; chosen per

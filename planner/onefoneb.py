@@ -28,11 +28,11 @@ import math
 import time
 from typing import Iterable
 
+from .budgets import SOLVER_TIME_BUDGET_S
 from .costmodel import CostModel
-from .objective import Incumbent, Solution
+from .objective import RELATIVE_SLACK, Incumbent, Solution
 
 INF = math.inf
-_RELATIVE_SLACK = 1e-12
 
 
 class _OutOfTime(Exception):
@@ -40,7 +40,8 @@ class _OutOfTime(Exception):
 
 
 class OneFOneBSolver:
-    def __init__(self, cm: CostModel, seeds: Iterable[tuple[int, ...]] = (), time_budget_s: float = 10.0,
+    def __init__(self, cm: CostModel, seeds: Iterable[tuple[int, ...]] = (),
+                 time_budget_s: float = SOLVER_TIME_BUDGET_S,
                  cutoff_s: float = INF, suffix_tables: dict[int, list[float]] | None = None):
         """``cutoff_s``: a step time already achieved elsewhere (another setting); partitions
         that cannot beat it are not explored, and if none can, the search is skipped.
@@ -69,7 +70,7 @@ class OneFOneBSolver:
             before = cm.pf[s] + self.other_backward[s] + 2 * k * cm.overhead
         f = cm.forward(s, e)
         b = cm.backward(s, e, recompute)
-        # (the same expression as in _suffix_bounds, so that both give the very same float)
+        # (the same expressions as in _suffix_tables, so that both give the very same float)
         ob = self.other_backward
         total = cm.pf[L] + ob[L]
         down = total - cm.pf[e] - ob[e] + 2 * (K - 1 - k) * cm.overhead + (2 * cm.comm[e] if e < L else 0.0)
@@ -114,7 +115,8 @@ class OneFOneBSolver:
         scan over a stage's end stops at the first end whose bound passes the best so far.
         """
         cm, L, K, M = self.cm, self.L, self.K, self.M
-        pf, pg, pgr, comm, ovh, ovh_r = cm.pf, cm.pg, cm.pgr, cm.comm, cm.overhead, cm.overhead_recompute
+        forward, backward = cm.forward, cm.backward       # the stage-time formula (costmodel)
+        pf, comm, ovh = cm.pf, cm.comm, cm.overhead
         ob = self.other_backward
         total = pf[L] + ob[L]
         monotone = not cm.setting.comm_on
@@ -142,18 +144,18 @@ class OneFOneBSolver:
                 plain_end = cm.max_end(s, k, False) if plain_allowed else s
                 fit_end = max(plain_end, cm.max_end(s, k, True) if recompute_allowed else s)
                 for e in range(first, min(last, fit_end) + 1):
-                    f = pf[e] - pf[s] + ovh
-                    if before + M * (f + pg[e] - pg[s] + ovh) >= best:
-                        break                    # even without waits it is no better
+                    f = forward(s, e)
+                    b = backward(s, e, e > plain_end)
+                    work = before + M * (f + b)
+                    if work >= best:
+                        break                    # even without waits it is no better, nor is a longer stage
                     after = after_k[e]
-                    back, back_ovh = (pg, ovh) if e <= plain_end else (pgr, ovh_r)
-                    b = back[e] - back[s] + back_ovh
                     down = total - pf[e] - ob[e] + waits + (2 * comm[e] if e < L else 0.0)
                     if warmup < M:
                         idle = max(0.0, down - (warmup - 1) * f) + max(0.0, down - (warmup - 1) * b)
                     else:
                         idle = max(0.0, down - (M - 1) * f, down - (M - 1) * b)
-                    bound = before + M * (f + b) + idle
+                    bound = work + idle
                     if bound >= best and monotone:
                         break
                     value = bound if bound > after else after
@@ -190,7 +192,7 @@ class OneFOneBSolver:
         open_bound = INF        # the least bound among prefixes left unexplored
 
         def incumbent() -> float:
-            return min(found.best.step_s if found.best else INF, self.cutoff_s) * (1 - _RELATIVE_SLACK)
+            return min(found.best.step_s if found.best else INF, self.cutoff_s) * (1 - RELATIVE_SLACK)
 
         def dfs(k: int, s: int, before: float, worst: float, optimizer_s: float, cuts: list[int]) -> None:
             nonlocal out_of_time, open_bound

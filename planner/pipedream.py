@@ -20,8 +20,8 @@ from typing import Any
 
 import networkx as nx
 
-from ..artifacts import PROFILE_FORMAT, FORMAT_VERSIONS, BadInput
-from ..schema import MAX_BYTES, MAX_SECONDS
+from ..artifacts import BadInput
+from ..schema import FORMAT_VERSIONS, MAX_BYTES, MAX_SECONDS, PROFILE_FORMAT, validate
 
 MAX_MS = MAX_SECONDS * 1e3   # PipeDream's times are in milliseconds
 
@@ -99,7 +99,12 @@ def infer_batch_size(graph: nx.DiGraph) -> int | None:
 
 
 def import_pipedream(path: str, batch_size: int | None = None, name: str | None = None) -> dict[str, Any]:
-    """A PipeDream graph.txt -> a profile document (one micro-batch size: the mini-batch)."""
+    """A PipeDream graph.txt -> a profile document (one micro-batch size: the mini-batch).
+
+    The document is checked against the profile schema where it is made, whether it is written
+    (``import-pipedream``) or planned in memory: its figures are the graph's, so one the schema
+    refuses (cut bytes that add up past the ceiling) is refused as the graph's, in one line.
+    """
     p = Path(path)
     if not p.is_file():
         raise BadInput(f"PipeDream graph '{p}' does not exist")
@@ -151,7 +156,7 @@ def import_pipedream(path: str, batch_size: int | None = None, name: str | None 
             "op": attrs["op"],
         })
     model_name = name or p.name.split(".")[0]
-    return {
+    doc: dict[str, Any] = {
         "format": PROFILE_FORMAT,
         "version": FORMAT_VERSIONS[PROFILE_FORMAT],
         "model": {"source": "pipedream", "name": model_name},
@@ -169,3 +174,5 @@ def import_pipedream(path: str, batch_size: int | None = None, name: str | None 
                     "approximated by each node's output; the Input node's time (data loading) is dropped",
         },
     }
+    validate(doc, "profile", f"the profile made from PipeDream graph '{p}'")
+    return doc

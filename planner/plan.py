@@ -12,7 +12,7 @@ import statistics
 from dataclasses import replace
 from typing import Any
 
-from ..artifacts import PLAN_FORMAT, FORMAT_VERSIONS
+from ..schema import FORMAT_VERSIONS, PLAN_FORMAT
 from ..schedules import SPLIT_BACKWARD, chunks_per_stage
 from .costmodel import CostModel
 from .objective import Evaluation, evaluate
@@ -32,22 +32,98 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
     comparison out, except for a one-device plan, which is its own baseline. ``devices``: the
     search over K stages x d replicas (:func:`.replicas.search_devices`); ``result`` is then its
     best factorisation's pipeline search (batch global / d). Without it: one replica.
+
+    This function only puts the sections in order; each larger one is made by a function below
+    named for it.
     """
-    chosen = devices.best if devices is not None else None
-    d = chosen.data_parallel if chosen is not None else 1
-    user_options = devices.options if devices is not None else result.options
-    options = result.options
     best = result.best
     assert best.solution is not None
     ev = best.solution.evaluation
     setting = best.setting
-    M = setting.micro_batches
-    layers = profile.layers
-    busy = ev.busy_s(M)
-    chunks = []
+    chosen = devices.best if devices is not None else None
+    replicas = chosen.data_parallel if chosen is not None else 1
+    global_batch = devices.global_batch_size if devices is not None else result.global_batch_size
+    optimality = optimality_section(best.solution.method, ev.step_s, result, devices)
+    return {
+        "format": PLAN_FORMAT,
+        "version": FORMAT_VERSIONS[PLAN_FORMAT],
+        "model": profile.model,
+        "precision": profile.precision,
+        "param_dtype": profile.param_dtype,
+        "profile": profile_section(profile, profile_path, profile_sha256),
+        "options": options_section(profile, result, devices, global_batch),
+        "balance": ev.balance,
+        "micro_batches": setting.micro_batches,
+        "micro_batch_size": best.micro_batch_size,
+        "global_batch_size": global_batch,
+        "schedule": setting.schedule,
+        "virtual_stages": chunks_per_stage(setting.schedule, setting.virtual_stages),
+        "data_parallel": replicas,
+        "gradient_sync": setting.gradient_sync,
+        "placement": placement_doc(chosen, len(ev.stages)),
+        "chunks": chunk_rows(profile.layers, ev),
+        "stages": stage_rows(ev, setting.micro_batches),
+        "predicted": predicted_section(profile, best, ev, one_stage, devices, global_batch),
+        "optimality": optimality,
+        "factorisations": factorisation_rows(devices) if devices is not None else [
+            one_pipeline_row(ev, result.proven, global_batch)],
+        "runners_up": [runner_up(c, global_batch, replicas) for c in result.candidates[1:MAX_RUNNERS_UP + 1]],
+        "warnings": plan_warnings(profile, best, ev, optimality["proven"]),
+    }
+
+
+def profile_section(profile: Profile, path: str, sha256: str) -> dict[str, Any]:
+    """The plan's ``profile``: the file it was made from (path and hash) and the device it measured."""
+    return {"path": path, "sha256": sha256, "device": profile.device, "micro_batch_sizes": profile.sizes}
+
+
+def options_section(profile: Profile, result: SearchResult, devices: DevicesResult | None,
+                    global_batch_size: int) -> dict[str, Any]:
+    """The plan's ``options``: what ``solve`` was asked, so that the plan can be made again.
+
+    How many devices, replicas and nodes is what the user asked of the whole search
+    (``devices.options``); the rest is what the chosen pipeline was searched with
+    (``result.options``: the same, for one replica of the chosen K and d), and the link,
+    overhead and compute scale are what its setting charged.
+    """
+    user_options = devices.options if devices is not None else result.options
+    options = result.options
+    setting = result.best.setting
+    return {
+        "stages": user_options.stages,
+        "global_batch_size": global_batch_size,
+        "global_batch_size_source": global_batch_source(profile, user_options),
+        "micro_batches": options.micro_batches,
+        "schedule": options.schedule,
+        "recompute": options.recompute,
+        "memory_limit_bytes": options.memory_limit_bytes,
+        "memory_limit_source": options.memory_limit_source,
+        # The link inside a node (the user's or the profile's); with several nodes what the
+        # pipeline's sends were charged is the placement's pipeline_* (the network, perhaps).
+        "link_bandwidth_bytes_per_s": _finite_or_none(devices.topology.link_bandwidth_bytes_per_s
+                                                      if devices is not None else setting.link_bandwidth_bytes_per_s),
+        "link_latency_s": devices.topology.link_latency_s if devices is not None else setting.link_latency_s,
+        "per_microbatch_overhead_s": setting.overhead_s,
+        "compute_scale": setting.compute_scale,
+        "optimizer": options.optimizer,
+        "solver": options.solver,
+        "virtual_stages": options.virtual_stages,
+        "devices": user_options.devices,
+        "data_parallel": user_options.data_parallel,
+        "nodes": user_options.nodes,
+        "network_bandwidth_bytes_per_s": user_options.network_bandwidth_bytes_per_s,
+        "network_latency_s": user_options.network_latency_s,
+        "gradient_sync": user_options.gradient_sync,
+    }
+
+
+def chunk_rows(layers: list[dict[str, Any]], ev: Evaluation) -> list[dict[str, Any]]:
+    """The plan's ``chunks``: each chunk's layers, its predicted times per micro-batch, and the
+    tensors it sends on (``layers``: the profile's)."""
+    rows = []
     for ch in ev.chunks:
         last = layers[ch.end - 1]
-        chunk: dict[str, Any] = {
+        row: dict[str, Any] = {
             "index": ch.index,
             "stage": ch.stage,
             "layers": [layers[i]["name"] for i in range(ch.start, ch.end)],
@@ -65,15 +141,21 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
         # Every chunk's outputs, the last one's too: the torch executor checks the logits'
         # dtype, which mixed precision changes and which only the profiled device can say.
         if last.get("output_shapes") is not None:
-            chunk["output_shapes"] = last["output_shapes"]
+            row["output_shapes"] = last["output_shapes"]
             if last.get("output_dtypes") is not None:
-                chunk["output_dtypes"] = last["output_dtypes"]
+                row["output_dtypes"] = last["output_dtypes"]
             if last.get("output_batched") is not None:  # a tensor the same for every micro-batch
-                chunk["output_batched"] = last["output_batched"]
-        chunks.append(chunk)
-    stages = []
+                row["output_batched"] = last["output_batched"]
+        rows.append(row)
+    return rows
+
+
+def stage_rows(ev: Evaluation, micro_batches: int) -> list[dict[str, Any]]:
+    """The plan's ``stages``: each stage's chunks, its predicted memory by part, and how busy it is."""
+    busy = ev.busy_s(micro_batches)
+    rows = []
     for k, st in enumerate(ev.stages):
-        stages.append({
+        rows.append({
             "index": k,
             "chunks": list(st.chunks),
             "optimizer_s": st.optimizer_s,
@@ -91,14 +173,59 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
             "busy_s": busy[k],
             "idle_fraction": max(0.0, 1.0 - busy[k] / ev.step_s) if ev.step_s > 0 else 0.0,
         })
-    sol = best.solution
-    K = len(ev.stages)
-    global_batch = devices.global_batch_size if devices is not None else result.global_batch_size
+    return rows
+
+
+def predicted_section(profile: Profile, best: Candidate, ev: Evaluation, one_stage: OneStage | None,
+                      devices: DevicesResult | None, global_batch_size: int) -> dict[str, Any]:
+    """The plan's ``predicted``: the step, what the gradient syncs add to it, the comparison with
+    one device, and how far chance alone may move a run from it (``ev``: ``best``'s evaluation)."""
+    devices_used = len(ev.stages) * (devices.best.data_parallel if devices is not None else 1)
+    # The neighbours whose noise reaches a stage are the processes on its own node: every one
+    # of the K x d on one node, at most a node's worth with several.
+    processes_per_node = devices_used if devices is None else min(devices_used, devices.topology.devices_per_node)
+    return {**step_predictions(ev, best.setting.micro_batches, global_batch_size),
+            "gradient_sync_s": exposed_sync_s(profile, best.micro_batch_size, best.setting, ev),
+            **versus_one_stage(ev, one_stage, devices_used),
+            **prediction_noise(profile, processes_per_node)}
+
+
+def step_predictions(ev: Evaluation, micro_batches: int, global_batch_size: int) -> dict[str, Any]:
+    """The step's predicted time, bubble, throughput and peak memory (the start of ``predicted``)."""
+    return {
+        "step_s": ev.step_s,
+        "makespan_s": ev.makespan_s,
+        "bubble_fraction": ev.bubble_fraction(micro_batches),
+        "samples_per_s": global_batch_size / ev.step_s if ev.step_s > 0 else None,
+        "peak_memory_bytes": int(math.ceil(ev.peak_memory_bytes)),
+        "optimizer_wait_s": ev.optimizer_wait_s,
+    }
+
+
+def optimality_section(method: str, step_s: float, result: SearchResult,
+                       devices: DevicesResult | None) -> dict[str, Any]:
+    """The plan's ``optimality``: whether the search proved the plan the fastest, and its gap to
+    the proven lower bound (``method`` and ``step_s``: the chosen plan's)."""
+    # Over every setting searched (each M, schedule) and every (K, d) and placement, not only
+    # the chosen one.
     if devices is not None:
         proven, lower_bound = devices.proven, devices.lower_bound_s
         settings_searched = sum(len(f.result.candidates) for f in devices.factorisations if f.result is not None)
     else:
         proven, lower_bound, settings_searched = result.proven, result.lower_bound_s, len(result.candidates)
+    return {
+        "proven": proven,
+        "method": method,
+        "settings_searched": settings_searched,
+        "lower_bound_s": lower_bound,
+        "gap": (step_s / lower_bound - 1.0) if lower_bound > 0 else None,
+    }
+
+
+def plan_warnings(profile: Profile, best: Candidate, ev: Evaluation, proven: bool) -> list[str]:
+    """What the user should know before trusting the prediction, one sentence each
+    (``ev``: ``best``'s evaluation; ``proven``: the search proved it optimal)."""
+    setting = best.setting
     lo, hi = profile.measured_range()
     warnings = []
     if not lo <= best.micro_batch_size <= hi:
@@ -122,87 +249,7 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
             f"{setting.schedule} splits each backward into I and W, which this profile did not measure: "
             "the plan takes I = W = backward_s / 2 and keeps every activation until W; "
             "profile again (profile format 7) for measured figures")
-    return {
-        "format": PLAN_FORMAT,
-        "version": FORMAT_VERSIONS[PLAN_FORMAT],
-        "model": profile.model,
-        "precision": profile.precision,
-        "param_dtype": profile.param_dtype,
-        "profile": {
-            "path": profile_path,
-            "sha256": profile_sha256,
-            "device": profile.device,
-            "micro_batch_sizes": profile.sizes,
-        },
-        "options": {
-            "stages": user_options.stages,
-            "global_batch_size": global_batch,
-            "global_batch_size_source": global_batch_source(profile, user_options),
-            "micro_batches": options.micro_batches,
-            "schedule": options.schedule,
-            "recompute": options.recompute,
-            "memory_limit_bytes": options.memory_limit_bytes,
-            "memory_limit_source": options.memory_limit_source,
-            # The link inside a node (the user's or the profile's); with several nodes what the
-            # pipeline's sends were charged is the placement's pipeline_* (the network, perhaps).
-            "link_bandwidth_bytes_per_s": _finite_or_none(devices.topology.link_bandwidth_bytes_per_s
-                                                          if devices is not None else setting.link_bandwidth_bytes_per_s),
-            "link_latency_s": devices.topology.link_latency_s if devices is not None else setting.link_latency_s,
-            "per_microbatch_overhead_s": setting.overhead_s,
-            "compute_scale": setting.compute_scale,
-            "optimizer": options.optimizer,
-            "solver": options.solver,
-            "virtual_stages": options.virtual_stages,
-            "devices": user_options.devices,
-            "data_parallel": user_options.data_parallel,
-            "nodes": user_options.nodes,
-            "network_bandwidth_bytes_per_s": user_options.network_bandwidth_bytes_per_s,
-            "network_latency_s": user_options.network_latency_s,
-            "gradient_sync": user_options.gradient_sync,
-        },
-        "balance": ev.balance,
-        "micro_batches": M,
-        "micro_batch_size": best.micro_batch_size,
-        "global_batch_size": global_batch,
-        "schedule": setting.schedule,
-        "virtual_stages": chunks_per_stage(setting.schedule, setting.virtual_stages),
-        "data_parallel": d,
-        "gradient_sync": setting.gradient_sync,
-        "placement": placement_doc(chosen, K),
-        "chunks": chunks,
-        "stages": stages,
-        "predicted": {**predicted(ev, M, global_batch),
-                      "gradient_sync_s": exposed_sync_s(profile, best.micro_batch_size, setting, ev),
-                      **versus_one_stage(ev, one_stage, K * d),
-                      **prediction_noise(profile, K * d if devices is None else
-                                         min(K * d, devices.topology.devices_per_node))},
-        "optimality": {
-            # Over every setting searched (each M, schedule) and every (K, d) and placement, not
-            # only the chosen one.
-            "proven": proven,
-            "method": sol.method,
-            "settings_searched": settings_searched,
-            "lower_bound_s": lower_bound,
-            "gap": (ev.step_s / lower_bound - 1.0) if lower_bound > 0 else None,
-        },
-        "factorisations": factorisation_rows(devices) if devices is not None else [
-            {"stages": K, "data_parallel": 1, "order": "pipeline-inner", "fits": True, "step_s": ev.step_s,
-             "samples_per_s": global_batch / ev.step_s if ev.step_s > 0 else None, "proven": result.proven,
-             "reason": None}],
-        "runners_up": [runner_up(c, global_batch, d) for c in result.candidates[1:MAX_RUNNERS_UP + 1]],
-        "warnings": warnings,
-    }
-
-
-def predicted(ev: Evaluation, micro_batches: int, global_batch_size: int) -> dict[str, Any]:
-    return {
-        "step_s": ev.step_s,
-        "makespan_s": ev.makespan_s,
-        "bubble_fraction": ev.bubble_fraction(micro_batches),
-        "samples_per_s": global_batch_size / ev.step_s if ev.step_s > 0 else None,
-        "peak_memory_bytes": int(math.ceil(ev.peak_memory_bytes)),
-        "optimizer_wait_s": ev.optimizer_wait_s,
-    }
+    return warnings
 
 
 def runner_up(c: Candidate, global_batch_size: int, data_parallel: int = 1) -> dict[str, Any]:
@@ -268,6 +315,13 @@ def factorisation_rows(devices: DevicesResult) -> list[dict[str, Any]]:
     return rows
 
 
+def one_pipeline_row(ev: Evaluation, proven: bool, global_batch_size: int) -> dict[str, Any]:
+    """The plan's one row of ``factorisations`` when the search was over one pipeline (no --devices)."""
+    return {"stages": len(ev.stages), "data_parallel": 1, "order": "pipeline-inner", "fits": True,
+            "step_s": ev.step_s, "samples_per_s": global_batch_size / ev.step_s if ev.step_s > 0 else None,
+            "proven": proven, "reason": None}
+
+
 def exposed_sync_s(profile: Profile, micro_batch_size: int, setting: Any, ev: Evaluation) -> float:
     """How much the gradient syncs add to the step: the step of the same cut and recomputation
     with the syncs left out, subtracted from the plan's. The schedule hides a stage's sync in
@@ -309,8 +363,9 @@ def prediction_noise(profile: Profile, stages: int) -> dict[str, Any]:
       (``measurement.speed_probe_s``): half their difference over their mean. The machine's
       speed moved by that much while the layers were timed, so any layer's time may be off by it;
     - ``neighbours_spread`` (K > 1, CPU profiles with ``contention``): the neighbours' slowdown
-      changed from one 0.4 s cycle to the next; half the interquartile range of
-      ``contention.cycle_ratios`` over their median, in the share a K-stage plan charges.
+      changed from one contention cycle to the next (profiles/contention.py); half the
+      interquartile range of ``contention.cycle_ratios`` over their median, in the share a
+      K-stage plan charges.
 
     They are independent, so they add in quadrature. This is noise, not the cost model's
     error: it says how far apart two honest measurements of the same thing fall.

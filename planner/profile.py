@@ -21,14 +21,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
-from ..artifacts import PROFILE_FORMAT, BadInput, check_format, precision_of
-from ..schema import validate
-
-PER_SIZE_FIELDS = ("forward_s", "backward_s", "activation_bytes", "output_bytes")
-OPTIONAL_PER_SIZE_FIELDS = ("peak_transient_bytes", "recompute_forward_s", "recompute_backward_s",
-                            "backward_input_s", "backward_weight_s", "weight_kept_bytes")
-SPLIT_FIELDS = ("backward_input_s", "backward_weight_s", "weight_kept_bytes")
-
+from ..artifacts import BadInput, precision_of
+from ..schema import (PROFILE_FORMAT, RECOMPUTE_FIELDS, SPLIT_FIELDS, check_format, recompute_timed,
+                      split_backward_timed, validate)
 
 @dataclass(frozen=True)
 class LayerFigures:
@@ -54,7 +49,8 @@ class LayerFigures:
     # not all of those layers exchanges the parameter's gradient every step (runtime.tied).
     tied: tuple[tuple[tuple[int, ...], float], ...] = ()
     # The split backward (profile version 7): each layer's input-gradient half I, weight-gradient
-    # half W, and the bytes that stay alive from I to W. None: not measured (see split_estimated).
+    # half W, and the bytes that stay alive from I to W. None: not measured
+    # (then estimated: I = W = B / 2, and W keeps what :meth:`kept_bytes` says).
     backward_input_s: tuple[float, ...] | None = None
     backward_weight_s: tuple[float, ...] | None = None
     weight_kept_bytes: tuple[float, ...] | None = None
@@ -62,11 +58,6 @@ class LayerFigures:
     @property
     def num_layers(self) -> int:
         return len(self.names)
-
-    @property
-    def split_estimated(self) -> bool:
-        """The split backward is an estimate: I = W = B / 2, and W keeps what :meth:`kept_bytes` says."""
-        return self.backward_input_s is None or self.weight_kept_bytes is None
 
     def input_backward_s(self) -> tuple[float, ...]:
         """Each layer's I (half its backward when not measured)."""
@@ -119,7 +110,7 @@ class Profile:
         self.doc = doc
         self.where = where
         self.sizes = _sizes(doc, where)
-        self.layers = _layers(doc, where, len(self.sizes))
+        self.layers = _layers(doc, where)
         self.names = tuple(layer["name"] for layer in self.layers)
         self.input_bytes: list[float] | None = doc.get("input_bytes")
         link = doc.get("link") or {}
@@ -135,7 +126,7 @@ class Profile:
         overhead = doc.get("overhead") or {}
         self.per_microbatch_overhead_s: float = float(overhead.get("per_microbatch_s") or 0.0)
         self.contention_slowdown, self.contention_processes = _contention(doc, where)
-        self.recompute_call_s = _recompute_call(doc, where, len(self.sizes), self.layers)
+        self.recompute_call_s = _recompute_call(doc, where, self.layers)
         self.precision, self.param_dtype = precision_of(doc, where)
         self.usable_memory_bytes = usable_memory_bytes(self.device, where)
         self.tied = _tied(doc, where, self.names)
@@ -256,7 +247,7 @@ def _sizes(doc: dict, where: str) -> list[int]:
     return list(sizes)
 
 
-def _layers(doc: dict, where: str, n_sizes: int) -> list[dict]:
+def _layers(doc: dict, where: str) -> list[dict]:
     """The layers (the schema checked each one's keys); their names must be unique."""
     layers = doc["layers"]
     seen: set[str] = set()
@@ -278,29 +269,27 @@ def _contention(doc: dict, where: str) -> tuple[float, int]:
     return float(contention["slowdown"]), contention["processes"]
 
 
-def _recompute_call(doc: dict, where: str, n_sizes: int, layers: list[dict]) -> list[float] | None:
+def _recompute_call(doc: dict, where: str, layers: list[dict]) -> list[float] | None:
     """The optional ``recompute_call_s`` series, only with every layer's recompute figures."""
-    call = doc.get("recompute_call_s")
-    measured = [l.get("recompute_forward_s") is not None and l.get("recompute_backward_s") is not None
-                for l in layers]
-    if call is None and not any(measured):
-        return None
-    if call is None or not all(measured):
+    if recompute_timed(doc):
+        return doc["recompute_call_s"]
+    timed_layers = [l for l in layers if all(l.get(key) is not None for key in RECOMPUTE_FIELDS)]
+    if doc.get("recompute_call_s") is not None or timed_layers:
         raise BadInput(f"{where}: recompute timings are partial ('recompute_call_s' and every layer's "
                        "'recompute_forward_s' and 'recompute_backward_s' go together); re-profile, or "
                        "delete them all to plan recomputation as one more forward")
-    return call
+    return None
 
 
 def _split_measured(layers: list[dict], where: str) -> bool:
     """Whether every layer has the split backward (profile version 7); some but not all is refused."""
-    present = [all(l.get(key) is not None for key in SPLIT_FIELDS) for l in layers]
-    partial = [any(l.get(key) is not None for key in SPLIT_FIELDS) for l in layers]
-    if any(partial) and not all(present):
+    if split_backward_timed(layers):
+        return True
+    if any(l.get(key) is not None for l in layers for key in SPLIT_FIELDS):
         raise BadInput(f"{where}: the split backward is partial ('backward_input_s', 'backward_weight_s' and "
                        "'weight_kept_bytes' go together, on every layer); re-profile, or delete them all to "
                        "plan with the estimate I = W = backward_s / 2")
-    return bool(layers) and all(present)
+    return False
 
 
 def _tied(doc: dict, where: str, names: tuple[str, ...]) -> tuple[tuple[tuple[int, ...], float], ...]:

@@ -38,10 +38,13 @@ from typing import TYPE_CHECKING, Callable
 from ..artifacts import BadInput
 from ..plan_layout import GRADIENT_SYNCS, PLACEMENT_ORDERS
 from ..units import format_bytes
+from .budgets import LEAST_PLACEMENT_S
+from .objective import proven_optimal
+from .search import (ReplicaSync, SearchResult, SolveOptions, pipeline_link, resolve_global_batch, search,
+                     share_of_budget)
 
-if TYPE_CHECKING:     # search imports this module: its names are read at call time
+if TYPE_CHECKING:
     from .profile import Profile
-    from .search import ReplicaSync, SearchResult, SolveOptions
 
 Progress = Callable[[int, int, str], None]
 
@@ -65,9 +68,6 @@ class Topology:
     network_latency_s: float = 0.0
     allreduce_bandwidth_bytes_per_s: float | None = None
     allreduce_latency_s: float | None = None
-
-    def node_of(self, rank: int) -> int:
-        return rank // self.devices_per_node
 
     def link_sync(self) -> tuple[float, float]:
         """(bandwidth, latency) of a ring inside one node: measured all-reduce figures if any."""
@@ -103,7 +103,6 @@ class Placement:
     def replica_sync(self, data_parallel: int, gradient_sync: str) -> "ReplicaSync":
         """What each of the ``data_parallel`` pipelines placed so pays for its gradient syncs, and
         how many processes share a host with it (the search's :class:`ReplicaSync`)."""
-        from .search import ReplicaSync   # search imports this module
 
         return ReplicaSync(data_parallel, gradient_sync, self.sync_bandwidth_bytes_per_s, self.sync_latency_s,
                            self.devices_per_node)
@@ -226,7 +225,7 @@ class Factorisation:
     @property
     def proven(self) -> bool:
         """Optimal among this (K, d)'s settings and placements."""
-        return self.fits and self.lower_bound_s >= self.step_s * (1 - 1e-12)
+        return self.fits and proven_optimal(self.step_s, self.lower_bound_s)
 
     def sort_key(self) -> tuple:
         return (self.step_s, self.data_parallel, self.stages)
@@ -253,7 +252,7 @@ class DevicesResult:
 
     @property
     def proven(self) -> bool:
-        return self.best.fits and self.lower_bound_s >= self.best.step_s * (1 - 1e-12)
+        return self.best.fits and proven_optimal(self.best.step_s, self.lower_bound_s)
 
 
 def topology_for(profile: Profile, options: SolveOptions, devices: int) -> Topology:
@@ -267,10 +266,7 @@ def topology_for(profile: Profile, options: SolveOptions, devices: int) -> Topol
     if nodes > 1 and network is None:
         raise BadInput(f"--nodes {nodes} needs --network-bandwidth (GB/s between nodes): the planner cannot "
                        "guess what crossing the network costs")
-    link = options.link_bandwidth_bytes_per_s
-    if link is None:
-        link = profile.link_bandwidth_bytes_per_s or math.inf
-    link_latency = options.link_latency_s if options.link_latency_s is not None else profile.link_latency_s
+    link, link_latency = pipeline_link(profile, options)
     return Topology(
         nodes=nodes, devices_per_node=devices // nodes,
         link_bandwidth_bytes_per_s=link, link_latency_s=link_latency if math.isfinite(link) else 0.0,
@@ -285,7 +281,6 @@ def topology_for(profile: Profile, options: SolveOptions, devices: int) -> Topol
 
 def check_devices(profile: Profile, options: SolveOptions) -> tuple[int, int]:
     """(devices N, global batch); one line for each contradiction in the options."""
-    from .search import resolve_global_batch
 
     d, K, N = options.data_parallel, options.stages, options.devices
     if options.gradient_sync not in GRADIENT_SYNCS:
@@ -330,7 +325,6 @@ def search_devices(profile: Profile, options: SolveOptions, progress: Progress |
     placement; ``lower_bound_s`` is the least lower bound over all of them, so ``proven``
     says the best plan is optimal over the whole space searched.
     """
-    from .search import search
 
     devices, batch = check_devices(profile, options)
     topology = topology_for(profile, options, devices)
@@ -346,8 +340,7 @@ def search_devices(profile: Profile, options: SolveOptions, progress: Progress |
     for K, d, reason in pairs:
         by_pair[(K, d)] = Factorisation(K, d, None, None, reason)
     for K, d, placement in jobs:
-        left = options.time_budget_s - (time.perf_counter() - started)
-        share = max(0.05, left / max(1, len(jobs) - done))
+        share = share_of_budget(options.time_budget_s, started, len(jobs) - done, least_s=LEAST_PLACEMENT_S)
         replica = replace(options, stages=K, global_batch_size=batch // d, data_parallel=d, devices=None,
                           link_bandwidth_bytes_per_s=placement.pipeline_bandwidth_bytes_per_s,
                           link_latency_s=placement.pipeline_latency_s, time_budget_s=share)

@@ -41,8 +41,6 @@ from typing import Sequence
 
 from ..schedules import SPLIT_BACKWARD, all_actions, chunks_per_stage, stage_of_chunk
 
-KIND_NAMES = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
-
 
 @dataclass(frozen=True)
 class ChunkTimes:

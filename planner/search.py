@@ -20,10 +20,11 @@ from dataclasses import dataclass, field, replace
 
 from ..artifacts import BadInput
 from ..schedules import SCHEDULES, chunks_per_stage, label, problem
+from .budgets import LEAST_ILP_SETTING_S, LEAST_MEMORY_BUDGET_S, LEAST_SETTING_S, SOLVE_TIME_BUDGET_S
 from .chunked import ChunkedSolver
 from .costmodel import CostModel, Setting, neighbour_scale
 from .dp import GPipeSolver
-from .objective import Solution
+from .objective import RELATIVE_SLACK, Solution, proven_optimal
 from .onefoneb import OneFOneBSolver
 from .profile import LayerFigures, Profile
 from ..units import format_bytes
@@ -45,7 +46,7 @@ class SolveOptions:
     link_latency_s: float | None = None
     optimizer: str = "adam"
     solver: str = "exact"      # exact (dp.py, onefoneb.py, chunked.py) or ilp
-    time_budget_s: float = 30.0
+    time_budget_s: float = SOLVE_TIME_BUDGET_S
     # Data parallel (planner/replicas.py): N devices as K stages x d replicas.
     devices: int | None = None              # N; None: K * d (one pipeline when d = 1)
     data_parallel: int | str = 1            # d, or "auto": every d dividing N
@@ -111,7 +112,7 @@ class SearchResult:
     @property
     def proven(self) -> bool:
         """The best plan is optimal over every setting searched, not just its own."""
-        return self.lower_bound_s >= self.best.step_s * (1 - 1e-12)
+        return proven_optimal(self.best.step_s, self.lower_bound_s)
 
 
 def device_memory_limit(profile: Profile, options: SolveOptions) -> SolveOptions:
@@ -130,10 +131,10 @@ def device_memory_limit(profile: Profile, options: SolveOptions) -> SolveOptions
 
 # The most micro-batches per step the planner considers. 1F1B's step time is an event
 # simulation over every micro-batch of every stage, so its time and memory grow with M (a
-# global batch of 1,000,003, a prime, once asked for 1,000,003 micro-batches of one sample and
-# took 0.8 GB); past a few thousand micro-batches the bubble is gone anyway and each one only
-# adds its fixed costs. With ``auto`` the divisors above it are left out (1 always remains);
-# a larger ``--micro-batches`` is refused up front.
+# prime global batch has only itself and 1 as micro-batch counts); past a few thousand
+# micro-batches the bubble is gone anyway and each one only adds its fixed costs. With
+# ``auto`` the divisors above it are left out (1 always remains); a larger ``--micro-batches``
+# is refused up front.
 MAX_MICRO_BATCHES = 4096
 
 
@@ -162,6 +163,11 @@ def schedule_name(setting: Setting) -> str:
 def micro_batch_counts(batch: int) -> list[int]:
     """The micro-batch counts ``auto`` searches: divisors of the batch, at most MAX_MICRO_BATCHES."""
     return [m for m in divisors(batch) if m <= MAX_MICRO_BATCHES]
+
+
+def open_micro_batches(options: SolveOptions, batch: int) -> list[int]:
+    """The micro-batch counts the options leave open: ``auto``'s (:func:`micro_batch_counts`), or the one given."""
+    return micro_batch_counts(batch) if options.micro_batches == "auto" else [int(options.micro_batches)]
 
 
 def _positive_int(value: object) -> bool:
@@ -226,19 +232,25 @@ def check_options(profile: Profile, options: SolveOptions) -> int:
             raise BadInput(f"--virtual-stages {v} with --stages {options.stages} cuts {options.stages * v} chunks, "
                            f"more than the profile's {L} layers: use fewer virtual stages or stages")
     if options.micro_batches != "auto":
-        m = options.micro_batches
-        if not isinstance(m, int) or m < 1:
-            raise BadInput(f"--micro-batches must be a positive integer or 'auto', got {m!r}")
-        if m > MAX_MICRO_BATCHES:
-            raise BadInput(f"--micro-batches {m} is more than the planner considers ({MAX_MICRO_BATCHES}): "
-                           "use fewer, larger micro-batches")
-        if batch % m:
-            usable = micro_batch_counts(batch)
-            choices = ", ".join(map(str, usable[:12]))
-            raise BadInput(
-                f"--micro-batches {m} does not divide {whose_batch(options)} of {batch}: "
-                f"use one of {choices}{', ...' if len(usable) > 12 else ''} or 'auto'")
+        check_micro_batches(options.micro_batches, batch, whose_batch(options))
     return batch
+
+
+def check_micro_batches(m: object, batch: int, whose: str = "the global batch") -> None:
+    """Refuse a fixed micro-batch count that is not a positive integer, is more than the
+    planner considers, or does not divide ``batch`` (every micro-batch has the same size);
+    ``whose``: what the batch is, as the message names it (:func:`whose_batch`)."""
+    if not isinstance(m, int) or m < 1:
+        raise BadInput(f"--micro-batches must be a positive integer or 'auto', got {m!r}")
+    if m > MAX_MICRO_BATCHES:
+        raise BadInput(f"--micro-batches {m} is more than the planner considers ({MAX_MICRO_BATCHES}): "
+                       "use fewer, larger micro-batches")
+    if batch % m:
+        usable = micro_batch_counts(batch)
+        choices = ", ".join(map(str, usable[:12]))
+        raise BadInput(
+            f"--micro-batches {m} does not divide {whose} of {batch}: "
+            f"use one of {choices}{', ...' if len(usable) > 12 else ''} or 'auto'")
 
 
 # interleaved's chunks per stage that ``--virtual-stages auto`` tries (while K v <= layers).
@@ -256,14 +268,19 @@ def schedule_shapes(options: SolveOptions, layers: int) -> list[tuple[str, int]]
     K = options.stages
     schedules = list(options.schedule == "auto" and (SCHEDULES if K > 1 else ("gpipe", "1f1b"))
                      or [options.schedule])
-    shapes = []
-    for schedule in schedules:
-        if schedule == "interleaved":
-            vs = AUTO_VIRTUAL_STAGES if options.virtual_stages == "auto" else (int(options.virtual_stages),)
-            shapes.extend(("interleaved", v) for v in vs if K * v <= layers)
-        elif K * chunks_per_stage(schedule) <= layers:
-            shapes.append((schedule, 1))
-    return shapes
+    return [(schedule, v) for schedule in schedules
+            for v in virtual_stage_choices(schedule, options.virtual_stages, K, layers)]
+
+
+def virtual_stage_choices(schedule: str, virtual_stages: int | str, stages: int, layers: int) -> list[int]:
+    """The virtual stages v ``schedule`` can take on ``stages`` stages: interleaved's given v, or
+    with ``auto`` each of AUTO_VIRTUAL_STAGES; the other schedules 1 (zb-v's two chunks per
+    stage are its own). Only those whose chunks have a layer each (K chunks_per_stage <= L)."""
+    if schedule == "interleaved":
+        vs = AUTO_VIRTUAL_STAGES if virtual_stages == "auto" else (int(virtual_stages),)
+    else:
+        vs = (1,)
+    return [v for v in vs if stages * chunks_per_stage(schedule, v) <= layers]
 
 
 def cost_setting(profile: Profile, *, stages: int, micro_batches: int, schedule: str, virtual_stages: int,
@@ -294,16 +311,24 @@ def cost_setting(profile: Profile, *, stages: int, micro_batches: int, schedule:
     )
 
 
+def pipeline_link(profile: Profile, options: SolveOptions) -> tuple[float, float]:
+    """The link between stages, (bandwidth, latency): the options' figures where given, else
+    the profile's measured link, else a free one (infinite bandwidth, whose latency then does
+    not count: :func:`cost_setting`)."""
+    bandwidth = options.link_bandwidth_bytes_per_s
+    if bandwidth is None:
+        bandwidth = profile.link_bandwidth_bytes_per_s or math.inf
+    latency = options.link_latency_s if options.link_latency_s is not None else profile.link_latency_s
+    return bandwidth, latency
+
+
 def settings_for(profile: Profile, options: SolveOptions, batch: int,
                  sync: ReplicaSync = ReplicaSync()) -> list[tuple[Setting, int]]:
     """Every setting the options leave open, with its micro-batch size (settings that
     schedules.problem rejects, such as interleaved with M not a multiple of its rounds, are
     left out: :func:`no_settings_reason` says why when none is left)."""
-    bandwidth = options.link_bandwidth_bytes_per_s
-    if bandwidth is None:
-        bandwidth = profile.link_bandwidth_bytes_per_s or math.inf
-    latency = options.link_latency_s if options.link_latency_s is not None else profile.link_latency_s
-    ms = micro_batch_counts(batch) if options.micro_batches == "auto" else [int(options.micro_batches)]
+    bandwidth, latency = pipeline_link(profile, options)
+    ms = open_micro_batches(options, batch)
     out = []
     for m in ms:
         for schedule, v in schedule_shapes(options, profile.num_layers):
@@ -338,7 +363,7 @@ def no_settings_reason(profile: Profile, options: SolveOptions, batch: int,
     if not shapes:
         return (f"--schedule {options.schedule} with --stages {options.stages} needs more chunks than the "
                 f"profile's {profile.num_layers} layers: use fewer stages, or another schedule")
-    ms = micro_batch_counts(batch) if options.micro_batches == "auto" else [int(options.micro_batches)]
+    ms = open_micro_batches(options, batch)
     schedule, v = shapes[0]
     reason = (problem(schedule, options.stages, ms[0], v) or sharded_tie_problem(profile, schedule, v, sync)
               or "no setting is left")
@@ -366,19 +391,39 @@ def solve_setting(profile: Profile, setting: Setting, micro_batch_size: int, sol
     return Candidate(setting, micro_batch_size, solution)
 
 
-# What a setting gets once the budget is spent: enough to evaluate its seed plan, no more.
-_LEAST_SHARE_S = 0.02
-
-
-def share_of_budget(budget_s: float, started: float, settings_left: int) -> float:
+def share_of_budget(budget_s: float, started: float, settings_left: int, least_s: float = LEAST_SETTING_S) -> float:
     """The seconds the next setting may search: what is left of the budget, shared evenly.
 
-    Once the budget is spent each remaining setting gets only a moment (its solver then
-    returns the best plan it has, with its gap), so a solve overruns its budget by little more
-    than the fixed work around the searches (reading the profile, the first cheap pass).
+    Once the budget is spent each remaining setting gets only a moment, ``least_s`` (its
+    solver then returns the best plan it has, with its gap), so a solve overruns its budget by
+    little more than the fixed work around the searches (reading the profile, the first cheap
+    pass).
     """
     left = budget_s - (time.perf_counter() - started)
-    return max(_LEAST_SHARE_S, left / max(1, settings_left))
+    return max(least_s, left / max(1, settings_left))
+
+
+@dataclass(frozen=True)
+class SettingBudgets:
+    """How one search shares its time budget among its settings: the one place each share is made.
+
+    ``time_s``: the wall time the next setting may search (:func:`share_of_budget`).
+    ``work_s``: the chunked searches' budget in work (chunked.WORK_PER_SECOND), an even share
+    of the whole budget; unlike what the clock leaves, it is the same on every run, so the
+    same request gets the same plan.
+    """
+
+    budget_s: float
+    settings: int
+    started: float
+    least_s: float = LEAST_SETTING_S
+
+    def time_s(self, settings_left: int) -> float:
+        return share_of_budget(self.budget_s, self.started, settings_left, self.least_s)
+
+    @property
+    def work_s(self) -> float:
+        return self.budget_s / self.settings
 
 
 def search(profile: Profile, options: SolveOptions, progress=None, explain: bool = True,
@@ -401,7 +446,8 @@ def search(profile: Profile, options: SolveOptions, progress=None, explain: bool
     if not settings:
         raise BadInput(no_settings_reason(profile, options, batch, sync))
     result = SearchResult(options, batch)
-    started = time.perf_counter()
+    budgets = SettingBudgets(options.time_budget_s, len(settings), time.perf_counter(),
+                             LEAST_ILP_SETTING_S if options.solver == "ilp" else LEAST_SETTING_S)
     done = 0
     # Each micro-batch size's figures, made once for all its settings (O(L) each: with many
     # layers, making them per setting took longer than the searches).
@@ -414,12 +460,8 @@ def search(profile: Profile, options: SolveOptions, progress=None, explain: bool
 
     def run(setting: Setting, size: int, seeds: list, cutoff: float) -> Candidate:
         nonlocal done
-        per_setting = share_of_budget(options.time_budget_s, started, len(settings) - done)
-        if options.solver == "ilp":
-            per_setting = max(0.5, per_setting)   # CBC needs a moment to return any solution at all
-        # the chunked searches' work: an even share of the budget, the same on every run
-        candidate = solve_setting(profile, setting, size, options.solver, per_setting, seeds, cutoff, at(size),
-                                  work_budget_s=options.time_budget_s / len(settings))
+        candidate = solve_setting(profile, setting, size, options.solver, budgets.time_s(len(settings) - done),
+                                  seeds, cutoff, at(size), work_budget_s=budgets.work_s)
         done += 1
         if progress:
             progress(done, len(settings), f"M={setting.micro_batches} {schedule_name(setting)}")
@@ -435,14 +477,13 @@ def search(profile: Profile, options: SolveOptions, progress=None, explain: bool
         solvers = {s: GPipeSolver(CostModel(at(size), s)) for s, size in gpipe}
         quick: dict[Setting, Candidate] = {}
         for i, (s, size) in enumerate(gpipe):
-            solvers[s].time_budget_s = share_of_budget(options.time_budget_s, started, len(settings) - i)
+            solvers[s].time_budget_s = budgets.time_s(len(settings) - i)
             quick[s] = Candidate(s, size, solvers[s].solve(cutoff_s=0.0))
         best_so_far = min((c.step_s for c in quick.values()), default=math.inf)
         for setting, size in sorted(gpipe, key=lambda item: quick[item[0]].step_s):
             candidate = quick[setting]
-            if candidate.solution is not None and candidate.lower_bound_s < best_so_far * (1 - 1e-12):
-                solvers[setting].time_budget_s = share_of_budget(options.time_budget_s, started,
-                                                                 len(settings) - done)
+            if candidate.solution is not None and candidate.lower_bound_s < best_so_far * (1 - RELATIVE_SLACK):
+                solvers[setting].time_budget_s = budgets.time_s(len(settings) - done)
                 candidate = Candidate(setting, size, solvers[setting].solve(cutoff_s=best_so_far))
             done += 1
             if progress:
@@ -578,11 +619,6 @@ def least_memory(profile: Profile, setting: Setting, micro_batch_size: int,
         else:
             lo = mid
     return hi
-
-
-# How long the searches for the least memory of chunked schedules may take in all, before
-# each settles for the least it found (then a limit that works, not the least; see below).
-LEAST_MEMORY_BUDGET_S = 2.0
 
 
 def _least_chunked_memory(cm: CostModel, budget: MemorySearch) -> float:

@@ -20,16 +20,17 @@ names: gpipe_plan/plan_layout.py).
 The report also says how fast the machine was during the run against the profile's moment
 (``speed.ratio``, from a reference workload each rank ran alone). That would be the machine's
 drift, not a property of the pipeline, if the reference tracked the model; a generic workload
-does so poorly (two accuracy runs on the development VM, 192 and 288 runs: one calibration
-round left the step 10.3% and 11.5% off in the median with the ratio divided out, 8.4% and
-5.4% without). So by default the measured times are kept as they are; ``use_speed_probe``
-divides the ratio out.
+does so poorly: it is timed for a second beside a run of minutes, and misses slow spells the run
+catches (and the other way round), so dividing its ratio out left the calibrated predictions
+further off, not closer (docs/benchmarks.md, "Cost-model accuracy on this CPU"). So by default
+the measured times are kept as they are; ``use_speed_probe`` divides the ratio out.
 
 One run is one sample of a machine whose speed wanders (docs/runtime.md, "The machine's
-speed"): folding a noisy run's ratios in whole once made the next prediction worse (-1% before,
-+6% after). So each ratio is shrunk toward 1 by the run's own spread (:func:`shrink`): a stage
-that ran 3% slow in a run whose steps spread by 5% is mostly noise and moves the profile a
-little; one that ran 30% slow in the same run moves it almost all the way.
+speed"): folding a noisy run's ratios in whole carries its noise into every later plan, and can
+leave the next prediction further off than the uncalibrated one. So each ratio is shrunk toward
+1 by the run's own spread (:func:`shrink`): a stage that ran 3% slow in a run whose steps spread
+by 5% is mostly noise and moves the profile a little; one that ran 30% slow in the same run
+moves it almost all the way.
 
 The runtime also spends time between its actions (choosing the next one, bookkeeping of sends
 and receives), in no span the report times per chunk. Calibration measures it per action from
@@ -47,10 +48,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import (PLAN_FORMAT, PROFILE_FORMAT, REPORT_FORMAT, BadInput, file_sha256, precision_label,
-                         precision_of, read_artifact)
+from ..artifacts import BadInput, file_sha256, precision_label, precision_of
 from ..plan_layout import plan_chunks
-from ..schema import timing_key, validate
+from ..schema import PLAN_FORMAT, PROFILE_FORMAT, REPORT_FORMAT, check_built, read_artifact, timing_key, validate
 from .overhead import measure_overhead, overheads_in_prediction
 
 # A stage measured this far from its prediction is more likely a broken run than a slowdown.
@@ -159,6 +159,7 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
         "overhead": overhead.record(previous_overhead),
     })
     out["calibration"] = history
+    check_built(out, "profile", "calibrate")   # the rewritten profile must read back as a profile
     return out
 
 

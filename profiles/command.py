@@ -15,8 +15,9 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from ..artifacts import BadInput, RunFailure, check_output_paths, first_line, write_json_atomic
+from ..artifacts import BadInput, RunFailure, check_output_paths, first_line
 from ..models import Precision, model_spec
+from ..schema import InvalidOutput, write_artifact
 from .device import resolve_device
 from .contention import default_processes
 from .profiler import ProfileRequest, default_sizes, profile_model
@@ -68,7 +69,7 @@ def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes
     try:
         with _progress_for(err, quiet) as bar:
             doc = profile_model(request, bar)
-    except (BadInput, KeyboardInterrupt):
+    except (BadInput, InvalidOutput, KeyboardInterrupt):   # InvalidOutput: our bug, with its traceback
         raise
     except torch.cuda.OutOfMemoryError as exc:
         raise RunFailure(f"out of GPU memory while profiling: use smaller --micro-batch-sizes "
@@ -76,7 +77,7 @@ def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes
     except Exception as exc:
         raise RunFailure(f"profiling failed: {type(exc).__name__}: {first_line(exc)}") from None
     doc["global_batch_size"] = intended_batch   # what solve and explore plan for by default
-    write_json_atomic(out, doc)
+    write_artifact(out, doc, "profile")
     if quiet:
         print(os.fspath(out))
         return

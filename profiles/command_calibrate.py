@@ -7,8 +7,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ..artifacts import PLAN_FORMAT, REPORT_FORMAT, BadInput, file_sha256, read_artifact, write_json_atomic
-from ..schema import validate
+from ..artifacts import BadInput, file_sha256
+from ..schema import PLAN_FORMAT, REPORT_FORMAT, read_artifact, validate, write_artifact
 from .calibrate import calibrate, locate, named_file
 
 
@@ -21,7 +21,7 @@ def calibrate_command(report: str, profile: str | None, out: str | None, speed_c
         check_profile_of_plan(report, profile)
     doc = calibrate(profile, report, use_speed_probe=speed_correction)
     target = out or str(Path(profile).with_suffix("")) + ".calibrated.json"
-    write_json_atomic(target, doc)
+    write_artifact(target, doc, "profile")
     last = doc["calibration"][-1]
     console.print(round_table(last))
     spread = last.get("run_spread")

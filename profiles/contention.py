@@ -3,10 +3,10 @@
 The profiler times each layer in one process, alone on the machine. In a pipeline on one CPU
 host, K stage processes compute at the same moment and share what cores do not own: the
 last-level cache, the memory bandwidth and, on a virtual machine, whatever the host shares
-between its virtual cores. On the 2-core development VM two ranks of a pipeline computed each
-of their operations 10-20% slower in the median (in CPU time, so not waiting) than one process alone
-(docs/benchmarks.md, "Cost-model accuracy"). A generic probe cannot stand in for that: a small
-compute-bound loop hardly feels it. So it is measured on the model itself.
+between its virtual cores. So each rank of a pipeline can compute its operations markedly slower
+(in CPU time, so not waiting) than one process alone (docs/benchmarks.md, "Cost-model accuracy").
+A generic probe cannot stand in for that: a small compute-bound loop hardly feels it. So it is
+measured on the model itself.
 
 We start ``processes`` worker processes with the profile's threads each, all building the
 model from its spec, and time training steps (forward, backward) of one layer at one
@@ -19,16 +19,16 @@ whole model. The
 machine's speed drifts over seconds, so each cycle compares a shared phase with the alone
 phase right before it, and ``slowdown`` is the median of the cycles' ratios. Short phases
 and many cycles (9 of 0.4 s each way) keep a slow spell inside one cycle's pair and leave
-the median to outvote it; with 5 cycles of 0.6 s, single profiles measured anything from
-1.00 to 1.26 on one model.
+the median to outvote it; fewer, longer cycles let one slow spell move a single profile's
+figure.
 
 Each cycle's ratio is the *slowest* process's step over the step alone, not a typical
-one's. A pipeline goes at the pace of its slowest stage, and on the development VM the
-processes do not slow down alike: worker 0 ran as fast beside a neighbour as alone (ratio
-1.00-1.03) while the other ran up to 1.20x slower, the two virtual cores being unequal at
-times. The median process (the mean of two) halved that, and two-stage runs then measured
-each operation 15-25% slower than planned. The planner scales stage times by ``slowdown``
-(planner/costmodel.py, ``neighbour_scale``).
+one's. A pipeline goes at the pace of its slowest stage, and processes need not slow down
+alike: where virtual cores are unequal at times, one process can run as fast beside a
+neighbour as alone while another runs markedly slower. A typical process (with two, the mean)
+would then understate the slowdown the pipeline feels, and the plan would predict too short a
+step (figures: docs/benchmarks/notes.md). The planner scales stage
+times by ``slowdown`` (planner/costmodel.py, ``neighbour_scale``).
 
 On a GPU each stage owns its device, so this is measured on CPU only.
 """
@@ -70,7 +70,6 @@ def measure_contention(spec: dict[str, Any], micro_batch_size: int, threads: int
         raise RuntimeError(f"{processes - len(phases)} of the {processes} processes timing the model side by "
                            "side returned nothing")
     ratios = cycle_ratios(phases)
-    ratio = statistics.median(ratios)
     return {
         "processes": processes,
         "threads_per_process": threads,
@@ -80,8 +79,15 @@ def measure_contention(spec: dict[str, Any], micro_batch_size: int, threads: int
         "together_step_s": statistics.median(statistics.median(phases[r]["together"]) for r in phases),
         "slowest_step_s": max(statistics.median(phases[r]["together"]) for r in phases),
         "cycle_ratios": ratios,
-        "slowdown": ratio if ratio >= NOISE else 1.0,
+        "slowdown": recorded_slowdown(ratios),
     }
+
+
+def recorded_slowdown(ratios: list[float]) -> float:
+    """The slowdown a profile records: the median cycle's ratio (one slow spell cannot move it),
+    or exactly 1 when that is within :data:`NOISE` of 1 or below it."""
+    ratio = statistics.median(ratios)
+    return ratio if ratio >= NOISE else 1.0
 
 
 def cycle_ratios(phases: dict[int, dict[str, list[float]]]) -> list[float]:

@@ -42,11 +42,11 @@ from typing import Any, Protocol
 import torch
 
 from .. import __version__
-from ..artifacts import FORMAT_VERSIONS, PROFILE_FORMAT
 from ..models import (LayeredModel, Precision, build_model, built_whole, layer_materialized, materialize_layers,
                       release_layers)
 from ..models.layered import batch_dimensions
 from ..models.materialize import streamed
+from ..schema import FORMAT_VERSIONS, PROFILE_FORMAT, check_built
 from ..speedprobe import speed_probe_s, workload
 from .clock import Clock, clock_for
 from ..cudamemory import outside_allocator_bytes
@@ -228,6 +228,7 @@ def _finish(doc: dict[str, Any], request: ProfileRequest, progress: Progress, pr
     doc["device"]["speed_probe_s"] = sum(probes) / len(probes)
     doc["device"]["speed_probe_workload"] = list(workload(request.device.type))
     doc["measurement"]["speed_probe_s"] = probes
+    check_built(doc, "profile", "profile_model")   # what the profiler writes is what the schema reads
     return doc
 
 

@@ -1,8 +1,13 @@
 """Pretty-print a profile: what was measured, per layer, and how far the sum can be trusted.
 
 Used at the end of ``gpipe-plan profile`` and by ``gpipe-plan show profile.json``. Reads only
-the JSON document, never torch, so that showing a profile starts instantly; and only
-``.get``s the optional keys, because imported (PipeDream) profiles lack most of them.
+the JSON document, never torch, so that showing a profile starts instantly.
+
+It takes a profile its schema has accepted (gpipe_plan/schema.py: the profiler checks what it
+builds, ``show`` what it reads), so it indexes the keys the schema requires and ``.get``s only
+the optional ones. Whether a profile has a measurement an older or imported one lacks (the
+split backward, the recompute timings, shared figures) it asks gpipe_plan/schema.py, which
+the planner asks too: one answer for both.
 """
 
 from __future__ import annotations
@@ -13,23 +18,21 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ..artifacts import precision_label
+from ..artifacts import precision_label, precision_of
+from ..schema import layers_sharing_figures, recompute_timed, slowdown_of_slowest, split_backward_timed
 from ..units import format_bytes, format_seconds
 
 
 def render_profile(doc: dict[str, Any], console: Console) -> None:
-    """Print ``doc`` (a profile JSON object) on ``console``: a header, a layer table, checks."""
-    sizes = doc.get("micro_batch_sizes") or []
-    layers = doc.get("layers") or []
+    """Print ``doc`` (a profile the schema accepts) on ``console``: a header, a layer table, checks."""
+    sizes = doc["micro_batch_sizes"]
+    layers = doc["layers"]
     console.print(_header(doc))
-    if not sizes or not layers:
-        console.print("[yellow]no layers measured[/]")
-        return
     column = len(sizes) - 1  # the largest micro-batch size: where the costs matter most
     table = Table(title=f"per layer at micro-batch size {sizes[column]}", title_justify="left",
                   caption="saved: activations kept for backward; output: bytes crossing the cut after the layer",
                   caption_justify="left")
-    longest = max(len(str(layer.get("name", ""))) for layer in layers)
+    longest = max(len(layer["name"]) for layer in layers)
     for heading in ("layer", "forward", "backward", "saved", "output", "params"):
         if heading == "layer":  # names are what the user reads first: never cut them short
             table.add_column(heading, min_width=min(longest, 40), overflow="fold")
@@ -38,22 +41,20 @@ def render_profile(doc: dict[str, Any], console: Console) -> None:
     total_f = total_b = 0.0
     total_act = total_params = 0
     for layer in layers:
-        f = _at(layer.get("forward_s"), column)
-        b = _at(layer.get("backward_s"), column)
-        act = _at(layer.get("activation_bytes"), column)
-        total_f += f or 0.0
-        total_b += b or 0.0
-        total_act += act or 0
-        total_params += layer.get("param_bytes") or 0
-        table.add_row(str(layer.get("name", "?")), format_seconds(f), format_seconds(b),
-                      format_bytes(act), format_bytes(_at(layer.get("output_bytes"), column)),
-                      format_bytes(layer.get("param_bytes")))
+        f = layer["forward_s"][column]
+        b = layer["backward_s"][column]
+        act = layer["activation_bytes"][column]
+        total_f += f
+        total_b += b
+        total_act += act
+        total_params += layer["param_bytes"]
+        table.add_row(layer["name"], format_seconds(f), format_seconds(b), format_bytes(act),
+                      format_bytes(layer["output_bytes"][column]), format_bytes(layer["param_bytes"]))
     table.add_section()
     table.add_row("total", format_seconds(total_f), format_seconds(total_b), format_bytes(total_act),
                   "", format_bytes(total_params))
     console.print(table)
-    # Version 7: the backward split into I (input gradient) and W (weight gradient).
-    if all(_at(layer.get("backward_input_s"), column) is not None for layer in layers):
+    if split_backward_timed(layers):   # I (input gradient) and W (weight gradient)
         console.print(_split_table(layers, column, sizes[column], longest))
         console.print(_split_line(layers, sizes), highlight=False)
     sharing = _sharing_line(layers)
@@ -68,11 +69,11 @@ def render_profile(doc: dict[str, Any], console: Console) -> None:
         console.print(CONSISTENCY_MEANING, highlight=False)
     contention = doc.get("contention")
     if contention:
-        # Version 4 profiles take the slowest process (a pipeline goes at its slowest stage's pace).
-        who = "the slowest one's step" if "slowest_step_s" in contention else "a step"
-        console.print(f"neighbours: with {contention.get('processes')} processes computing at once, {who} at "
+        # A pipeline goes at its slowest stage's pace: newer profiles take the slowest process.
+        who = "the slowest one's step" if slowdown_of_slowest(contention) else "a step"
+        console.print(f"neighbours: with {contention['processes']} processes computing at once, {who} at "
                       f"micro-batch {contention.get('micro_batch_size')} takes "
-                      f"{contention.get('slowdown', 1.0):.2f}x its time alone (measured "
+                      f"{contention['slowdown']:.2f}x its time alone (measured "
                       f"{', '.join(f'{r:.2f}' for r in contention.get('cycle_ratios', []))}); plans with K > 1 "
                       "charge it", highlight=False)
     recompute = _recompute_line(doc, layers, sizes)
@@ -90,9 +91,9 @@ def render_profile(doc: dict[str, Any], console: Console) -> None:
 
 def _sharing_line(layers: list[dict[str, Any]]) -> str | None:
     """How many layers were measured and how many took another's figures (None: not recorded)."""
-    if not layers or any("measured_as" not in layer for layer in layers):
-        return None   # profiles before version 6 measured every layer
-    shared = sum(1 for layer in layers if layer["measured_as"])
+    shared = layers_sharing_figures(layers)
+    if shared is None:
+        return None
     if not shared:
         return f"measured all {len(layers)} layers (none alike)"
     return f"measured {len(layers) - shared} distinct layers of {len(layers)}; {shared} share their figures"
@@ -100,18 +101,17 @@ def _sharing_line(layers: list[dict[str, Any]]) -> str | None:
 
 def _recompute_line(doc: dict[str, Any], layers: list[dict[str, Any]], sizes: list[int]) -> str | None:
     """What recomputation costs over the plain passes, whole model, at each size (None: not timed)."""
-    calls = doc.get("recompute_call_s")
-    if not calls or any(layer.get("recompute_backward_s") is None for layer in layers):
+    if not recompute_timed(doc):
         return None
+    calls = doc["recompute_call_s"]
     parts = []
     for i, size in enumerate(sizes):
-        plain = sum((_at(l.get("forward_s"), i) or 0.0) + (_at(l.get("backward_s"), i) or 0.0) for l in layers)
-        checkpointed = sum((_at(l.get("recompute_forward_s"), i) or 0.0) + (_at(l.get("recompute_backward_s"), i) or 0.0)
-                           for l in layers) + (_at(calls, i) or 0.0)
+        plain = sum(l["forward_s"][i] + l["backward_s"][i] for l in layers)
+        checkpointed = sum(l["recompute_forward_s"][i] + l["recompute_backward_s"][i] for l in layers) + calls[i]
         if plain > 0:
             parts.append(f"{checkpointed / plain:.2f}x at {size}")
     return (f"recomputation: the whole model under checkpointing takes {', '.join(parts)} its plain forward+backward "
-            f"(one checkpoint call: {format_seconds(_at(calls, len(sizes) - 1))}); plans that recompute charge it")
+            f"(one checkpoint call: {format_seconds(calls[-1])}); plans that recompute charge it")
 
 
 def _split_table(layers: list[dict[str, Any]], column: int, size: int, longest: int) -> Table:
@@ -124,10 +124,10 @@ def _split_table(layers: list[dict[str, Any]], column: int, size: int, longest: 
         table.add_column(heading, justify="right", no_wrap=True)
     totals = [0.0, 0.0, 0.0, 0, 0]
     for layer in layers:
-        values = [_at(layer.get(key), column) for key in ("backward_s", "backward_input_s", "backward_weight_s",
-                                                          "activation_bytes", "weight_kept_bytes")]
-        totals = [t + (v or 0) for t, v in zip(totals, values)]
-        table.add_row(str(layer.get("name", "?")), *(format_seconds(v) for v in values[:3]),
+        values = [layer[key][column] for key in ("backward_s", "backward_input_s", "backward_weight_s",
+                                                 "activation_bytes", "weight_kept_bytes")]
+        totals = [t + v for t, v in zip(totals, values)]
+        table.add_row(layer["name"], *(format_seconds(v) for v in values[:3]),
                       *(format_bytes(v) for v in values[3:]))
     table.add_section()
     table.add_row("total", *(format_seconds(v) for v in totals[:3]), *(format_bytes(v) for v in totals[3:]))
@@ -138,21 +138,20 @@ def _split_line(layers: list[dict[str, Any]], sizes: list[int]) -> str:
     """What splitting the backward costs in time and keeps in memory, whole model, per size (version 7)."""
     times, kept = [], []
     for i, size in enumerate(sizes):
-        plain = sum(_at(l.get("backward_s"), i) or 0.0 for l in layers)
-        split = sum((_at(l.get("backward_input_s"), i) or 0.0) + (_at(l.get("backward_weight_s"), i) or 0.0)
-                    for l in layers)
-        saved = sum(_at(l.get("activation_bytes"), i) or 0 for l in layers)
+        plain = sum(l["backward_s"][i] for l in layers)
+        split = sum(l["backward_input_s"][i] + l["backward_weight_s"][i] for l in layers)
+        saved = sum(l["activation_bytes"][i] for l in layers)
         if plain > 0:
             times.append(f"{split / plain:.2f}x at {size}")
         if saved > 0:
-            kept.append(f"{sum(_at(l.get('weight_kept_bytes'), i) or 0 for l in layers) / saved:.2f}x at {size}")
+            kept.append(f"{sum(l['weight_kept_bytes'][i] for l in layers) / saved:.2f}x at {size}")
     return (f"split backward: I + W take {', '.join(times) or '-'} the plain backward; between them a micro-batch "
             f"keeps {', '.join(kept) or '-'} its saved activations; zero-bubble plans (zb-h1, zb-v) charge both")
 
 
 def _header(doc: dict[str, Any]) -> str:
-    model = doc.get("model") or {}
-    device = doc.get("device") or {}
+    model = doc["model"]
+    device = doc["device"]
     what = model.get("name") or model.get("factory") or "?"
     options = model.get("options")
     if options:
@@ -160,8 +159,8 @@ def _header(doc: dict[str, Any]) -> str:
     where = f"{device.get('type', '?')}: {device.get('name', '?')}"
     if device.get("threads"):
         where += f", {device['threads']} thread{'s' if device['threads'] != 1 else ''}"
-    sizes = ", ".join(str(s) for s in doc.get("micro_batch_sizes") or [])
-    precision = precision_label(doc.get("precision", "fp32"), doc.get("param_dtype", "fp32"))
+    sizes = ", ".join(str(s) for s in doc["micro_batch_sizes"])
+    precision = precision_label(*precision_of(doc, "profile"))
     lines = [f"[bold]profile[/] of {what}", f"  device          {where}", f"  micro-batches   {sizes}",
              f"  precision       {precision}"]
     if isinstance(doc.get("global_batch_size"), int):

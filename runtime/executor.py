@@ -30,8 +30,9 @@ That is why the trained weights do not depend on K, M, the schedule or the chunk
 
 Two executors share this interface: :class:`NativeExecutor` below (gloo, receives posted
 ahead, see :mod:`.p2p`) and :class:`.torch_executor.TorchExecutor`, which runs the same
-action lists with ``torch.distributed.pipelining``. ``docs/runtime.md`` has the measurements
-that chose the default.
+action lists with ``torch.distributed.pipelining``. The native one is the default on CPU,
+where it is the faster (docs/runtime.md: "Executors" says why, "Speed" has the figures); torch's on CUDA, whose
+NCCL needs torch's ordering of the sends and receives.
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ import torch
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from ..schedules import Action, in_flight
-from .faults import Fault
 from .memory import ActivationMeter, element_bytes
 from .p2p import ACTIVATION, GRADIENT, Neighbours, PendingReceive
 from .stage import Chunk, TensorMeta
@@ -54,15 +54,12 @@ from .timing import SpanRecorder
 Tensors = tuple[torch.Tensor, ...]
 LossFn = Callable[[Tensors, torch.Tensor], torch.Tensor]
 
-# The span kind of each action.
-SPAN_KIND = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
-
 
 class Executor(Protocol):
     meters_activations: bool  # whether step() measures activation memory with a meter
     loss_scale: float         # the last chunk backpropagates loss x loss_scale (fp16; see .loss_scale)
 
-    def step(self, step: int, inputs: Tensors | None, targets: torch.Tensor | None,
+    def step(self, inputs: Tensors | None, targets: torch.Tensor | None,
              meter: ActivationMeter | None = None) -> list[torch.Tensor]:
         """Run one step's actions; return the micro-batch losses (on the stage holding the last chunk)."""
         ...
@@ -85,11 +82,9 @@ class NativeExecutor:
     loss_scale = 1.0
 
     def __init__(self, chunks: list[Chunk], actions: Sequence[Sequence[Action]], stage: int, micro_batches: int,
-                 loss_fn: LossFn, neighbours: Neighbours, recorder: SpanRecorder, fault: Fault | None = None,
-                 rank: int | None = None) -> None:
+                 loss_fn: LossFn, neighbours: Neighbours, recorder: SpanRecorder) -> None:
         self.chunks = {chunk.index: chunk for chunk in chunks}
         self.stage = stage
-        self.rank = stage if rank is None else rank   # the global rank a fault names (data parallel: not the stage)
         self.actions = list(actions[stage])
         # Where every chunk runs, read off the lists: whom to send to, whom to receive from.
         self.stage_of = {a.chunk: k for k, stage_list in enumerate(actions) for a in stage_list}
@@ -97,8 +92,6 @@ class NativeExecutor:
         self.loss_fn = loss_fn
         self.links = neighbours
         self.recorder = recorder
-        self.fault = fault
-        self.first_chunk = min(self.chunks)   # the fault fires in its first forward
         # Gradients flow only through floating tensors; the others (token ids) need none.
         self.grad_inputs = {c: [m.carries_grad for m in chunk.input_meta] for c, chunk in self.chunks.items()}
         self.grad_outputs = {c: [m.carries_grad for m in chunk.output_meta] for c, chunk in self.chunks.items()}
@@ -109,7 +102,7 @@ class NativeExecutor:
         """Whether chunks ``a`` and ``b`` run on the same stage (tensors pass without a message)."""
         return self.stage_of.get(a) == self.stage_of.get(b)
 
-    def step(self, step: int, inputs: Tensors | None, targets: torch.Tensor | None,
+    def step(self, inputs: Tensors | None, targets: torch.Tensor | None,
              meter: ActivationMeter | None = None) -> list[torch.Tensor]:
         M = self.micro_batches
         micro_inputs = list(zip(*(x.chunk(M) for x in inputs))) if inputs is not None else []
@@ -130,8 +123,7 @@ class NativeExecutor:
                     xs = micro_inputs[m]
                 else:
                     xs = self._take(ACTIVATION, c, m, queues, handed)
-                saved[(c, m)] = self._forward(step, chunk, m, xs, micro_targets[m] if chunk.is_last else None,
-                                              meter, handed)
+                saved[(c, m)] = self._forward(chunk, m, xs, micro_targets[m] if chunk.is_last else None, meter, handed)
                 if chunk.is_last:
                     losses.append(saved[(c, m)].outputs.detach())  # type: ignore[union-attr]
                 continue
@@ -198,11 +190,9 @@ class NativeExecutor:
             self.links.send(kind, boundary, m, tensors, self.stage_of[receiver])
 
     # ------------------------------------------------------------------ actions
-    def _forward(self, step: int, chunk: Chunk, m: int, xs: Tensors, target: torch.Tensor | None,
+    def _forward(self, chunk: Chunk, m: int, xs: Tensors, target: torch.Tensor | None,
                  meter: ActivationMeter | None, handed: dict[tuple[int, int, int], Tensors]) -> _Saved:
         start = self.recorder.mark()
-        if self.fault is not None and m == 0 and chunk.index == self.first_chunk and self.fault.due(self.rank, step):
-            self.fault.fire(self.rank, step)
         if not chunk.is_first:
             # The received activations are leaves of this chunk's graph: ask for their
             # gradient, which the backward hands back to the chunk before.
@@ -211,10 +201,7 @@ class NativeExecutor:
             outputs = chunk.module(*xs)
         if chunk.is_last:
             assert target is not None
-            loss = self.loss_fn(outputs, target)
-            if self.fault is not None and self.fault.due(self.rank, step):
-                loss = self.fault.poison(loss)
-            result = _Saved(xs, loss)
+            result = _Saved(xs, self.loss_fn(outputs, target))
         else:
             self._hand(ACTIVATION, chunk.index, m, outputs, handed)
             result = _Saved(xs, outputs)

@@ -19,8 +19,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..artifacts import PLAN_FORMAT, BadInput, file_sha256, json_number, precision_of, read_artifact
-from ..schema import validate
+from ..artifacts import BadInput, file_sha256, json_number, precision_of
+from ..schema import PLAN_FORMAT, read_artifact, validate
 from ..plan_layout import check_replicas, data_parallel, gradient_sync, plan_chunks, virtual_stages
 from ..schedules import SPLIT_BACKWARD, Action, all_actions, chunks_of_stage
 
@@ -149,98 +149,47 @@ class RunPlan:
 
 
 def load_plan(path: str | os.PathLike[str]) -> RunPlan:
-    """Read and check a plan file; raise :class:`BadInput` naming the first problem."""
-    doc = read_artifact(path, PLAN_FORMAT)
+    """Read and check a plan file; raise :class:`BadInput` naming the first problem.
+
+    Each key on its own is the schema's to check (gpipe_plan/schema.py), how the keys fit
+    together is plan_layout's (shared with every other reader); what is left here is to refuse
+    a model there is nothing to run of, and to turn the document into plain attributes.
+    """
     where = f"plan '{path}'"
-    # Every key's type and range (gpipe_plan/schema.py); below, how the keys fit together.
+    doc = read_artifact(path, PLAN_FORMAT)
     validate(doc, "plan", where)
-
-    def need(obj: dict[str, Any], key: str, kind: type | tuple[type, ...], context: str = "") -> Any:
-        if key not in obj:
-            raise BadInput(f"{where} has no '{context}{key}'")
-        value = obj[key]
-        if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-            raise BadInput(f"{where}: '{context}{key}' is {value!r}, expected {_kind_name(kind)}")
-        return value
-
-    model = need(doc, "model", dict)
     precision, param_dtype = precision_of(doc, where)
-    if model.get("source") == "pipedream":
-        raise BadInput(f"{where} was made from an imported PipeDream profile ('{model.get('name')}'): "
-                       f"it can be planned and shown, but there is no PyTorch model to run")
-    need(doc, "balance", list)
-    M = need(doc, "micro_batches", int)
-    b = need(doc, "micro_batch_size", int)
-    B = need(doc, "global_batch_size", int)
-    schedule = need(doc, "schedule", str)
-    raw_stages = need(doc, "stages", list)
-    if M < 1 or b < 1:
-        raise BadInput(f"{where}: micro_batches {M} and micro_batch_size {b} must be at least 1")
+    _refuse_imported_model(doc["model"], where)
     # Each of the d replicas runs M micro-batches of b samples (together the global batch), on
     # the ranks of a permutation: checked where every reader checks it.
-    d = data_parallel(doc)
     ranks = tuple(tuple(row) for row in check_replicas(doc, where))
-    placement = doc.get("placement") if isinstance(doc.get("placement"), dict) else {}
-    per_node = placement.get("devices_per_node")
     # The chunks, each on its stage, whatever the plan's version; refuses a schedule that
     # cannot run this many stages and micro-batches, and chunks that do not fit together.
-    chunks = tuple(ChunkPlan(
-        index=raw["index"],
-        stage=raw["stage"],
-        layers=tuple(raw["layers"]),
-        first_layer=raw["first_layer"],
-        recompute=raw["recompute"],
-        forward_s=json_number(raw["forward_s"]),
-        backward_s=json_number(raw["backward_s"]),
-        backward_input_s=json_number(raw["backward_input_s"]),
-        backward_weight_s=json_number(raw["backward_weight_s"]),
-        output_shapes=tuple(tuple(int(d) for d in s) for s in raw["output_shapes"])
-        if raw["output_shapes"] is not None else None,
-        output_dtypes=tuple(str(d) for d in raw["output_dtypes"]) if raw["output_shapes"] is not None else None,
-        output_batched=tuple(raw["output_batched"]) if raw["output_batched"] is not None else None,
-    ) for raw in plan_chunks(doc, where))
-    K, v = len(raw_stages), virtual_stages(doc)
-    stages = []
-    for k, raw in enumerate(raw_stages):
-        in_flight = raw.get("in_flight")
-        stages.append(StagePlan(
-            index=k,
-            chunks=tuple(chunks_of_stage(schedule, k, K, v)),
-            memory_bytes=json_number(raw.get("memory_bytes")),
-            memory_parts={k: float(v) for k, v in (raw.get("memory") or {}).items() if json_number(v) is not None},
-            idle_fraction=json_number(raw.get("idle_fraction")),
-            in_flight=in_flight if isinstance(in_flight, int) and not isinstance(in_flight, bool) else None,
-            gradient_sync_s=json_number(raw.get("gradient_sync_s")),
-        ))
-
-    predicted = doc.get("predicted") if isinstance(doc.get("predicted"), dict) else {}
-    profile = doc.get("profile") if isinstance(doc.get("profile"), dict) else {}
-    options = doc.get("options") if isinstance(doc.get("options"), dict) else {}
-    device = profile.get("device") if isinstance(profile.get("device"), dict) else {}
-    optimizer = options.get("optimizer") if isinstance(options.get("optimizer"), str) else None
+    chunks = tuple(_chunk_plan(raw) for raw in plan_chunks(doc, where))
+    predicted = _section(doc, "predicted")
     return RunPlan(
         path=os.fspath(path),
         sha256=file_sha256(path),
         doc=doc,
-        model=model,
+        model=doc["model"],
         chunks=chunks,
-        stages=tuple(stages),
-        micro_batches=M,
-        micro_batch_size=b,
-        global_batch_size=B,
-        schedule=schedule,
-        virtual_stages=v,
+        stages=_stage_plans(doc),
+        micro_batches=doc["micro_batches"],
+        micro_batch_size=doc["micro_batch_size"],
+        global_batch_size=doc["global_batch_size"],
+        schedule=doc["schedule"],
+        virtual_stages=virtual_stages(doc),
         predicted_step_s=json_number(predicted.get("step_s")),
         predicted_bubble_fraction=json_number(predicted.get("bubble_fraction")),
         predicted_samples_per_s=json_number(predicted.get("samples_per_s")),
-        profile_device=device,
-        optimizer=optimizer,
+        profile_device=_section(_section(doc, "profile"), "device"),
+        optimizer=_text_or_none(_section(doc, "options").get("optimizer")),
         precision=precision,
         param_dtype=param_dtype,
-        data_parallel=d,
+        data_parallel=data_parallel(doc),
         gradient_sync=gradient_sync(doc),
         ranks=ranks,
-        devices_per_node=per_node if isinstance(per_node, int) and not isinstance(per_node, bool) else None,
+        devices_per_node=_int_or_none(_section(doc, "placement").get("devices_per_node")),
     )
 
 
@@ -261,10 +210,59 @@ def check_precision_matches(plan: RunPlan, precision: str | None, param_dtype: s
     return plan.precision, plan.param_dtype
 
 
+def _refuse_imported_model(model: dict[str, Any], where: str) -> None:
+    """Refuse a plan of an imported PipeDream profile: it names no PyTorch model to build."""
+    if model.get("source") == "pipedream":
+        raise BadInput(f"{where} was made from an imported PipeDream profile ('{model.get('name')}'): "
+                       f"it can be planned and shown, but there is no PyTorch model to run")
 
 
-def _kind_name(kind: type | tuple[type, ...]) -> str:
-    names = {dict: "an object", list: "a list", int: "an integer", str: "a string", bool: "true or false"}
-    if isinstance(kind, tuple):
-        return " or ".join(names.get(k, k.__name__) for k in kind)
-    return names.get(kind, kind.__name__)
+def _chunk_plan(raw: dict[str, Any]) -> ChunkPlan:
+    """One chunk as :func:`gpipe_plan.plan_layout.plan_chunks` gives it (every key present,
+    None where the plan says nothing), as the runtime reads it."""
+    shapes = raw["output_shapes"]
+    return ChunkPlan(
+        index=raw["index"],
+        stage=raw["stage"],
+        layers=tuple(raw["layers"]),
+        first_layer=raw["first_layer"],
+        recompute=raw["recompute"],
+        forward_s=json_number(raw["forward_s"]),
+        backward_s=json_number(raw["backward_s"]),
+        backward_input_s=json_number(raw["backward_input_s"]),
+        backward_weight_s=json_number(raw["backward_weight_s"]),
+        output_shapes=tuple(tuple(int(size) for size in shape) for shape in shapes) if shapes is not None else None,
+        # plan_chunks gives a dtype per shape whenever there are shapes.
+        output_dtypes=tuple(str(dtype) for dtype in raw["output_dtypes"]) if shapes is not None else None,
+        output_batched=tuple(raw["output_batched"]) if raw["output_batched"] is not None else None,
+    )
+
+
+def _stage_plans(doc: dict[str, Any]) -> tuple[StagePlan, ...]:
+    """Each stage: the chunks its schedule places on it, and what the planner predicted for it."""
+    raw_stages = doc["stages"]
+    K, v = len(raw_stages), virtual_stages(doc)
+    return tuple(StagePlan(
+        index=k,
+        chunks=tuple(chunks_of_stage(doc["schedule"], k, K, v)),
+        memory_bytes=json_number(raw.get("memory_bytes")),
+        memory_parts={part: float(size) for part, size in (raw.get("memory") or {}).items()
+                      if json_number(size) is not None},
+        idle_fraction=json_number(raw.get("idle_fraction")),
+        in_flight=_int_or_none(raw.get("in_flight")),
+        gradient_sync_s=json_number(raw.get("gradient_sync_s")),
+    ) for k, raw in enumerate(raw_stages))
+
+
+def _section(doc: dict[str, Any], key: str) -> dict[str, Any]:
+    """The object under ``key``, or an empty one where the plan has none (an older or hand-made plan)."""
+    value = doc.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _text_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) else None

@@ -29,9 +29,9 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from ..artifacts import REPORT_FORMAT, FORMAT_VERSIONS, json_number
+from ..artifacts import json_number
 from ..schedules import label as schedule_label
-from ..schema import CHUNK_TIME_KINDS, timing_key
+from ..schema import CHUNK_TIME_KINDS, FORMAT_VERSIONS, REPORT_FORMAT, timing_key
 from ..units import format_percent
 from ..speedprobe import profile_probe_s, speed_ratio
 from .plan import ChunkPlan, RunPlan
@@ -73,7 +73,7 @@ OTHER_KINDS = ("data", "tied", "sync")
 
 def build_report(plan: RunPlan, results: list[RankResult], *, losses: dict[int, float], run: dict[str, Any],
                  tokens_per_sample: int | None) -> dict[str, Any]:
-    """The report document (format ``gpipe-plan.report``, version 4).
+    """The report document, at the report format's current version (gpipe_plan/schema.py).
 
     With d replicas (data parallel) the per-stage and per-chunk figures are replica 0's, each
     stage's ``replicas`` lists every replica's, and ``measured_gradient_sync_s`` is the stage's
@@ -259,7 +259,7 @@ def headline(predicted_step_s: float | None, plan_noise: dict[str, float] | None
       their range over their mean: the machine's speed moved that much during the run;
     - ``speed_correction``: half the correction, ``|ratio - 1| / 2``, when it is applied: the
       generic probe tracks the model's own drift only partly (docs/runtime.md, "Measured against
-      predicted": dividing it out helped in one accuracy run and hurt in the next).
+      predicted"): dividing it out may move a prediction either way.
     """
     ratio = speed.get("ratio")
     scaled = speed.get("predicted_step_s_at_run_speed")

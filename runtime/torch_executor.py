@@ -9,7 +9,7 @@ of one rank without a message, and splits the backward with ``stage_backward_inp
 of torch's built-in schedule classes, so that what runs is what the planner simulated, for
 every schedule, whatever orders torch's classes would build.
 
-Three things make it work on gloo/CPU, each learnt the hard way (docs/runtime.md, "Executors"):
+Three things make it run, and train the right weights, on gloo/CPU (docs/runtime.md, "Executors"):
 
 - static metadata: left to infer shapes, chunks exchange them with blocking sends that
   deadlock on gloo. We pass ``input_args`` (requiring gradients on every chunk but the first)
@@ -52,7 +52,6 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from ..artifacts import BadInput
 from ..schedules import Action
 from .executor import LossFn, Tensors
-from .faults import Fault
 from .memory import ActivationMeter, element_bytes
 from .stage import Chunk
 from .timing import SpanRecorder
@@ -66,18 +65,11 @@ class _TimedChunk(PipelineStage):
     """A ``PipelineStage`` (one chunk) that records a span for every computation it runs."""
 
     recorder: SpanRecorder
-    rank: int = 0
-    fault: Fault | None = None        # fires in the rank's first forward of its step
-    fault_here: bool = False          # whether that forward is this chunk's (micro-batch 0)
     meter: ActivationMeter | None = None
     measured_transient_for: ActivationMeter | None = None
-    step_index: int = 0
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):  # type: ignore[override]
         start = self.recorder.mark()
-        fault = self.fault if self.fault_here and fwd_chunk_id == 0 else None
-        if fault is not None and fault.due(self.rank, self.step_index):
-            fault.fire(self.rank, self.step_index)
         with self._metering(fwd_chunk_id, args):
             out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
         self.recorder.add("forward", fwd_chunk_id, start, self.recorder.mark(), chunk=self.stage_index)
@@ -224,11 +216,11 @@ class TorchExecutor:
     loss_scale = 1.0
 
     def __init__(self, chunks: list[Chunk], actions: Sequence[Sequence[Action]], stage: int, micro_batches: int,
-                 loss_fn: LossFn, device: torch.device, recorder: SpanRecorder, fault: Fault | None = None,
+                 loss_fn: LossFn, device: torch.device, recorder: SpanRecorder,
                  features: PipeliningFeatures | None = None, group: dist.ProcessGroup | None = None,
-                 group_ranks: Sequence[int] | None = None, rank: int | None = None) -> None:
+                 group_ranks: Sequence[int] | None = None) -> None:
         """``group``: the pipeline's process group (data parallel: this replica's ``pp`` group; None:
-        the world), ``group_ranks[k]``: stage k's rank in it; ``rank``: the global rank a fault names."""
+        the world), ``group_ranks[k]``: stage k's rank in it."""
         features = features or pipelining_features()
         check_features(features)
         # In pipeline order: torch's start-up exchange between ranks walks the chunks that way.
@@ -237,38 +229,29 @@ class TorchExecutor:
         self.micro_batches = micro_batches
         self.holds_first = any(c.is_first for c in self.chunks)
         self.holds_last = any(c.is_last for c in self.chunks)
-        self.fault = fault
         self.return_outputs = features.return_outputs
-        first_chunk = self.chunks[0].index   # every schedule starts a stage on its first chunk
         self.pipe_chunks: list[_TimedChunk] = []
         for chunk in self.chunks:
             arguments = pipeline_stage_arguments(chunk, device, features)
             if group is not None:
                 arguments["group"] = group
             pipe_chunk = _TimedChunk(chunk.module, chunk.index, chunk.num_chunks, device, **arguments)
-            pipe_chunk.recorder, pipe_chunk.fault = recorder, fault
-            pipe_chunk.rank = stage if rank is None else rank
-            pipe_chunk.fault_here = chunk.index == first_chunk
+            pipe_chunk.recorder = recorder
             self.pipe_chunks.append(pipe_chunk)
-        self.poison = False
         self.losses: list[torch.Tensor] = []
 
         def loss(outputs: Tensors, target: torch.Tensor) -> torch.Tensor:
             value = loss_fn(outputs, target)
-            if self.poison and self.fault is not None:
-                value = self.fault.poison(value)
             self.losses.append(value.detach())
             # What the backward starts from: the mean over the batch (see the module's docstring).
             return value * (self.loss_scale / self.micro_batches)
 
         self.runtime = _action_list_runtime(self.pipe_chunks, micro_batches, loss, actions, features, group_ranks)
 
-    def step(self, step: int, inputs: Tensors | None, targets: torch.Tensor | None,
+    def step(self, inputs: Tensors | None, targets: torch.Tensor | None,
              meter: ActivationMeter | None = None) -> list[torch.Tensor]:
         for pipe_chunk in self.pipe_chunks:
             pipe_chunk.meter = meter
-            pipe_chunk.step_index = step
-        self.poison = self.fault is not None and self.fault.due(self.pipe_chunks[0].rank, step)
         self.losses = []
         args = inputs if self.holds_first and inputs is not None else ()
         options: dict[str, Any] = {"return_outputs": False} if self.return_outputs else {}

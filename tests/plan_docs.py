@@ -1,10 +1,13 @@
-"""Hand-made plan documents of format 5, for tests that must not depend on the solver."""
+"""Hand-made plan documents of format 5, for tests that must not depend on the solver.
+
+Each is checked against the plan schema as it is made (as ``solve``'s own plans are before they
+are written), so that a hand-made plan drifting from the format fails here."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from gpipe_plan.artifacts import FORMAT_VERSIONS, PLAN_FORMAT
+from gpipe_plan.schema import FORMAT_VERSIONS, PLAN_FORMAT, check_built
 from gpipe_plan.schedules import SPLIT_BACKWARD, chunks_of_stage, chunks_per_stage, stage_of_chunk
 
 
@@ -26,7 +29,7 @@ def chunked_plan(schedule: str, stages: int, virtual_stages: int = 1, micro_batc
             "backward_input_s": forward_s if split else None, "backward_weight_s": forward_s if split else None,
             "recompute_s": 0.0, "send_s": send_s if crosses else 0.0,
         })
-    return {
+    doc: dict[str, Any] = {
         "format": PLAN_FORMAT, "version": FORMAT_VERSIONS[PLAN_FORMAT],
         "model": {"source": "builtin", "name": "toy", "options": {}},
         "profile": {"path": None, "sha256": None, "device": {"type": "cpu", "name": "test"}},
@@ -42,6 +45,8 @@ def chunked_plan(schedule: str, stages: int, virtual_stages: int = 1, micro_batc
         "optimality": {"proven": True, "method": "test", "settings_searched": 1},
         "warnings": [], "runners_up": [],
     }
+    check_built(doc, "solved plan", "chunked_plan")
+    return doc
 
 
 def as_version_4(doc: dict[str, Any]) -> dict[str, Any]:
@@ -55,4 +60,5 @@ def as_version_4(doc: dict[str, Any]) -> dict[str, Any]:
         merged = {**{k: v for k, v in stage.items() if k != "chunks"},
                   **{k: v for k, v in chunk.items() if k not in ("stage", "backward_input_s", "backward_weight_s")}}
         old["stages"].append(merged)
+    check_built(old, "solved plan", "as_version_4")
     return old

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from gpipe_plan.planner.costmodel import Setting
 from gpipe_plan.planner.profile import LayerFigures
+from gpipe_plan.schema import PROFILE_FORMAT, check_built
 
 REPO = Path(__file__).resolve().parent.parent
 PIPEDREAM_DIR = REPO / "data" / "pipedream-profiles"
@@ -293,7 +294,11 @@ def profile_doc(
     **extra: Any,
 ) -> dict:
     """A synthetic profile (docs/profile-format.md) whose figures are linear in the size b:
-    time = fixed + per_sample * b, bytes = per_sample * b."""
+    time = fixed + per_sample * b, bytes = per_sample * b.
+
+    Checked against the profile schema as it is made (``extra`` included), so that a fixture
+    drifting from the format fails here rather than passing a profile no writer makes. A test
+    that needs a bad profile breaks this one after it is made."""
     fwd = forward_per_sample or [1e-3 * (1 + i % 3) for i in range(L)]
     bwd = backward_per_sample or [2e-3 * (1 + (i * 2) % 5) for i in range(L)]
     act = activation_per_sample or [1000 * (1 + i % 2) for i in range(L)]
@@ -302,7 +307,7 @@ def profile_doc(
     f0 = forward_fixed or [0.0] * L
     b0 = backward_fixed or [0.0] * L
     doc = {
-        "format": "gpipe-plan.profile",
+        "format": PROFILE_FORMAT,
         "version": 1,
         "model": {"source": "builtin", "name": "gpt", "options": {"layers": L}},
         "device": {"type": "cpu", "name": "synthetic", "threads": 1},
@@ -322,6 +327,7 @@ def profile_doc(
     if batch_size is not None:
         doc["batch_size"] = batch_size
     doc.update(extra)
+    check_built(doc, "profile", "profile_doc")
     return doc
 
 

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from gpipe_plan.artifacts import FORMAT_VERSIONS, PROFILE_FORMAT, REPORT_FORMAT, file_sha256
+from gpipe_plan.artifacts import file_sha256
 from gpipe_plan.cli import main
 from gpipe_plan.plan_layout import plan_chunks
 from gpipe_plan.planner.command import solve_file
 from gpipe_plan.profiles.overhead import measure_overhead
+from gpipe_plan.schema import FORMAT_VERSIONS, PROFILE_FORMAT, REPORT_FORMAT
 
 from plan_docs import chunked_plan
 

@@ -25,7 +25,7 @@ from gpipe_plan.artifacts import BadInput, write_json_atomic
 from gpipe_plan.models import build_model, model_spec
 from gpipe_plan.runtime import checkpoint, init_from
 from gpipe_plan.runtime.data import step_generator
-from gpipe_plan.runtime.handplan import hand_plan
+from handplan import hand_plan
 from gpipe_plan.runtime.options import RunOptions, check_options
 from gpipe_plan.runtime.plan import load_plan
 from gpipe_plan.runtime.stage import build_chunk

@@ -17,7 +17,7 @@ import torch
 from gpipe_plan.artifacts import write_json_atomic
 from gpipe_plan.models import Precision, model_spec
 from gpipe_plan.profiles.profiler import ProfileRequest, profile_model
-from gpipe_plan.runtime.handplan import hand_plan
+from handplan import hand_plan
 from gpipe_plan.runtime.timing import SpanRecorder
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -70,7 +70,7 @@ def gpipe_plan(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 def test_a_solved_bf16_plan_runs_with_the_profiled_dtypes(tmp_path: Path) -> None:
     """profile -> solve -> run in bf16: every stage's outputs come from the CUDA profile (a
-    CPU-derived dtype once made the last stage declare fp32 logits)."""
+    dtype derived on the CPU would declare fp32 logits for the last stage)."""
     for args in (("profile", "gpt", "--layers", "2", "--width", "256", "--heads", "4", "--seq-len", "128",
                   "--vocab-size", "1024", "--device", "cuda", "--precision", "bf16", "--batch-size", "4",
                   "--repeats", "3", "-o", "profile.json", "-q"),

@@ -7,7 +7,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from gpipe_plan.artifacts import FORMAT_VERSIONS, PROFILE_FORMAT
+from gpipe_plan.schema import FORMAT_VERSIONS, PROFILE_FORMAT
 from gpipe_plan.cli import main
 from gpipe_plan.planner.costmodel import CostModel, Setting
 from gpipe_plan.planner.explore import explore, find_repeated_block

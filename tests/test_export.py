@@ -42,7 +42,7 @@ def test_the_csv_holds_the_plans_own_action_lists(user_dir: Path, schedule: str,
 
 @pytest.mark.parametrize("schedule, v", SHAPES)
 def test_torch_reads_every_cell_as_the_same_action(user_dir: Path, schedule: str, v: int) -> None:
-    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    from torch.distributed.pipelining import schedules   # ships with every torch gpipe-plan supports
     kind_of = {"F": schedules._ComputationType.FORWARD, "B": schedules._ComputationType.FULL_BACKWARD,
                "I": schedules._ComputationType.BACKWARD_INPUT, "W": schedules._ComputationType.BACKWARD_WEIGHT}
     write_plan(user_dir / "plan.json", chunked_plan(schedule, 3, v, micro_batches=6))
@@ -61,7 +61,7 @@ def test_torchs_runtime_loads_the_csv_and_pairs_every_send(user_dir: Path, sched
                                                           stages: int) -> None:
     """torch's own loader: its schedule check, its placement of chunks on ranks, and its lowering
     to sends and receives (which replays the lists and fails on an unmatched or deadlocked one)."""
-    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    from torch.distributed.pipelining import schedules   # ships with every torch gpipe-plan supports
     M = 2 * stages
     write_plan(user_dir / "plan.json", chunked_plan(schedule, stages, v, micro_batches=M))
     assert cli("export", "plan.json", "--schedule-csv", "s.csv").exit_code == 0

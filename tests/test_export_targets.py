@@ -17,7 +17,7 @@ import torch
 from gpipe_plan.models import build_model, model_spec
 from gpipe_plan.planner.export.expressible import nearest_split
 from gpipe_plan.planner.export.to_deepspeed import partition_uniform
-from gpipe_plan.runtime.handplan import hand_plan
+from handplan import hand_plan
 
 from planner_helpers import cli
 from test_runtime_multiproc import LR, assert_same_parameters, unsplit_training

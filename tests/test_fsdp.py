@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 from gpipe_plan.artifacts import BadInput, write_json_atomic
 from gpipe_plan.models import build_model, model_spec
 from gpipe_plan.runtime.data import step_generator
-from gpipe_plan.runtime.handplan import hand_plan
+from handplan import hand_plan
 from gpipe_plan.runtime.launch import free_port
 from gpipe_plan.runtime.loss_scale import LossScaler
 from gpipe_plan.runtime.plan import load_plan
@@ -184,9 +184,8 @@ def _replica_main(rank: int, port: int, folder: str) -> None:
         sync = FsdpSync(REPLICAS, mesh, torch.device("cpu"))
         sync.prepare(stage)
         executor = make_executor(name, stage, plan_path, loss_fn, pipeline_group)
-        steps = iter(range(STEPS))
         results[run_name(name, schedule, recompute)] = train_replica(
-            sync, stage, rank, lambda ids, targets: executor.step(next(steps), (ids,), targets))
+            sync, stage, rank, lambda ids, targets: executor.step((ids,), targets))
     torch.save(results, Path(folder) / f"replica{rank}.pt")
     dist.destroy_process_group()
 

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from gpipe_plan.artifacts import BadInput, write_json_atomic  # noqa: E402
 from gpipe_plan.models import build_model, model_spec  # noqa: E402
-from gpipe_plan.runtime.handplan import hand_plan  # noqa: E402
+from handplan import hand_plan  # noqa: E402
 from hf_models import SEQ, VOCAB  # noqa: E402
 from test_runtime_multiproc import BIN, LR, assert_same_parameters, gpipe_plan, run_in_one_group, unsplit_training  # noqa: E402
 

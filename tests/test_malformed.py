@@ -28,10 +28,11 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpipe_plan.artifacts import FORMAT_VERSIONS, PROFILE_FORMAT, REPORT_FORMAT, BadInput
+from gpipe_plan.artifacts import BadInput
 from gpipe_plan.cli import main
 from gpipe_plan.plan_layout import plan_chunks
 from gpipe_plan.runtime.plan import load_plan
+from gpipe_plan.schema import FORMAT_VERSIONS, PROFILE_FORMAT, REPORT_FORMAT
 
 from planner_helpers import profile_doc
 
@@ -494,3 +495,18 @@ def test_totals() -> None:
     """Prints what this file tried (run with -s to see it); runs last in file order."""
     print("\nmalformed-input totals:", TOTALS)
     print("accepted mutations of:", "; ".join(sorted(ACCEPTED)))
+
+
+def test_a_writer_never_writes_a_document_its_schema_refuses(tmp_path: Path) -> None:
+    """The one way an artifact is written (schema.write_artifact) checks it first: a profile with
+    one figure per size fewer than it has sizes is our bug, raised loudly, and no file appears."""
+    from gpipe_plan.schema import InvalidOutput, write_artifact
+
+    good = profile_doc(L=3)
+    write_artifact(tmp_path / "good.json", good, "profile")
+    assert json.loads((tmp_path / "good.json").read_text())["layers"] == good["layers"]
+    bad = copy.deepcopy(good)
+    bad["layers"][1]["forward_s"] = bad["layers"][1]["forward_s"][:-1]
+    with pytest.raises(InvalidOutput, match=r"layers\[1\]\.forward_s"):
+        write_artifact(tmp_path / "bad.json", bad, "profile")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good.json"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpipe_plan.artifacts import FORMAT_VERSIONS, PLAN_FORMAT
+from gpipe_plan.schema import FORMAT_VERSIONS, PLAN_FORMAT
 from gpipe_plan.planner.plan import MAX_RUNNERS_UP
 from gpipe_plan.schedules import (SPLIT_BACKWARD, all_actions, chunks_of_stage, chunks_per_stage, in_flight,
                                   stage_of_chunk)

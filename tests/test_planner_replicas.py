@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpipe_plan.artifacts import FORMAT_VERSIONS, PLAN_FORMAT, BadInput
+from gpipe_plan.artifacts import BadInput
 from gpipe_plan.plan_layout import check_replicas, data_parallel, gradient_sync, placement_ranks
 from gpipe_plan.planner.brute import brute_force
 from gpipe_plan.planner.command import solve_file
@@ -28,7 +28,7 @@ from gpipe_plan.planner.replicas import (DATA_INNER, PIPELINE_INNER, Topology, f
                                          search_devices)
 from gpipe_plan.planner.search import ReplicaSync, SolveOptions, search, settings_for, solve_setting
 from gpipe_plan.schedules import problem
-from gpipe_plan.schema import validate
+from gpipe_plan.schema import FORMAT_VERSIONS, PLAN_FORMAT, validate
 
 from planner_helpers import cli, close, hyp, instances, make_figures, profile_doc, write_json
 

@@ -28,7 +28,7 @@ from gpipe_plan.profiles.measure import Runner, prepare_layer, time_rounds
 from gpipe_plan.profiles.clock import CpuClock
 from gpipe_plan.profiles.memory import SavedTensors
 from gpipe_plan.profiles.profiler import ProfileRequest, profile_model
-from gpipe_plan.runtime.handplan import hand_plan
+from handplan import hand_plan
 from gpipe_plan.runtime.loss_scale import LossScaler
 
 from planner_helpers import profile_doc
@@ -217,7 +217,7 @@ def test_the_last_stage_backpropagates_the_scaled_loss() -> None:
                                   SpanRecorder(0, torch.device("cpu")))
         executor.loss_scale = loss_scale
         inputs, targets = model.synthetic_batch(4, torch.Generator().manual_seed(0))
-        executor.step(0, inputs, targets)
+        executor.step(inputs, targets)
         return [p.grad.clone() for p in stage.parameters()]
 
     import tempfile

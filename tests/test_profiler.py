@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from rich.console import Console
 from torch import nn
 
-from gpipe_plan.artifacts import FORMAT_VERSIONS, PROFILE_FORMAT, BadInput, read_artifact, write_json_atomic
+from gpipe_plan.artifacts import BadInput, write_json_atomic
 from gpipe_plan.cli import main
 from gpipe_plan.models import AsTuple, model_spec
 from gpipe_plan.collectives import ring_allreduce_s
@@ -24,7 +24,7 @@ from gpipe_plan.profiles.measure import prepare_layer
 from gpipe_plan.profiles.memory import SavedTensors
 from gpipe_plan.profiles.profiler import ProfileRequest, default_sizes, profile_model
 from gpipe_plan.profiles.show import render_profile
-from gpipe_plan.schema import validate
+from gpipe_plan.schema import FORMAT_VERSIONS, PROFILE_FORMAT, read_artifact, validate
 
 from user_models import SKIP_NET
 

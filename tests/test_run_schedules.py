@@ -23,7 +23,7 @@ import torch
 
 from gpipe_plan.artifacts import write_json_atomic
 from gpipe_plan.models import model_spec
-from gpipe_plan.runtime.handplan import hand_plan
+from handplan import hand_plan
 
 from test_runtime_multiproc import assert_same_parameters, run_in_one_group, unsplit_training
 

@@ -16,16 +16,19 @@ import torch
 
 from gpipe_plan.artifacts import BadInput, write_json_atomic
 from gpipe_plan.models import build_model, model_spec
+from gpipe_plan.planner.costmodel import CostModel, Setting
 from gpipe_plan.runtime.conditions import condition_warnings
 from gpipe_plan.runtime.data import TextBatches, batch_source, step_generator
 from gpipe_plan.runtime.distributed import World, check_world
-from gpipe_plan.runtime.handplan import hand_plan
 from gpipe_plan.runtime.memory import ActivationMeter
 from gpipe_plan.runtime.options import RunOptions, check_options
 from gpipe_plan.runtime.plan import load_plan
 from gpipe_plan.runtime.stage import build_chunk
 from gpipe_plan.runtime.trace import chrome_trace
 from gpipe_plan.runtime.timing import Span
+
+from handplan import hand_plan
+from planner_helpers import make_figures
 
 TINY_GPT = model_spec("gpt", layers=2, width=16, heads=2, seq_len=8, vocab_size=256)
 
@@ -69,6 +72,42 @@ class NoNeighbours:
     def finish_sends(self) -> None: ...
 
 
+@pytest.mark.parametrize("schedule, balance, virtual", [("gpipe", [4], None), ("1f1b", [4], None),
+                                                        ("interleaved", [1, 2, 1], 3)])
+@pytest.mark.parametrize("M", [1, 2, 4])
+def test_the_executors_deepest_stash_is_the_cost_models_in_flight(tmp_path: Path, schedule: str, balance: list[int],
+                                                                  virtual: int | None, M: int) -> None:
+    """The memory model's in-flight depth (micro-batches whose activations a stage holds at
+    once) is what the executor holds, as its activation meter counts it; none is left after
+    the step. (The split-backward schedules release at W, where the depth counts to I.)"""
+    from gpipe_plan.runtime.executor import NativeExecutor
+    from gpipe_plan.runtime.stage import build_stage_chunks
+    from gpipe_plan.runtime.timing import SpanRecorder
+
+    plan = load_plan(write_plan(tmp_path, hand_plan(TINY_GPT, balance, micro_batches=M, micro_batch_size=1,
+                                                    schedule=schedule, virtual_stages=virtual)))
+    model = build_model(TINY_GPT, seed=5)
+    stage = build_stage_chunks(model, plan, 0)
+    meter = ActivationMeter.for_module(stage)
+    deepest = 0
+    hold = meter.hold
+
+    def counting_hold(key: object, nbytes: int) -> None:
+        nonlocal deepest
+        hold(key, nbytes)
+        deepest = max(deepest, len(meter.live))
+
+    meter.hold = counting_hold  # type: ignore[method-assign]
+    executor = NativeExecutor(stage.chunks, plan.actions(), 0, M, model.loss, NoNeighbours(),  # type: ignore[arg-type]
+                              SpanRecorder(0, torch.device("cpu")))
+    inputs, targets = model.synthetic_batch(M, step_generator(0, 0))
+    executor.step(inputs, targets, meter)
+    cost = CostModel(make_figures([1.0] * len(balance), [1.0] * len(balance)),
+                     Setting(stages=1, micro_batches=M, schedule=schedule, virtual_stages=virtual or 1))
+    assert deepest == cost.in_flight(0)
+    assert meter.live == {}, "every micro-batch's activations released by the end of the step"
+
+
 @pytest.mark.parametrize("schedule, balance", [("gpipe", [4]), ("zb-h1", [4]), ("interleaved", [1, 2, 1]),
                                                ("zb-v", [2, 2])])
 def test_one_stage_running_several_chunks_computes_the_whole_models_gradients(tmp_path: Path, schedule: str,
@@ -89,7 +128,7 @@ def test_one_stage_running_several_chunks_computes_the_whole_models_gradients(tm
     executor = NativeExecutor(stage.chunks, plan.actions(), 0, 2, model.loss, NoNeighbours(),  # type: ignore[arg-type]
                               recorder)
     inputs, targets = model.synthetic_batch(4, step_generator(0, 0))
-    executor.step(0, inputs, targets)
+    executor.step(inputs, targets)
     reference = build_model(TINY_GPT, seed=5)
     reference.loss(reference.forward(*inputs), targets).backward()
     expected = dict(reference.module.named_parameters())

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from gpipe_plan.artifacts import BadInput, write_json_atomic
-from gpipe_plan.runtime.handplan import hand_plan
+from handplan import hand_plan
 from gpipe_plan.runtime.plan import load_plan
 
 from test_runtime_multiproc import GPT, LR, assert_same_parameters, gpipe_plan, run_in_one_group, unsplit_training

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from rich.console import Console
 from torch import nn
 
-from gpipe_plan.artifacts import FORMAT_VERSIONS, PROFILE_FORMAT, BadInput, read_artifact
+from gpipe_plan.artifacts import BadInput
 from gpipe_plan.cli import main
 from gpipe_plan.models import AsTuple, model_spec
 from gpipe_plan.profiles.clock import clock_for
@@ -26,7 +26,7 @@ from gpipe_plan.profiles.measure import (LayerMeasurement, harness_runner, has_w
                                          split_harness_runner, split_runner, time_rounds)
 from gpipe_plan.profiles.profiler import ProfileRequest, profile_model
 from gpipe_plan.profiles.show import render_profile
-from gpipe_plan.schema import validate
+from gpipe_plan.schema import FORMAT_VERSIONS, PROFILE_FORMAT, read_artifact, validate
 
 CPU = torch.device("cpu")
 TINY_GPT = model_spec("gpt", layers=3, width=16, heads=2, seq_len=8, vocab_size=32)

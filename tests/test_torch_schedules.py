@@ -20,7 +20,7 @@ import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from gpipe_plan.artifacts import write_json_atomic
-from gpipe_plan.runtime.handplan import hand_plan
+from handplan import hand_plan
 from gpipe_plan.runtime.torch_executor import torch_actions
 from gpipe_plan.schedules import SCHEDULES, all_actions, chunks_per_stage, problem, stage_of_chunk
 

@@ -16,7 +16,7 @@ import pytest
 from rich.console import Console
 from rich.progress import Progress, TimeRemainingColumn
 
-from gpipe_plan.artifacts import FORMAT_VERSIONS, PLAN_FORMAT, PROFILE_FORMAT, REPORT_FORMAT, BadInput
+from gpipe_plan.artifacts import BadInput
 from gpipe_plan.plan_layout import plan_chunks
 from gpipe_plan.planner.command import CountColumn, solve_file
 from gpipe_plan.planner.explore import explore
@@ -30,6 +30,7 @@ from gpipe_plan.profiles.command import PhaseLines, _Bar, _progress_for, intende
 from gpipe_plan.profiles.show import render_profile
 from gpipe_plan.runtime.progress import TrainingProgress, fit_fields
 from gpipe_plan.runtime.report import headline, print_summary
+from gpipe_plan.schema import FORMAT_VERSIONS, PLAN_FORMAT, PROFILE_FORMAT, REPORT_FORMAT
 
 from planner_helpers import cli, profile_doc, write_json
 

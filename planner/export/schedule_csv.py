@@ -16,11 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ...artifacts import PLAN_FORMAT, check_output_paths, read_artifact, write_text_atomic
+from ...artifacts import check_output_paths, write_text_atomic
 from ...plan_layout import plan_chunks, virtual_stages
 from ...schedules import label as schedule_label
 from ...schedules import Action, all_actions, to_csv
-from ...schema import validate
+from ...schema import PLAN_FORMAT, read_artifact, validate
 
 
 @dataclass(frozen=True)

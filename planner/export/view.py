@@ -21,10 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ...artifacts import PLAN_FORMAT, BadInput, read_artifact
+from ...artifacts import BadInput
 from ...plan_layout import check_replicas, data_parallel, gradient_sync, plan_chunks, virtual_stages
 from ...schedules import Action, all_actions
-from ...schema import validate
+from ...schema import PLAN_FORMAT, read_artifact, validate
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,25 @@
-"""A plan written by hand: a given split and schedule, no predictions.
+"""A plan written by hand: a given split and schedule, no predictions (a helper of the tests).
 
-``gpipe-plan solve`` makes plans from profiles. To run a split of one's own choosing (a
-torchgpipe ``balance``), or in tests that must not depend on timing, this writes the same
-document (docs/plan-format.md) with the predictions left out; ``run`` then reports measured
-figures only. ``balance`` counts the layers of each chunk, in pipeline order; the schedule
-places the chunks on stages (``gpipe_plan.schedules``).
+``gpipe-plan solve`` makes plans from profiles. Tests that must not depend on timing, and the
+benchmarks that run a split of their own choosing (a torchgpipe ``balance``), need the same
+document (docs/plan-format.md) for a split they choose: this writes it, with the predictions
+left out, so that ``run`` reports measured figures only. ``balance`` counts the layers of each
+chunk, in pipeline order; the schedule places the chunks on stages (``gpipe_plan.schedules``).
+
+It lives with the tests, not in the package: a user's plans come from ``solve``. The tests
+import it as ``handplan`` (their folder is on the path, as for ``planner_helpers``), the
+benchmarks as ``tests.handplan`` (they run from the repository's root). What it writes is
+checked against the plan schema (``gpipe_plan.schema``) before it is returned.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..artifacts import PLAN_FORMAT, FORMAT_VERSIONS
-from ..schedules import chunks_of_stage, chunks_per_stage, problem, stage_of_chunk
-from ..models import Precision, build_model
-from ..models.layered import batch_dimensions
+from gpipe_plan.models import Precision, build_model
+from gpipe_plan.models.layered import batch_dimensions
+from gpipe_plan.schedules import chunks_of_stage, chunks_per_stage, problem, stage_of_chunk
+from gpipe_plan.schema import FORMAT_VERSIONS, PLAN_FORMAT, check_built
 
 
 def hand_plan(spec: dict[str, Any], balance: Sequence[int], micro_batches: int, micro_batch_size: int,
@@ -67,7 +72,7 @@ def hand_plan(spec: dict[str, Any], balance: Sequence[int], micro_batches: int, 
                 chunk["output_batched"] = batched
         chunks.append(chunk)
         first += count
-    return {
+    doc = {
         "format": PLAN_FORMAT,
         "version": FORMAT_VERSIONS[PLAN_FORMAT],
         "model": model.spec,
@@ -85,3 +90,7 @@ def hand_plan(spec: dict[str, Any], balance: Sequence[int], micro_batches: int, 
         "stages": [{"index": k, "chunks": chunks_of_stage(schedule, k, K, v)} for k in range(K)],
         "predicted": {},
     }
+    # Checked where it is built: a helper that drifts from the format fails here, in every test
+    # that uses it, rather than in the one that happens to read the key it got wrong.
+    check_built(doc, "plan", f"hand plan {list(balance)}")
+    return doc
