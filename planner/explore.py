@@ -214,6 +214,17 @@ def _solve_cells(grid: _Grid, reference_step_s: float, progress) -> list[Cell]:
     done = 0
     total = (len({(s.stages, s.data_parallel) for s in grid.shapes}) * len(grid.micro_batches)
              * len(grid.schedules) * len(grid.recomputes))
+
+    def advance(shape: _Shape, M: int, schedule: str, recompute: str) -> None:
+        """One more cell done (a second placement of the same K x d counts once)."""
+        nonlocal done
+        if shape.later_placement:
+            return
+        done += 1
+        if progress:
+            progress(done, total, f"K={shape.stages} d={shape.data_parallel} M={M} {schedule} {recompute}"
+                     if grid.request.devices is not None else f"K={shape.stages} M={M} {schedule} {recompute}")
+
     for shape in sorted(grid.shapes, key=lambda s: (-s.stages, s.data_parallel)):
         K, d = shape.stages, shape.data_parallel
         replica_batch = batch // d
@@ -223,9 +234,9 @@ def _solve_cells(grid: _Grid, reference_step_s: float, progress) -> list[Cell]:
                 gpipe_partition = None
                 for schedule in sorted(grid.schedules, key=lambda s: s != "gpipe"):
                     skipped = _skip_reason(grid, shape, M, size, replica_batch, schedule)
-                    if skipped:
-                        # A cell that cannot run is noted, and not counted as progress.
+                    if skipped:   # a cell that cannot run is noted
                         cells.append(_note(K, M, size, schedule, recompute, skipped, d, shape.order))
+                        advance(shape, M, schedule, recompute)
                         continue
                     sol, fits, v = _solve_point(grid, shape, M, size, schedule, recompute, gpipe_partition, tables)
                     if sol is None and not _runs(schedule, K, M, profile.num_layers):
@@ -236,10 +247,7 @@ def _solve_cells(grid: _Grid, reference_step_s: float, progress) -> list[Cell]:
                                            data_parallel=d, order=shape.order))
                         if schedule == "gpipe" and sol is not None and fits:
                             gpipe_partition = sol.evaluation.bounds
-                    done += not shape.later_placement
-                    if progress and not shape.later_placement:
-                        progress(done, total, f"K={K} d={d} M={M} {schedule} {recompute}"
-                                 if grid.request.devices is not None else f"K={K} M={M} {schedule} {recompute}")
+                    advance(shape, M, schedule, recompute)
     return _in_grid_order(grid, _merge(cells))
 
 

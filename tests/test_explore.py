@@ -15,6 +15,8 @@ from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.profile import Profile
 from gpipe_plan.schedules import SCHEDULES
 
+from planner_helpers import profile_doc
+
 SIZES = [1, 2, 4, 8, 16]
 
 
@@ -253,3 +255,15 @@ def test_cli_devices_bad_input(tmp_path, args, message):
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
     assert not out.exists()
+
+
+def test_the_progress_reaches_its_total_when_cells_are_skipped() -> None:
+    """Cells that cannot run (more stages than layers, interleaved at K = 1) are noted, and
+    count as done: the bar ends full."""
+    calls: list[tuple[int, int]] = []
+    explore(Profile(profile_doc(4, batch_size=8)), stages=[1, 2, 6], micro_batches=[2, 4],
+            schedules=("gpipe", "interleaved"), recomputes=("never",), capacity=False,
+            progress=lambda done, total, what: calls.append((done, total)))
+    total = calls[-1][1]
+    assert total == 3 * 2 * 2 * 1
+    assert [done for done, _ in calls] == list(range(1, total + 1))
