@@ -690,6 +690,15 @@ REPORT_STAGE = Object({
     }), nullable=True)),
 })
 
+
+def report_chunks(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The report's chunks; a report before version 3 has none, and its stages (which carry the
+    times) are each one chunk on its own stage."""
+    if report.get("chunks") is not None:
+        return list(report["chunks"])
+    return [{**st, "stage": st.get("index")} for st in report.get("stages") or []]
+
+
 def timing_key(who: str, kind: str) -> str:
     """A report's time key: ``who`` (``measured`` or ``predicted``) x ``kind`` (``forward``,
     ``backward``, ``backward_input``, ``backward_weight``, ``optimizer``): ``measured_forward_s``.

@@ -49,7 +49,7 @@ from typing import Any
 from gpipe_plan.planner.costmodel import CostModel, Setting
 from gpipe_plan.planner.schedule import simulate_plan
 from gpipe_plan.planner.profile import Profile
-from gpipe_plan.runtime.report import report_chunks
+from gpipe_plan.schema import report_chunks
 
 from .common import (Ledger, cli, med, measured_or_saved, ms, publish, read_json, rng, run_plan,
                      scatter_svg, table, write_svg)

@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gpipe_plan.runtime.report import report_chunks
+from gpipe_plan.schema import report_chunks
 
 from .common import (BENCH_ENV, COLOURS, ROOT, Ledger, Others, bars_svg, cli, measured_or_saved, med, publish,
                      read_json, rng, run_plan, table, write_svg)

@@ -100,7 +100,7 @@ def report(path: str) -> None:
           f"{_ms(r['measured_step_s'])} / predicted {_ms(r['predicted_step_s'])}"
           + (f" = {ratio:.3f}" if ratio else "") + f"; {r['samples_per_s']:.1f} samples/s; "
           f"loss {r['loss']['first']:.3f} -> {r['loss']['last']:.3f}")
-    from gpipe_plan.runtime.report import report_chunks
+    from gpipe_plan.schema import report_chunks
 
     stages = []
     for s in ({**st, **ch} for st, ch in zip(r["stages"], report_chunks(r))):   # one chunk per stage

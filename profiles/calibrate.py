@@ -50,7 +50,8 @@ from typing import Any
 
 from ..artifacts import BadInput, file_sha256, precision_label, precision_of
 from ..plan_layout import plan_chunks
-from ..schema import PLAN_FORMAT, PROFILE_FORMAT, REPORT_FORMAT, check_built, read_artifact, timing_key, validate
+from ..schema import (PLAN_FORMAT, PROFILE_FORMAT, REPORT_FORMAT, check_built, read_artifact, report_chunks,
+                      timing_key, validate)
 from .overhead import measure_overhead, overheads_in_prediction
 
 # A stage measured this far from its prediction is more likely a broken run than a slowdown.
@@ -73,7 +74,7 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
         raise BadInput(f"'{report_path}' ran {precision_label(*ran)} but '{profile_path}' was measured "
                        f"{precision_label(*profiled)}: calibrate with the profile the run's plan was made from")
     _check_stages(report["stages"], report_path)
-    chunks = report_chunks(report, report_path)
+    chunks = chunks_with_layers(report, report_path)
     index = {layer["name"]: i for i, layer in enumerate(profile["layers"])}
     for unit in (*report["stages"], *chunks):
         missing = [name for name in unit["layers"] if name not in index]
@@ -171,7 +172,7 @@ SCALED = {
 }
 
 
-def report_chunks(report: dict[str, Any], report_path: str) -> list[dict[str, Any]]:
+def chunks_with_layers(report: dict[str, Any], report_path: str) -> list[dict[str, Any]]:
     """The report's chunks, each with its ``index``, ``stage``, ``layers``, predicted and measured
     forward and backward times, and ``what`` (how a message names it).
 
@@ -179,8 +180,8 @@ def report_chunks(report: dict[str, Any], report_path: str) -> list[dict[str, An
     names its layers; where one does not, they are taken from the plan the report names. Either
     way the chunks of each stage must hold that stage's layers.
     """
-    if not report.get("chunks"):
-        return [{**stage, "stage": stage["index"], "what": f"stage {stage['index']}"} for stage in report["stages"]]
+    if report.get("chunks") is None:
+        return [{**chunk, "what": f"stage {chunk['stage']}"} for chunk in report_chunks(report)]
     planned: list[dict[str, Any]] | None = None
     source = f"report '{report_path}'"
     if not all(chunk.get("layers") for chunk in report["chunks"]):

@@ -31,7 +31,7 @@ from rich.table import Table
 
 from ..artifacts import json_number
 from ..schedules import label as schedule_label
-from ..schema import CHUNK_TIME_KINDS, FORMAT_VERSIONS, REPORT_FORMAT, timing_key
+from ..schema import CHUNK_TIME_KINDS, FORMAT_VERSIONS, REPORT_FORMAT, report_chunks, timing_key
 from ..units import format_percent
 from ..speedprobe import profile_probe_s, speed_ratio
 from .plan import ChunkPlan, RunPlan
@@ -343,14 +343,6 @@ def sync_line(report: dict[str, Any]) -> str | None:
              for st in report.get("stages") or []]
     return (f"{d} replicas, gradient sync ({report.get('gradient_sync')}) per step in ms (measured / predicted): "
             + ", ".join(parts))
-
-
-def report_chunks(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """The report's chunks; a report before version 3 has none, and its stages (which carry the
-    times) are each one chunk on its own stage."""
-    if report.get("chunks") is not None:
-        return list(report["chunks"])
-    return [{**st, "stage": st.get("index")} for st in report.get("stages") or []]
 
 
 def step_line(report: dict[str, Any]) -> str:
