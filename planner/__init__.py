@@ -6,12 +6,15 @@ Read it in this order:
 - :mod:`.costmodel`  what one chunk and one stage cost in time and memory;
 - :mod:`.schedule`   how long a step takes: GPipe's closed form, and one event simulator that
                      plays out any schedule's action lists (gpipe_plan/schedules.py);
+- :mod:`.objective`  what every solver minimises (a partition's step time), and when a plan is
+                     proven optimal;
 - :mod:`.dp`         the exact GPipe solver (thresholds, probes, branch and bound);
 - :mod:`.onefoneb`   the 1F1B solver (per-stage lower bounds, branch and bound);
 - :mod:`.chunked`    the solver for interleaved, zb-h1 and zb-v (branch and bound over chunk cuts);
 - :mod:`.ilp`        the same problem as an integer linear programme (pulp/CBC);
 - :mod:`.brute`      every cut into chunks, for the tests;
-- :mod:`.search`     the search over micro-batch counts, schedules and recomputation;
+- :mod:`.search`     the search over micro-batch counts, schedules and recomputation
+                     (:mod:`.budgets` its default time budgets, :mod:`.replicas` over devices);
 - :mod:`.plan`       the plan document; :mod:`.render` and :mod:`.timeline` show it;
 - :mod:`.pipedream`  import PipeDream's profiled graphs; :mod:`.baselines` the usual heuristics.
 """

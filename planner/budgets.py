@@ -1,8 +1,8 @@
 """How long the planner searches by default, in wall-clock seconds: one home for the defaults.
 
 Every solver is an anytime search: when its budget runs out it returns the best plan found,
-with its gap to a proven lower bound, so a budget trades planning time for optimality, never
-for a plan. ``solve --time-budget`` is shared by all the settings (stages x micro-batches x
+with its gap to a proven lower bound, so a budget trades planning time for proven optimality:
+a plan always comes back. ``solve --time-budget`` is shared by all the settings (stages x micro-batches x
 schedules) one solve tries; ``explore --time-budget`` is per cell of its grid, which holds
 many; a solver built without a budget (tests, benchmarks) gets its own.
 
