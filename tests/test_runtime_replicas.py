@@ -3,8 +3,9 @@
 A plan of format 6 with ``data_parallel`` d runs d copies of its pipeline; replica r trains on
 its 1/d of each step's batch and the replicas of each stage average their gradients (ddp) before
 the optimizer. The result must be the unsplit model's training on the whole batch: the tests
-compare with :func:`test_runtime_multiproc.unsplit_training`, the one reference. Until
-``solve`` writes such plans, :func:`data_parallel_plan` adds the version-6 keys to a hand plan.
+compare with :func:`test_runtime_multiproc.unsplit_training`, the one reference.
+:func:`data_parallel_plan` adds the version-6 keys to a hand plan, so that no test here depends
+on what ``solve`` chooses.
 4-process runs are slow on 2 cores: the models are tiny, the steps few, and the trainings
 that need no launcher share one group of 4 ranks.
 """
@@ -19,9 +20,12 @@ from typing import Any, Sequence
 import pytest
 import torch
 
-from gpipe_plan.artifacts import BadInput, write_json_atomic
-from handplan import hand_plan
+from gpipe_plan.artifacts import BadInput
+from gpipe_plan.planner.replicas import rank_grid
 from gpipe_plan.runtime.plan import load_plan
+
+from handplan import hand_plan
+from planner_helpers import write_json
 
 from test_runtime_multiproc import GPT, LR, assert_same_parameters, gpipe_plan, run_in_one_group, unsplit_training
 
@@ -39,7 +43,7 @@ def data_parallel_plan(spec: dict[str, Any], balance: Sequence[int], replicas: i
     doc = hand_plan(spec, balance, micro_batches=micro_batches, micro_batch_size=micro_batch_size, schedule=schedule)
     K, d = len(doc["stages"]), replicas
     if ranks is None:
-        ranks = [[r * K + k if order == "pipeline-inner" else k * d + r for r in range(d)] for k in range(K)]
+        ranks = [list(row) for row in rank_grid(K, d, order)]
     doc["data_parallel"] = d
     doc["gradient_sync"] = gradient_sync
     doc["global_batch_size"] = d * micro_batches * micro_batch_size
@@ -48,15 +52,9 @@ def data_parallel_plan(spec: dict[str, Any], balance: Sequence[int], replicas: i
     return doc
 
 
-def write_plan(folder: Path, name: str, doc: dict[str, Any]) -> Path:
-    path = folder / name
-    write_json_atomic(path, doc)
-    return path
-
-
 # ---------------------------------------------------------------------- reading the plan
 def test_a_data_parallel_plan_reads_its_placement(tmp_path: Path) -> None:
-    plan = load_plan(write_plan(tmp_path, "p.json", data_parallel_plan(GPT, [2, 2], 2, 2, 2, order="data-inner")))
+    plan = load_plan(write_json(tmp_path / "p.json", data_parallel_plan(GPT, [2, 2], 2, 2, 2, order="data-inner")))
     assert (plan.data_parallel, plan.world_size, plan.replica_batch_size) == (2, 4, 4)
     assert plan.stage_ranks(0) == [0, 1] and plan.replica_ranks(1) == [1, 3]
     assert plan.position_of(3) == (1, 1) and plan.position_of(2) == (1, 0)
@@ -66,13 +64,13 @@ def test_a_batch_that_does_not_split_over_the_replicas_is_refused(tmp_path: Path
     doc = data_parallel_plan(GPT, [2, 2], 2, 2, 2)
     doc["global_batch_size"] = 4   # one replica's worth: 2 replicas x 2 x 2 need 8
     with pytest.raises(BadInput, match="data_parallel 2 x micro_batches 2 x micro_batch_size 2 must equal"):
-        load_plan(write_plan(tmp_path, "p.json", doc))
+        load_plan(write_json(tmp_path / "p.json", doc))
 
 
 def test_world_size_must_be_stages_times_replicas(tmp_path: Path) -> None:
     from gpipe_plan.runtime.distributed import World, check_world
 
-    plan = load_plan(write_plan(tmp_path, "p.json", data_parallel_plan(GPT, [2, 2], 2, 2, 2)))
+    plan = load_plan(write_json(tmp_path / "p.json", data_parallel_plan(GPT, [2, 2], 2, 2, 2)))
     assert check_world(World(0, 4, 0, 4, "gpipe-plan"), plan) == []
     with pytest.raises(BadInput, match=r"2 stages x 2 replicas = 4 ranks but 2 processes.*x\*y = 4"):
         check_world(World(0, 2, 0, 2, "torchrun"), plan)
@@ -105,7 +103,7 @@ def test_one_replica_makes_no_mesh_and_syncs_nothing(tmp_path: Path) -> None:
     from gpipe_plan.runtime.distributed import replicas_of
     from gpipe_plan.runtime.replicas import NoSync, make_gradient_sync
 
-    plan = load_plan(write_plan(tmp_path, "p.json", hand_plan(GPT, [2, 2], micro_batches=2, micro_batch_size=2)))
+    plan = load_plan(write_json(tmp_path / "p.json", hand_plan(GPT, [2, 2], micro_batches=2, micro_batch_size=2)))
     one = replicas_of(plan, 1, torch.device("cpu"))   # no process group needed: nothing is built
     assert (one.stage, one.replica, one.pp_ranks, one.dp_ranks, one.mesh) == (1, 0, (0, 1), (1,), None)
     assert isinstance(make_gradient_sync("ddp", 1, None, None, torch.device("cpu")), NoSync)
@@ -134,17 +132,17 @@ def group_runs(workdir: Path) -> dict[str, Any]:
     jobs = []
     for i, (schedule, executor, order, clip) in enumerate(CASES):
         placement = {"ranks": order, "order": "pipeline-inner"} if isinstance(order, list) else {"order": order}
-        plan = write_plan(workdir, f"plan-{i}.json", data_parallel_plan(GPT, [2, 2], 2, 2, 2, schedule=schedule,
+        plan = write_json(workdir / f"plan-{i}.json", data_parallel_plan(GPT, [2, 2], 2, 2, 2, schedule=schedule,
                                                                         **placement))
         jobs.append({"plan": str(plan), "steps": STEPS, "lr": LR, "optimizer": "adam", "executor": executor,
                      "grad_clip": clip, "save": str(workdir / f"model-{i}.pt"),
                      "report": str(workdir / f"report-{i}.json"), "quiet": True})
     # The uninterrupted run the kill-and-resume test compares with, bit for bit.
-    full = {"plan": str(write_plan(workdir, "full.json", data_parallel_plan(GPT, [2, 2], 2, 2, 2))),
+    full = {"plan": str(write_json(workdir / "full.json", data_parallel_plan(GPT, [2, 2], 2, 2, 2))),
             "steps": 4, "save": str(workdir / "full.pt"), "quiet": True}
     # fsdp: 2 steps checkpointed, then resumed to 4 (parameters and Adam's moments are DTensor
     # shards: DCP saves and loads them shard by shard).
-    sharded = str(write_plan(workdir, "fsdp.json", data_parallel_plan(GPT, [2, 2], 2, 2, 2, gradient_sync="fsdp")))
+    sharded = str(write_json(workdir / "fsdp.json", data_parallel_plan(GPT, [2, 2], 2, 2, 2, gradient_sync="fsdp")))
     folder = str(workdir / "fsdp-ckpt")
     fsdp_jobs = [{"plan": sharded, "steps": 2, "checkpoint_dir": folder, "save": str(workdir / "fsdp-half.pt"),
                   "quiet": True},
@@ -177,10 +175,10 @@ def test_report_measures_each_stages_gradient_sync(group_runs: dict[str, Any]) -
     report = json.loads(Path(group_runs["jobs"][0]["report"]).read_text())
     assert report["version"] == 4 and report["data_parallel"] == 2 and report["gradient_sync"] == "ddp"
     assert report["global_batch_size"] == 8 and report["run"]["ranks"] == 4
+    assert sorted(r["rank"] for s in report["stages"] for r in s["replicas"]) == [0, 1, 2, 3]
     for stage in report["stages"]:
         assert stage["measured_gradient_sync_s"] > 0
         assert [r["replica"] for r in stage["replicas"]] == [0, 1]
-        assert sorted(r["rank"] for s in report["stages"] for r in s["replicas"]) == [0, 1, 2, 3]
         # The native executor times its waits; the loss and norm exchange is the step's other time.
         assert stage["measured_wait_s"] is not None and stage["measured_other_s"] > 0
     # The slowest stage's sync, predicted beside measured; what the syncs add apart from it.
@@ -210,8 +208,7 @@ def test_a_killed_rank_stops_all_four_and_the_resumed_run_is_exact(workdir: Path
     assert time.monotonic() - started < 60 + 30   # 60 s to stop, plus starting 4 ranks on 2 cores
     assert killed.returncode == 1
     errors = [line for line in killed.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: rank 3 was killed by SIGKILL; stopped all 4 ranks"] or \
-        (len(errors) == 1 and "rank 3 was killed by SIGKILL" in errors[0]), killed.stderr
+    assert len(errors) == 1 and "rank 3 was killed by SIGKILL" in errors[0], killed.stderr
     assert not (folder / "never.pt").exists()
     assert sorted(p.name for p in (folder / "ckpt").iterdir()) == ["step-00000002"]
 
