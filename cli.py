@@ -290,7 +290,7 @@ def calibrate(report: str, profile_path: str | None, out: str | None, speed_corr
     from .artifacts import check_output_paths
     from .profiles.command_calibrate import calibrate_command
 
-    check_output_paths({"--out": out}, inputs=(report,))
+    check_output_paths({"--out": out}, inputs=(report,) + ((profile_path,) if profile_path else ()))
     calibrate_command(report, profile_path, out, speed_correction=speed_correction)
 
 

@@ -115,6 +115,17 @@ def test_calibrate_refuses_a_report_of_another_model_or_a_broken_run(files):
     assert result.exit_code == 2 and "does not exist" in result.output
 
 
+def test_calibrate_never_writes_over_the_profile_it_reads(files):
+    """The plan names its profile by SHA-256: calibrating in place would orphan every plan made from it."""
+    tmp, profile, plan = files
+    report = tmp / "report.json"
+    report.write_text(json.dumps(report_doc(plan, [1.3, 1.1], [1.2, 1.5], speed_ratio=None)))
+    before = profile.read_text()
+    result = CliRunner().invoke(main, ["calibrate", str(report), "--profile", str(profile), "--out", str(profile)])
+    assert result.exit_code == 2 and "--out" in result.output and len(result.output.strip().splitlines()) == 1
+    assert profile.read_text() == before
+
+
 def chunked_run(tmp: Path, forward_factor: list[float], backward_factor: list[float]) -> tuple[Path, Path, dict]:
     """A zb-v plan of the test profile (2 stages, 4 chunks of one layer: stage 0 holds chunks 0
     and 3) and a version-3 report of a run in which chunk c ran its forward ``forward_factor[c]``
