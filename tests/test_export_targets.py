@@ -16,7 +16,7 @@ import torch
 
 from gpipe_plan.models import build_model, model_spec
 from gpipe_plan.planner.export.expressible import nearest_split
-from gpipe_plan.planner.export.to_deepspeed import partition_uniform
+from gpipe_plan.planner.baselines import uniform
 from handplan import hand_plan
 
 from planner_helpers import cli
@@ -150,10 +150,10 @@ def test_nearest_split_moves_each_cut_to_the_closest_allowed_place() -> None:
 
 
 def test_deepspeed_uniform_is_deepspeeds_own_rule() -> None:
-    # deepspeed.runtime.utils.partition_uniform's boundaries, as layers per stage.
-    assert partition_uniform(10, 4) == [3, 3, 2, 2]
-    assert partition_uniform(8, 4) == [2, 2, 2, 2]
-    assert partition_uniform(3, 4) == [1, 1, 1, 0]
+    # deepspeed.runtime.utils.partition_uniform's boundaries (layers per stage [3, 3, 2, 2], ...).
+    assert uniform(10, 4) == (0, 3, 6, 8, 10)
+    assert uniform(8, 4) == (0, 2, 4, 6, 8)
+    assert uniform(3, 4) == (0, 1, 2, 3, 3)
 
 
 def test_deepspeed_says_what_it_cannot_express(user_dir: Path) -> None:
@@ -281,3 +281,16 @@ def test_a_zb_v_plan_is_not_exact_in_megatron(user_dir: Path) -> None:
                                                    schedule="zb-v"))
     result = cli("export", plan, "--to", "megatron")
     assert result.exit_code == 0 and "not exact" in result.output and "places chunks in a V" in result.output
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adamw"])
+def test_the_torch_script_trains_with_the_plans_optimizer(user_dir: Path, optimizer: str) -> None:
+    """The plan keeps its optimizer in ``options.optimizer``, as run reads it; the script makes the same one."""
+    doc = hand_plan(GPT, [3, 3], micro_batches=2, micro_batch_size=2)
+    doc["options"]["optimizer"] = optimizer
+    plan = write(user_dir / "plan.json", doc)
+    assert cli("export", plan, "--to", "torch", "--out", "train.py").exit_code == 0
+    text = Path("train.py").read_text()
+    assert f"OPTIMIZER = {optimizer!r}" in text
+    made = re.search(r"make = (\{.*?\})\[OPTIMIZER\]", text, re.S)
+    assert made and f'"{optimizer}"' in made.group(1)

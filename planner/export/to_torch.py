@@ -79,7 +79,7 @@ def export(view: PlanView, out: str) -> Exported:
         split_spec=pprint.pformat(spec, width=110) if spec is not None else "None",
         schedule=view.schedule, schedule_class=repr(schedule_class), csv=to_csv(view.actions()).strip(),
         micro_batches=view.micro_batches, micro_batch_size=view.micro_batch_size,
-        batch=view.micro_batches * view.micro_batch_size, optimizer=repr(view.doc.get("optimizer") or "adam"))
+        batch=view.micro_batches * view.micro_batch_size, optimizer=repr((view.doc.get("options") or {}).get("optimizer") or "adam"))
     return Exported("torch", {out: text}, exact=True, notes=notes,
                     summary=f"torch: a script for torchrun --nproc-per-node {view.stages}, {len(view.chunks)} "
                             f"PipelineStages, {view.schedule} from its action lists, n_microbatches "
@@ -224,7 +224,9 @@ def main():
         schedule._load_csv(path)
 
     parameters = [p for m in modules for p in m.parameters()]
-    make = {{"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}}.get(OPTIMIZER, torch.optim.Adam)
+    # The plan's optimizer, as gpipe-plan run makes it (runtime/optim.py).
+    make = {{"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
+             "momentum": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9)}}[OPTIMIZER]
     optimizer = make(parameters, lr=args.lr)
     holds_first = any(chunk["index"] == 0 and chunk["rank"] == rank for chunk in CHUNKS)
     holds_last = any(chunk["index"] == len(CHUNKS) - 1 and chunk["rank"] == rank for chunk in CHUNKS)
