@@ -163,7 +163,7 @@ def placement_ranks(doc: dict[str, Any], where: str) -> list[list[int]]:
 
 
 def check_replicas(doc: dict[str, Any], where: str) -> list[list[int]]:
-    """The cross-key checks of plan format 6 for readers that take the plan whole (``show``):
+    """The cross-key checks of plan format 6 for readers that take the plan whole (``run``, ``show``, ``export``):
     the batch splits evenly (``global_batch_size == data_parallel * micro_batches *
     micro_batch_size``: each replica runs M micro-batches of that size) and the placement is a
     permutation of the ranks (:func:`placement_ranks`, which it returns)."""

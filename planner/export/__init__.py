@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...artifacts import BadInput, check_output_paths, write_text_atomic
-from .schedule_csv import ExportedSchedule, describe, export_schedule_csv, plan_actions
+from .schedule_csv import ExportedSchedule, describe, export_schedule_csv
 
 TARGETS = ("torch", "torchtitan", "megatron", "deepspeed")
 DEFAULT_SUFFIX = {"torch": ".py", "torchtitan": ".toml", "megatron": ".args", "deepspeed": ".json"}
 
 __all__ = ["TARGETS", "Exported", "ExportedSchedule", "describe", "describe_export", "export_plan",
-           "export_schedule_csv", "plan_actions"]
+           "export_schedule_csv"]
 
 
 @dataclass

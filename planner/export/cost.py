@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...artifacts import file_sha256
+from .expressible import bounds_of
 from .view import PlanView
 
 
@@ -40,26 +41,17 @@ def predicted_cost(view: PlanView, balance: list[int]) -> SplitCost:
     from .setting import plan_setting
 
     profile: Profile = load_profile(str(profile_path))
-    setting, micro_batch_size = plan_setting(view, profile)
-    cm = CostModel(profile.at(micro_batch_size), setting)
+    cm = CostModel(profile.at(view.micro_batch_size), plan_setting(view))
     recompute = [any(c.recompute for c in view.chunks_of_stage(k)) for k in range(view.stages)]
     # The rebuilt model must price the plan's own split as the plan did, or its price of
     # another split means nothing.
-    own = evaluate(cm, _bounds(view.balance), recompute)
+    own = evaluate(cm, bounds_of(view.balance), recompute)
     if view.step_s is None or not math.isclose(own.step_s, view.step_s, rel_tol=1e-9):
         return SplitCost(None, None, None, "its cost is unknown: the plan's setting could not be rebuilt from the "
                                            "plan and its profile (solve the profile again)")
-    ev = evaluate(cm, _bounds(balance), recompute)
+    ev = evaluate(cm, bounds_of(balance), recompute)
     return SplitCost(ev.step_s if math.isfinite(ev.step_s) else None, ev.peak_memory_bytes, bool(ev.fits),
                      f"predicted from the profile '{profile_path}'")
-
-
-def _bounds(balance: list[int]) -> list[int]:
-    """Layers per chunk as chunk boundaries: [2, 3] -> [0, 2, 5]."""
-    bounds = [0]
-    for count in balance:
-        bounds.append(bounds[-1] + count)
-    return bounds
 
 
 def _profile_path(view: PlanView) -> Path | None:

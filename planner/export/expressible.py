@@ -15,13 +15,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
+def bounds_of(balance: Sequence[int]) -> list[int]:
+    """Layers per chunk as chunk boundaries: ``[2, 3]`` -> ``[0, 2, 5]`` (chunk c holds layers
+    ``bounds[c]`` to ``bounds[c + 1] - 1``)."""
+    bounds = [0]
+    for count in balance:
+        bounds.append(bounds[-1] + count)
+    return bounds
+
+
 def cuts_of(balance: Sequence[int]) -> list[int]:
     """The layer index each chunk after the first starts at: ``[4, 2]`` cuts at ``[4]``."""
-    cuts, first = [], 0
-    for count in balance[:-1]:
-        first += count
-        cuts.append(first)
-    return cuts
+    return bounds_of(balance)[1:-1]
 
 
 def balance_of(cuts: Sequence[int], layers: int) -> list[int]:

@@ -14,13 +14,11 @@ rank must hold the same chunks as the plan's stage (``stages[k].chunks``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from ...artifacts import check_output_paths, write_text_atomic
-from ...plan_layout import plan_chunks, virtual_stages
 from ...schedules import label as schedule_label
-from ...schedules import Action, all_actions, to_csv
-from ...schema import PLAN_FORMAT, read_artifact, validate
+from ...schedules import to_csv
+from .view import read_plan
 
 
 @dataclass(frozen=True)
@@ -37,25 +35,17 @@ class ExportedSchedule:
     kinds: tuple[str, ...]          # the kinds of action the file holds, F B or F I W
 
 
-def plan_actions(plan: dict[str, Any], where: str) -> list[list[Action]]:
-    """Every stage's action list for the plan (checked first: its chunks and schedule must fit)."""
-    plan_chunks(plan, where)
-    return all_actions(plan["schedule"], len(plan["stages"]), plan["micro_batches"], virtual_stages(plan))
-
-
 def export_schedule_csv(plan_path: str, csv_path: str) -> ExportedSchedule:
     """Write the plan's schedule as torch's compute-only CSV, atomically; raise
     :class:`~gpipe_plan.artifacts.BadInput` (nothing written) when the plan is not one to export."""
     check_output_paths({"--schedule-csv": csv_path}, inputs=(plan_path,))
-    plan = read_artifact(plan_path, PLAN_FORMAT)
-    where = f"plan '{plan_path}'"
-    validate(plan, "plan", where)
-    actions = plan_actions(plan, where)
+    view = read_plan(plan_path)
+    actions = view.actions()
     write_text_atomic(csv_path, to_csv(actions))
     kinds = {a.kind for row in actions for a in row}
     return ExportedSchedule(
-        path=csv_path, schedule=plan["schedule"], virtual_stages=virtual_stages(plan), stages=len(actions),
-        chunks=len(plan.get("chunks") or plan["stages"]), micro_batches=plan["micro_batches"],
+        path=csv_path, schedule=view.schedule, virtual_stages=view.virtual_stages, stages=len(actions),
+        chunks=len(view.chunks), micro_batches=view.micro_batches,
         actions=sum(len(row) for row in actions), kinds=tuple(k for k in "FBIW" if k in kinds))
 
 

@@ -13,12 +13,11 @@ from typing import Any
 
 from ...artifacts import json_number
 from ..costmodel import Setting
-from ..profile import Profile
 from .view import PlanView
 
 
-def plan_setting(view: PlanView, profile: Profile) -> tuple[Setting, int]:
-    """(the plan's Setting, its micro-batch size per replica)."""
+def plan_setting(view: PlanView) -> Setting:
+    """The plan's Setting."""
     options: dict[str, Any] = view.doc.get("options") or {}
     placement: dict[str, Any] = view.doc.get("placement") or {}
     # What the pipeline's sends were charged: the placement's (format 6), else the link.
@@ -26,7 +25,7 @@ def plan_setting(view: PlanView, profile: Profile) -> tuple[Setting, int]:
         "pipeline_bandwidth_bytes_per_s": options.get("link_bandwidth_bytes_per_s"),
         "pipeline_latency_s": options.get("link_latency_s")}
     limit = options.get("memory_limit_bytes")
-    setting = Setting(
+    return Setting(
         stages=view.stages, micro_batches=view.micro_batches, schedule=view.schedule,
         recompute=str(options.get("recompute") or "auto"),
         memory_limit_bytes=json_number(limit),
@@ -41,7 +40,6 @@ def plan_setting(view: PlanView, profile: Profile) -> tuple[Setting, int]:
         sync_latency_s=float(placement.get("sync_latency_s") or 0.0),
         gradient_sync=view.gradient_sync,
     )
-    return setting, view.micro_batch_size
 
 
 def _bandwidth(value: Any) -> float:

@@ -25,17 +25,10 @@ import json
 from pathlib import Path
 
 from ...artifacts import BadInput
+from ..baselines import uniform as uniform_bounds
 from . import Exported
+from .expressible import balance_of, bounds_of
 from .view import PlanView
-
-
-def partition_uniform(num_items: int, num_parts: int) -> list[int]:
-    """DeepSpeed's ``uniform`` rule (``deepspeed.runtime.utils.partition_uniform``) as layers per
-    stage: equal shares, the first ``num_items mod num_parts`` stages one layer more."""
-    if num_items <= num_parts:
-        return [1 if p < num_items else 0 for p in range(num_parts)]
-    share, extra = divmod(num_items, num_parts)
-    return [share + (1 if p < extra else 0) for p in range(num_parts)]
 
 
 def export(view: PlanView, out: str) -> Exported:
@@ -43,7 +36,9 @@ def export(view: PlanView, out: str) -> Exported:
         raise BadInput(f"plan '{view.path}': DeepSpeed's pipeline holds one chunk per stage; this plan's {view.schedule} "
                        f"holds {view.virtual_stages}: solve with --schedule 1f1b (or gpipe) to export to DeepSpeed")
     balance = view.balance
-    uniform = partition_uniform(sum(balance), view.stages)
+    # DeepSpeed's 'uniform' (deepspeed.runtime.utils.partition_uniform) gives the same boundaries.
+    by_bounds = uniform_bounds(sum(balance), view.stages)
+    uniform = balance_of(by_bounds[1:-1], by_bounds[-1])
     by_rule = balance == uniform          # partition_method 'uniform' says the plan's balance
     notes: list[str] = []
     if view.schedule != "1f1b":
@@ -61,9 +56,7 @@ def export(view: PlanView, out: str) -> Exported:
         flags = [chunk.recompute for chunk in view.chunks]
         notes.append(f"recomputation is per stage in the plan ({flags}); DeepSpeed's activation_checkpoint_interval "
                      f"applies to every stage alike")
-    parts = [0]
-    for count in balance:
-        parts.append(parts[-1] + count)
+    parts = bounds_of(balance)
     config = {
         "train_batch_size": view.global_batch_size,
         "train_micro_batch_size_per_gpu": view.micro_batch_size,

@@ -24,7 +24,7 @@ import re
 
 from ...artifacts import BadInput
 from . import Exported
-from .expressible import cuts_of, nearest_split
+from .expressible import bounds_of, nearest_split
 from .view import PlanView
 
 # A decoder layer's module name: a numbered child of a list of layers.
@@ -62,17 +62,22 @@ def _decoder_number(module: str | None) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def _chunk_parts(balance: list[int], parts: list[tuple[str, int]]) -> list[list[tuple[str, int]]]:
+    """Per chunk of ``balance`` layers, the parts of its layers."""
+    bounds = bounds_of(balance)
+    return [parts[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
 def layout(balance: list[int], parts: list[tuple[str, int]]) -> str:
     """The layout string of chunks holding ``balance`` layers, in Megatron's symbols."""
-    stages, first = [], 0
-    for count in balance:
+    stages = []
+    for chunk in _chunk_parts(balance, parts):
         symbols, previous = [], None
-        for part in parts[first:first + count]:
+        for part in chunk:
             if part != previous:
                 symbols.append(part[0])
             previous = part
         stages.append(_compress("".join(symbols)))
-        first += count
     return "|".join(stages)
 
 
@@ -86,16 +91,15 @@ def export(view: PlanView, out: str) -> Exported:
     allowed = [i for i in range(1, len(parts)) if parts[i] != parts[i - 1]]
     balance = view.balance
     notes: list[str] = []
-    exported = balance
-    if not all(cut in allowed for cut in cuts_of(balance)):
-        nearest = nearest_split(balance, allowed)
-        if nearest is None:
-            raise BadInput(f"plan '{view.path}': Megatron cannot cut this model into {len(balance)} chunks at its "
-                           f"embedding, decoder-layer and output boundaries; solve with fewer stages")
-        changed = [c for c, (a, b) in enumerate(zip(balance, nearest)) if a != b]
+    # The plan's own balance when every cut is one Megatron can make.
+    exported = nearest_split(balance, allowed)
+    if exported is None:
+        raise BadInput(f"plan '{view.path}': Megatron cannot cut this model into {len(balance)} chunks at its "
+                       f"embedding, decoder-layer and output boundaries; solve with fewer stages")
+    if exported != balance:
+        changed = [c for c, (a, b) in enumerate(zip(balance, exported)) if a != b]
         notes.append(f"chunks {changed} cut inside a part Megatron keeps whole (embedding, decoder layer, output): "
-                     f"exported the nearest split it can express, {nearest} layers per chunk instead of {balance}")
-        exported = nearest
+                     f"exported the nearest split it can express, {exported} layers per chunk instead of {balance}")
     if view.schedule not in ("1f1b", "interleaved"):
         notes.append(f"Megatron has no {view.schedule} schedule: it runs this balance with 1F1B"
                      + (" (interleaved over the chunks)" if view.virtual_stages > 1 else ""))
@@ -106,9 +110,10 @@ def export(view: PlanView, out: str) -> Exported:
     if placement:
         notes.append(placement)
     decoder_layers = len({n for kind, n in parts if kind == "t"})
+    exported_layout = layout(exported, parts)
     args = [f"--pipeline-model-parallel-size {view.stages}",
             f"--num-layers {decoder_layers}",
-            f"--pipeline-model-parallel-layout \"{layout(exported, parts)}\""]
+            f"--pipeline-model-parallel-layout \"{exported_layout}\""]
     if view.virtual_stages > 1:
         args.append(f"--num-virtual-stages-per-pipeline-rank {view.virtual_stages}")
     args += [f"--micro-batch-size {view.micro_batch_size}", f"--global-batch-size {view.global_batch_size}"]
@@ -121,7 +126,7 @@ def export(view: PlanView, out: str) -> Exported:
     # The same split, and each rank the same chunks in the same order as the plan's.
     exact = exported == balance and view.schedule != "zb-v" and not placement
     return Exported("megatron", {out: text}, exact=exact, notes=notes, exported_balance=exported,
-                    summary=f"megatron: {view.stages} pipeline ranks, layout {layout(exported, parts)}")
+                    summary=f"megatron: {view.stages} pipeline ranks, layout {exported_layout}")
 
 
 def _without_layout(balance: list[int], parts: list[tuple[str, int]], virtual_stages: int) -> list[str]:
@@ -144,17 +149,8 @@ def _without_layout(balance: list[int], parts: list[tuple[str, int]], virtual_st
 
 def _part_chunks(balance: list[int], parts: list[tuple[str, int]], kind: str) -> set[int]:
     """The chunks holding layers of the part ``kind``."""
-    chunks, first = set(), 0
-    for c, count in enumerate(balance):
-        if any(p[0] == kind for p in parts[first:first + count]):
-            chunks.add(c)
-        first += count
-    return chunks
+    return {c for c, chunk in enumerate(_chunk_parts(balance, parts)) if any(p[0] == kind for p in chunk)}
 
 
 def _decoder_layers_per_chunk(balance: list[int], parts: list[tuple[str, int]]) -> list[int]:
-    counts, first = [], 0
-    for count in balance:
-        counts.append(len({n for kind, n in parts[first:first + count] if kind == "t"}))
-        first += count
-    return counts
+    return [len({n for kind, n in chunk if kind == "t"}) for chunk in _chunk_parts(balance, parts)]

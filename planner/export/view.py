@@ -35,7 +35,6 @@ class ExportChunk:
     stage: int
     layers: tuple[str, ...]
     modules: tuple[str | None, ...]    # per layer: the unsplit model's module name, None if not one module
-    first_layer: int
     recompute: bool
 
 
@@ -108,7 +107,7 @@ def read_plan(path: str) -> PlanView:
     for item, entry in zip(raw, doc.get("chunks") or doc["stages"]):
         layers = tuple(item["layers"])
         chunks.append(ExportChunk(item["index"], item["stage"], layers, _modules(entry, layers, model, where),
-                                  item["first_layer"], bool(item["recompute"])))
+                                  bool(item["recompute"])))
     placement = doc.get("placement") if isinstance(doc.get("placement"), dict) else {}
     return PlanView(path=path, doc=doc, model=model, schedule=doc["schedule"], stages=len(doc["stages"]),
                     virtual_stages=virtual_stages(doc), micro_batches=int(doc["micro_batches"]),
