@@ -134,8 +134,8 @@ class LayeredModel:
         ``m``'s parameters (a captured Hugging Face block, ``model.layers.3``). A piece of a
         captured graph, or a module reused under another name (``relu_1``), is none.
         """
-        by_id = {id(m): path for path, m in self.module.named_modules() if path}
         paths = dict(self.module.named_modules())
+        by_id = {id(m): path for path, m in paths.items() if path}
         names: list[str | None] = []
         for name, layer in self.layers:
             inner = getattr(layer, "module", None)      # AsTuple's wrapped module

@@ -95,8 +95,6 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
     def ratio_of(unit: dict[str, Any], kind: str, predicted: float | None, what: str) -> float | None:
         """The unit's measured / predicted ``kind`` time with the drift divided out (None: not measured)."""
         measured = unit.get(timing_key("measured", kind))
-        if predicted and kind != "optimizer":
-            predicted -= overhead_predicted * overheads_in_prediction(report.get("schedule"), kind)
         if not measured or not predicted or predicted <= 0:
             return None
         ratio = measured / drift / predicted
@@ -131,7 +129,10 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
     for chunk in chunks:
         entry = {"chunk": chunk["index"], "stage": chunk["stage"], "layers": chunk["layers"]}
         for kind in ("forward", "backward"):
-            ratio = ratio_of(chunk, kind, chunk.get(timing_key("predicted", kind)), chunk["what"])
+            predicted = chunk.get(timing_key("predicted", kind))
+            if predicted:
+                predicted -= overhead_predicted * overheads_in_prediction(report.get("schedule"), kind)
+            ratio = ratio_of(chunk, kind, predicted, chunk["what"])
             if ratio is None:
                 continue
             scale = shrink(ratio, spread)

@@ -191,18 +191,23 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
     optimizer_s = [measured[walk.measured_as[i]].optimizer_s for i in range(len(model.layers))]
 
     probes = [probe_before, speed_probe_s(device.type)]
-    link = None
-    if request.measure_link:
-        from .link import measure_link
-
-        progress.step("link: ping-pong and all-reduce")
-        link = measure_link(device)
+    link = _measure_link(request, progress)
     doc = _document(model, request, sizes, per_size, steps, harnesses, recompute_harnesses, split_harnesses,
                     [tensor_bytes(inputs) for inputs, _ in batches], optimizer_s, link)
     for entry, rep in zip(doc["layers"], walk.measured_as):
         entry["measured_as"] = None if model.layers[rep][0] == entry["name"] else model.layers[rep][0]
     doc["measurement"]["shared_figures"] = request.share_figures
     return _finish(doc, request, progress, probes, context_bytes, whole, True, contention)
+
+
+def _measure_link(request: ProfileRequest, progress: Progress) -> dict[str, Any] | None:
+    """The link's ping-pong and all-reduce figures where the request asks for them (both methods), else None."""
+    if not request.measure_link:
+        return None
+    from .link import measure_link
+
+    progress.step("link: ping-pong and all-reduce")
+    return measure_link(request.device)
 
 
 def _finish(doc: dict[str, Any], request: ProfileRequest, progress: Progress, probes: list[float],
@@ -270,12 +275,7 @@ def _profile_in_memory(model: LayeredModel, request: ProfileRequest, progress: P
     optimizer_s = [optimizer_step_s(_distinct(layer.parameters()), clock, request.warmup, request.repeats)
                    for _, layer in model.layers]
     probes = [probe_before, speed_probe_s(device.type)]
-    link = None
-    if request.measure_link:
-        from .link import measure_link
-
-        progress.step("link: ping-pong and all-reduce")
-        link = measure_link(device)
+    link = _measure_link(request, progress)
     doc = _document(model, request, sizes, [p.figures for p in prepared], [p.step for p in prepared],
                     [p.harness for p in prepared],
                     [p.recompute_harness for p in prepared if p.recompute_harness is not None],

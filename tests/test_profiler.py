@@ -26,6 +26,7 @@ from gpipe_plan.profiles.profiler import ProfileRequest, default_sizes, profile_
 from gpipe_plan.profiles.show import render_profile
 from gpipe_plan.schema import FORMAT_VERSIONS, PROFILE_FORMAT, read_artifact, validate
 
+from planner_helpers import profile_doc
 from user_models import SKIP_NET
 
 FAST = ["--warmup", "0", "--repeats", "1"]
@@ -215,10 +216,6 @@ def test_profile_help_does_not_need_torch() -> None:
 
 # --------------------------------------------------------------------------- show
 def test_render_profile_handles_a_minimal_imported_profile() -> None:
-    from rich.console import Console
-
-    from gpipe_plan.profiles.show import render_profile
-
     doc = {"format": PROFILE_FORMAT, "version": 1, "model": {"source": "pipedream", "name": "vgg16"},
            "device": {"type": "gpu", "name": "V100"}, "micro_batch_sizes": [32],
            "layers": [{"name": "conv1", "forward_s": [0.002], "backward_s": [0.004], "activation_bytes": [1 << 20],
@@ -234,14 +231,6 @@ def test_fit_line_recovers_latency_and_bandwidth() -> None:
     sizes = [4, 1024, 1 << 16, 1 << 20]
     latency, bandwidth = fit_line(sizes, [20e-6 + s / 2e9 for s in sizes])
     assert latency == pytest.approx(20e-6, rel=1e-6) and bandwidth == pytest.approx(2e9, rel=1e-6)
-
-
-def one_layer_profile(link: dict) -> dict:
-    """The smallest valid profile, with ``link`` as its link."""
-    return {"format": PROFILE_FORMAT, "version": FORMAT_VERSIONS[PROFILE_FORMAT], "model": {"source": "builtin"},
-            "device": {"type": "cpu"}, "micro_batch_sizes": [1],
-            "layers": [{"name": "a", "forward_s": [1e-3], "backward_s": [2e-3], "activation_bytes": [8],
-                        "output_bytes": [8], "param_bytes": 8}], "link": link}
 
 
 @pytest.mark.parametrize("processes", [2, 4, 8])
@@ -283,7 +272,7 @@ def test_measure_link_between_two_cpu_processes(tmp_path: Path) -> None:
     assert len(link["allreduce_s"]) == 3 and all(0 < t < 10 for t in link["allreduce_s"])
     # A latency fitted under noise may clamp at 0; 4 MiB always costs more than 4 bytes.
     assert 0 <= link["allreduce_latency_s"] < 1 and 0 < link["allreduce_bandwidth_bytes_per_s"] < float("inf")
-    doc = one_layer_profile(link)
+    doc = profile_doc(L=1, sizes=(1,), link=link)
     write_json_atomic(tmp_path / "p.json", doc)
     back = read_artifact(tmp_path / "p.json", PROFILE_FORMAT)
     validate(back, "profile", "profile")
@@ -297,15 +286,16 @@ def test_measure_link_between_two_cpu_processes(tmp_path: Path) -> None:
     ("allreduce_s", [1e400], "must be a finite number"),
 ])
 def test_schema_refuses_a_bad_allreduce_figure(key: str, value: object, problem: str) -> None:
-    doc = one_layer_profile({key: value})
+    doc = profile_doc(L=1, sizes=(1,))
+    doc["link"] = {key: value}   # after profile_doc, which checks what it builds
     with pytest.raises(BadInput, match=f"'link.{key}.*' {problem}"):
         validate(doc, "profile", "profile 'p.json'")
 
 
 def test_show_prints_the_all_reduce() -> None:
-    doc = one_layer_profile({"backend": "gloo", "latency_s": 5e-5, "bandwidth_bytes_per_s": 4e9,
-                             "allreduce_processes": 2, "allreduce_latency_s": 8e-5,
-                             "allreduce_bandwidth_bytes_per_s": 1.1e9})
+    doc = profile_doc(L=1, sizes=(1,), link={"backend": "gloo", "latency_s": 5e-5, "bandwidth_bytes_per_s": 4e9,
+                                             "allreduce_processes": 2, "allreduce_latency_s": 8e-5,
+                                             "allreduce_bandwidth_bytes_per_s": 1.1e9})
     console = Console(record=True, width=200)
     render_profile(doc, console)
     assert "all-reduce over 2 processes (ring): latency 80.0 µs per step, bus bandwidth 1.10 GB/s" in console.export_text()

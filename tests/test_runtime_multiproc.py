@@ -56,8 +56,10 @@ def user_spec(workdir: Path) -> dict[str, Any]:
 
 
 def unsplit_training(spec: dict[str, Any], global_batch: int, steps: int = STEPS, seed: int = 0,
-                     optimizer: str = "adam", lr: float = LR, grad_clip: float | None = None) -> dict[str, torch.Tensor]:
-    """The reference: the whole model, whole batches, plain PyTorch (K = 1, M = 1)."""
+                     optimizer: str = "adam", lr: float = LR, grad_clip: float | None = None,
+                     norms: list[float] | None = None) -> dict[str, torch.Tensor]:
+    """The reference: the whole model, whole batches, plain PyTorch (K = 1, M = 1). ``norms``, if
+    given, gets each step's squared gradient norm (before clipping)."""
     torch.set_num_threads(1)
     model = build_model(spec, seed=seed)
     kind = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}[optimizer]
@@ -65,6 +67,8 @@ def unsplit_training(spec: dict[str, Any], global_batch: int, steps: int = STEPS
     for step in range(steps):
         inputs, targets = model.synthetic_batch(global_batch, step_generator(seed, step))
         model.loss(model.forward(*inputs), targets).backward()
+        if norms is not None:
+            norms.append(float(sum((p.grad * p.grad).sum() for p in model.module.parameters())))
         if grad_clip is not None:  # module.parameters() holds a tied parameter once
             torch.nn.utils.clip_grad_norm_(model.module.parameters(), grad_clip)
         optimizer_.step()
