@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..artifacts import BadInput, RunFailure, check_output_paths, first_line
 from ..models import Precision, model_spec
-from ..schema import InvalidOutput, write_artifact
+from ..schema import write_artifact
 from .device import resolve_device
 from .contention import default_processes
 from .profiler import ProfileRequest, default_sizes, profile_model
@@ -69,7 +69,7 @@ def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes
     try:
         with _progress_for(err, quiet) as bar:
             doc = profile_model(request, bar)
-    except (BadInput, InvalidOutput, KeyboardInterrupt):   # InvalidOutput: our bug, with its traceback
+    except (BadInput, KeyboardInterrupt):
         raise
     except torch.cuda.OutOfMemoryError as exc:
         raise RunFailure(f"out of GPU memory while profiling: use smaller --micro-batch-sizes "

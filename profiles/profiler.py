@@ -46,7 +46,7 @@ from ..models import (LayeredModel, Precision, build_model, built_whole, layer_m
                       release_layers)
 from ..models.layered import batch_dimensions
 from ..models.materialize import streamed
-from ..schema import FORMAT_VERSIONS, PROFILE_FORMAT, check_built
+from ..schema import FORMAT_VERSIONS, PROFILE_FORMAT
 from ..speedprobe import speed_probe_s, workload
 from .clock import Clock, clock_for
 from ..cudamemory import outside_allocator_bytes
@@ -233,7 +233,6 @@ def _finish(doc: dict[str, Any], request: ProfileRequest, progress: Progress, pr
     doc["device"]["speed_probe_s"] = sum(probes) / len(probes)
     doc["device"]["speed_probe_workload"] = list(workload(request.device.type))
     doc["measurement"]["speed_probe_s"] = probes
-    check_built(doc, "profile", "profile_model")   # what the profiler writes is what the schema reads
     return doc
 
 

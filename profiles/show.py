@@ -3,8 +3,8 @@
 Used at the end of ``gpipe-plan profile`` and by ``gpipe-plan show profile.json``. Reads only
 the JSON document, never torch, so that showing a profile starts instantly.
 
-It takes a profile its schema has accepted (gpipe_plan/schema.py: the profiler checks what it
-builds, ``show`` what it reads), so it indexes the keys the schema requires and ``.get``s only
+It takes a profile its schema has accepted (gpipe_plan/schema.py: every writer checks what it
+writes, ``show`` what it reads), so it indexes the keys the schema requires and ``.get``s only
 the optional ones. Whether a profile has a measurement an older or imported one lacks (the
 split backward, the recompute timings, shared figures) it asks gpipe_plan/schema.py, which
 the planner asks too: one answer for both.
