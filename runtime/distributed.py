@@ -89,10 +89,6 @@ class Replicas:
     dp_group: dist.ProcessGroup | None = None
     mesh: object | None = None
 
-    @property
-    def data_parallel(self) -> int:
-        return len(self.dp_ranks)
-
     def dp_mesh(self) -> object | None:
         """The 1-D mesh of this stage's replicas (what FSDP2's ``fully_shard`` takes)."""
         return self.mesh["dp"] if self.mesh is not None else None  # type: ignore[index]

@@ -37,10 +37,11 @@ shape, same d): summing the copies' shard gradients across the stages, after
 
 What the training loop does differently with sharded parameters: a parameter, its gradient
 and its optimizer state are DTensors, whose ``numel()`` is the whole tensor's while a rank
-holds only its local shard (``to_local()``). The helpers below count and reduce what a rank
-holds (:func:`local_tensor`, :func:`local_bytes`, :func:`squared_norm_share`,
-:func:`static_bytes`) and make a whole tensor (:func:`whole_tensor`). In-place arithmetic on
-the gradients (clipping, fp16 unscaling) works on DTensors as it is.
+holds only its local shard (``to_local()``, ``memory.local_tensor``). The helpers below count
+what a rank holds (:func:`local_bytes`, :func:`static_bytes`) and make a whole tensor
+(:func:`whole_tensor`); the squared gradient norm sums the local shards
+(``optim.squared_grad_norm``). In-place arithmetic on the gradients (clipping, fp16
+unscaling) works on DTensors as it is.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..artifacts import BadInput
+from .memory import local_tensor
+from .optim import squared_grad_norm
 from .stage import StageChunks
 
 
@@ -63,11 +66,10 @@ class FsdpSync:
 
     mode = "fsdp"
 
-    def __init__(self, replicas: int, mesh: Any, device: torch.device) -> None:
+    def __init__(self, replicas: int, mesh: Any) -> None:
         """``mesh``: the 1-D ``dp`` DeviceMesh of this rank's stage (its d replicas)."""
         self.replicas = replicas
         self.mesh = mesh
-        self.device = device
         self.units: list[FSDPModule] = []
         self.pending: list[Any] = []   # the next step's all-gathers in flight (UnshardHandle)
 
@@ -148,10 +150,11 @@ class FsdpSync:
     def squared_norm_share(self, parameters: list[nn.Parameter]) -> float:
         """Squared norm of this rank's gradient shards: shards do not overlap, so summed over the
         world the shares count every element of the whole model's gradient exactly once."""
-        return squared_norm_share(parameters)
+        return squared_grad_norm(parameters)
 
     def full_state_dict(self, stage: StageChunks) -> dict[str, torch.Tensor]:
-        """The stage's whole tensors under the unsplit model's keys, on every replica.
+        """The stage's whole tensors under the unsplit model's keys, on every replica, where they
+        are (the caller copies what it keeps).
 
         Collective over ``dp``: each DTensor is all-gathered (``full_tensor``), in the same
         order on every replica (the same modules). A gather started by :meth:`after_optimizer`
@@ -191,11 +194,6 @@ def refuse_shared_parameters(stage: StageChunks) -> None:
 
 
 # ---------------------------------------------------------------------- DTensor-aware helpers
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of ``t``: a DTensor's local shard, any other tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def local_bytes(t: torch.Tensor) -> int:
     """Bytes this rank holds of ``t`` (a DTensor's ``numel()`` is the whole tensor's: not that)."""
     local = local_tensor(t)
@@ -228,8 +226,3 @@ def static_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[st
         "buffers_bytes": sum(local_bytes(b) for b in module.buffers()),
     }
 
-
-def squared_norm_share(parameters: list[nn.Parameter]) -> float:
-    """Sum of squares of the local part of each parameter's gradient (shards or whole tensors)."""
-    grads = [local_tensor(p.grad.detach()).float() for p in parameters if p.grad is not None]
-    return float(sum((g * g).sum() for g in grads)) if grads else 0.0

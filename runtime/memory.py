@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..cudamemory import outside_allocator_bytes
 
@@ -39,6 +40,11 @@ Key = tuple[int, int]   # (chunk, micro-batch)
 def element_bytes(t: torch.Tensor) -> int:
     """Bytes of one tensor's elements (profiles.memory.tensor_bytes sums a list of them)."""
     return t.numel() * t.element_size()
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``t``: a DTensor's local shard (fsdp), any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 @dataclass
@@ -106,8 +112,7 @@ def parameter_storages(module: nn.Module) -> set[int]:
     """Data pointers of the storages holding the module's parameters (a DTensor's: its local shard's)."""
     out = set()
     for p in module.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p   # a DTensor (fsdp) has no storage of its own
-        out.add(local.untyped_storage().data_ptr())
+        out.add(local_tensor(p).untyped_storage().data_ptr())   # a DTensor (fsdp) has no storage of its own
     return out
 
 

@@ -14,6 +14,7 @@ import math
 import torch
 from torch import nn
 
+from .memory import local_tensor
 from .options import RunOptions
 
 
@@ -47,8 +48,9 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 def squared_grad_norm(params: list[nn.Parameter]) -> float:
-    """This stage's share of the global gradient norm, squared."""
-    grads = [p.grad.detach().float() for p in params if p.grad is not None]
+    """This stage's share of the global gradient norm, squared: the sum of squares of what this
+    rank holds of each gradient (under fsdp its shard, :func:`.memory.local_tensor`)."""
+    grads = [local_tensor(p.grad.detach()).float() for p in params if p.grad is not None]
     if not grads:
         return 0.0
     return float(sum((g * g).sum() for g in grads))

@@ -70,8 +70,9 @@ class GradientSync(Protocol):
         world, the shares give the whole model's squared norm exactly once."""
 
     def full_state_dict(self, stage: StageChunks) -> dict[str, torch.Tensor]:
-        """The stage's whole tensors, under the unsplit model's keys (a collective over ``dp``
-        under fsdp: every replica of the stage calls it)."""
+        """The stage's whole tensors, under the unsplit model's keys, where they are: the caller
+        copies what it keeps (a collective over ``dp`` under fsdp: every replica of the stage
+        calls it)."""
 
 
 class NoSync:
@@ -96,10 +97,10 @@ class NoSync:
         return squared_grad_norm(parameters)
 
     def full_state_dict(self, stage: StageChunks) -> dict[str, torch.Tensor]:
-        return {key: tensor.detach().cpu() for key, tensor in stage.state_dict().items()}
+        return stage.state_dict()
 
 
-class DdpSync:
+class DdpSync(NoSync):
     """``ddp``: every replica holds the stage's whole parameters; gradients averaged in buckets.
 
     After the stage's last backward of the step, :meth:`finish` flattens the gradients into
@@ -108,21 +109,20 @@ class DdpSync:
     replicas' gradients, each of which is the mean over its own 1/d of the batch, so the
     result is the gradient of the whole batch, as one process would compute it. The same
     optimizer step from the same state keeps the replicas equal without sending parameters.
+    From :class:`NoSync` it keeps doing nothing in :meth:`gather` (every replica keeps whole
+    parameters) and :meth:`after_optimizer`, and returning the stage's own tensors.
     """
 
     mode = "ddp"
 
-    def __init__(self, replicas: int, group: dist.ProcessGroup | None, device: torch.device,
-                 replica: int = 0, bucket_bytes: int = BUCKET_BYTES) -> None:
-        self.replicas, self.group, self.device = replicas, group, device
+    def __init__(self, replicas: int, group: dist.ProcessGroup | None, replica: int = 0,
+                 bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.replicas, self.group = replicas, group
         self.replica, self.bucket_bytes = replica, bucket_bytes
         self.parameters: list[nn.Parameter] = []
 
     def prepare(self, stage: StageChunks) -> None:
         self.parameters = [p for p in stage.parameters() if p.requires_grad]
-
-    def gather(self) -> None:
-        """Nothing: every replica keeps whole parameters."""
 
     def finish(self) -> None:
         for bucket in self.buckets():
@@ -151,20 +151,14 @@ class DdpSync:
             size += nbytes
         return buckets
 
-    def after_optimizer(self) -> None:
-        pass
-
     def squared_norm_share(self, parameters: list[nn.Parameter]) -> float:
         """Replica 0's squared norm, 0 elsewhere: after :meth:`finish` every replica holds the
         same gradients, so one of them counts the stage once (exactly, no division)."""
         return squared_grad_norm(parameters) if self.replica == 0 else 0.0
 
-    def full_state_dict(self, stage: StageChunks) -> dict[str, torch.Tensor]:
-        return {key: tensor.detach().cpu() for key, tensor in stage.state_dict().items()}
-
 
 def make_gradient_sync(mode: str, replicas: int, group: dist.ProcessGroup | None, mesh: object | None,
-                       device: torch.device, replica: int = 0) -> GradientSync:
+                       replica: int = 0) -> GradientSync:
     """The plan's ``gradient_sync`` for this rank's stage; ``group``/``mesh``: its ``dp`` group and 1-D mesh.
 
     One replica needs no sync (:class:`NoSync`), whatever the mode. ``replica``: this rank's
@@ -174,9 +168,9 @@ def make_gradient_sync(mode: str, replicas: int, group: dist.ProcessGroup | None
     if replicas == 1:
         return NoSync()
     if mode == "ddp":
-        return DdpSync(replicas, group, device, replica)
+        return DdpSync(replicas, group, replica)
     if mode == "fsdp":
         from .fsdp import FsdpSync  # the fsdp engineer's module; only fsdp runs need it
 
-        return FsdpSync(replicas, mesh, device)
+        return FsdpSync(replicas, mesh)
     raise ValueError(f"gradient_sync {mode!r} is not one of ddp, fsdp")

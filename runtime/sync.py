@@ -33,11 +33,11 @@ LOSS_TAG = 1 << 30  # far above the tags of activations and gradients (see p2p.t
 
 class StepSync:
     def __init__(self, rank: int, world_size: int, device: torch.device, clip: bool, timeout_s: float,
-                 loss_rank: int | None = None, loss_ranks: tuple[int, ...] | None = None) -> None:
-        """``loss_rank``: the rank that computes the loss (one replica); ``loss_ranks``: with d
-        replicas, each replica's such rank (their losses are averaged)."""
+                 loss_ranks: tuple[int, ...] | None = None) -> None:
+        """``loss_ranks``: the rank that computes the loss in each replica, replica 0's first (their
+        losses are averaged); by default the last rank, alone."""
         self.rank, self.world_size, self.device = rank, world_size, device
-        self.loss_ranks = loss_ranks or (world_size - 1 if loss_rank is None else loss_rank,)
+        self.loss_ranks = loss_ranks or (world_size - 1,)
         self.last = self.loss_ranks[0]   # the rank that computes the loss (replica 0's, with several)
         self.all_reduce = clip or device.type != "cpu" or len(self.loss_ranks) > 1
         self.timeout = datetime.timedelta(seconds=timeout_s)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models import LayeredModel
+from .memory import local_tensor
 from .plan import RunPlan
 
 
@@ -79,8 +80,7 @@ class TiedGradients:
             if param.grad is None:  # this stage's use got no gradient (all micro-batches skipped)
                 param.grad = torch.zeros_like(param)
             # Under fsdp the gradient is a DTensor: its local shard, sharded alike on each stage.
-            grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
-            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
+            dist.all_reduce(local_tensor(param.grad), op=dist.ReduceOp.SUM, group=group)
 
     def counted(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
         """``params`` without the tied copies that another stage counts in the global norm."""

@@ -177,7 +177,7 @@ def _set_up(options: RunOptions, world: World) -> _Training:
     recorder = SpanRecorder(stage.index, device)
     # Before the optimizer is made: fsdp shards the parameters (they become other objects).
     gradient_sync = make_gradient_sync(plan.gradient_sync, plan.data_parallel, replicas.dp_group, replicas.dp_mesh(),
-                                       device, replicas.replica)
+                                       replicas.replica)
     places = _parameter_places(stage)   # fsdp replaces the Parameter objects: find them again by name
     gradient_sync.prepare(stage)
     optimizer = make_optimizer(stage.parameters(), optimizer_name, options)
@@ -189,7 +189,6 @@ def _set_up(options: RunOptions, world: World) -> _Training:
     # The global gradient norm is needed to clip by it, and under fp16 to see an overflow.
     needs_norm = options.grad_clip is not None or scaler.enabled
     sync = StepSync(world.rank, world.world_size, device, clip=needs_norm, timeout_s=options.timeout,
-                    loss_rank=plan.rank_of(plan.chunks[-1].stage, 0),
                     loss_ranks=tuple(plan.stage_ranks(plan.chunks[-1].stage)))
     tied = TiedGradients(ties, stage.index, {old: stage.chunks[c].module.get_parameter(name)
                                              for old, (c, name) in places.items()},
@@ -357,9 +356,13 @@ def _write_outputs(run: _Training, history: _History) -> None:
                         speed_probe_s=run.probes, stage=run.replicas.stage, replica=run.replicas.replica)
     results = _gather(result, world, run.objects)
     # Every replica of a stage holds the same tensors after the step: replica 0's go into the
-    # file. (fsdp: gathering them whole is collective over the stage's replicas, so all call it.)
+    # file, copied to the CPU here, once. (fsdp: gathering them whole is collective over the
+    # stage's replicas, so all call it.)
     whole = run.gradient_sync.full_state_dict(run.stage) if options.save else None
-    pieces = _gather(whole if run.replicas.replica == 0 else None, world, run.objects)
+    mine = None
+    if whole is not None and run.replicas.replica == 0:
+        mine = {key: tensor.detach().cpu() for key, tensor in whole.items()}
+    pieces = _gather(mine, world, run.objects)
     if run.reporter:
         assert results is not None and pieces is not None
         if options.save:

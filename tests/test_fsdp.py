@@ -33,13 +33,12 @@ from gpipe_plan.runtime.launch import free_port
 from gpipe_plan.runtime.loss_scale import LossScaler
 from gpipe_plan.runtime.plan import load_plan
 from gpipe_plan.runtime.stage import StageChunks, build_stage_chunks
+from test_runtime_multiproc import GPT, LR, assert_same_parameters, run_in_one_group, unsplit_training
 
-GPT = model_spec("gpt", layers=2, width=16, heads=2, seq_len=8, vocab_size=256)
 REPLICAS = 2
 MICRO_BATCHES = 2
 GLOBAL_BATCH = 8          # 4 samples per replica, 2 per micro-batch
 STEPS = 2                 # the second step starts from after_optimizer's early gather
-LR = 1e-3
 STYLES = ("whole", "split")
 # The runtime's own executors on the same stage: (executor, schedule, recompute); zb-v splits
 # every backward into I and W, interleaved runs them whole; recompute reruns each chunk's forward
@@ -169,7 +168,7 @@ def _replica_main(rank: int, port: int, folder: str) -> None:
     results: dict[str, Any] = {}
     for style in STYLES:
         stage, loss_fn = build_stage(Path(folder) / "one-stage-zb-v.json")
-        sync = FsdpSync(REPLICAS, mesh, torch.device("cpu"))
+        sync = FsdpSync(REPLICAS, mesh)
         sync.prepare(stage)
 
         gathered: list[bool] = []
@@ -181,28 +180,13 @@ def _replica_main(rank: int, port: int, folder: str) -> None:
     for name, schedule, recompute in EXECUTORS:
         plan_path = plan_file(Path(folder), schedule, recompute)
         stage, loss_fn = build_stage(plan_path)
-        sync = FsdpSync(REPLICAS, mesh, torch.device("cpu"))
+        sync = FsdpSync(REPLICAS, mesh)
         sync.prepare(stage)
         executor = make_executor(name, stage, plan_path, loss_fn, pipeline_group)
         results[run_name(name, schedule, recompute)] = train_replica(
             sync, stage, rank, lambda ids, targets: executor.step((ids,), targets))
     torch.save(results, Path(folder) / f"replica{rank}.pt")
     dist.destroy_process_group()
-
-
-def unsharded_training() -> tuple[dict[str, torch.Tensor], list[float]]:
-    """The reference: the whole model, whole batches, one process; its state and squared grad norms."""
-    torch.set_num_threads(1)
-    model = build_model(GPT, seed=0)
-    optimizer = torch.optim.Adam(model.module.parameters(), lr=LR)
-    norms = []
-    for step in range(STEPS):
-        inputs, targets = model.synthetic_batch(GLOBAL_BATCH, step_generator(0, step))
-        model.loss(model.forward(*inputs), targets).backward()
-        norms.append(float(sum((p.grad * p.grad).sum() for p in model.module.parameters())))
-        optimizer.step()
-        optimizer.zero_grad()
-    return model.module.state_dict(), norms
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +200,9 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def reference() -> tuple[dict[str, torch.Tensor], list[float]]:
-    return unsharded_training()
+    """The reference: the whole model, whole batches, one process; its state and squared grad norms."""
+    norms: list[float] = []
+    return unsplit_training(GPT, global_batch=GLOBAL_BATCH, steps=STEPS, norms=norms), norms
 
 
 RUNS = (*STYLES, *(run_name(*run) for run in EXECUTORS))
@@ -286,7 +272,7 @@ def test_parameters_shared_by_two_chunks_of_a_stage_are_refused(tmp_path: Path) 
     donor = next(p for p in first.module.parameters() if p.shape == param.shape)
     setattr(head.get_submodule(name.rpartition(".")[0]) if "." in name else head, name.rpartition(".")[2], donor)
     with pytest.raises(BadInput, match="share it"):
-        FsdpSync(REPLICAS, mesh=None, device=torch.device("cpu")).prepare(stage)
+        FsdpSync(REPLICAS, mesh=None).prepare(stage)
 
 
 # ---------------------------------------------------------------------- end to end: gpipe-plan run
@@ -308,7 +294,6 @@ def tied_gpt2() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """K = 2 stages x d = 2 replicas with gradient_sync fsdp, 4 gloo ranks in one group."""
-    from test_runtime_multiproc import LR as RUN_LR, run_in_one_group
     from test_runtime_replicas import data_parallel_plan
 
     folder = tmp_path_factory.mktemp("fsdp-run")
@@ -317,7 +302,7 @@ def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         path = folder / f"plan-{i}.json"
         write_json_atomic(path, data_parallel_plan(GPT, [2, 2], 2, 2, 2, schedule=schedule, order=order,
                                                    gradient_sync=mode))
-        jobs.append({"plan": str(path), "steps": E2E_STEPS, "lr": RUN_LR, "optimizer": "adam", "executor": executor,
+        jobs.append({"plan": str(path), "steps": E2E_STEPS, "lr": LR, "optimizer": "adam", "executor": executor,
                      "grad_clip": clip, "save": str(folder / f"model-{i}.pt"),
                      "report": str(folder / f"report-{i}.json"), "quiet": True})
     # GPT-2 (when transformers is there): cut in two, the tied embedding has a copy on each
@@ -335,7 +320,7 @@ def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             path = folder / f"{name}.json"
             write_json_atomic(path, data_parallel_plan(tied_gpt2(), balance, replicas, 2, micro_batch_size,
                                                        gradient_sync="fsdp"))
-            tied.append({"plan": str(path), "steps": E2E_STEPS, "lr": RUN_LR, "optimizer": "adam",
+            tied.append({"plan": str(path), "steps": E2E_STEPS, "lr": LR, "optimizer": "adam",
                          "executor": "native", "grad_clip": 0.05, "save": str(folder / f"{name}.pt"), "quiet": True})
     outcome = run_in_one_group(jobs + tied, folder, world_size=4)
     return {"jobs": jobs, "tied": tied, "outcome": outcome}
@@ -344,8 +329,6 @@ def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.slow
 def test_fsdp_replicas_of_a_pipeline_train_like_the_unsplit_model(fsdp_runs: dict[str, Any]) -> None:
     """Both executors and placements, with clipping by the global norm (the shards' norm shares)."""
-    from test_runtime_multiproc import assert_same_parameters, unsplit_training
-
     for job, (schedule, executor, order, clip, mode) in zip(fsdp_runs["jobs"], E2E_CASES):
         assert fsdp_runs["outcome"][job["save"]] == "ok", (schedule, executor, order, fsdp_runs["outcome"])
         reference = unsplit_training(GPT, global_batch=8, steps=E2E_STEPS, grad_clip=clip)
@@ -371,8 +354,6 @@ def test_fsdp_shards_tied_weights(fsdp_runs: dict[str, Any]) -> None:
     """Across two stages, each stage's copy of GPT-2's tied embedding is sharded alike over the
     replicas: the shard gradients summed across the stages give the unsplit model's, and the
     copies stay equal. On one stage, the one parameter both layers use is sharded once."""
-    from test_runtime_multiproc import assert_same_parameters, unsplit_training
-
     if not fsdp_runs["tied"]:
         pytest.skip("needs transformers")
     reference = unsplit_training(tied_gpt2(), global_batch=8, steps=E2E_STEPS, grad_clip=0.05)

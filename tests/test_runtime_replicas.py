@@ -92,7 +92,7 @@ def test_ddp_buckets_hold_about_the_bucket_size_in_order_one_dtype_each() -> Non
 
     params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n, dtype in
               ((10, torch.float32), (10, torch.float32), (30, torch.float32), (5, torch.float64), (5, torch.float32))]
-    sync = DdpSync(2, None, torch.device("cpu"), bucket_bytes=80)   # 20 float32 per bucket
+    sync = DdpSync(2, None, bucket_bytes=80)   # 20 float32 per bucket
     sync.parameters = params
     sizes = [[p.numel() for p in bucket] for bucket in sync.buckets()]
     assert sizes == [[10, 10], [30], [5], [5]]   # a tensor over the size is a bucket of its own
@@ -106,7 +106,7 @@ def test_one_replica_makes_no_mesh_and_syncs_nothing(tmp_path: Path) -> None:
     plan = load_plan(write_json(tmp_path / "p.json", hand_plan(GPT, [2, 2], micro_batches=2, micro_batch_size=2)))
     one = replicas_of(plan, 1, torch.device("cpu"))   # no process group needed: nothing is built
     assert (one.stage, one.replica, one.pp_ranks, one.dp_ranks, one.mesh) == (1, 0, (0, 1), (1,), None)
-    assert isinstance(make_gradient_sync("ddp", 1, None, None, torch.device("cpu")), NoSync)
+    assert isinstance(make_gradient_sync("ddp", 1, None, None), NoSync)
 
 
 # ---------------------------------------------------------------------- 4 ranks, one group
