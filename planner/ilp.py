@@ -66,7 +66,9 @@ def _check_supported(cm: CostModel) -> None:
 @dataclass(frozen=True)
 class _ScaledTimes:
     """The cost model's times in units of the mean layer's work, which keeps CBC's tolerances
-    meaningful whatever the model's scale."""
+    meaningful whatever the model's scale; but never so small a unit that another term (a send,
+    a tied exchange, the overhead) exceeds it :data:`_LARGEST_COEFFICIENT` times over: CBC finds
+    no solution among coefficients that far apart (layers of 1e-257 s beside a 0.1 s exchange)."""
 
     time_unit: float
     forward: list[float]         # per layer
@@ -78,9 +80,15 @@ class _ScaledTimes:
     comm: list[float]            # comm[e]: the cut before layer e
 
 
+_LARGEST_COEFFICIENT = 1e6
+
+
 def _scaled_times(cm: CostModel) -> _ScaledTimes:
     fig = cm.figures
-    unit = (sum(fig.forward_s) + sum(fig.backward_s)) / cm.L or 1.0
+    others = [*cm.comm, cm.overhead, fig.recompute_call_s, *fig.optimizer_s,
+              *(cm.tied_exchange_s(t) for t in range(len(fig.tied)))]
+    work = (sum(fig.forward_s) + sum(fig.backward_s)) / cm.L
+    unit = max(work, max(others) / _LARGEST_COEFFICIENT) or 1.0
     return _ScaledTimes(
         time_unit=unit,
         forward=[x / unit for x in fig.forward_s],

@@ -408,3 +408,13 @@ def test_search_fixed_micro_batches_must_divide_the_batch():
 def test_ilp_with_zero_forward_times():
     cm = CostModel(make_figures([0.0, 0.0], [1e-3, 2e-3]), Setting(stages=2, micro_batches=2, recompute="auto"))
     check_exact(cm, solve_ilp(cm), 1e-7)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_ilp_solves_layers_far_cheaper_than_their_exchange(schedule: str) -> None:
+    """Layers of 1e-257 s beside a 0.15 s tied exchange: scaled by the layers alone, the
+    exchange's coefficient was 1e253 and CBC returned no plan."""
+    fig = make_figures([1e-257, 2e-257], [1e-257, 3e-257], tied=[((0, 1), 1000.0)])
+    cm = CostModel(fig, Setting(stages=2, micro_batches=2, schedule=schedule, link_bandwidth_bytes_per_s=1e4,
+                                link_latency_s=0.01))
+    check_exact(cm, solve_ilp(cm), 1e-7)
