@@ -54,7 +54,7 @@ from typing import Iterable, Sequence
 from ..schedules import all_actions
 from .budgets import SOLVER_TIME_BUDGET_S
 from .costmodel import CostModel
-from .objective import RELATIVE_SLACK, Incumbent, Solution
+from .objective import Incumbent, Solution
 
 INF = math.inf
 # The search is budgeted in work, not in wall time, so that a plan is the same on every run:
@@ -262,7 +262,7 @@ class ChunkedSolver:
         started = time.perf_counter()
         if C > L:
             return None
-        found = Incumbent(cm)
+        found = Incumbent(cm, self.cutoff_s)
 
         def consider(bounds: tuple[int, ...]) -> None:
             found.consider(bounds)
@@ -290,9 +290,7 @@ class ChunkedSolver:
         global_bound = self.bound((0,), [None] * K)
         out_of_time = False
         open_bound = INF
-
-        def incumbent() -> float:
-            return min(found.best.step_s if found.best else INF, self.cutoff_s) * (1 - RELATIVE_SLACK)
+        incumbent = found.threshold      # bound once: called per node
 
         def dfs(cuts: list[int], recompute: list[bool | None]) -> None:
             nonlocal out_of_time, open_bound
@@ -341,7 +339,7 @@ class ChunkedSolver:
             dfs([0], [None] * K)
         if found.best is None:
             return None
-        lower = max(global_bound, min(found.best.step_s, self.cutoff_s, open_bound))
+        lower = found.lower_bound(global_bound, open_bound)
         return Solution(found.best, lower >= found.best.step_s, lower,
                         f"{cm.schedule} event simulation; per-stage lower bounds + branch and bound over the chunk cuts",
                         {"simulations": self.simulations, "nodes": self.nodes, "work": round(self.work_done),

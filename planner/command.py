@@ -148,8 +148,8 @@ def solve_file(profile_path: str, plan_path: str | None = None, *, stages: int |
     # What the pipeline must beat: the best plan of the same batch on one device.
     # It shares the time budget: what the pipeline's search left of it.
     left = share_of_budget(opts.time_budget_s, started, 1, least_s=LEAST_ONE_DEVICE_S)
-    used = len(result.best.solution.evaluation.stages) * (devices.best.data_parallel if devices else 1)
-    single = replace(opts, stages=1, devices=None, data_parallel=1, time_budget_s=left)
+    used = result.best.setting.stages * result.best.setting.data_parallel
+    single = replace(opts, time_budget_s=left)
     baseline = one_stage_baseline(profile, single) if used > 1 else None
     plan = build_plan(profile, profile_path, file_sha256(profile_path), result, one_stage=baseline, devices=devices)
     if plan_path is not None:

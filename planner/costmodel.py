@@ -323,7 +323,6 @@ class CostModel:
         # let them walk forever (a negative calibrated overhead once did). See _cost.
         self.overhead = _cost(setting.overhead_s)
         self.limit = setting.memory_limit_bytes
-        state_mult = OPTIMIZER_STATE_MULTIPLIER[setting.optimizer]
         # Prefix sums: the sum over layers [s, e) is pre[e] - pre[s].
         self.pf = _prefix(figures.forward_s)
         self.pg = _prefix(figures.backward_s)
@@ -354,7 +353,6 @@ class CostModel:
         # parameters + gradients + optimizer state per parameter byte (2 + multiplier for ddp)
         self.static_per_param = sum(static_bytes(1.0, setting.optimizer, setting.data_parallel,
                                                  setting.gradient_sync))
-        self.state_mult = state_mult
         # The gradient sync over the replicas: on when there are several and it costs something.
         self.sync_on = setting.data_parallel > 1 and (
             math.isfinite(setting.sync_bandwidth_bytes_per_s) or setting.sync_latency_s > 0)
@@ -420,9 +418,7 @@ class CostModel:
     def optimizer(self, s: int, e: int) -> float:
         """The step after the backward: the gradient sync over the replicas, the optimizer on
         layers [s, e), and tied-gradient exchanges."""
-        if not self.figures.tied:
-            if self.sync_on:
-                return self.popt[e] - self.popt[s] + self.gradient_sync_s(((s, e),))
+        if not self.figures.tied and not self.sync_on:
             return self.popt[e] - self.popt[s]
         return self.stage_optimizer(((s, e),))
 

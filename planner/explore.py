@@ -31,7 +31,7 @@ from ..artifacts import BadInput
 from ..schedules import SCHEDULES, chunks_per_stage, problem
 from .budgets import EXPLORE_POINT_TIME_BUDGET_S
 from .chunked import ChunkedSolver
-from .costmodel import OPTIMIZER_STATE_MULTIPLIER, CostModel, Setting, stage_peaks
+from .costmodel import CostModel, Setting, stage_peaks, static_bytes
 from .dp import GPipeSolver
 from .objective import Solution
 from .onefoneb import OneFOneBSolver
@@ -262,7 +262,7 @@ def _skip_reason(grid: _Grid, shape: _Shape, M: int, size: int, replica_batch: i
     if K > layers:
         return f"more stages than the {layers} layers"
     if shape.placement is not None and sharded_tie_problem(
-            grid.profile, schedule, chunks_per_stage(schedule, 2),
+            grid.profile, schedule, 2,     # interleaved's least v: several chunks per stage, as zb-v
             shape.placement.replica_sync(shape.data_parallel, gradient_sync)):
         return f"{gradient_sync} cannot shard a tied weight twice on one stage"
     return ""
@@ -335,13 +335,6 @@ class _Shape:
     placement: Any                  # planner.replicas.Placement, or None: one replica, the link as given
     reason: str                     # why this K x d cannot run ("" if it can)
     later_placement: bool = False   # a second placement of the same K x d (progress counts the first)
-
-    @property
-    def neighbours(self) -> int:
-        """The processes computing on one host: every rank of the node this pipeline's stages share."""
-        devices = self.stages * self.data_parallel
-        per_node = getattr(self.placement, "devices_per_node", None)
-        return min(devices, per_node) if per_node else devices
 
     @property
     def order(self) -> str:
@@ -465,7 +458,7 @@ def _cell(K, M, size, schedule, recompute, sol: Solution | None, fits: bool, bat
                 ev.balance,
                 note="" if fits else "exceeds the memory limit (shown: the best plan without it)",
                 virtual_stages=chunks_per_stage(schedule, virtual_stages), data_parallel=data_parallel, order=order,
-                slowest_stage_gradient_sync_s=max((getattr(st, "gradient_sync_s", 0.0) for st in ev.stages),
+                slowest_stage_gradient_sync_s=max((st.gradient_sync_s for st in ev.stages),
                                                   default=0.0))
 
 
@@ -544,7 +537,8 @@ class _Replicated:
         self.tail_start = a + p * n
         self.L = a + p * blocks + (fig.num_layers - self.tail_start)
         self.setting = setting
-        self.per_param = 2 + OPTIMIZER_STATE_MULTIPLIER[setting.optimizer]
+        # parameters + gradients + optimizer state per parameter byte, as CostModel.static_memory
+        self.per_param = sum(static_bytes(1.0, setting.optimizer, setting.data_parallel, setting.gradient_sync))
         weights = [pb * self.per_param + bb for pb, bb in zip(fig.param_bytes, fig.buffer_bytes)]
         self.static = self._series(fig, weights, block)
         self.act = self._series(fig, list(fig.activation_bytes), block)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -73,11 +74,27 @@ class Solution:
 
 class Incumbent:
     """The best plan a search has found so far: every partition it tries goes through
-    :meth:`consider`, which evaluates it and keeps it when it fits and is faster."""
+    :meth:`consider`, which evaluates it and keeps it when it fits and is faster.
 
-    def __init__(self, cm: CostModel) -> None:
+    ``cutoff_s``: a step time the search need not beat (a plan found elsewhere is as fast), so
+    branches are pruned at it as at the best plan's step."""
+
+    def __init__(self, cm: CostModel, cutoff_s: float = math.inf) -> None:
         self.cm = cm
+        self.cutoff_s = cutoff_s
         self.best: Evaluation | None = None
+
+    def threshold(self) -> float:
+        """What a branch's bound must be under to be worth exploring: the best step found so
+        far, or the cutoff when lower, less :data:`RELATIVE_SLACK` (called per search node)."""
+        return min(self.best.step_s if self.best else math.inf, self.cutoff_s) * (1 - RELATIVE_SLACK)
+
+    def lower_bound(self, global_bound: float, open_bound: float) -> float:
+        """The search's lower bound once it stops (a plan found): every partition was pruned at
+        the best plan or the cutoff, simulated (no faster than the best), or left open by the
+        time budget (no faster than ``open_bound``); none beats ``global_bound`` either."""
+        assert self.best is not None
+        return max(global_bound, min(self.best.step_s, self.cutoff_s, open_bound))
 
     def consider(self, bounds: Sequence[int]) -> Evaluation:
         ev = evaluate(self.cm, bounds)

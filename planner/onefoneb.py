@@ -30,7 +30,7 @@ from typing import Iterable
 
 from .budgets import SOLVER_TIME_BUDGET_S
 from .costmodel import CostModel
-from .objective import RELATIVE_SLACK, Incumbent, Solution
+from .objective import Incumbent, Solution
 
 INF = math.inf
 
@@ -178,7 +178,7 @@ class OneFOneBSolver:
         global_bound = rest[0][0] + least_optimizer
         if global_bound == INF:
             return None
-        found = Incumbent(cm)
+        found = Incumbent(cm, self.cutoff_s)
 
         def consider(bounds: tuple[int, ...]) -> None:
             found.consider(bounds)
@@ -190,9 +190,7 @@ class OneFOneBSolver:
         consider(self._least_bound_partition(rest))
         out_of_time = False
         open_bound = INF        # the least bound among prefixes left unexplored
-
-        def incumbent() -> float:
-            return min(found.best.step_s if found.best else INF, self.cutoff_s) * (1 - RELATIVE_SLACK)
+        incumbent = found.threshold      # bound once: called per node
 
         def dfs(k: int, s: int, before: float, worst: float, optimizer_s: float, cuts: list[int]) -> None:
             nonlocal out_of_time, open_bound
@@ -232,7 +230,7 @@ class OneFOneBSolver:
         # keeps a lower bound; with nothing left open, `found.best` is this setting's optimum.
         # Every partition was pruned (bound >= the found.best or the cutoff at the time), simulated
         # (>= found.best), or left open by the time budget (>= open_bound).
-        lower = max(global_bound, min(found.best.step_s, self.cutoff_s, open_bound))
+        lower = found.lower_bound(global_bound, open_bound)
         proven = lower >= found.best.step_s
         return Solution(found.best, proven, lower,
                         f"{cm.setting.schedule} {'closed form' if self.gpipe else 'event simulation'}; "

@@ -41,7 +41,7 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
     ev = best.solution.evaluation
     setting = best.setting
     chosen = devices.best if devices is not None else None
-    replicas = chosen.data_parallel if chosen is not None else 1
+    replicas = setting.data_parallel
     global_batch = devices.global_batch_size if devices is not None else result.global_batch_size
     optimality = optimality_section(best.solution.method, ev.step_s, result, devices)
     return {
@@ -180,7 +180,7 @@ def predicted_section(profile: Profile, best: Candidate, ev: Evaluation, one_sta
                       devices: DevicesResult | None, global_batch_size: int) -> dict[str, Any]:
     """The plan's ``predicted``: the step, what the gradient syncs add to it, the comparison with
     one device, and how far chance alone may move a run from it (``ev``: ``best``'s evaluation)."""
-    devices_used = len(ev.stages) * (devices.best.data_parallel if devices is not None else 1)
+    devices_used = best.setting.stages * best.setting.data_parallel
     # The neighbours whose noise reaches a stage are the processes on its own node: every one
     # of the K x d on one node, at most a node's worth with several.
     processes_per_node = devices_used if devices is None else min(devices_used, devices.topology.devices_per_node)

@@ -41,7 +41,7 @@ from ..units import format_bytes
 from .budgets import LEAST_PLACEMENT_S
 from .objective import proven_optimal
 from .search import (ReplicaSync, SearchResult, SolveOptions, pipeline_link, resolve_global_batch, search,
-                     share_of_budget)
+                     share_of_budget, too_few_stages, too_many_stages)
 
 if TYPE_CHECKING:
     from .profile import Profile
@@ -288,7 +288,7 @@ def check_devices(profile: Profile, options: SolveOptions) -> tuple[int, int]:
     if d != "auto" and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
         raise BadInput(f"--data-parallel must be a positive integer or 'auto', got {d!r}")
     if K is not None and (not isinstance(K, int) or K < 1):
-        raise BadInput(f"--stages must be at least 1, got {K}")
+        raise too_few_stages(K)
     if N is None:
         if K is None or d == "auto":
             raise BadInput("give --devices N, or --stages K (with a fixed --data-parallel d)")
@@ -302,8 +302,7 @@ def check_devices(profile: Profile, options: SolveOptions) -> tuple[int, int]:
     if d != "auto" and N % d:
         raise BadInput(f"--data-parallel {d} does not divide --devices {N}")
     if K is not None and K > profile.num_layers:
-        raise BadInput(f"--stages {K} is more than the profile's {profile.num_layers} layers: use at most "
-                       f"{profile.num_layers} stages (each stage needs a layer), or profile a finer model")
+        raise too_many_stages(K, profile.num_layers)
     batch = resolve_global_batch(profile, options)
     if d != "auto" and batch % d:
         raise BadInput(f"--data-parallel {d} does not divide the global batch of {batch}: every replica takes "

@@ -24,7 +24,7 @@ from .budgets import LEAST_ILP_SETTING_S, LEAST_MEMORY_BUDGET_S, LEAST_SETTING_S
 from .chunked import ChunkedSolver
 from .costmodel import CostModel, Setting, neighbour_scale
 from .dp import GPipeSolver
-from .objective import RELATIVE_SLACK, Solution, proven_optimal
+from .objective import Solution, proven_optimal
 from .onefoneb import OneFOneBSolver
 from .profile import LayerFigures, Profile
 from ..units import format_bytes
@@ -213,11 +213,9 @@ def check_options(profile: Profile, options: SolveOptions) -> int:
     """Refuse impossible requests with one line each; returns the global batch size."""
     L = profile.num_layers
     if options.stages < 1:
-        raise BadInput(f"--stages must be at least 1, got {options.stages}")
+        raise too_few_stages(options.stages)
     if options.stages > L:
-        raise BadInput(
-            f"--stages {options.stages} is more than the profile's {L} layers: "
-            f"use at most {L} stages (each stage needs a layer), or profile a finer model")
+        raise too_many_stages(options.stages, L)
     batch = resolve_global_batch(profile, options)
     if options.schedule != "auto" and options.schedule not in SCHEDULES:
         raise BadInput(f"--schedule {options.schedule!r} is not one of {', '.join(SCHEDULES)} or auto")
@@ -234,6 +232,17 @@ def check_options(profile: Profile, options: SolveOptions) -> int:
     if options.micro_batches != "auto":
         check_micro_batches(options.micro_batches, batch, whose_batch(options))
     return batch
+
+
+def too_few_stages(stages: object) -> BadInput:
+    """The refusal of a ``--stages`` that is not at least 1 (here and in planner/replicas.py)."""
+    return BadInput(f"--stages must be at least 1, got {stages}")
+
+
+def too_many_stages(stages: int, layers: int) -> BadInput:
+    """The refusal of more stages than the profile has layers (each stage needs one)."""
+    return BadInput(f"--stages {stages} is more than the profile's {layers} layers: "
+                    f"use at most {layers} stages (each stage needs a layer), or profile a finer model")
 
 
 def check_micro_batches(m: object, batch: int, whose: str = "the global batch") -> None:
@@ -482,7 +491,7 @@ def search(profile: Profile, options: SolveOptions, progress=None, explain: bool
         best_so_far = min((c.step_s for c in quick.values()), default=math.inf)
         for setting, size in sorted(gpipe, key=lambda item: quick[item[0]].step_s):
             candidate = quick[setting]
-            if candidate.solution is not None and candidate.lower_bound_s < best_so_far * (1 - RELATIVE_SLACK):
+            if candidate.solution is not None and not proven_optimal(best_so_far, candidate.lower_bound_s):
                 solvers[setting].time_budget_s = budgets.time_s(len(settings) - done)
                 candidate = Candidate(setting, size, solvers[setting].solve(cutoff_s=best_so_far))
             done += 1
@@ -546,13 +555,13 @@ class OneStage:
 
 
 def one_stage_baseline(profile: Profile, options: SolveOptions) -> OneStage:
-    """Solve the same request on one stage, with the same solver and options.
+    """Solve the same request on one stage of one device (no replicas), with the same solver and options.
 
     Only the micro-batch count is left open ("auto"): a fixed M is a choice made for the
     pipeline (it is what fills it), while one device should be judged at its own best M;
     the global batch stays the same, so the two plans train alike.
     """
-    single = replace(options, stages=1, micro_batches="auto", virtual_stages="auto",
+    single = replace(options, stages=1, devices=None, data_parallel=1, micro_batches="auto", virtual_stages="auto",
                      schedule=options.schedule if options.schedule in ("gpipe", "1f1b") else "auto")
     try:
         return OneStage(search(profile, single, explain=False))
