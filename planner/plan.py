@@ -19,8 +19,11 @@ from .objective import Evaluation, evaluate
 from .profile import Profile
 from .replicas import DevicesResult, Factorisation, placements, Topology
 from .search import Candidate, OneStage, SearchResult, global_batch_source
+from ..units import format_percent, format_seconds
 
 MAX_RUNNERS_UP = 12
+# A later stage's optimizer wait under this share of the step is not worth a warning: no decision turns on it.
+OPTIMIZER_WAIT_QUIET = 0.01
 
 
 def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result: SearchResult,
@@ -67,7 +70,7 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
         "optimality": optimality,
         "factorisations": factorisation_rows(devices) if devices is not None else [
             one_pipeline_row(ev, result.proven, global_batch)],
-        "runners_up": [runner_up(c, global_batch, replicas) for c in result.candidates[1:MAX_RUNNERS_UP + 1]],
+        "runners_up": runners_up(result.candidates, global_batch, replicas),
         "warnings": plan_warnings(profile, best, ev, optimality["proven"]),
     }
 
@@ -232,10 +235,13 @@ def plan_warnings(profile: Profile, best: Candidate, ev: Evaluation, proven: boo
         warnings.append(
             f"micro-batch size {best.micro_batch_size} is outside the profiled sizes {lo}..{hi}: "
             "its times are extrapolated; profile with --micro-batch-sizes covering it for a firmer prediction")
-    if ev.optimizer_wait_s > 0:
+    if ev.optimizer_wait_s > OPTIMIZER_WAIT_QUIET * ev.step_s:
         warnings.append(
-            f"a later stage's optimizer step outlasts the next step's fill by {ev.optimizer_wait_s:.3g} s "
-            "(predicted.optimizer_wait_s): the step includes that wait")
+            f"a later stage's work after its last backward (gradient sync, optimizer step) outlasts the next "
+            f"step's fill before it by {format_seconds(ev.optimizer_wait_s)}: {format_percent(ev.optimizer_wait_s / ev.step_s, 1)} "
+            f"of the {format_seconds(ev.step_s)} step, already in the prediction (predicted.optimizer_wait_s) and "
+            "weighed by the search against the other splits and schedules; only a faster optimizer step or "
+            "gradient sync on that stage would remove it")
     if not proven:
         warnings.append("the search ran out of time before proving this plan optimal; see optimality.gap")
     if setting.data_parallel > 1 and not math.isfinite(setting.sync_bandwidth_bytes_per_s) \
@@ -250,6 +256,22 @@ def plan_warnings(profile: Profile, best: Candidate, ev: Evaluation, proven: boo
             "the plan takes I = W = backward_s / 2 and keeps every activation until W; "
             "profile again (profile format 7) for measured figures")
     return warnings
+
+
+# What a runner-up shows a user beside its schedule's name: two settings alike in all of it are one plan.
+_SHOWN = ("micro_batches", "micro_batch_size", "fits", "step_s", "bubble_fraction", "peak_memory_bytes", "balance",
+          "recompute")
+
+
+def runners_up(candidates: list[Candidate], global_batch_size: int, data_parallel: int = 1) -> list[dict[str, Any]]:
+    """The settings that lost to ``candidates[0]``, best first, at most :data:`MAX_RUNNERS_UP`.
+
+    A setting whose plan is the winner's under another schedule's name is left out: on one
+    stage every schedule runs a micro-batch's forward then its backward, so at M = 1 gpipe and
+    1f1b are one plan, and listing it would show the winner again at "+0.0%"."""
+    rows = [runner_up(c, global_batch_size, data_parallel) for c in candidates]
+    best = {key: rows[0].get(key) for key in _SHOWN} if rows else None
+    return [row for row in rows[1:] if {key: row.get(key) for key in _SHOWN} != best][:MAX_RUNNERS_UP]
 
 
 def runner_up(c: Candidate, global_batch_size: int, data_parallel: int = 1) -> dict[str, Any]:

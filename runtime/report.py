@@ -25,11 +25,12 @@ import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from ..artifacts import json_number
+from ..layer_names import LayerNames
+from ..tables import narrow_table
 from ..schedules import label as schedule_label
 from ..schema import CHUNK_TIME_KINDS, FORMAT_VERSIONS, REPORT_FORMAT, report_chunks, timing_key
 from ..units import format_percent
@@ -284,37 +285,11 @@ def headline(predicted_step_s: float | None, plan_noise: dict[str, float] | None
 
 
 def print_summary(report: dict[str, Any], console: Console) -> None:
-    """The measured-vs-predicted table, one row per chunk (its stage's memory and idle time on
-    the stage's first row), and the step below it."""
-    chunks = report_chunks(report)
-    split = any(c.get("measured_backward_input_s") is not None for c in chunks)
-    # Units in the headings, plain numbers in the cells: the table fits 80 columns.
-    table = Table(title="measured vs predicted, per chunk and micro-batch (measured / predicted)",
-                  title_justify="left", box=box.SIMPLE_HEAD,
-                  collapse_padding=True, pad_edge=False)
-    columns = ("stage", "chunk", "layers", "forward ms", "I+W ms" if split else "backward ms", "peak MiB", "idle")
-    for column in columns:
-        table.add_column(column, justify="right" if column != "layers" else "left", no_wrap=column != "layers")
-    stages = {st.get("index"): st for st in report["stages"]}
-    shown: set[Any] = set()
-    for chunk in sorted(chunks, key=lambda c: (c.get("stage", 0), c.get("index", 0))):
-        layers = chunk.get("layers") or []
-        names = "-" if not layers else layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]} ({len(layers)})"
-        if chunk.get("recompute"):
-            names += " [recompute]"
-        # A report's keys are checked by gpipe_plan/schema.py; those a run always writes may
-        # still be absent from a hand-made one, and are shown as "-".
-        st = stages.get(chunk.get("stage"), {}) if chunk.get("stage") not in shown else None
-        shown.add(chunk.get("stage"))
-        table.add_row(
-            str(chunk.get("stage", "-")), str(chunk.get("index", "-")), names,
-            _pair(chunk.get("measured_forward_s"), chunk.get("predicted_forward_s"), _ms_number),
-            _pair(chunk.get("measured_backward_s"), chunk.get("predicted_backward_s"), _ms_number),
-            _pair(st.get("measured_peak_memory_bytes"), st.get("predicted_memory_bytes"), _mib_number)
-            if st is not None else "",
-            _pair(st.get("measured_idle_fraction"), st.get("predicted_idle_fraction"), _pct) if st is not None else "",
-        )
-    console.print(table)
+    """What a run measured against what its plan predicted: a table per chunk (its times per
+    micro-batch), one per stage (its memory, idle share and, with replicas, gradient sync),
+    then the step, the bubble and throughput, and the loss."""
+    console.print(chunk_table(report))
+    console.print(stage_table(report))
     console.print(step_line(report), highlight=False)
     line = f"bubble {_pair(report.get('measured_bubble_fraction'), report.get('predicted_bubble_fraction'), _pct)}"
     if report.get("samples_per_s"):
@@ -322,9 +297,6 @@ def print_summary(report: dict[str, Any], console: Console) -> None:
     if report.get("tokens_per_s"):
         line += f"   {report['tokens_per_s']:,.0f} tokens/s"
     console.print(line + "   (measured / predicted)", highlight=False)
-    sync = sync_line(report)
-    if sync:
-        console.print(sync, highlight=False)
     loss = report.get("loss") or {}
     per_step = loss.get("per_step") or {}
     if loss.get("first") is not None and loss.get("last") is not None and per_step:
@@ -333,16 +305,48 @@ def print_summary(report: dict[str, Any], console: Console) -> None:
                       highlight=False)
 
 
-def sync_line(report: dict[str, Any]) -> str | None:
-    """With d replicas: the gradient sync per step of each stage, measured / predicted (None with one)."""
-    d = report.get("data_parallel") or 1
-    if d == 1:
-        return None
-    parts = [f"stage {st.get('index')} "
-             f"{_pair(st.get('measured_gradient_sync_s'), st.get('predicted_gradient_sync_s'), _ms_number)}"
-             for st in report.get("stages") or []]
-    return (f"{d} replicas, gradient sync ({report.get('gradient_sync')}) per step in ms (measured / predicted): "
-            + ", ".join(parts))
+def chunk_table(report: dict[str, Any]) -> Table:
+    """Per chunk, in pipeline order by stage: its layers and one micro-batch's forward and
+    backward (B, or I + W under a split backward), measured / predicted, in ms.
+
+    A report's keys are checked by gpipe_plan/schema.py; those a run always writes may still
+    be absent from a hand-made one, and are shown as "-".
+    """
+    chunks = report_chunks(report)
+    split = any(c.get("measured_backward_input_s") is not None for c in chunks)
+    table = narrow_table("measured vs predicted, per chunk and micro-batch (rc: recomputes)",
+                         ("stage", "chunk", "layers", "forward ms", "I+W ms" if split else "backward ms"),
+                         left=("layers",))
+    naming = LayerNames(name for st in report["stages"] for name in st.get("layers") or [])
+    for chunk in sorted(chunks, key=lambda c: (c.get("stage", 0), c.get("index", 0))):
+        names = naming.span(chunk.get("layers") or [])
+        table.add_row(
+            str(chunk.get("stage", "-")), str(chunk.get("index", "-")),
+            names + (" rc" if chunk.get("recompute") else ""),
+            _pair(chunk.get("measured_forward_s"), chunk.get("predicted_forward_s"), _ms_number),
+            _pair(chunk.get("measured_backward_s"), chunk.get("predicted_backward_s"), _ms_number),
+        )
+    if naming.note():
+        table.note = naming.note()
+    return table
+
+
+def stage_table(report: dict[str, Any]) -> Table:
+    """Per stage (device): its peak memory and idle share, measured / predicted; with replicas
+    also its gradient sync per step (the slowest replica's)."""
+    replicated = (report.get("data_parallel") or 1) > 1
+    columns = ("stage", "peak MiB", "idle") + ((f"{report.get('gradient_sync')} sync ms",) if replicated else ())
+    table = narrow_table("measured vs predicted, per stage", columns)
+    for st in report["stages"]:
+        row = [str(st.get("index", "-")),
+               _pair(st.get("measured_peak_memory_bytes"), st.get("predicted_memory_bytes"), _mib_number),
+               _pair(st.get("measured_idle_fraction"), st.get("predicted_idle_fraction"), _pct)]
+        if replicated:
+            row.append(_pair(st.get("measured_gradient_sync_s"), st.get("predicted_gradient_sync_s"), _ms_number))
+        table.add_row(*row)
+    if replicated:
+        table.note = f"{report.get('data_parallel')} replicas of each stage; the figures are replica 0's"
+    return table
 
 
 def step_line(report: dict[str, Any]) -> str:

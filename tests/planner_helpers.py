@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -359,3 +360,18 @@ def cli(*args: str):
     from gpipe_plan.cli import main
 
     return CliRunner().invoke(main, list(args), catch_exceptions=True)
+
+
+def table_rows(text: str, heading: str) -> list[list[str]]:
+    """The cells of the rows of the table whose heading line starts with ``heading`` (a regular
+    expression, matched at the line's start): the lines
+    below its rule up to the first that is blank or prose (its columns are two or more spaces
+    apart: gpipe_plan/tables.py; prose has single spaces)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if re.match(heading, line)) + 2   # below the rule
+    rows = []
+    for line in lines[start:]:
+        if not re.search(r"\S\s{2,}\S", line):
+            break
+        rows.append(re.split(r"\s{2,}", line.strip()))
+    return rows

@@ -397,8 +397,9 @@ def test_timeline_last_axis_label_has_room(user_dir: Path) -> None:
     root = ET.fromstring(svg)
     ns = "{http://www.w3.org/2000/svg}"
     labels = [t for t in root.iter(f"{ns}text") if t.get("text-anchor") == "middle" and t.text
-              and re.fullmatch(r"[\d.]+ (s|ms|µs)", t.text)]
+              and re.fullmatch(r"0|[\d.]+ (s|ms|µs)", t.text)]
     assert len(labels) == 6
+    assert labels[0].text == "0"                  # the step's start, in no unit (issue 31: not "0 µs")
     for label in labels:   # 11 px sans-serif: at most ~7 px a character
         assert float(label.get("x")) + 7 * len(label.text) / 2 <= WIDTH, label.text
 
