@@ -282,7 +282,10 @@ def explore(**options: Any) -> None:
                    "measured times. Off by default: the probe times a generic workload, whose drift can differ "
                    "from the model's own, so dividing it out can move the times away from what the model cost "
                    "(docs/runtime.md, 'Calibration').")
-def calibrate(report: str, profile_path: str | None, out: str | None, speed_correction: bool) -> None:
+@click.option("--force", is_flag=True, default=False,
+              help="Fold the run in even when calibrate would refuse it as not the model's cost (a busy host, a "
+                   "ratio no correct run gives); a run of another model or profile is refused all the same.")
+def calibrate(report: str, profile_path: str | None, out: str | None, speed_correction: bool, force: bool) -> None:
     """Fold a run's measured per-stage times (REPORT from `run --report`) into its profile.
 
     A second `solve` with the calibrated profile plans with what the pipeline really costs.
@@ -291,7 +294,7 @@ def calibrate(report: str, profile_path: str | None, out: str | None, speed_corr
     from .profiles.command_calibrate import calibrate_command
 
     check_output_paths({"--out": out}, inputs=(report,) + ((profile_path,) if profile_path else ()))
-    calibrate_command(report, profile_path, out, speed_correction=speed_correction)
+    calibrate_command(report, profile_path, out, speed_correction=speed_correction, force=force)
 
 
 # --------------------------------------------------------------------------- import-pipedream

@@ -86,10 +86,16 @@ REPORT_FORMAT = "gpipe-plan.report"
 #      ``stages`` are devices, with their memory and idle time.
 #   4  data parallel: ``data_parallel``, ``gradient_sync``, per stage its measured gradient sync
 #      beside the plan's and its ``replicas``; the stages' figures are replica 0's.
-FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 8, PLAN_FORMAT: 6, REPORT_FORMAT: 4}
+#   5  the host's load over the steps (``host_load``: the cores other processes used, and took
+#      from the run); each speed probe's spread (``speed.per_rank_probe_spread``); the headline
+#      judges the plan's own prediction (``basis`` "profile"), with the speed-adjusted one beside
+#      it only where the probe held steady (``at_run_speed``, else ``speed_left_out``) and
+#      ``host_busy``. A version-4 headline (its prediction the speed-adjusted one) is read and
+#      shown as version 5 would make it from the report's own fields.
+FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 8, PLAN_FORMAT: 6, REPORT_FORMAT: 5}
 READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8),
                                                  PLAN_FORMAT: (1, 2, 3, 4, 5, 6),
-                                                 REPORT_FORMAT: (1, 2, 3, 4)}
+                                                 REPORT_FORMAT: (1, 2, 3, 4, 5)}
 
 
 # What an older profile lacks, and what it is read as: the one place that says so, beside the
@@ -377,6 +383,11 @@ def _count(minimum: int = 0, nullable: bool = False) -> Number:
 
 def _ratio(nullable: bool = True) -> Number:
     return Number(None, MAX_RATIO, nullable=nullable)
+
+
+def _cores(nullable: bool = False) -> Number:
+    """A number of CPU cores in use on average (a share of a host's): >= 0."""
+    return Number(0.0, float(MAX_COUNT), nullable=nullable)
 
 
 def _loss() -> Number:
@@ -744,6 +755,7 @@ REPORT = Object({
         "profile_probe_s": may(_seconds(nullable=True)),
         "run_probe_s": may(_seconds(nullable=True)),
         "per_rank_probe_s": may(Table(Items(_seconds(nullable=True)), nullable=True)),
+        "per_rank_probe_spread": may(Table(Items(_ratio()), nullable=True)),    # version 5
         "ratio": may(Number(0.0, MAX_RATIO, nullable=True)),
         "predicted_step_s_at_run_speed": may(_seconds(nullable=True)),
         "step_time_ratio_at_run_speed": may(_ratio()),
@@ -755,6 +767,33 @@ REPORT = Object({
         "noise_sources": may(Table(_ratio(), nullable=True)),
         "step_time_ratio": need(_ratio()),
         "within_noise": need(Flag(nullable=True)),
+        # Version 5: the speed-adjusted comparison where the probe held steady, else why not; the host.
+        "at_run_speed": may(Object({
+            "predicted_step_s": need(_seconds()),
+            "speed_ratio": need(Number(0.0, MAX_RATIO)),
+            "noise_fraction": need(_ratio()),
+            "step_time_ratio": need(_ratio()),
+            "within_noise": need(Flag(nullable=True)),
+        }, nullable=True)),
+        "speed_left_out": may(Text(nullable=True)),
+        "host_busy": may(Flag(nullable=True)),
+    }, nullable=True)),
+    # Version 5: what the host's other processes used over the steps (gpipe_plan/hostload.py).
+    "host_load": may(Object({
+        "window_s": need(_seconds()),
+        "other_cores": need(_cores()),
+        "contended_cores": need(_cores()),
+        "hosts": need(Items(Object({
+            "host": may(Text(nullable=True)),
+            "cores": need(_count(1)),
+            "ranks": may(Items(_count(0), nullable=True)),
+            "needed_cores": need(_count(0)),
+            "run_cores": may(_cores()),
+            "other_cores": need(_cores()),
+            "steal_cores": may(_cores()),
+            "contended_cores": need(_cores()),
+            "window_s": may(_seconds()),
+        }))),
     }, nullable=True)),
     "measured_step_s_per_step": may(Table(_seconds(nullable=True), key_pattern=_STEP_KEYS, nullable=True)),
     "predicted_bubble_fraction": may(_ratio()),

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PARTS = {
     "profiler": ("bench.profiler", "gpipe-plan profile: wall time, consistency, run-to-run spread"),
     "drift": ("bench.drift", "this machine's speed over time, one process alone and two at once"),
+    "noise": ("bench.noise", "the speed probe's steadiness and the host's load, quiet and beside busy loops"),
     "quality": ("bench.planner_quality", "plan quality on the 14 PipeDream profiles vs the usual heuristics"),
     "solver": ("bench.planner_speed", "solver speed: 2,000 layers x 64 stages, full search on 500 layers"),
     "scaling": ("bench.solver_scaling", "solver time vs layers (100-5,000) and stages (2-128), DP and ILP"),

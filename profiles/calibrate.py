@@ -53,13 +53,16 @@ from ..plan_layout import plan_chunks
 from ..schema import (PLAN_FORMAT, PROFILE_FORMAT, REPORT_FORMAT, read_artifact, report_chunks,
                       timing_key, validate)
 from .overhead import measure_overhead, overheads_in_prediction
-
-# A stage measured this far from its prediction is more likely a broken run than a slowdown.
-PLAUSIBLE = (0.2, 5.0)
+from .plausibility import Ratio, check_round
 
 
-def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False) -> dict[str, Any]:
-    """The profile at ``profile_path`` with its layer times scaled by the run in ``report_path``."""
+def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False,
+              force: bool = False) -> dict[str, Any]:
+    """The profile at ``profile_path`` with its layer times scaled by the run in ``report_path``.
+
+    A round whose ratios are not the model's (a busy host, a ratio no correct run gives) is
+    refused in one line that says what explains them (profiles/plausibility.py); ``force``
+    folds it in anyway, and the round records what was forced (``forced``)."""
     profile = read_artifact(profile_path, PROFILE_FORMAT)
     validate(profile, "profile", f"profile '{profile_path}'")
     report = read_artifact(report_path, REPORT_FORMAT)
@@ -92,15 +95,15 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
     # run measures between its spans, not in them: the layers' ratio is against the rest.
     overhead_predicted = (previous_overhead or 0.0) if (report.get("num_stages") or len(report["stages"])) > 1 else 0.0
 
+    ratios: list[Ratio] = []   # every ratio folded in, checked before the round is kept
+
     def ratio_of(unit: dict[str, Any], kind: str, predicted: float | None, what: str) -> float | None:
         """The unit's measured / predicted ``kind`` time with the drift divided out (None: not measured)."""
         measured = unit.get(timing_key("measured", kind))
         if not measured or not predicted or predicted <= 0:
             return None
         ratio = measured / drift / predicted
-        if not PLAUSIBLE[0] <= ratio <= PLAUSIBLE[1]:
-            raise BadInput(f"'{report_path}' {what} measured its {kind} {ratio:.2f}x the prediction: that run "
-                           "looks broken (or its plan came from another profile); not calibrating with it")
+        ratios.append(Ratio(what, kind, ratio))
         return ratio
 
     stage_rounds = []
@@ -146,6 +149,7 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
         chunk_rounds.append(entry)
     if not measured_any:
         raise BadInput(f"'{report_path}' has no per-stage measurements to calibrate with")
+    forced = check_round(report, report_path, ratios, force)
     overhead = measure_overhead(report)
     if overhead.per_microbatch_s is not None:
         out["overhead"] = {**(out.get("overhead") or {}), "per_microbatch_s": overhead.per_microbatch_s}
@@ -159,6 +163,7 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
         "stages": stage_rounds,
         "chunks": chunk_rounds,
         "overhead": overhead.record(previous_overhead),
+        **({"forced": forced} if forced else {}),
     })
     out["calibration"] = history
     return out

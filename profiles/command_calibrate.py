@@ -13,17 +13,20 @@ from ..schema import PLAN_FORMAT, REPORT_FORMAT, read_artifact, validate, write_
 from .calibrate import calibrate, locate, named_file
 
 
-def calibrate_command(report: str, profile: str | None, out: str | None, speed_correction: bool = False) -> None:
+def calibrate_command(report: str, profile: str | None, out: str | None, speed_correction: bool = False,
+                      force: bool = False) -> None:
     console = Console()
     if profile is None:
         profile = profile_of_report(report)
         console.print(f"calibrating '{profile}', the profile the run's plan was made from", highlight=False)
     else:
         check_profile_of_plan(report, profile)
-    doc = calibrate(profile, report, use_speed_probe=speed_correction)
+    doc = calibrate(profile, report, use_speed_probe=speed_correction, force=force)
     target = out or str(Path(profile).with_suffix("")) + ".calibrated.json"
     write_artifact(target, doc, "profile")
     last = doc["calibration"][-1]
+    for problem in last.get("forced") or []:
+        console.print(f"[yellow]--force:[/] folded in although {problem}", highlight=False)
     console.print(round_table(last))
     spread = last.get("run_spread")
     if spread:

@@ -30,7 +30,8 @@ from ..artifacts import BadInput, RunFailure, precision_label, write_bytes_atomi
 from ..cudamemory import outside_allocator_bytes
 from ..models import LayeredModel, Precision, build_model, built_whole
 from ..schema import write_artifact
-from ..speedprobe import profile_probe_s, speed_probe_s, speed_ratio
+from .. import hostload
+from ..speedprobe import profile_probe_s, speed_probe, speed_ratio
 from . import checkpoint, faults
 from .conditions import condition_warnings, cpu_cores, threads_per_rank
 from .data import BatchSource, batch_source
@@ -74,7 +75,7 @@ class _Training:
     joined_here: bool          # this run joined the ranks (and leaves them at the end)
     reporter: bool             # rank 0 prints, gathers and writes the outputs
     warnings: list[str]
-    probes: list[float]        # speed probe before the steps (and after, once done)
+    probes: list[tuple[float, float]]   # speed probe (median, spread) before the steps (and after, once done)
     model: LayeredModel
     stage: StageChunks         # this rank's chunks
     replicas: Replicas         # this rank's stage and replica, its pipeline and sync groups
@@ -104,6 +105,7 @@ class _History:
     step_s: dict[int, float] = field(default_factory=dict)
     cpu_s: dict[int, float] = field(default_factory=dict)   # all the process's threads
     memory: dict[str, Any] = field(default_factory=dict)
+    host: tuple[hostload.CpuSample, hostload.CpuSample] | None = None   # the host before the first step, after the last
 
 
 def train(options: RunOptions, world: World) -> None:
@@ -139,12 +141,13 @@ def _set_up(options: RunOptions, world: World) -> _Training:
     # not the ranks slowing each other (that belongs to the run, and calibration keeps it).
     probes = [_probe_in_turn(world, device, objects)]
     profile_probe = profile_probe_s(plan.profile_device)
-    ratio = speed_ratio(probes[0], profile_probe)
+    ratio = speed_ratio(probes[0][0], profile_probe)
     if reporter and ratio and not 1 / SPEED_TOLERANCE <= ratio <= SPEED_TOLERANCE:
         err.print(f"[yellow]warning:[/] this machine runs {abs(ratio - 1):.0%} {'slower' if ratio > 1 else 'faster'} "
-                  f"than when the profile was measured (a fixed reference workload takes {probes[0] * 1e3:.1f} ms now, "
-                  f"{profile_probe * 1e3:.1f} ms then): expect the prediction to be off by about that much; "
-                  f"re-profile here; the prediction printed at the end is adjusted for this speed", highlight=False)
+                  f"than when the profile was measured (a fixed reference workload takes {probes[0][0] * 1e3:.1f} ms "
+                  f"now, {profile_probe * 1e3:.1f} ms then): expect the prediction to be off by about that much, "
+                  f"or re-profile here; the end of the run also compares with the prediction at this speed where "
+                  f"the probe held steady", highlight=False)
 
     # ------------------------------------------------------------------ model, data, optimizer
     # Every rank builds the model on the meta device (no memory for its parameters) and makes
@@ -252,6 +255,7 @@ def _run_steps(run: _Training) -> _History:
     gc.freeze()
     dist.barrier(group=run.objects)
     recorder.start_clock()  # all ranks leave the barrier together: a common time origin
+    before = hostload.sample()   # what the host's other processes use over the steps (gpipe_plan.hostload)
     try:
         for step in range(run.start, options.steps):
             recorder.step = step
@@ -275,6 +279,7 @@ def _run_steps(run: _Training) -> _History:
             if step + 1 < options.steps:
                 run.gradient_sync.after_optimizer()
         run.sync.close()
+        history.host = (before, hostload.sample())
         # After the last step: the optimizer's state exists (the first step creates it) and
         # CUDA's peak is over every step, not only the first.
         history.memory = _memory(stage, run.optimizer, meter if run.executor.meters_activations else None, run.device,
@@ -353,7 +358,9 @@ def _write_outputs(run: _Training, history: _History) -> None:
     options, world, plan = run.options, run.world, run.plan
     run.probes.append(_probe_in_turn(world, run.device, run.objects))
     result = RankResult(world.rank, run.recorder.spans, history.step_s, history.memory, history.cpu_s,
-                        speed_probe_s=run.probes, stage=run.replicas.stage, replica=run.replicas.replica)
+                        speed_probe_s=[median for median, _ in run.probes],
+                        speed_probe_spread=[spread for _, spread in run.probes], host=history.host,
+                        stage=run.replicas.stage, replica=run.replicas.replica)
     results = _gather(result, world, run.objects)
     # Every replica of a stage holds the same tensors after the step: replica 0's go into the
     # file, copied to the CPU here, once. (fsdp: gathering them whole is collective over the
@@ -398,12 +405,12 @@ def _write_outputs(run: _Training, history: _History) -> None:
 
 
 # ---------------------------------------------------------------------- helpers
-def _probe_in_turn(world: World, device: torch.device, objects: Any) -> float:
-    """This rank's speed probe, run while the other ranks wait: one at a time."""
-    probe = 0.0
+def _probe_in_turn(world: World, device: torch.device, objects: Any) -> tuple[float, float]:
+    """This rank's speed probe (median, spread), run while the other ranks wait: one at a time."""
+    probe = (0.0, 0.0)
     for rank in range(world.world_size):
         if rank == world.rank:
-            probe = speed_probe_s(device.type)
+            probe = speed_probe(device.type)
         if world.world_size > 1:
             dist.barrier(group=objects)
     return probe
