@@ -79,13 +79,12 @@ def _implausible(report: dict[str, Any], ratios: list[Ratio]) -> tuple[str, str]
     worst = max(outside, key=lambda r: max(r.value, 1 / r.value) if r.value > 0 else float("inf"))
     said = (f"{worst.what} measured its {worst.kind} {worst.value:.2f}x the prediction, beyond the "
             f"{PLAUSIBLE[0]:g}-{PLAUSIBLE[1]:g}x a correct run of a plan from this profile gives")
+    if busy_hosts(report.get("host_load")):     # said in full by _busy_host, which comes first
+        return f"{said}, which the busy host's load explains", "rerun on a quiet machine"
     speed = (report.get("speed") or {}).get("ratio")
     if speed and PLAUSIBLE[0] <= worst.value / speed <= PLAUSIBLE[1]:
         return (f"{said}, as the machine ran at {speed:.2f}x the profile's time (speed probe)",
                 "profile again on this machine, or calibrate with --speed-correction")
-    busy = busy_hosts(report.get("host_load"))
-    if busy:
-        return f"{said}, on a busy host ({load_text(busy[0])})", "rerun on a quiet machine"
     load = report.get("host_load")
     host = (f"other processes used {load['other_cores']:.2f} cores" if load else
             "the report, from before report version 5, does not record the host's load")
