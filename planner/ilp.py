@@ -76,7 +76,8 @@ class _ScaledTimes:
     rerun: list[float]           # what recomputing adds to each layer's backward (>= 0)
     call: float                  # the checkpoint call, once per recomputing stage
     optimizer: list[float]       # per layer
-    overhead: float              # per micro-batch and stage
+    forward_fixed: list[float]   # per stage: its forward's fixed part (CostModel.chunk_fixed)
+    backward_fixed: list[float]  # per stage: its plain backward's
     comm: list[float]            # comm[e]: the cut before layer e
 
 
@@ -85,7 +86,9 @@ _LARGEST_COEFFICIENT = 1e6
 
 def _scaled_times(cm: CostModel) -> _ScaledTimes:
     fig = cm.figures
-    others = [*cm.comm, cm.overhead, fig.recompute_call_s, *fig.optimizer_s,
+    forward_fixed = [cm.chunk_fixed("F", k) for k in range(cm.K)]
+    backward_fixed = [cm.chunk_fixed("B", k) for k in range(cm.K)]
+    others = [*cm.comm, *forward_fixed, *backward_fixed, fig.recompute_call_s, *fig.optimizer_s,
               *(cm.tied_exchange_s(t) for t in range(len(fig.tied)))]
     work = (sum(fig.forward_s) + sum(fig.backward_s)) / cm.L
     unit = max(work, max(others) / _LARGEST_COEFFICIENT) or 1.0
@@ -96,7 +99,8 @@ def _scaled_times(cm: CostModel) -> _ScaledTimes:
         rerun=[(r - b) / unit for r, b in zip(fig.recomputing_backward_s(), fig.backward_s)],
         call=fig.recompute_call_s / unit,
         optimizer=[x / unit for x in fig.optimizer_s],
-        overhead=cm.overhead / unit,
+        forward_fixed=[x / unit for x in forward_fixed],
+        backward_fixed=[x / unit for x in backward_fixed],
         comm=[c / unit for c in cm.comm],
     )
 
@@ -172,7 +176,7 @@ def _stage_times(prob, cm: CostModel, times: _ScaledTimes, member, ends, recompu
     forward, backward, send = [], [], []
     big_extra = sum(times.rerun) + times.call
     for k in range(K):
-        fk = pulp.lpSum(times.forward[i] * member(i, k) for i in range(L)) + times.overhead
+        fk = pulp.lpSum(times.forward[i] * member(i, k) for i in range(L)) + times.forward_fixed[k]
         rerun_k = pulp.lpSum(times.rerun[i] * member(i, k) for i in range(L)) + times.call
         extra = _var(prob, f"recompute_time_{k}", 0)
         if isinstance(recompute[k], int):
@@ -180,7 +184,7 @@ def _stage_times(prob, cm: CostModel, times: _ScaledTimes, member, ends, recompu
         else:
             prob += extra >= rerun_k - big_extra * (1 - recompute[k])
         forward.append(fk)
-        backward.append(pulp.lpSum(times.backward[i] * member(i, k) for i in range(L)) + times.overhead + extra)
+        backward.append(pulp.lpSum(times.backward[i] * member(i, k) for i in range(L)) + times.backward_fixed[k] + extra)
         if k < K - 1:
             send.append(pulp.lpSum(times.comm[i + 1] * ends(i, k) for i in range(L - 1)))
     return forward, backward, send

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from ..artifacts import BadInput, precision_of
+from .fixedcosts import FixedCosts, between_actions_s
 from ..schema import (PROFILE_FORMAT, RECOMPUTE_FIELDS, SPLIT_FIELDS, check_format, recompute_timed,
                       split_backward_timed, validate)
 
@@ -125,6 +126,14 @@ class Profile:
                                                   and not isinstance(latency, bool) and latency >= 0 else None)
         overhead = doc.get("overhead") or {}
         self.per_microbatch_overhead_s: float = float(overhead.get("per_microbatch_s") or 0.0)
+        calibrated = overhead.get("per_microbatch_s")
+        self.calibrated_overhead_s: float | None = float(calibrated) if calibrated is not None else None
+        # The runtime's fixed costs per action and message, measured at profile time (version 9;
+        # planner/fixedcosts.py): None when the profile measured none.
+        fixed = doc.get("fixed_costs")
+        self.fixed_costs: FixedCosts | None = FixedCosts.from_record(fixed) if isinstance(fixed, dict) else None
+        between = fixed.get("between_actions_s") if isinstance(fixed, dict) else None
+        self.between_actions_s: float | None = float(between) if between is not None else None
         self.contention_slowdown, self.contention_processes = _contention(doc, where)
         self.recompute_call_s = _recompute_call(doc, where, self.layers)
         self.precision, self.param_dtype = precision_of(doc, where)
@@ -136,6 +145,10 @@ class Profile:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    def per_action_overhead_s(self, stages: int) -> float:
+        """The cost between actions a plan of ``stages`` is charged (planner/fixedcosts.py)."""
+        return between_actions_s(self.calibrated_overhead_s, self.between_actions_s, stages)
 
     @property
     def model(self) -> dict:

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from gpipe_plan.planner.costmodel import Setting
+from gpipe_plan.planner.fixedcosts import FixedCosts
 from gpipe_plan.planner.profile import LayerFigures
 from gpipe_plan.schema import PROFILE_FORMAT, check_built
 
@@ -129,10 +130,22 @@ def instances(draw, schedule: str | None = None, max_layers: int = 8, max_stages
         bandwidth = draw(st.sampled_from([2e4, 1e5, 5e5, 3e6]))
         latency = draw(st.sampled_from([0.0, 1e-4, 1e-3]))
     overhead = draw(st.sampled_from([1e-4, 1e-3])) if use() else 0.0
+    fixed = draw(fixed_costs()) if use() else FixedCosts()
     setting = Setting(stages=K, micro_batches=M, schedule=sched, recompute=recompute,
                       memory_limit_bytes=limit, link_bandwidth_bytes_per_s=bandwidth,
-                      link_latency_s=latency, optimizer=opt_name, overhead_s=overhead)
+                      link_latency_s=latency, optimizer=opt_name, overhead_s=overhead, fixed_costs=fixed)
     return fig, setting
+
+
+@st.composite
+def fixed_costs(draw):
+    """Fixed costs per action kind and per message (planner/fixedcosts.py): each kind its own,
+    a send and a receive that differ, so that the first, middle and last stages all differ."""
+    def one():
+        return draw(st.sampled_from([0.0, 1e-4, 4e-4, 1e-3]))
+
+    return FixedCosts(forward_s=one(), backward_s=one(), backward_input_s=one(), backward_weight_s=one(),
+                      send_s=draw(st.sampled_from([0.0, 2e-4, 7e-4])), receive_s=draw(st.sampled_from([0.0, 3e-4, 1e-3])))
 
 
 def _memory_range(fig: LayerFigures, K: int, M: int, schedule: str, recompute: str,
@@ -165,14 +178,20 @@ def ref_stage(fig: LayerFigures, setting: Setting, bounds: Sequence[int], k: int
     L, K, M = fig.num_layers, setting.stages, setting.micro_batches
     s, e = bounds[k], bounds[k + 1]
     fwd = math.fsum(fig.forward_s[s:e])
-    f = fwd + setting.overhead_s
+    # Fixed costs (docs/planner.md): each action its kind's and the overhead between actions, and
+    # each message to or from another stage: a forward sends on unless last and receives unless
+    # first; a backward the other way round.
+    fixed = setting.fixed_costs
+    sends_on, receives = (k < K - 1), (k > 0)
+    f = fwd + setting.overhead_s + fixed.forward_s + fixed.send_s * sends_on + fixed.receive_s * receives
+    b_fixed = setting.overhead_s + fixed.backward_s + fixed.send_s * receives + fixed.receive_s * sends_on
     if not recompute:
-        b = math.fsum(fig.backward_s[s:e]) + setting.overhead_s
+        b = math.fsum(fig.backward_s[s:e]) + b_fixed
     elif fig.recompute_backward_s is None:      # the textbook figure: one more forward
-        b = math.fsum(fig.backward_s[s:e]) + setting.overhead_s + fwd
+        b = math.fsum(fig.backward_s[s:e]) + b_fixed + fwd
     else:                                       # measured, never below the plain backward
         b = (math.fsum(max(r, g) for r, g in zip(fig.recompute_backward_s[s:e], fig.backward_s[s:e]))
-             + setting.overhead_s + fig.recompute_call_s)
+             + b_fixed + fig.recompute_call_s)
     comm_on = math.isfinite(setting.link_bandwidth_bytes_per_s)
     c = setting.link_latency_s + fig.output_bytes[e - 1] / setting.link_bandwidth_bytes_per_s \
         if (comm_on and e < L) else 0.0
