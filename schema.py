@@ -72,7 +72,9 @@ REPORT_FORMAT = "gpipe-plan.report"
 #   8  the all-reduce in ``link`` (``allreduce_bandwidth_bytes_per_s``, ...): what a data-parallel
 #      gradient sync costs; each layer's ``module``.
 #   9  ``fixed_costs``: the runtime's fixed cost per action kind and per message, and between
-#      actions, measured with a short real pipeline (profiles/fixedcosts.py).
+#      actions, measured with a short real pipeline (profiles/fixedcosts.py); on CUDA each
+#      layer's CPU issue time (``issue_forward_s``, ``issue_backward_s``) beside its GPU time,
+#      which is then measured behind a backlog (profiles/issue.py).
 # Plan
 #   2  ``options.compute_scale``.
 #   3  the precision (``precision``, ``param_dtype``; before it, fp32).
@@ -110,8 +112,10 @@ READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5,
 #   the all-reduce in ``link`` (before 8): a gradient sync is priced with the point-to-point figures.
 #   ``fixed_costs`` (before 9; ``profile --no-fixed-costs``): none are charged but the calibrated
 #   overhead, with several stages only, and a plan says so (planner/fixedcosts.py).
+#   the issue times (before 9; never on a CPU): an action takes its layers' time.
 RECOMPUTE_FIELDS = ("recompute_forward_s", "recompute_backward_s")
 SPLIT_FIELDS = ("backward_input_s", "backward_weight_s", "weight_kept_bytes")
+ISSUE_FIELDS = ("issue_forward_s", "issue_backward_s")          # version 9, CUDA profiles
 
 
 def recompute_timed(doc: dict[str, Any]) -> bool:
@@ -439,6 +443,9 @@ LAYER = Object({
     "backward_input_s": may(_per_size(_seconds(), nullable=True)),
     "backward_weight_s": may(_per_size(_seconds(), nullable=True)),
     "weight_kept_bytes": may(_per_size(_bytes(), nullable=True)),
+    # Version 9, CUDA: the CPU's time to issue the layer's passes (the GPU busy meanwhile).
+    "issue_forward_s": may(_per_size(_seconds(), nullable=True)),
+    "issue_backward_s": may(_per_size(_seconds(), nullable=True)),
 })
 
 FIXED_COST_KEYS = ("forward_s", "backward_s", "backward_input_s", "backward_weight_s", "send_s", "receive_s",

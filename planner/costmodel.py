@@ -283,7 +283,8 @@ def _undominated(points: set[tuple[tuple[int, ...], tuple[int, ...], int]]) -> t
 
 
 def stage_time_formula(forward_terms: tuple[list[float], float],
-                       backward_terms: dict[bool, tuple[list[float], float]]
+                       backward_terms: dict[bool, tuple[list[float], float]],
+                       issue: tuple[list[float], dict[bool, list[float]]] | None = None,
                        ) -> tuple[Callable[[int, int], float], Callable[[int, int, bool], float]]:
     """The stage-time formula: ``forward(s, e)`` and ``backward(s, e, recompute)`` of layers
     ``[s, e)``, per micro-batch, the F and B of the module docstring (B whole, as GPipe and
@@ -296,10 +297,17 @@ def stage_time_formula(forward_terms: tuple[list[float], float],
     figures and the solvers' innermost loops (once per candidate stage, O(K L^2) calls) call
     them. They are closures rather than methods because a closure reads its prefix sums as
     local cells, where a method looks each one up on the instance at every call.
+
+    ``issue``: the prefix sums of the CPU's issue times of the forward and of the backward
+    (plain, recomputing), for a profile that has them (CUDA). A pass then takes the larger of
+    its layers' two sums, plus the fixed part: each term pair is ``(prefix, fixed)`` and the time
+    is the largest of them (see "The CPU-issue bound" in the module docstring).
     """
     forward_prefix, forward_fixed = forward_terms
     plain_prefix, plain_fixed = backward_terms[False]
     rerun_prefix, rerun_fixed = backward_terms[True]
+    if issue is not None:
+        return _issue_bound_formula(forward_terms, backward_terms, issue)
 
     def forward(s: int, e: int) -> float:
         return forward_prefix[e] - forward_prefix[s] + forward_fixed
@@ -308,6 +316,32 @@ def stage_time_formula(forward_terms: tuple[list[float], float],
         if recompute:
             return rerun_prefix[e] - rerun_prefix[s] + rerun_fixed
         return plain_prefix[e] - plain_prefix[s] + plain_fixed
+
+    return forward, backward
+
+
+def _issue_bound_formula(forward_terms: tuple[list[float], float],
+                         backward_terms: dict[bool, tuple[list[float], float]],
+                         issue: tuple[list[float], dict[bool, list[float]]],
+                         ) -> tuple[Callable[[int, int], float], Callable[[int, int, bool], float]]:
+    """:func:`stage_time_formula` under the CPU-issue bound: the larger sum, then the fixed part
+    (when the GPU's sum is the larger, the very float of the plain formula)."""
+    forward_prefix, forward_fixed = forward_terms
+    plain_prefix, plain_fixed = backward_terms[False]
+    rerun_prefix, rerun_fixed = backward_terms[True]
+    forward_issue, backward_issue = issue
+    plain_issue, rerun_issue = backward_issue[False], backward_issue[True]
+
+    def forward(s: int, e: int) -> float:
+        gpu, cpu = forward_prefix[e] - forward_prefix[s], forward_issue[e] - forward_issue[s]
+        return (gpu if gpu >= cpu else cpu) + forward_fixed
+
+    def backward(s: int, e: int, recompute: bool) -> float:
+        if recompute:
+            gpu, cpu = rerun_prefix[e] - rerun_prefix[s], rerun_issue[e] - rerun_issue[s]
+            return (gpu if gpu >= cpu else cpu) + rerun_fixed
+        gpu, cpu = plain_prefix[e] - plain_prefix[s], plain_issue[e] - plain_issue[s]
+        return (gpu if gpu >= cpu else cpu) + plain_fixed
 
     return forward, backward
 
@@ -378,7 +412,15 @@ class CostModel:
         self.forward_terms: tuple[list[float], float] = (self.pf, self.forward_fixed)
         self.backward_terms: dict[bool, tuple[list[float], float]] = {
             False: (self.pg, self.backward_fixed[False]), True: (self.pgr, self.backward_fixed[True])}
-        self.forward, self.whole_backward = stage_time_formula(self.forward_terms, self.backward_terms)
+        # The CPU-issue bound (CUDA profiles): each pass takes the larger of its layers' GPU and
+        # issue sums; prefix sums of the issue times per kind, None without them.
+        issue = figures.issue_times()
+        self.issue: dict[str, list[float]] | None = None if issue is None else {
+            key: _prefix(times) for key, times in issue.items()}
+        self.issue_terms = None if self.issue is None else (
+            self.issue["F"], {False: self.issue["B"], True: self.issue["B recompute"]})
+        self.forward, self.whole_backward = stage_time_formula(self.forward_terms, self.backward_terms,
+                                                               self.issue_terms)
         self._formulas: dict[tuple[float, float, float], tuple[Callable[[int, int], float],
                                                                 Callable[[int, int, bool], float]]] = {}
         # A split backward runs I and W: its B is their sum (see backward_input).
@@ -439,7 +481,8 @@ class CostModel:
             else:
                 found = stage_time_formula(
                     (self.pf, self.forward_fixed + fm),
-                    {False: (self.pg, self.backward_fixed[False] + bm), True: (self.pgr, self.backward_fixed[True] + bm)})
+                    {False: (self.pg, self.backward_fixed[False] + bm), True: (self.pgr, self.backward_fixed[True] + bm)},
+                    self.issue_terms)
             self._formulas[key] = found
         return found
 
@@ -465,15 +508,31 @@ class CostModel:
         """What the messages of one forward and one backward of each of ``chunks`` cost together."""
         return sum(self.forward_messages[c] + self.backward_messages[c] for c in chunks)
 
-    def forward_reach(self, s: int, budget: float) -> int:
-        """The largest e >= s with ``forward(s, e) <= budget`` (s if none), by bisection."""
-        prefix, fixed = self.forward_terms
-        return reach(prefix, s, budget, fixed)
+    def forward_reach(self, s: int, budget: float, fixed: float | None = None) -> int:
+        """The largest e >= s with ``forward(s, e) <= budget`` (s if none), by bisection; with
+        ``fixed``, for a forward of that fixed part (a chunk's: :meth:`chunk_fixed`)."""
+        prefix, own = self.forward_terms
+        fixed = own if fixed is None else fixed
+        e = reach(prefix, s, budget, fixed)
+        # Under the CPU-issue bound both sums must keep within the budget.
+        return e if self.issue is None else min(e, reach(self.issue["F"], s, budget, fixed))
 
-    def backward_reach(self, s: int, budget: float, recompute: bool) -> int:
+    def backward_reach(self, s: int, budget: float, recompute: bool, fixed: float | None = None) -> int:
         """The largest e >= s with ``whole_backward(s, e, recompute) <= budget`` (s if none)."""
-        prefix, fixed = self.backward_terms[recompute]
-        return reach(prefix, s, budget, fixed)
+        prefix, own = self.backward_terms[recompute]
+        fixed = own if fixed is None else fixed
+        e = reach(prefix, s, budget, fixed)
+        if self.issue is None:
+            return e
+        return min(e, reach(self.issue["B recompute" if recompute else "B"], s, budget, fixed))
+
+    def _layers_sum(self, prefix: list[float], issue_key: str, s: int, e: int) -> float:
+        """The layers' sum of a pass over [s, e): under the CPU-issue bound the larger of the two."""
+        gpu = prefix[e] - prefix[s]
+        if self.issue is None:
+            return gpu
+        cpu = self.issue[issue_key][e] - self.issue[issue_key][s]
+        return gpu if gpu >= cpu else cpu
 
     def backward_input(self, s: int, e: int, recompute: bool, c: int | None = None) -> float:
         """I of layers [s, e): the input gradient, with the recomputed forward when recomputing
@@ -485,16 +544,16 @@ class CostModel:
         if s == 0 and self.split:
             return self.overhead + bm
         if recompute:
-            return self.pgir[e] - self.pgir[s] + (self.input_fixed[True] + bm)
-        return self.pgi[e] - self.pgi[s] + (self.input_fixed[False] + bm)
+            return self._layers_sum(self.pgir, "I recompute", s, e) + (self.input_fixed[True] + bm)
+        return self._layers_sum(self.pgi, "I", s, e) + (self.input_fixed[False] + bm)
 
     def backward_weight(self, s: int, e: int, recompute: bool = False, c: int | None = None) -> float:
         """W of layers [s, e): the weight gradient (for chunk 0, the whole backward: see I).
         W exchanges no message (``c`` is accepted for symmetry with I)."""
         if s == 0 and self.split:
-            prefix = self.pgr if recompute else self.pg
-            return prefix[e] - prefix[0] + self.chunk_fixed("W", 0, recompute)
-        return self.pgw[e] - self.pgw[s] + self.weight_fixed
+            prefix, key = (self.pgr, "B recompute") if recompute else (self.pg, "B")
+            return self._layers_sum(prefix, key, 0, e) + self.chunk_fixed("W", 0, recompute)
+        return self._layers_sum(self.pgw, "W", s, e) + self.weight_fixed
 
     def optimizer(self, s: int, e: int) -> float:
         """The step after the backward: the gradient sync over the replicas, the optimizer on

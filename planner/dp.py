@@ -45,7 +45,7 @@ import time
 from collections import deque
 
 from .budgets import SOLVER_TIME_BUDGET_S
-from .costmodel import CostModel, reach
+from .costmodel import CostModel
 from .objective import RELATIVE_SLACK, Evaluation, Solution, evaluate
 
 INF = math.inf
@@ -109,7 +109,9 @@ class GPipeSolver:
         self.greedy_ok = shrink_safe and self.classes == 1
         # Cut positions by send time, to count those a threshold allows (see _probe_greedy).
         self.sorted_comm = sorted(cm.comm[1:cm.L])
-        self.window_ok = self.fixed_recompute is not None and shrink_safe
+        # The sliding-window DP and the per-first-stage search take F + B to add up to the same
+        # total for every partition: not so under the CPU-issue bound (the larger of two sums).
+        self.window_ok = self.fixed_recompute is not None and shrink_safe and cm.issue is None
         # no after-the-backward term at all (optimizer step, gradient sync): it only grows with a stage
         self.constant_additive = self.window_ok and not comm_on and cm.optimizer(0, cm.L) == 0.0
         self.probes = 0
@@ -139,8 +141,8 @@ class GPipeSolver:
         """The longest stage k from s whose forward is <= X, and whose backward is <= Y."""
         cm = self.cm
         forward_fixed, plain_fixed, rerun_fixed = self.fixed[k]
-        return (reach(cm.pf, s, X, forward_fixed),
-                reach(cm.pgr if recompute else cm.pg, s, Y, rerun_fixed if recompute else plain_fixed))
+        return (cm.forward_reach(s, X, forward_fixed),
+                cm.backward_reach(s, Y, recompute, rerun_fixed if recompute else plain_fixed))
 
     def _recompute(self, s: int, e: int) -> bool | None:
         # GPipe keeps M micro-batches in flight on every stage: the stage index does not matter.

@@ -132,7 +132,8 @@ class OneFOneBSolver:
         pf, comm = cm.pf, cm.comm
         ob = self.other_backward
         total = pf[L] + ob[L]
-        monotone = not cm.setting.comm_on
+        # (not under the CPU-issue bound: a layer may add less to a pass than the waits lose)
+        monotone = not cm.setting.comm_on and cm.issue is None
         plain_allowed = False in cm.allowed_recompute
         recompute_allowed = True in cm.allowed_recompute
         tables = self.suffix_tables

@@ -403,8 +403,19 @@ def _time_sizes(prepared: list[_Size], model: LayeredModel, request: ProfileRequ
             for weighed, runner, (_, layer) in zip(p.figures, p.splitting[1:], model.layers):
                 record_split(weighed, None if runner is None else next(timings), split_harness, has_weights(layer))
         if request.device.type == "cuda":
+            _time_issue(p.figures, p.runners, request)
             for weighed, runner in zip(p.figures, p.runners[1:]):
                 weighed.peak_transient_bytes = peak_transient_bytes(runner, request.device, weighed)
+
+
+def _time_issue(figures: list[LayerMeasurement], runners: list[Runner], request: ProfileRequest) -> None:
+    """CUDA: each layer's GPU time behind a backlog and the CPU's issue time (profiles/issue.py);
+    ``runners``: the harness, then the layers of ``figures``."""
+    from .issue import backlog_timings, cuda_backlog, record_issue
+
+    harness, *timings = backlog_timings(runners, clock_for(request.device), cuda_backlog(request.device),
+                                        request.warmup, request.repeats)
+    record_issue(figures, timings, harness)
 
 
 def _batch(model: LayeredModel, size: int, seed: int, device: torch.device) -> tuple[Tensors, torch.Tensor]:
@@ -481,6 +492,7 @@ def _measure_layer(model: LayeredModel, i: int, inputs: list[Tensors], targets: 
                     split_harnesses.append(split_harness)
                     record_split(weighed, split_timing, split_harness, has_weights(layer))
             if request.device.type == "cuda":
+                _time_issue([weighed], [groups[0][0], runner], request)
                 weighed.peak_transient_bytes = peak_transient_bytes(runner, request.device, weighed)
         del groups, plain, timed
         layer.zero_grad(set_to_none=True)   # gradients of the timing rounds: freed before the next layer
@@ -560,6 +572,9 @@ def _document(model: LayeredModel, request: ProfileRequest, sizes: list[int],
             entry["output_batched"] = batched
         if request.device.type == "cuda":
             entry["peak_transient_bytes"] = [f.peak_transient_bytes for f in at]
+            if all(f.issue_forward_s is not None for f in at):
+                entry["issue_forward_s"] = [f.issue_forward_s for f in at]
+                entry["issue_backward_s"] = [f.issue_backward_s for f in at]
         if request.recompute:
             entry["recompute_forward_s"] = [f.recompute_forward_s for f in at]
             entry["recompute_backward_s"] = [f.recompute_backward_s for f in at]

@@ -50,6 +50,7 @@ def make_figures(
     recompute_backward: Sequence[float] | None = None,
     recompute_call: float = 0.0,
     tied: Sequence[tuple[Sequence[int], float]] = (),
+    issue: tuple[Sequence[float], Sequence[float]] | None = None,
 ) -> LayerFigures:
     L = len(forward)
     zeros = (0.0,) * L
@@ -68,6 +69,8 @@ def make_figures(
         recompute_backward_s=tuple(map(float, recompute_backward)) if recompute_backward is not None else None,
         recompute_call_s=float(recompute_call),
         tied=tuple((tuple(layers), float(size)) for layers, size in tied),
+        issue_forward_s=tuple(map(float, issue[0])) if issue is not None else None,
+        issue_backward_s=tuple(map(float, issue[1])) if issue is not None else None,
     )
 
 
@@ -112,9 +115,13 @@ def instances(draw, schedule: str | None = None, max_layers: int = 8, max_stages
         for _ in range(draw(st.integers(1, 2))):
             layers = draw(st.lists(st.integers(0, L - 1), min_size=2, max_size=3, unique=True))
             ties.append((sorted(layers), float(draw(st.integers(1, 2000)))))
+    # The CPU-issue bound (CUDA profiles): each layer's issue time, below or above its GPU time.
+    issue = None
+    if use():
+        issue = (draw(st.lists(_time, min_size=L, max_size=L)), draw(st.lists(_time, min_size=L, max_size=L)))
     fig = make_figures(fwd, bwd, act, out, par, transient=transient, buffers=buffers,
                        optimizer=optimizer, input_bytes=input_bytes,
-                       recompute_backward=recompute_backward, recompute_call=recompute_call, tied=ties)
+                       recompute_backward=recompute_backward, recompute_call=recompute_call, tied=ties, issue=issue)
     sched = schedule or draw(st.sampled_from(["gpipe", "1f1b"]))
     recompute = draw(st.sampled_from(["never", "always", "auto"]))
     opt_name = draw(st.sampled_from(["adam", "momentum", "sgd"]))
@@ -186,12 +193,20 @@ def ref_stage(fig: LayerFigures, setting: Setting, bounds: Sequence[int], k: int
     f = fwd + setting.overhead_s + fixed.forward_s + fixed.send_s * sends_on + fixed.receive_s * receives
     b_fixed = setting.overhead_s + fixed.backward_s + fixed.send_s * receives + fixed.receive_s * sends_on
     if not recompute:
-        b = math.fsum(fig.backward_s[s:e]) + b_fixed
+        gpu_b, extra = math.fsum(fig.backward_s[s:e]), 0.0
     elif fig.recompute_backward_s is None:      # the textbook figure: one more forward
-        b = math.fsum(fig.backward_s[s:e]) + b_fixed + fwd
+        gpu_b, extra = math.fsum(fig.backward_s[s:e]) + fwd, 0.0
     else:                                       # measured, never below the plain backward
-        b = (math.fsum(max(r, g) for r, g in zip(fig.recompute_backward_s[s:e], fig.backward_s[s:e]))
-             + b_fixed + fig.recompute_call_s)
+        gpu_b = math.fsum(max(r, g) for r, g in zip(fig.recompute_backward_s[s:e], fig.backward_s[s:e]))
+        extra = fig.recompute_call_s
+    b = gpu_b + b_fixed + extra
+    if fig.issue_forward_s is not None:
+        # The CPU-issue bound: each pass the larger of its GPU sum and its issue sum (a
+        # recomputing backward issues the forward again), then its fixed part.
+        issue_f = math.fsum(fig.issue_forward_s[s:e])
+        issue_b = math.fsum(fig.issue_backward_s[s:e]) + (issue_f if recompute else 0.0)
+        f = max(fwd, issue_f) + (f - fwd)
+        b = max(gpu_b, issue_b) + b_fixed + extra
     comm_on = math.isfinite(setting.link_bandwidth_bytes_per_s)
     c = setting.link_latency_s + fig.output_bytes[e - 1] / setting.link_bandwidth_bytes_per_s \
         if (comm_on and e < L) else 0.0

@@ -39,7 +39,9 @@ def random_case(rng: random.Random, schedule: str, v: int):
                        params=[rng.randint(0, 200) for _ in range(L)],
                        optimizer=[rng.uniform(0, 3e-4) for _ in range(L)] if rng.random() < 0.5 else None,
                        input_bytes=rng.randint(0, 200),
-                       recompute_backward=[rng.uniform(1e-3, 4e-3) for _ in range(L)] if rng.random() < 0.5 else None)
+                       recompute_backward=[rng.uniform(1e-3, 4e-3) for _ in range(L)] if rng.random() < 0.5 else None,
+                       # the CPU-issue bound now and then (CUDA profiles): issue times about the GPU's
+                       issue=([t() for _ in range(L)], [t() for _ in range(L)]) if rng.random() < 0.3 else None)
     setting = Setting(stages=K, micro_batches=M, schedule=schedule, recompute=rng.choice(["never", "always", "auto"]),
                       memory_limit_bytes=rng.choice([None, None, 3000, 5000]),
                       link_bandwidth_bytes_per_s=rng.choice([float("inf"), 2e5]),
