@@ -13,14 +13,16 @@ on K = 2 stages with M = 4 micro-batches, at the profile's middle micro-batch si
 few layers (the whole model when it has at most :data:`MAX_LAYERS`, else the cheapest run of
 that many), these runs differ in how many actions and messages the same work is cut into,
 which is what separates the fixed costs from the layers' own time. The runtime times every
-action as a span (runtime/timing.py); the fit (:func:`fit_fixed_costs`) is:
+action as a span (runtime/timing.py), here on the clock the profile timed the layers with
+(the thread's CPU time on a CPU with one thread: a neighbour's burst on a shared machine lands
+in no figure; the steps themselves in wall time); the fit (:func:`fit_fixed_costs`) is:
 
 - per action kind and sending, by least squares over every (run, chunk, kind): the span's
   median less what the profile says its layers take (scaled by the neighbours' slowdown,
   ``contention``, which is charged on layer times already and so not counted twice):
   ``span - layers = kind's fixed cost + sends x send_s``, never below 0;
 - between actions: the time a step's spans leave uncovered (the executor's loop, Python's
-  own cost per call) per action, the median over steps;
+  own cost per call) per interval between two actions, the median over steps;
 - per receive: what is left of each run's step, fitted by the planner's own simulator
   (the planner's cost model on these layers and cuts, with the figures above): the one value
   that makes the predicted steps of all runs match the measured ones best (least squares in
@@ -212,19 +214,20 @@ def _fit(models: Sequence["_ProbeModel"], runs: Sequence[ProbeRun], step: int | 
 
 
 def _gaps_per_action(spans: Sequence[tuple[int, str, int, float, float]]) -> list[float]:
-    """Per step: the time between its first and last span that no span covers, per action."""
+    """Per step: the time between its first and last span that no span covers, per interval
+    between two actions (n actions leave n - 1 of them between the first and the last)."""
     out = []
     for step in sorted({s[0] for s in spans}):
         mine = sorted((s for s in spans if s[0] == step), key=lambda s: s[3])
         actions = sum(1 for s in mine if s[1] in KINDS)
-        if not actions:
+        if actions < 2:
             continue
         uncovered, reached = 0.0, mine[0][3]
         for s in mine:
             if s[3] > reached:
                 uncovered += s[3] - reached
             reached = max(reached, s[4])
-        out.append(uncovered / actions)
+        out.append(uncovered / (actions - 1))
     return out
 
 
@@ -361,7 +364,7 @@ def _worker(rank: int, port: int, spec: dict[str, Any], seed: int, precision: Pr
         out = []
         for probe in runs:
             out.append(_run(rank, probe, model, first, metas, inputs, targets, loss_fn, precision, device, executor,
-                            Chunk, ChunkModule, SpanRecorder))
+                            threads, Chunk, ChunkModule, SpanRecorder))
         results.put((rank, out))
     finally:
         dist.destroy_process_group()
@@ -385,9 +388,30 @@ def _cut_metas(model: Any, layers: tuple[int, int], xs: tuple[torch.Tensor, ...]
     return metas
 
 
+def _recorder(SpanRecorder: Any, rank: int, device: torch.device, threads: int) -> Any:
+    """The runtime's span recorder, its spans on the clock the profile timed the layers with, so
+    that a span less its layers' time is the action's own cost: the thread's CPU time on a CPU
+    with one thread (a neighbour's burst on a shared machine is in no one's figure), wall time
+    with several, CUDA events on a GPU (profiles/clock.py). Step boundaries stay wall time."""
+    from .clock import clock_for
+
+    if clock_for(device, threads).name != "thread_time":
+        return SpanRecorder(rank, device)
+
+    class ThreadTimeRecorder(SpanRecorder):
+        def start_clock(self) -> None:
+            super().start_clock()
+            self.thread_origin = time.thread_time()
+
+        def mark(self) -> float:
+            return time.thread_time() - self.thread_origin
+
+    return ThreadTimeRecorder(rank, device)
+
+
 def _run(rank: int, probe: Probe, model: Any, first: int, metas: list, inputs: tuple[torch.Tensor, ...],
          targets: torch.Tensor, loss_fn: Any, precision: Precision, device: torch.device, executor: str,
-         Chunk: Any, ChunkModule: Any, SpanRecorder: Any) -> dict[str, Any]:
+         threads: int, Chunk: Any, ChunkModule: Any, SpanRecorder: Any) -> dict[str, Any]:
     """One probe run on this rank: warm-up steps, then measured steps, each after a barrier."""
     import torch.distributed as dist
 
@@ -402,7 +426,7 @@ def _run(rank: int, probe: Probe, model: Any, first: int, metas: list, inputs: t
         chunks.append(Chunk(index=c, num_chunks=C, stage=rank, module=module, input_meta=metas[s],
                             output_meta=metas[e], global_to_local={}, unowned={}))
     actions = all_actions(probe.schedule, STAGES, MICRO_BATCHES, probe.virtual_stages)
-    recorder = SpanRecorder(rank, device)
+    recorder = _recorder(SpanRecorder, rank, device, threads)
     run = _executor(executor, chunks, actions, rank, loss_fn, device, recorder)
     holds_first = any(c.is_first for c in chunks)
     holds_last = any(c.is_last for c in chunks)

@@ -224,3 +224,72 @@ def test_calibrate_scales_the_layers_by_what_is_left_of_both_times(tmp_path: Pat
     # the sends are in the span (the sender's chunk), the receives are not
     assert fixed.of(0, "forward")[1] == pytest.approx(1e-3 + 5e-4)
     assert fixed.of(1, "forward") == pytest.approx((1e-4 + 1e-3 + 3e-4, 1e-3))
+
+
+# --------------------------------------------------------------------------- the measurement's fit
+def _synthetic_runs(doc: dict, truth: FixedCosts, between: float, jitter: float = 0.0):
+    """What the probe would record if the runtime cost exactly ``truth`` beyond the profile's layers:
+    each action's span its layers' time plus its kind's cost and its sends, the step the planner's
+    own simulation with every figure (profiles/fixedcosts.py's model of the probe)."""
+    from gpipe_plan.profiles.fixedcosts import KINDS, MEASURED_STEPS, ProbeRun, _ProbeModel, probes, window
+
+    rng = random.Random(0)
+    first, end = window(doc, 1)
+    runs = []
+    for probe in probes(end - first):
+        model = _ProbeModel(doc, (first, end), 1, probe)
+        step = model.step_s(truth, between)
+        spans: list[list] = [[], []]
+        for step_index in range(MEASURED_STEPS):
+            clocks = [0.0, 0.0]                   # each rank's, its spans one after the other
+            for c in range(probe.chunks):
+                rank = model.bare.stage_of_chunk[c]
+                for kind in KINDS:
+                    if (kind in ("backward_input", "backward_weight")) != model.bare.split:
+                        continue
+                    own = {"forward": truth.forward_s, "backward": truth.backward_s,
+                           "backward_input": truth.backward_input_s, "backward_weight": truth.backward_weight_s}[kind]
+                    if kind == "backward_input" and c == 0:
+                        own = 0.0
+                    duration = model.layers_s(kind, c) + own + truth.send_s * model.sends(kind, c)
+                    duration *= 1 + rng.uniform(-jitter, jitter)
+                    start = clocks[rank]
+                    spans[rank].append((step_index, kind, c, start, start + duration))
+                    clocks[rank] = start + duration + between
+        runs.append(ProbeRun(probe, [[step] * MEASURED_STEPS, [step * 0.99] * MEASURED_STEPS], spans))
+    return (first, end), runs
+
+
+def test_the_fit_recovers_the_costs_that_made_the_runs() -> None:
+    """Spans and steps made from known fixed costs (on a profile's own layers and cuts): the fit
+    gives them back, and predicts each run's step as measured."""
+    from gpipe_plan.profiles.fixedcosts import fit_fixed_costs
+
+    doc = profile_doc(L=6, batch_size=4)
+    truth = FixedCosts(forward_s=3e-4, backward_s=4e-4, backward_input_s=2.5e-4, backward_weight_s=1e-4,
+                       send_s=1.5e-4, receive_s=2e-4)
+    layers, runs = _synthetic_runs(doc, truth, between=2e-5)
+    fit = fit_fixed_costs(doc, layers, 1, runs)
+    for key in ("forward_s", "backward_s", "backward_input_s", "backward_weight_s", "send_s"):
+        assert fit[key] == pytest.approx(getattr(truth, key), rel=1e-6, abs=1e-9), key
+    assert fit["receive_s"] == pytest.approx(2e-4, rel=0.02)
+    assert fit["between_actions_s"] == pytest.approx(2e-5, rel=1e-6)
+    assert {(c["schedule"], c["virtual_stages"]) for c in fit["configurations"]} == {
+        ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("zb-v", 1), ("interleaved", 3)}
+    for c in fit["configurations"]:
+        assert c["measured_step_s"] == pytest.approx(c["predicted_step_s"], rel=0.02)
+    assert all(v == pytest.approx(0.0, abs=1e-9) for v in fit["spread"].values())    # every step alike
+
+
+def test_the_fit_never_goes_below_zero_and_says_how_much_it_spreads() -> None:
+    """A kind the runtime costs nothing for is 0, not a negative figure; noisy spans give a spread."""
+    from gpipe_plan.profiles.fixedcosts import fit_fixed_costs
+
+    doc = profile_doc(L=6, batch_size=4)
+    truth = FixedCosts(forward_s=0.0, backward_s=5e-4, send_s=0.0, receive_s=0.0)
+    layers, runs = _synthetic_runs(doc, truth, between=0.0, jitter=0.05)
+    fit = fit_fixed_costs(doc, layers, 1, runs)
+    assert all(fit[key] >= 0 for key in ("forward_s", "backward_s", "backward_input_s", "backward_weight_s",
+                                        "send_s", "receive_s"))
+    assert fit["backward_s"] == pytest.approx(5e-4, rel=0.5)
+    assert fit["spread"]["forward_s"] > 0 or fit["spread"]["backward_s"] > 0
