@@ -242,18 +242,15 @@ def _finish(doc: dict[str, Any], request: ProfileRequest, progress: Progress, pr
 
 
 def _measure_fixed_costs(doc: dict[str, Any], request: ProfileRequest, progress: Progress) -> None:
-    """The runtime's fixed costs, from a short pipeline of the layers just measured (profiles/fixedcosts.py)."""
-    import click
+    """The runtime's fixed costs, from a short pipeline of the layers just measured (profiles/fixedcosts.py).
 
-    from .fixedcosts import MAX_LAYERS, STAGES
+    The phase is announced as it starts (the progress lines print a phase the first time it
+    runs), since the pipeline's processes take seconds to start."""
+    from .fixedcosts import MAX_LAYERS, STAGES, measure_fixed_costs
 
-    click.echo(f"fixed costs: timing a {STAGES}-process pipeline of at most {MAX_LAYERS} of the model's layers "
-               "at several chunk counts (--no-fixed-costs skips it)", err=True)
-    from .fixedcosts import measure_fixed_costs
-
+    progress.step(f"fixed costs: a {STAGES}-process pipeline of at most {MAX_LAYERS} layers at several chunk counts")
     doc["fixed_costs"] = measure_fixed_costs(request.spec, doc, request.threads, request.seed, request.precision,
                                              request.device)
-    progress.step("fixed costs: a pipeline at several chunk counts")
 
 
 def _layer_by_layer(request: ProfileRequest, model: LayeredModel) -> bool:

@@ -293,3 +293,43 @@ def test_the_fit_never_goes_below_zero_and_says_how_much_it_spreads() -> None:
                                         "send_s", "receive_s"))
     assert fit["backward_s"] == pytest.approx(5e-4, rel=0.5)
     assert fit["spread"]["forward_s"] > 0 or fit["spread"]["backward_s"] > 0
+
+
+# --------------------------------------------------------------------------- profile, for real
+TINY = ["gpt", "--layers", "2", "--width", "16", "--heads", "2", "--seq-len", "8", "--micro-batch-sizes", "1,2",
+        "--repeats", "2", "--warmup", "1", "--contention-processes", "0", "--no-recompute-timing"]
+
+
+def test_profile_measures_the_fixed_costs_with_a_real_pipeline(tmp_path: Path) -> None:
+    """Two processes, the native executor on gloo, the model's own 4 layers at every chunk count
+    they allow (2 and 4: interleaved v=3 needs 6); a plan made from it charges what it measured."""
+    out = tmp_path / "p.json"
+    result = CliRunner().invoke(main, ["profile", *TINY, "--out", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    fixed = json.loads(out.read_text())["fixed_costs"]
+    assert (fixed["executor"], fixed["backend"], fixed["processes"]) == ("native", "gloo", 2)
+    assert fixed["layers"] == ["embed", "block0", "block1", "head"] and fixed["micro_batch_size"] == 2
+    for key in ("forward_s", "backward_s", "backward_input_s", "backward_weight_s", "send_s", "receive_s",
+                "between_actions_s"):
+        assert 0.0 <= fixed[key] < 0.05, (key, fixed[key])
+        assert fixed["spread"][key] >= 0.0
+    assert [(c["schedule"], c["chunks"]) for c in fixed["configurations"]] == [
+        ("1f1b", 2), ("zb-h1", 2), ("interleaved", 4), ("zb-v", 4)]
+    assert all(c["measured_step_s"] > 0 and c["predicted_step_s"] > 0 for c in fixed["configurations"])
+    assert 0 < fixed["seconds"] < 300
+    plan = tmp_path / "plan.json"
+    assert CliRunner().invoke(main, ["solve", str(out), "-k", "2", "--out", str(plan), "-q"]).exit_code == 0
+    charged = json.loads(plan.read_text())["options"]
+    assert charged["fixed_costs"]["send_s"] == fixed["send_s"]
+    assert charged["per_microbatch_overhead_s"] == fixed["between_actions_s"]
+
+
+def test_no_fixed_costs_leaves_them_out_and_the_plan_says_so(tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    result = CliRunner().invoke(main, ["profile", *TINY, "--no-fixed-costs", "--out", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert "fixed_costs" not in doc and doc["version"] == 9
+    plan = tmp_path / "plan.json"
+    assert CliRunner().invoke(main, ["solve", str(out), "-k", "2", "--out", str(plan), "-q"]).exit_code == 0
+    assert any("measured no fixed costs" in w for w in json.loads(plan.read_text())["warnings"])
