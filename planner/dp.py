@@ -104,9 +104,8 @@ class GPipeSolver:
         classes: dict[tuple[float, float, float], int] = {}
         self.stage_class = [classes.setdefault(f, len(classes)) for f in self.fixed]
         self.classes = len(classes)
-        # The greedy probe cuts every stage with the same thresholds: only when the stages' fixed
-        # parts are alike (else a stage cut short could not be renumbered; the reachable probe is exact).
-        self.greedy_ok = shrink_safe and self.classes == 1
+        # The greedy probe cuts each stage with its own class's fixed parts (see _probe_greedy).
+        self.greedy_ok = shrink_safe
         # Cut positions by send time, to count those a threshold allows (see _probe_greedy).
         self.sorted_comm = sorted(cm.comm[1:cm.L])
         # The sliding-window DP and the per-first-stage search take F + B to add up to the same
@@ -168,6 +167,13 @@ class GPipeSolver:
         stage steps back to the last such cut. Shorter stages still meet the thresholds, so a
         greedy plan with m stages becomes one with K as long as there are enough allowed cuts.
 
+        Stage k is cut with its own fixed parts (its class: the first and last stages exchange
+        fewer messages than the others). The greedy cut is still exact where it says "no" after
+        K stages (every feasible partition's k-th cut is at or before the greedy's, stage by
+        stage); where it could be wrong, it asks the reachability sweep: a middle stage that
+        cannot take one layer (that layer may belong to the last stage, which pays less), or
+        stages added to a greedy plan of fewer than K that no longer meet their own class.
+
         On failure it also notes, in ``self.next_forward`` / ``self.next_backward``, the least
         threshold at which the greedy cuts could change (a held-back stage could take one more
         layer, or a skipped cut becomes allowed): every threshold below it fails too.
@@ -179,9 +185,10 @@ class GPipeSolver:
         bounds = [0]
         s = 0
         next_forward = next_backward = INF
-        forward, backward = self.formulas[0]      # every stage alike (greedy_ok)
         while s < L:
-            e_forward, e_backward = self._reaches(s, X, Y, r, 0)
+            k = min(len(bounds) - 1, K - 1)
+            forward, backward = self.formulas[k]
+            e_forward, e_backward = self._reaches(s, X, Y, r, k)
             e = self._mem_reach(s, min(e_forward, e_backward), r)
             if s == 0 and first_cap is not None:
                 e = min(e, first_cap)
@@ -200,7 +207,12 @@ class GPipeSolver:
                         next_forward = min(next_forward, skipped)
                     if Y <= X:
                         next_backward = min(next_backward, skipped)
-            if e <= s or len(bounds) > K:
+            if len(bounds) > K:
+                self.next_forward, self.next_backward = next_forward, next_backward
+                return None
+            if e <= s:
+                if 0 < k < K - 1 and self.stage_class[k] != self.stage_class[K - 1]:
+                    return self._probe_exactly(X, Y, first_cap)
                 self.next_forward, self.next_backward = next_forward, next_backward
                 return None
             bounds.append(e)
@@ -217,7 +229,24 @@ class GPipeSolver:
                 self.next_backward = nxt if Y <= X else INF
                 return None
             bounds = sorted(taken.union(extra))
+            if self.classes > 1 and not self._within(bounds, X, Y, r, first_cap):
+                return self._probe_exactly(X, Y, first_cap)
         return tuple(bounds)
+
+    def _within(self, bounds: list[int], X: float, Y: float, r: bool, first_cap: int | None) -> bool:
+        """Whether every stage of ``bounds`` meets the thresholds and memory as its own class."""
+        for k in range(self.K):
+            s, e = bounds[k], bounds[k + 1]
+            forward, backward = self.formulas[k]
+            if forward(s, e) > X or backward(s, e, r) > Y or not self.cm.fits(s, e, 0, r):
+                return False
+        return first_cap is None or bounds[1] <= first_cap
+
+    def _probe_exactly(self, X: float, Y: float, first_cap: int | None) -> tuple[int, ...] | None:
+        """The reachability sweep where the greedy cut cannot decide: exact, with no jump to
+        offer on failure (the next threshold to try is the next float)."""
+        self.next_forward = self.next_backward = 0.0
+        return self._probe_reachable(X, Y, first_cap)
 
     def _valid_ends(self, s: int, X: float, Y: float, k: int = 0) -> list[tuple[int, int]]:
         """Intervals (lo, hi) of ends e for which stage k = [s, e) meets X, Y and memory."""

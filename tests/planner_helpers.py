@@ -82,12 +82,14 @@ _bytes = st.integers(0, 1000).map(float)
 
 @st.composite
 def instances(draw, schedule: str | None = None, max_layers: int = 8, max_stages: int = 4,
-              max_micro_batches: int = 8, features: bool = True, tied: bool = False):
+              max_micro_batches: int = 8, features: bool = True, tied: bool = False,
+              fixed: bool | None = None):
     """(LayerFigures, Setting) of a small random planning problem.
 
     Each feature (memory limit, communication, overhead, optimizer time, transient memory)
     is switched on or off by its own draw, so that the solvers' special cases (no comm, no
-    optimizer time, a fixed recompute choice) and their general cases are all exercised.
+    optimizer time, a fixed recompute choice) and their general cases are all exercised;
+    ``fixed``: fixed costs per action and message always (True), never (False) or drawn (None).
     """
     L = draw(st.sampled_from([1] + 4 * list(range(2, max_layers + 1))))
     # K = 1 (and L = 1) are edge cases, not the point: give K >= 2 most of the draws.
@@ -137,7 +139,7 @@ def instances(draw, schedule: str | None = None, max_layers: int = 8, max_stages
         bandwidth = draw(st.sampled_from([2e4, 1e5, 5e5, 3e6]))
         latency = draw(st.sampled_from([0.0, 1e-4, 1e-3]))
     overhead = draw(st.sampled_from([1e-4, 1e-3])) if use() else 0.0
-    fixed = draw(fixed_costs()) if use() else FixedCosts()
+    fixed = draw(fixed_costs()) if (use() if fixed is None else fixed) else FixedCosts()
     setting = Setting(stages=K, micro_batches=M, schedule=sched, recompute=recompute,
                       memory_limit_bytes=limit, link_bandwidth_bytes_per_s=bandwidth,
                       link_latency_s=latency, optimizer=opt_name, overhead_s=overhead, fixed_costs=fixed)

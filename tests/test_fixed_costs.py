@@ -26,7 +26,9 @@ from gpipe_plan.planner.profile import Profile
 from gpipe_plan.planner.search import SolveOptions, search
 from gpipe_plan.schedules import SPLIT_BACKWARD, chunks_per_stage, problem, stage_of_chunk
 
-from planner_helpers import make_figures, profile_doc
+from hypothesis import given
+
+from planner_helpers import hyp, instances, make_figures, profile_doc
 
 FIXED = FixedCosts(forward_s=1e-4, backward_s=2e-4, backward_input_s=3e-4, backward_weight_s=5e-5,
                    send_s=7e-4, receive_s=4e-4)
@@ -80,6 +82,24 @@ def test_every_action_pays_its_kind_and_its_messages(schedule: str, v: int) -> N
             # what the plan shows and the simulator plays is the same figure
             chunk = cm.chunk(c, s, e, False)
             assert chunk.forward_s == got["F"] and chunk.backward_s == got["B"]
+
+
+@hyp(250)
+@given(instances(schedule="gpipe", max_layers=9, max_stages=5, fixed=True))
+def test_gpipe_dp_equals_brute_force_whatever_each_stage_pays(instance) -> None:
+    """The DP's greedy probe cuts each stage with its own class's fixed part (the ends exchange
+    fewer messages): always on here, so that every way it hands over to the exact sweep runs."""
+    from gpipe_plan.planner.brute import brute_force
+    from gpipe_plan.planner.dp import GPipeSolver
+
+    fig, setting = instance
+    cm = CostModel(fig, setting)
+    best, got = brute_force(cm), GPipeSolver(cm).solve()
+    if best is None:
+        assert got is None
+        return
+    assert got is not None and got.proven and got.evaluation.fits
+    assert got.evaluation.step_s == pytest.approx(best.step_s, rel=1e-9)
 
 
 def test_zb_v_hands_its_own_pair_over_without_a_message() -> None:
