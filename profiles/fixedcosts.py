@@ -13,9 +13,12 @@ on K = 2 stages with M = 4 micro-batches, at the profile's middle micro-batch si
 few layers (the whole model when it has at most :data:`MAX_LAYERS`, else the cheapest run of
 that many), these runs differ in how many actions and messages the same work is cut into,
 which is what separates the fixed costs from the layers' own time. The runtime times every
-action as a span (runtime/timing.py), here on the clock the profile timed the layers with
-(the thread's CPU time on a CPU with one thread: a neighbour's burst on a shared machine lands
-in no figure; the steps themselves in wall time); the fit (:func:`fit_fixed_costs`) is:
+action as a span (runtime/timing.py: wall time on a CPU, CUDA events on a GPU), here as in a
+run, since what the planner predicts is the run's wall-clock step: a send that makes its
+sender wait for the socket, a wake-up after a receive, land in these figures as they land in a
+run (timed on the thread's CPU time instead, as the profile times the layers, they came out
+near zero on the development VM while a run's spans took 0.5 ms more per block than profiled;
+docs/benchmarks/fidelity.md). The fit (:func:`fit_fixed_costs`) is:
 
 - per action kind and sending, by least squares over every (run, chunk, kind): the span's
   median less what the profile says its layers take (scaled by the neighbours' slowdown,
@@ -364,7 +367,7 @@ def _worker(rank: int, port: int, spec: dict[str, Any], seed: int, precision: Pr
         out = []
         for probe in runs:
             out.append(_run(rank, probe, model, first, metas, inputs, targets, loss_fn, precision, device, executor,
-                            threads, Chunk, ChunkModule, SpanRecorder))
+                            Chunk, ChunkModule, SpanRecorder))
         results.put((rank, out))
     finally:
         dist.destroy_process_group()
@@ -388,30 +391,9 @@ def _cut_metas(model: Any, layers: tuple[int, int], xs: tuple[torch.Tensor, ...]
     return metas
 
 
-def _recorder(SpanRecorder: Any, rank: int, device: torch.device, threads: int) -> Any:
-    """The runtime's span recorder, its spans on the clock the profile timed the layers with, so
-    that a span less its layers' time is the action's own cost: the thread's CPU time on a CPU
-    with one thread (a neighbour's burst on a shared machine is in no one's figure), wall time
-    with several, CUDA events on a GPU (profiles/clock.py). Step boundaries stay wall time."""
-    from .clock import clock_for
-
-    if clock_for(device, threads).name != "thread_time":
-        return SpanRecorder(rank, device)
-
-    class ThreadTimeRecorder(SpanRecorder):
-        def start_clock(self) -> None:
-            super().start_clock()
-            self.thread_origin = time.thread_time()
-
-        def mark(self) -> float:
-            return time.thread_time() - self.thread_origin
-
-    return ThreadTimeRecorder(rank, device)
-
-
 def _run(rank: int, probe: Probe, model: Any, first: int, metas: list, inputs: tuple[torch.Tensor, ...],
          targets: torch.Tensor, loss_fn: Any, precision: Precision, device: torch.device, executor: str,
-         threads: int, Chunk: Any, ChunkModule: Any, SpanRecorder: Any) -> dict[str, Any]:
+         Chunk: Any, ChunkModule: Any, SpanRecorder: Any) -> dict[str, Any]:
     """One probe run on this rank: warm-up steps, then measured steps, each after a barrier."""
     import torch.distributed as dist
 
@@ -426,7 +408,7 @@ def _run(rank: int, probe: Probe, model: Any, first: int, metas: list, inputs: t
         chunks.append(Chunk(index=c, num_chunks=C, stage=rank, module=module, input_meta=metas[s],
                             output_meta=metas[e], global_to_local={}, unowned={}))
     actions = all_actions(probe.schedule, STAGES, MICRO_BATCHES, probe.virtual_stages)
-    recorder = _recorder(SpanRecorder, rank, device, threads)
+    recorder = SpanRecorder(rank, device)
     run = _executor(executor, chunks, actions, rank, loss_fn, device, recorder)
     holds_first = any(c.is_first for c in chunks)
     holds_last = any(c.is_last for c in chunks)
