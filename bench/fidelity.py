@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpipe_plan.artifacts import file_sha256
 from gpipe_plan.schedules import label
 
 from .common import (BENCH_ENV, GPIPE_PLAN, ROOT, Ledger, measured_or_saved, publish, read_json, rng, run_plan,
@@ -90,17 +91,24 @@ def measure_cell(model: str, K: int, rounds: int, steps: int, ledger: Ledger, fo
     """One model at K stages: its profile, its plans, their runs."""
     profile = folder / f"{model}-k{K}.profile.json"
     started = time.monotonic()
-    gpipe_plan("profile", *MODELS[model], "--micro-batch-sizes", SIZES, "--global-batch-size", GLOBAL_BATCH,
-               "--contention-processes", max(2, K), "--out", profile, "-q")
-    profile_s = time.monotonic() - started
+    profile_s: float | None = None   # a --keep folder of an interrupted run: its profile is reused, untimed
+    if not profile.exists():
+        gpipe_plan("profile", *MODELS[model], "--micro-batch-sizes", SIZES, "--global-batch-size", GLOBAL_BATCH,
+                   "--contention-processes", max(2, K), "--out", profile, "-q")
+        profile_s = time.monotonic() - started
     doc = read_json(profile)
     without = folder / f"{model}-k{K}.without-fixed-costs.profile.json"
     without.write_text(json.dumps({k: v for k, v in doc.items() if k != "fixed_costs"}))
     plans: dict[str, Path] = {}
+    cannot: dict[str, str] = {}
     for name, source, extra in ([(s, profile, ["--schedule", s]) for s in SCHEDULES]
                                 + [("default", profile, []), ("default without fixed costs", without, [])]):
         plan = folder / f"{model}-k{K}-{name.replace(' ', '-')}.plan.json"
-        gpipe_plan("solve", source, "-k", K, *extra, "--out", plan, "-q")
+        try:
+            gpipe_plan("solve", source, "-k", K, *extra, "--out", plan, "-q")
+        except RuntimeError as exc:     # a schedule this model cannot run on K stages (too few layers)
+            cannot[name] = str(exc).strip().splitlines()[-1].removeprefix("error: ")
+            continue
         plans[name] = plan
     docs = {name: read_json(path) for name, path in plans.items()}
     # Identical plans (the default is often one schedule's best) run once.
@@ -112,8 +120,11 @@ def measure_cell(model: str, K: int, rounds: int, steps: int, ledger: Ledger, fo
     others: list[float] = []
     for r in range(rounds):
         for name in (runs_of if r % 2 == 0 else list(reversed(runs_of))):
-            report = run_plan(plans[name], steps, ledger=ledger, env_path=str(ROOT),
-                              report=folder / f"{model}-k{K}-{name.replace(' ', '-')}.r{r}.report.json")
+            path = folder / f"{model}-k{K}-{name.replace(' ', '-')}.r{r}.report.json"
+            if path.exists() and read_json(path).get("plan", {}).get("sha256") == file_sha256(str(plans[name])):
+                measured[name].append(read_json(path)["measured_step_s"])     # an interrupted run's
+                continue
+            report = run_plan(plans[name], steps, ledger=ledger, env_path=str(ROOT), report=path)
             measured[name].append(report["measured_step_s"])
             others.append(report["_others_cores"])
     fixed = doc.get("fixed_costs") or {}
@@ -127,6 +138,7 @@ def measure_cell(model: str, K: int, rounds: int, steps: int, ledger: Ledger, fo
                   for name, d in docs.items()},
         "measured_step_s": measured,
         "others_cores": others,
+        "cannot_run": cannot,
     }
 
 
@@ -188,6 +200,23 @@ def render(data: dict[str, Any]) -> str:
     if s["median_error"] is not None:
         text.append(f"**Across the {s['cells']} plans: median |measured / predicted - 1| = {s['median_error']:.1%}, "
                     f"worst {s['worst_error']:.1%}.**\n")
+    if s["median_error"] is not None:
+        within = sum(1 for d in s["defaults"] if d["default_vs_fastest"] <= 1.05)
+        old_within = sum(1 for d in s["defaults"] if d["old_default_vs_fastest"] <= 1.05)
+        text.append(f"Targets (median error <= 10%, worst <= 20%, the default within 5% of the fastest measured in "
+                    f"every model and K): median {'met' if s['median_error'] <= 0.10 else 'missed'}, worst "
+                    f"{'met' if s['worst_error'] <= 0.20 else 'missed'}; the default within 5% of the fastest in "
+                    f"{within} of {len(s['defaults'])} (the default without the fixed costs: {old_within}).\n")
+        by_k: dict[int, list[float]] = {}
+        for c in rows:
+            if c["plan"] != "default without fixed costs" and c["same_as"] == c["plan"]:
+                by_k.setdefault(c["K"], []).append(c["ratio"])
+        text.append("Median measured / predicted per K: " + ", ".join(
+            f"K = {K} {statistics.median(v):.2f} ({min(v):.2f}..{max(v):.2f})" for K, v in sorted(by_k.items()))
+            + "; the neighbours' slowdown each profile measured (with K processes): " + ", ".join(
+            f"{m} K={K} {cell['contention']:.2f}" for m, ks in data["models"].items() for K, cell in ks.items()) + ".\n")
+    if data.get("note"):
+        text.append(f"Note: {data['note']}.\n")
     text.append(table(["model", "K", "fastest measured", "default plan", "default / fastest",
                        "default without fixed costs", "its / fastest"],
                       [[d["model"], d["K"], f"{d['fastest']} ({d['fastest_s'] * 1e3:.1f} ms)",
@@ -205,10 +234,13 @@ def render(data: dict[str, Any]) -> str:
                                     f"± {spread.get(key, 0) * 1e6:.0f} µs"
                                     for key in ("forward_s", "backward_s", "backward_input_s", "backward_weight_s",
                                                 "send_s", "receive_s", "between_actions_s"))
-                text.append(f"Profile: {cell['profile_s']:.0f} s, of which the fixed costs {fixed.get('seconds', 0):.0f} s "
+                took = f"{cell['profile_s']:.0f} s" if cell.get("profile_s") else "not timed (reused)"
+                text.append(f"Profile: {took}, of which the fixed costs {fixed.get('seconds', 0):.0f} s "
                             f"({fixed.get('executor')} executor, {fixed.get('backend')}, micro-batch "
-                            f"{fixed.get('micro_batch_size')}); neighbours' slowdown {cell['contention']}. "
+                            f"{fixed.get('micro_batch_size')}); neighbours' slowdown {cell['contention']:.2f}. "
                             f"Fixed costs: {figures}.\n")
+            for name, why in (cell.get("cannot_run") or {}).items():
+                text.append(f"{name}: not run ({why}).\n")
             mine = [c for c in rows if c["model"] == model and c["K"] == int(K)]
             text.append(table(["plan", "schedule, M", "balance", "predicted ms", "measured ms", "rounds",
                                "measured / predicted"],

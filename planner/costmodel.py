@@ -27,6 +27,13 @@ bounds and the evaluation of its plans agree to the last bit. :meth:`CostModel.c
 says the fixed part of each of chunk c's actions (the exact MILP encodes each pass as its
 layers' coefficients plus that).
 
+The CPU-issue bound. On a GPU a call returns once its kernel is queued: a pass takes the
+longer of its kernels' time and the CPU's time to issue them. A CUDA profile that timed both
+(``issue_forward_s``, ``issue_backward_s``: profiles/issue.py) makes each pass over [s, e)
+``max(sum GPU, sum issue) + fixed``: two term pairs, ``(prefix, fixed)`` each, whose larger is
+the time (``stage_time_formula``'s ``issue``); a reach is then the smaller of the two reaches,
+and the bounds that read prefix sums directly keep the GPU's, a lower bound still.
+
 F and B have one definition, :func:`stage_time_formula`: :class:`CostModel` makes it once per
 setting and chunk (``CostModel.formula(c)``; ``CostModel.forward`` and ``CostModel.whole_backward``
 are the same without messages, from prefix sums: any stage in O(1)), its chunk figures call it,
