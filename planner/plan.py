@@ -245,7 +245,7 @@ def plan_warnings(profile: Profile, best: Candidate, ev: Evaluation, proven: boo
             f"the gradient syncs of the {setting.data_parallel} replicas are charged nothing: the profile has no "
             "link figures and no --link-bandwidth was given, so more replicas always look free; profile with "
             "--measure-link, or give --link-bandwidth, for a plan that weighs them")
-    if profile.fixed_costs is None and setting.stages > 1:
+    if profile.fixed_costs is None and setting.stages > 1 and profile.model.get("source") != "pipedream":
         warnings.append(
             "the profile measured no fixed costs per action and message (profile format 9): the plan charges "
             f"{'the calibrated overhead' if profile.calibrated_overhead_s else 'nothing'} for the runtime's work "
