@@ -140,6 +140,9 @@ def main() -> None:
               help="Also time every layer's backward split into the input and the weight gradient, and weigh what "
                    "stays alive between them, so that plans price zero-bubble schedules (zb-h1, zb-v) as measured "
                    "(about a third more profiling time).")
+@click.option("--fixed-costs/--no-fixed-costs", default=True, show_default=True,
+              help="Also run a short 2-process pipeline of the model's layers to measure what the runtime costs "
+                   "per action and message, which plans charge (seconds; see docs/profile-format.md).")
 @click.option("--layer-by-layer/--whole-model", default=None,
               help="Layer by layer: only the layer being measured is in memory, and layers that are alike (same "
                    "code, parameter shapes, input and output shapes: a transformer's blocks) are measured once. "

@@ -71,6 +71,10 @@ REPORT_FORMAT = "gpipe-plan.report"
 #      stays alive between the halves (``weight_kept_bytes``).
 #   8  the all-reduce in ``link`` (``allreduce_bandwidth_bytes_per_s``, ...): what a data-parallel
 #      gradient sync costs; each layer's ``module``.
+#   9  ``fixed_costs``: the runtime's fixed cost per action kind and per message, and between
+#      actions, measured with a short real pipeline (profiles/fixedcosts.py); on CUDA each
+#      layer's CPU issue time (``issue_forward_s``, ``issue_backward_s``) beside its GPU time,
+#      which is then measured behind a backlog (profiles/issue.py).
 # Plan
 #   2  ``options.compute_scale``.
 #   3  the precision (``precision``, ``param_dtype``; before it, fp32).
@@ -80,6 +84,8 @@ REPORT_FORMAT = "gpipe-plan.report"
 #      it reads as one chunk per stage.
 #   6  d replicas of the pipeline (``data_parallel``, ``gradient_sync``, ``placement``,
 #      ``factorisations``); a plan before it is one replica, stage k on rank k.
+#   7  ``options.fixed_costs``: the fixed costs per action kind and message the plan charged
+#      (planner/fixedcosts.py; absent or null: none beyond ``per_microbatch_overhead_s``).
 # Report
 #   2  the run's precision and, on CUDA, the allocator's reserved memory and what lies outside it.
 #   3  the per-micro-batch times move into ``chunks`` (with the halves of a split backward); its
@@ -92,9 +98,9 @@ REPORT_FORMAT = "gpipe-plan.report"
 #      it only where the probe held steady (``at_run_speed``, else ``speed_left_out``) and
 #      ``host_busy``. A version-4 headline (its prediction the speed-adjusted one) is read and
 #      shown as version 5 would make it from the report's own fields.
-FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 8, PLAN_FORMAT: 6, REPORT_FORMAT: 5}
-READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8),
-                                                 PLAN_FORMAT: (1, 2, 3, 4, 5, 6),
+FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 9, PLAN_FORMAT: 7, REPORT_FORMAT: 5}
+READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8, 9),
+                                                 PLAN_FORMAT: (1, 2, 3, 4, 5, 6, 7),
                                                  REPORT_FORMAT: (1, 2, 3, 4, 5)}
 
 
@@ -110,8 +116,12 @@ READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5,
 #   ``measured_as`` (before 6): every layer was measured (:func:`layers_sharing_figures`).
 #   the split backward (before 7): I = W = backward / 2 (:func:`split_backward_timed`, LayerFigures).
 #   the all-reduce in ``link`` (before 8): a gradient sync is priced with the point-to-point figures.
+#   ``fixed_costs`` (before 9; ``profile --no-fixed-costs``): none are charged but the calibrated
+#   overhead, with several stages only, and a plan says so (planner/fixedcosts.py).
+#   the issue times (before 9; never on a CPU): an action takes its layers' time.
 RECOMPUTE_FIELDS = ("recompute_forward_s", "recompute_backward_s")
 SPLIT_FIELDS = ("backward_input_s", "backward_weight_s", "weight_kept_bytes")
+ISSUE_FIELDS = ("issue_forward_s", "issue_backward_s")          # version 9, CUDA profiles
 
 
 def recompute_timed(doc: dict[str, Any]) -> bool:
@@ -444,7 +454,26 @@ LAYER = Object({
     "backward_input_s": may(_per_size(_seconds(), nullable=True)),
     "backward_weight_s": may(_per_size(_seconds(), nullable=True)),
     "weight_kept_bytes": may(_per_size(_bytes(), nullable=True)),
+    # Version 9, CUDA: the CPU's time to issue the layer's passes (the GPU busy meanwhile).
+    "issue_forward_s": may(_per_size(_seconds(), nullable=True)),
+    "issue_backward_s": may(_per_size(_seconds(), nullable=True)),
 })
+
+FIXED_COST_KEYS = ("forward_s", "backward_s", "backward_input_s", "backward_weight_s", "send_s", "receive_s",
+                   "between_actions_s")
+FIXED_COSTS = Object({
+    **{key: need(_seconds()) for key in FIXED_COST_KEYS},
+    "spread": may(Table(_seconds(), nullable=True)),
+    "executor": may(Text(nullable=True)),
+    "backend": may(Text(nullable=True)),
+    "processes": may(_count(2, nullable=True)),
+    "threads_per_process": may(_count(1, nullable=True)),
+    "micro_batch_size": may(_count(1, nullable=True)),
+    "compute_scale": may(Number(0.0, MAX_RATIO, nullable=True)),
+    "layers": may(Items(Text(), nullable=True)),
+    "configurations": may(Items(Anything(), nullable=True)),
+    "seconds": may(_seconds(nullable=True)),
+}, nullable=True)
 
 PROFILE = Object({
     "model": need(MODEL),
@@ -482,6 +511,7 @@ PROFILE = Object({
     }, nullable=True)),
     "recompute_call_s": may(_per_size(_seconds(), nullable=True)),
     "overhead": may(Object({"per_microbatch_s": may(_seconds(nullable=True))}, nullable=True)),
+    "fixed_costs": may(FIXED_COSTS),
     "calibration": may(Items(Anything(), nullable=True)),
     "consistency": may(Object({
         key: may(_per_size(Number(0.0, MAX_SECONDS, nullable=True), nullable=True))
@@ -623,6 +653,8 @@ def _plan(solved: bool, chunked: bool) -> Object:
             "link_bandwidth_bytes_per_s": may(Number(0.0, MAX_RATE, nullable=True)),
             "link_latency_s": may(_seconds(nullable=True)),
             "per_microbatch_overhead_s": may(_seconds(nullable=True)),
+            "fixed_costs": may(Object({key: may(_seconds(nullable=True)) for key in FIXED_COST_KEYS[:-1]},
+                                      nullable=True)),
             "compute_scale": may(Number(0.0, MAX_RATIO, nullable=True)),
             "devices": may(_count(1, nullable=True)),
             "data_parallel": may(Anything()),        # an integer >= 1 or "auto", as asked: only printed

@@ -28,6 +28,8 @@ PARTS = {
     "explore": ("bench.explore_grid", "explore grids on two PipeDream profiles; three gpt cells run for real"),
     "handtuning": ("bench.handtuning", "our plan vs a grid of hand-tuned uniform splits x M, measured on this CPU"),
     "accuracy": ("bench.accuracy", "cost model: measured vs predicted step and memory, before/after calibration"),
+    "fidelity": ("bench.fidelity", "does the default plan run fastest? every schedule measured vs predicted, "
+                                   "gpt, resnet, llama at K = 2, 4"),
     "runtime": ("bench.runtime_speedup", "2 stages vs 1 on this CPU: samples/s, per-micro-batch overhead"),
     "efficiency": ("bench.efficiency", "measured step vs ideal and bubble bound; vs torch.distributed.pipelining by hand"),
     "demo": ("bench.demo", "gpipe-plan demo's loss on the text it ships; the text recipe on a 12-layer gpt"),

@@ -107,6 +107,7 @@ def options_section(profile: Profile, result: SearchResult, devices: DevicesResu
                                                       if devices is not None else setting.link_bandwidth_bytes_per_s),
         "link_latency_s": devices.topology.link_latency_s if devices is not None else setting.link_latency_s,
         "per_microbatch_overhead_s": setting.overhead_s,
+        "fixed_costs": setting.fixed_costs.record(),
         "compute_scale": setting.compute_scale,
         "optimizer": options.optimizer,
         "solver": options.solver,
@@ -250,6 +251,12 @@ def plan_warnings(profile: Profile, best: Candidate, ev: Evaluation, proven: boo
             f"the gradient syncs of the {setting.data_parallel} replicas are charged nothing: the profile has no "
             "link figures and no --link-bandwidth was given, so more replicas always look free; profile with "
             "--measure-link, or give --link-bandwidth, for a plan that weighs them")
+    if profile.fixed_costs is None and setting.stages > 1 and profile.model.get("source") != "pipedream":
+        warnings.append(
+            "the profile measured no fixed costs per action and message (profile format 9): the plan charges "
+            f"{'the calibrated overhead' if profile.calibrated_overhead_s else 'nothing'} for the runtime's work "
+            "per action, so schedules of many chunks (interleaved) look cheaper than they run; profile again "
+            "without --no-fixed-costs")
     if setting.schedule in SPLIT_BACKWARD and not profile.split_measured:
         warnings.append(
             f"{setting.schedule} splits each backward into I and W, which this profile did not measure: "

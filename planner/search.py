@@ -23,6 +23,7 @@ from ..schedules import SCHEDULES, chunks_per_stage, label, problem
 from .budgets import LEAST_ILP_SETTING_S, LEAST_MEMORY_BUDGET_S, LEAST_SETTING_S, SOLVE_TIME_BUDGET_S
 from .chunked import ChunkedSolver
 from .costmodel import CostModel, Setting, neighbour_scale
+from .fixedcosts import FixedCosts
 from .dp import GPipeSolver
 from .objective import Solution, proven_optimal
 from .onefoneb import OneFOneBSolver
@@ -299,9 +300,11 @@ def cost_setting(profile: Profile, *, stages: int, micro_batches: int, schedule:
     that says what a plan is charged besides its layers (solve and explore both call it).
 
     The link's latency counts only when its bandwidth does (an infinite link is free); the
-    per-micro-batch overhead only with several stages (one stage hands nothing over); every
-    layer time is scaled for the processes computing beside it on the host, the stages of all
-    the replicas there (``sync.neighbours``); and each stage's gradient sync as ``sync`` says.
+    runtime's fixed costs per action and message as the profile measured them, and the cost
+    between actions as planner/fixedcosts.py says (a calibrated figure replaces the profile's;
+    from a profile without fixed costs, with several stages only); every layer time is scaled
+    for the processes computing beside it on the host, the stages of all the replicas there
+    (``sync.neighbours``); and each stage's gradient sync as ``sync`` says.
     """
     return Setting(
         stages=stages, micro_batches=micro_batches, schedule=schedule, recompute=recompute,
@@ -309,7 +312,8 @@ def cost_setting(profile: Profile, *, stages: int, micro_batches: int, schedule:
         link_bandwidth_bytes_per_s=link_bandwidth_bytes_per_s,
         link_latency_s=link_latency_s if math.isfinite(link_bandwidth_bytes_per_s) else 0.0,
         optimizer=optimizer,
-        overhead_s=profile.per_microbatch_overhead_s if stages > 1 else 0.0,
+        overhead_s=profile.per_action_overhead_s(stages),
+        fixed_costs=profile.fixed_costs or FixedCosts(),
         compute_scale=neighbour_scale(profile.contention_slowdown, profile.contention_processes,
                                       sync.neighbours(stages)),
         virtual_stages=virtual_stages,

@@ -52,7 +52,7 @@ from ..artifacts import BadInput, file_sha256, precision_label, precision_of
 from ..plan_layout import plan_chunks
 from ..schema import (PLAN_FORMAT, PROFILE_FORMAT, REPORT_FORMAT, read_artifact, report_chunks,
                       timing_key, validate)
-from .overhead import measure_overhead, overheads_in_prediction
+from .overhead import fixed_in_times, measure_overhead
 from .plausibility import Ratio, check_round
 
 
@@ -91,9 +91,10 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
     layers = out["layers"]
     measured_any = False
     previous_overhead = (profile.get("overhead") or {}).get("per_microbatch_s")
-    # The plan's chunk times include the profile's per-action overhead (K > 1 only), which the
-    # run measures between its spans, not in them: the layers' ratio is against the rest.
-    overhead_predicted = (previous_overhead or 0.0) if (report.get("num_stages") or len(report["stages"])) > 1 else 0.0
+    # The plan's chunk times include the fixed costs it charged (the per-action overhead and,
+    # from a version-9 profile, each kind's and each message's), some of which the run measures
+    # in its spans and some between them: the layers' ratio is of what is left of both.
+    fixed = fixed_in_times(profile, report)
 
     ratios: list[Ratio] = []   # every ratio folded in, checked before the round is kept
 
@@ -133,9 +134,12 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
         entry = {"chunk": chunk["index"], "stage": chunk["stage"], "layers": chunk["layers"]}
         for kind in ("forward", "backward"):
             predicted = chunk.get(timing_key("predicted", kind))
-            if predicted:
-                predicted -= overhead_predicted * overheads_in_prediction(report.get("schedule"), kind)
-            ratio = ratio_of(chunk, kind, predicted, chunk["what"])
+            measured = chunk.get(timing_key("measured", kind))
+            if predicted and measured:
+                in_prediction, in_span = fixed.of(chunk["index"], kind)
+                predicted -= in_prediction
+                measured = max(0.0, measured - in_span)     # 0: no layer time left to scale
+            ratio = ratio_of({timing_key("measured", kind): measured}, kind, predicted, chunk["what"])
             if ratio is None:
                 continue
             scale = shrink(ratio, spread)

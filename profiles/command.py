@@ -37,7 +37,7 @@ def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes
                     split_backward_timing: bool = True,
                     precision: str = "fp32", param_dtype: str = "fp32", measure_every_layer: bool = False,
                     whole_model_check: bool | None = None, layer_by_layer: bool | None = None,
-                    global_batch_size: int | None = None,
+                    global_batch_size: int | None = None, fixed_costs: bool = True,
                     **options: Any) -> None:
     """Profile MODEL and write the profile JSON to ``out``. Raises BadInput / RunFailure."""
     chosen = Precision(precision, param_dtype)   # checks the pair (BadInput)
@@ -63,7 +63,8 @@ def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes
                              contention_processes=contention_processes, recompute=recompute_timing,
                              split_backward=split_backward_timing,
                              precision=chosen, share_figures=not measure_every_layer,
-                             whole_model_check=whole_model_check, layer_by_layer=layer_by_layer)
+                             whole_model_check=whole_model_check, layer_by_layer=layer_by_layer,
+                             fixed_costs=fixed_costs)
 
     err = Console(stderr=True)
     try:

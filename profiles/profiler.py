@@ -84,6 +84,9 @@ class ProfileRequest:
     # Also time every layer's backward split into the input and the weight gradient, and
     # weigh what stays alive between the two (what zero-bubble schedules need).
     split_backward: bool = True
+    # Also run a short 2-process pipeline of the model's layers to measure the runtime's fixed
+    # costs per action and message (profiles/fixedcosts.py; the CLI's default, off here).
+    fixed_costs: bool = False
     precision: Precision = field(default_factory=Precision)
     # Warm up for at least this long (None: 1 s on a GPU, whose clock ramps up under load; 0 on a CPU).
     warmup_s: float | None = None
@@ -175,7 +178,7 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
     split_units = 6 * len(sizes) * rounds * sum(1 for i in walk.measured if i > 0) if request.split_backward else 0
     progress.begin(len(walk.measured) * (len(sizes) * rounds * units_per_size + 1) + split_units
                    + (len(sizes) * rounds * 2 if check_whole else 0)
-                   + (1 if request.measure_link else 0) + (1 if contention else 0))
+                   + (1 if request.measure_link else 0) + (1 if contention else 0) + (1 if request.fixed_costs else 0))
     clock = clock_for(device, request.threads)
     measured = {i: _measure_layer(model, i, walk.inputs.pop(i), [t for _, t in batches], sizes, request, clock,
                                   progress) for i in walk.measured}
@@ -228,12 +231,26 @@ def _finish(doc: dict[str, Any], request: ProfileRequest, progress: Progress, pr
         doc["contention"] = measure_contention(request.spec, sizes[middle], request.threads,
                                                request.contention_processes, seed=request.seed,
                                                precision=request.precision, layer=busiest)
+    if request.fixed_costs:
+        _measure_fixed_costs(doc, request, progress)
     if context_bytes is not None:
         doc["device"]["context_bytes"] = context_bytes
     doc["device"]["speed_probe_s"] = sum(probes) / len(probes)
     doc["device"]["speed_probe_workload"] = list(workload(request.device.type))
     doc["measurement"]["speed_probe_s"] = probes
     return doc
+
+
+def _measure_fixed_costs(doc: dict[str, Any], request: ProfileRequest, progress: Progress) -> None:
+    """The runtime's fixed costs, from a short pipeline of the layers just measured (profiles/fixedcosts.py).
+
+    The phase is announced as it starts (the progress lines print a phase the first time it
+    runs), since the pipeline's processes take seconds to start."""
+    from .fixedcosts import MAX_LAYERS, STAGES, measure_fixed_costs
+
+    progress.step(f"fixed costs: a {STAGES}-process pipeline of at most {MAX_LAYERS} layers at several chunk counts")
+    doc["fixed_costs"] = measure_fixed_costs(request.spec, doc, request.threads, request.seed, request.precision,
+                                             request.device)
 
 
 def _layer_by_layer(request: ProfileRequest, model: LayeredModel) -> bool:
@@ -264,7 +281,7 @@ def _profile_in_memory(model: LayeredModel, request: ProfileRequest, progress: P
     runs_per_round = len(model.layers) + 2 + (len(model.layers) + 1 if request.recompute else 0)
     split_runs_per_round = len(model.layers) if request.split_backward else 0   # the harness, layers 1..
     progress.begin(len(sizes) * rounds * (2 * runs_per_round + 3 * split_runs_per_round) + 1 + (1 if request.measure_link else 0)
-                   + (1 if contention else 0))
+                   + (1 if contention else 0) + (1 if request.fixed_costs else 0))
     # Every size is prepared first and all are timed in the same rounds (see _time_sizes).
     prepared = [_prepare_size(model, *_batch(model, b, request.seed, device), request, b) for b in sizes]
     _time_sizes(prepared, model, request, progress)
@@ -383,8 +400,19 @@ def _time_sizes(prepared: list[_Size], model: LayeredModel, request: ProfileRequ
             for weighed, runner, (_, layer) in zip(p.figures, p.splitting[1:], model.layers):
                 record_split(weighed, None if runner is None else next(timings), split_harness, has_weights(layer))
         if request.device.type == "cuda":
+            _time_issue(p.figures, p.runners, request)
             for weighed, runner in zip(p.figures, p.runners[1:]):
                 weighed.peak_transient_bytes = peak_transient_bytes(runner, request.device, weighed)
+
+
+def _time_issue(figures: list[LayerMeasurement], runners: list[Runner], request: ProfileRequest) -> None:
+    """CUDA: each layer's GPU time behind a backlog and the CPU's issue time (profiles/issue.py);
+    ``runners``: the harness, then the layers of ``figures``."""
+    from .issue import backlog_timings, cuda_backlog, record_issue
+
+    harness, *timings = backlog_timings(runners, clock_for(request.device), cuda_backlog(request.device),
+                                        request.warmup, request.repeats)
+    record_issue(figures, timings, harness)
 
 
 def _batch(model: LayeredModel, size: int, seed: int, device: torch.device) -> tuple[Tensors, torch.Tensor]:
@@ -461,6 +489,7 @@ def _measure_layer(model: LayeredModel, i: int, inputs: list[Tensors], targets: 
                     split_harnesses.append(split_harness)
                     record_split(weighed, split_timing, split_harness, has_weights(layer))
             if request.device.type == "cuda":
+                _time_issue([weighed], [groups[0][0], runner], request)
                 weighed.peak_transient_bytes = peak_transient_bytes(runner, request.device, weighed)
         del groups, plain, timed
         layer.zero_grad(set_to_none=True)   # gradients of the timing rounds: freed before the next layer
@@ -540,6 +569,9 @@ def _document(model: LayeredModel, request: ProfileRequest, sizes: list[int],
             entry["output_batched"] = batched
         if request.device.type == "cuda":
             entry["peak_transient_bytes"] = [f.peak_transient_bytes for f in at]
+            if all(f.issue_forward_s is not None for f in at):
+                entry["issue_forward_s"] = [f.issue_forward_s for f in at]
+                entry["issue_backward_s"] = [f.issue_backward_s for f in at]
         if request.recompute:
             entry["recompute_forward_s"] = [f.recompute_forward_s for f in at]
             entry["recompute_backward_s"] = [f.recompute_backward_s for f in at]

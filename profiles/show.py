@@ -63,6 +63,9 @@ def render_profile(doc: dict[str, Any], console: Console) -> None:
     recompute = _recompute_line(doc, layers, sizes)
     if recompute:
         console.print(recompute, highlight=False)
+    fixed = _fixed_costs_line(doc.get("fixed_costs"))
+    if fixed:
+        console.print(fixed, highlight=False)
     link = doc.get("link")
     if link:
         console.print(f"link ({link.get('backend', '?')}): latency {format_seconds(link.get('latency_s'))}, "
@@ -71,6 +74,23 @@ def render_profile(doc: dict[str, Any], console: Console) -> None:
             console.print(f"all-reduce over {link['allreduce_processes']} processes (ring): latency "
                           f"{format_seconds(link.get('allreduce_latency_s'))} per step, bus bandwidth "
                           f"{format_rate(link.get('allreduce_bandwidth_bytes_per_s'))}", highlight=False)
+
+
+def _fixed_costs_line(fixed: Any) -> str | None:
+    """The runtime's fixed costs, as plans charge them (profile version 9; docs/planner.md)."""
+    if not isinstance(fixed, dict):
+        return None
+    kinds = ", ".join(f"{name} {format_seconds(fixed.get(key))}" for name, key in (
+        ("F", "forward_s"), ("B", "backward_s"), ("I", "backward_input_s"), ("W", "backward_weight_s")))
+    runs = fixed.get("configurations") or []
+    fit = ", ".join(f"{r['schedule']}{' v=' + str(r['virtual_stages']) if r['schedule'] == 'interleaved' else ''} "
+                    f"{r['measured_step_s'] / r['predicted_step_s']:.2f}"
+                    for r in runs if r.get("predicted_step_s"))
+    return (f"fixed costs per action ({fixed.get('executor', '?')} executor, {fixed.get('backend', '?')}, "
+            f"{format_seconds(fixed.get('seconds'))} to measure): {kinds}, between actions "
+            f"{format_seconds(fixed.get('between_actions_s'))}; per message sent "
+            f"{format_seconds(fixed.get('send_s'))}, received {format_seconds(fixed.get('receive_s'))}; plans charge "
+            f"them on every action" + (f" (measured / fitted step of the runs: {fit})" if fit else ""))
 
 
 def _sharing_line(layers: list[dict[str, Any]]) -> str | None:

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from gpipe_plan.planner.costmodel import Setting
+from gpipe_plan.planner.fixedcosts import FixedCosts
 from gpipe_plan.planner.profile import LayerFigures
 from gpipe_plan.schema import PROFILE_FORMAT, check_built
 
@@ -50,6 +51,7 @@ def make_figures(
     recompute_backward: Sequence[float] | None = None,
     recompute_call: float = 0.0,
     tied: Sequence[tuple[Sequence[int], float]] = (),
+    issue: tuple[Sequence[float], Sequence[float]] | None = None,
 ) -> LayerFigures:
     L = len(forward)
     zeros = (0.0,) * L
@@ -68,6 +70,8 @@ def make_figures(
         recompute_backward_s=tuple(map(float, recompute_backward)) if recompute_backward is not None else None,
         recompute_call_s=float(recompute_call),
         tied=tuple((tuple(layers), float(size)) for layers, size in tied),
+        issue_forward_s=tuple(map(float, issue[0])) if issue is not None else None,
+        issue_backward_s=tuple(map(float, issue[1])) if issue is not None else None,
     )
 
 
@@ -79,12 +83,14 @@ _bytes = st.integers(0, 1000).map(float)
 
 @st.composite
 def instances(draw, schedule: str | None = None, max_layers: int = 8, max_stages: int = 4,
-              max_micro_batches: int = 8, features: bool = True, tied: bool = False):
+              max_micro_batches: int = 8, features: bool = True, tied: bool = False,
+              fixed: bool | None = None):
     """(LayerFigures, Setting) of a small random planning problem.
 
     Each feature (memory limit, communication, overhead, optimizer time, transient memory)
     is switched on or off by its own draw, so that the solvers' special cases (no comm, no
-    optimizer time, a fixed recompute choice) and their general cases are all exercised.
+    optimizer time, a fixed recompute choice) and their general cases are all exercised;
+    ``fixed``: fixed costs per action and message always (True), never (False) or drawn (None).
     """
     L = draw(st.sampled_from([1] + 4 * list(range(2, max_layers + 1))))
     # K = 1 (and L = 1) are edge cases, not the point: give K >= 2 most of the draws.
@@ -112,9 +118,13 @@ def instances(draw, schedule: str | None = None, max_layers: int = 8, max_stages
         for _ in range(draw(st.integers(1, 2))):
             layers = draw(st.lists(st.integers(0, L - 1), min_size=2, max_size=3, unique=True))
             ties.append((sorted(layers), float(draw(st.integers(1, 2000)))))
+    # The CPU-issue bound (CUDA profiles): each layer's issue time, below or above its GPU time.
+    issue = None
+    if use():
+        issue = (draw(st.lists(_time, min_size=L, max_size=L)), draw(st.lists(_time, min_size=L, max_size=L)))
     fig = make_figures(fwd, bwd, act, out, par, transient=transient, buffers=buffers,
                        optimizer=optimizer, input_bytes=input_bytes,
-                       recompute_backward=recompute_backward, recompute_call=recompute_call, tied=ties)
+                       recompute_backward=recompute_backward, recompute_call=recompute_call, tied=ties, issue=issue)
     sched = schedule or draw(st.sampled_from(["gpipe", "1f1b"]))
     recompute = draw(st.sampled_from(["never", "always", "auto"]))
     opt_name = draw(st.sampled_from(["adam", "momentum", "sgd"]))
@@ -130,10 +140,22 @@ def instances(draw, schedule: str | None = None, max_layers: int = 8, max_stages
         bandwidth = draw(st.sampled_from([2e4, 1e5, 5e5, 3e6]))
         latency = draw(st.sampled_from([0.0, 1e-4, 1e-3]))
     overhead = draw(st.sampled_from([1e-4, 1e-3])) if use() else 0.0
+    fixed = draw(fixed_costs()) if (use() if fixed is None else fixed) else FixedCosts()
     setting = Setting(stages=K, micro_batches=M, schedule=sched, recompute=recompute,
                       memory_limit_bytes=limit, link_bandwidth_bytes_per_s=bandwidth,
-                      link_latency_s=latency, optimizer=opt_name, overhead_s=overhead)
+                      link_latency_s=latency, optimizer=opt_name, overhead_s=overhead, fixed_costs=fixed)
     return fig, setting
+
+
+@st.composite
+def fixed_costs(draw):
+    """Fixed costs per action kind and per message (planner/fixedcosts.py): each kind its own,
+    a send and a receive that differ, so that the first, middle and last stages all differ."""
+    def one():
+        return draw(st.sampled_from([0.0, 1e-4, 4e-4, 1e-3]))
+
+    return FixedCosts(forward_s=one(), backward_s=one(), backward_input_s=one(), backward_weight_s=one(),
+                      send_s=draw(st.sampled_from([0.0, 2e-4, 7e-4])), receive_s=draw(st.sampled_from([0.0, 3e-4, 1e-3])))
 
 
 def _memory_range(fig: LayerFigures, K: int, M: int, schedule: str, recompute: str,
@@ -166,14 +188,28 @@ def ref_stage(fig: LayerFigures, setting: Setting, bounds: Sequence[int], k: int
     L, K, M = fig.num_layers, setting.stages, setting.micro_batches
     s, e = bounds[k], bounds[k + 1]
     fwd = math.fsum(fig.forward_s[s:e])
-    f = fwd + setting.overhead_s
+    # Fixed costs (docs/planner.md): each action its kind's and the overhead between actions, and
+    # each message to or from another stage: a forward sends on unless last and receives unless
+    # first; a backward the other way round.
+    fixed = setting.fixed_costs
+    sends_on, receives = (k < K - 1), (k > 0)
+    f = fwd + setting.overhead_s + fixed.forward_s + fixed.send_s * sends_on + fixed.receive_s * receives
+    b_fixed = setting.overhead_s + fixed.backward_s + fixed.send_s * receives + fixed.receive_s * sends_on
     if not recompute:
-        b = math.fsum(fig.backward_s[s:e]) + setting.overhead_s
+        gpu_b, extra = math.fsum(fig.backward_s[s:e]), 0.0
     elif fig.recompute_backward_s is None:      # the textbook figure: one more forward
-        b = math.fsum(fig.backward_s[s:e]) + setting.overhead_s + fwd
+        gpu_b, extra = math.fsum(fig.backward_s[s:e]) + fwd, 0.0
     else:                                       # measured, never below the plain backward
-        b = (math.fsum(max(r, g) for r, g in zip(fig.recompute_backward_s[s:e], fig.backward_s[s:e]))
-             + setting.overhead_s + fig.recompute_call_s)
+        gpu_b = math.fsum(max(r, g) for r, g in zip(fig.recompute_backward_s[s:e], fig.backward_s[s:e]))
+        extra = fig.recompute_call_s
+    b = gpu_b + b_fixed + extra
+    if fig.issue_forward_s is not None:
+        # The CPU-issue bound: each pass the larger of its GPU sum and its issue sum (a
+        # recomputing backward issues the forward again), then its fixed part.
+        issue_f = math.fsum(fig.issue_forward_s[s:e])
+        issue_b = math.fsum(fig.issue_backward_s[s:e]) + (issue_f if recompute else 0.0)
+        f = max(fwd, issue_f) + (f - fwd)
+        b = max(gpu_b, issue_b) + b_fixed + extra
     comm_on = math.isfinite(setting.link_bandwidth_bytes_per_s)
     c = setting.link_latency_s + fig.output_bytes[e - 1] / setting.link_bandwidth_bytes_per_s \
         if (comm_on and e < L) else 0.0

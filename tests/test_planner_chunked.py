@@ -15,6 +15,7 @@ from gpipe_plan.cli import main
 from gpipe_plan.planner.brute import brute_force, partitions
 from gpipe_plan.planner.chunked import ChunkedSolver
 from gpipe_plan.planner.costmodel import CostModel, Setting
+from gpipe_plan.planner.fixedcosts import FixedCosts
 from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.profile import Profile
 from gpipe_plan.planner.search import SolveOptions, search
@@ -38,12 +39,24 @@ def random_case(rng: random.Random, schedule: str, v: int):
                        params=[rng.randint(0, 200) for _ in range(L)],
                        optimizer=[rng.uniform(0, 3e-4) for _ in range(L)] if rng.random() < 0.5 else None,
                        input_bytes=rng.randint(0, 200),
-                       recompute_backward=[rng.uniform(1e-3, 4e-3) for _ in range(L)] if rng.random() < 0.5 else None)
+                       recompute_backward=[rng.uniform(1e-3, 4e-3) for _ in range(L)] if rng.random() < 0.5 else None,
+                       # the CPU-issue bound now and then (CUDA profiles): issue times about the GPU's
+                       issue=([t() for _ in range(L)], [t() for _ in range(L)]) if rng.random() < 0.3 else None)
     setting = Setting(stages=K, micro_batches=M, schedule=schedule, recompute=rng.choice(["never", "always", "auto"]),
                       memory_limit_bytes=rng.choice([None, None, 3000, 5000]),
                       link_bandwidth_bytes_per_s=rng.choice([float("inf"), 2e5]),
-                      overhead_s=rng.choice([0.0, 1e-4]), virtual_stages=v)
+                      overhead_s=rng.choice([0.0, 1e-4]), virtual_stages=v, fixed_costs=random_fixed_costs(rng))
     return fig, setting
+
+
+def random_fixed_costs(rng: random.Random) -> FixedCosts:
+    """None half the time; else each kind's and each message's own (a send and a receive that
+    differ, so that a chunk's place in the pipeline changes what it pays)."""
+    if rng.random() < 0.5:
+        return FixedCosts()
+    one = lambda: rng.choice([0.0, 1e-4, 5e-4, 1e-3])      # noqa: E731
+    return FixedCosts(forward_s=one(), backward_s=one(), backward_input_s=one(), backward_weight_s=one(),
+                      send_s=rng.choice([2e-4, 6e-4]), receive_s=rng.choice([0.0, 3e-4, 9e-4]))
 
 
 @pytest.mark.parametrize("schedule,v", CHUNKED)

@@ -1,7 +1,7 @@
 """The cost model's setting of a plan, rebuilt from what the plan recorded of it.
 
 A plan's ``options`` keep every figure the solver charged (the link, the per-micro-batch
-overhead, the neighbours' compute scale, the memory limit, the optimizer) and its
+overhead and the fixed costs per action and message, the neighbours' compute scale, the memory limit, the optimizer) and its
 ``placement`` what the gradient syncs of its replicas were charged: with the profile's layers
 they give back the very cost model that chose the plan, to price another split.
 """
@@ -13,6 +13,7 @@ from typing import Any
 
 from ...artifacts import json_number
 from ..costmodel import Setting
+from ..fixedcosts import FixedCosts
 from .view import PlanView
 
 
@@ -33,6 +34,7 @@ def plan_setting(view: PlanView) -> Setting:
         link_latency_s=float(charged.get("pipeline_latency_s") or 0.0),
         optimizer=str(options.get("optimizer") or "adam"),
         overhead_s=float(options.get("per_microbatch_overhead_s") or 0.0),
+        fixed_costs=FixedCosts.from_record(options.get("fixed_costs")),
         compute_scale=float(options.get("compute_scale") or 1.0),
         virtual_stages=view.virtual_stages,
         data_parallel=view.data_parallel,
