@@ -228,9 +228,10 @@ class LayeredModel:
             raise BadInput(f"{self._title()} returns shape {list(logits.shape[1:])} per sample; "
                            f"expected logits [{classes}] (--num-classes {classes})")
         vocab, seq = getattr(self.data, "vocab_size", None), getattr(self.data, "seq_len", None)
-        if vocab is not None and logits.shape != (batch_size, seq, vocab):
+        if seq is not None and (logits.shape[:2] != (batch_size, seq) or logits.ndim != 3
+                                or (vocab is not None and logits.shape[2] != vocab)):
             raise BadInput(f"{self._title()} returns shape {list(logits.shape[1:])} per sample; --loss lm "
-                           f"needs logits [seq, vocab] = [{seq}, {vocab}] (batch, seq, vocab)")
+                           f"needs logits [seq, vocab] = [{seq}, {vocab or 'vocab'}] (batch, seq, vocab)")
 
     def _title(self) -> str:
         return f"model '{self.spec.get('name') or self.spec.get('factory')}'"

@@ -24,7 +24,7 @@ from torch import nn
 from ..artifacts import BadInput, first_line
 from .data import Classification, NextToken, SyntheticData
 from .exported import NotCapturable, split_exported
-from .hooks import FactoryData, user_loss
+from .hooks import DECLARED, FactoryData, user_loss
 from .layered import AsTuple, LayeredModel
 from .traced import NotTraceable, split_traced
 
@@ -84,7 +84,10 @@ def build(spec: dict[str, Any]) -> LayeredModel:
     loss = spec.get("loss") or "classify"
     data: SyntheticData | FactoryData
     if spec.get("data"):
-        data = FactoryData(find_factory(spec["data"], "data factory"), spec["data"])
+        declared = {k: spec[k] for k in DECLARED if spec.get(k) is not None}
+        if "input_dtype" in declared:
+            declared["input_dtype"] = INPUT_DTYPES[declared["input_dtype"]]
+        data = FactoryData(find_factory(spec["data"], "data factory"), spec["data"], loss, declared)
     elif loss == "lm":
         data = NextToken(seq_len=spec["input_shape"][0], vocab_size=spec["vocab_size"])
     else:
