@@ -54,7 +54,7 @@ def find_factory(path: str, what: str = "model") -> Callable[..., Any]:
         module = importlib.import_module(module_name)
     except Exception as exc:  # ImportError, but also whatever the module's own code raises
         raise BadInput(f"cannot import '{module_name}' (from '{path}'): "
-                       f"{type(exc).__name__}: {first_line(exc)}") from None
+                       f"{type(exc).__name__}: {first_line(exc)}{_import_hint(module_name, exc)}") from None
     try:
         factory = _getattr_path(module, attr)
     except AttributeError:
@@ -62,6 +62,19 @@ def find_factory(path: str, what: str = "model") -> Callable[..., Any]:
     if not callable(factory):
         raise BadInput(f"'{path}' is not callable: the {what} must be a function")
     return factory
+
+
+def _import_hint(module_name: str, exc: Exception) -> str:
+    """What to do about a module that is not found: the user's own is looked for in the current
+    directory and on PYTHONPATH; a package it imports is installed, or not."""
+    if not isinstance(exc, ModuleNotFoundError) or not exc.name:
+        return ""
+    top = module_name.split(".")[0]
+    if module_name == exc.name or module_name.startswith(exc.name + "."):
+        holds = f"the package {top}/" if "." in module_name else f"{top}.py"
+        return (f": run from the folder that holds {holds}, or add that folder to PYTHONPATH "
+                f"(PYTHONPATH=/path/to/folder gpipe-plan ...)")
+    return f": '{module_name}' imports '{exc.name}', which this Python does not have: install it (pip install ...)"
 
 
 def _getattr_path(obj: Any, dotted: str) -> Any:
