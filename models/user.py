@@ -85,7 +85,8 @@ def _getattr_path(obj: Any, dotted: str) -> Any:
 
 
 
-def build(spec: dict[str, Any]) -> LayeredModel:
+def build(spec: dict[str, Any], announce: Callable[[str], None] | None = None) -> LayeredModel:
+    """The user's model cut into layers; ``announce`` is told of a capture as it begins."""
     path = spec["factory"]
     factory = find_factory(path)
     try:
@@ -107,27 +108,31 @@ def build(spec: dict[str, Any]) -> LayeredModel:
         data = Classification(shape=tuple(spec["input_shape"]), dtype=INPUT_DTYPES[spec["input_dtype"]],
                               num_classes=spec["num_classes"], token_range=spec.get("vocab_size"))
     loss_fn = user_loss(find_factory(loss, "loss"), loss) if ":" in loss else None
+    notes: list[str] = []
     with torch.random.fork_rng(devices=[]):  # capturing must not move the seeded stream
         example, _ = data.batch(2, torch.Generator().manual_seed(0))
-        layers = split(module, path, example, spec.get("cut_at"))
-    return LayeredModel(spec, module, layers, data, loss_fn)
+        if announce is not None and not isinstance(module, nn.Sequential):
+            announce(f"capturing '{path}' with torch.export")
+        layers = split(module, path, example, spec.get("cut_at"), notes)
+    return LayeredModel(spec, module, layers, data, loss_fn, notes=notes)
 
 
 def split(module: nn.Module, path: str = "the model", example_inputs: tuple[torch.Tensor, ...] = (),
-          cut_at: str | None = None) -> list[tuple[str, nn.Module]]:
+          cut_at: str | None = None, notes: list[str] | None = None) -> list[tuple[str, nn.Module]]:
     """Cut a module into layers: a Sequential at its children, anything else by graph capture.
 
     ``example_inputs`` (a batch of at least 2 samples) are what torch.export runs the model
-    on; without them only torch.fx is tried.
+    on; without them only torch.fx is tried. ``notes`` gets what the user should know of the
+    cut (which output of a dict the loss takes: :func:`~.layered.loss_output_note`).
     """
     if isinstance(module, nn.Sequential):
         if len(module) == 0:
             raise BadInput(f"'{path}' returned an empty nn.Sequential")
-        return [(name, AsTuple(child)) for name, child in module.named_children()]
+        return [(name, AsTuple(child, notes=notes)) for name, child in module.named_children()]
     export_error = None
     if example_inputs:
         try:
-            return split_exported(module, example_inputs, cut_at)
+            return split_exported(module, example_inputs, cut_at, notes)
         except NotCapturable as exc:
             export_error = str(exc)
     try:
