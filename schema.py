@@ -80,15 +80,17 @@ REPORT_FORMAT = "gpipe-plan.report"
 #      it reads as one chunk per stage.
 #   6  d replicas of the pipeline (``data_parallel``, ``gradient_sync``, ``placement``,
 #      ``factorisations``); a plan before it is one replica, stage k on rank k.
+#   7  the placement order ``data-only`` for one stage of d > 1 replicas (no pipeline: version 6
+#      named it ``pipeline-inner``, and reads as it is).
 # Report
 #   2  the run's precision and, on CUDA, the allocator's reserved memory and what lies outside it.
 #   3  the per-micro-batch times move into ``chunks`` (with the halves of a split backward); its
 #      ``stages`` are devices, with their memory and idle time.
 #   4  data parallel: ``data_parallel``, ``gradient_sync``, per stage its measured gradient sync
 #      beside the plan's and its ``replicas``; the stages' figures are replica 0's.
-FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 8, PLAN_FORMAT: 6, REPORT_FORMAT: 4}
+FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 8, PLAN_FORMAT: 7, REPORT_FORMAT: 4}
 READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8),
-                                                 PLAN_FORMAT: (1, 2, 3, 4, 5, 6),
+                                                 PLAN_FORMAT: (1, 2, 3, 4, 5, 6, 7),
                                                  REPORT_FORMAT: (1, 2, 3, 4)}
 
 
