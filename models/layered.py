@@ -127,6 +127,7 @@ class LayeredModel:
         layers: ``(name, layer)`` in execution order, names unique. See the module docstring
             for the calling convention.
         data: how inputs and targets look, and how synthetic ones are drawn.
+        notes: what the user should be told of how the model was read (``profile`` prints them).
     """
 
     def __init__(self, spec: dict[str, Any], module: nn.Module, layers: Sequence[tuple[str, nn.Module]],
@@ -142,8 +143,8 @@ class LayeredModel:
         self.layers: list[tuple[str, nn.Module]] = list(layers)
         self.data = data
         self.loss_fn = loss_fn  # the user's loss (models.hooks); None: cross-entropy
-        # What the user should know of how the model was read (which value of a dict output the
-        # loss takes), filled as it is found: when it is cut, or when ``check`` first runs it.
+        # Which value of a dict output the loss takes, filled as it is found: when the model is
+        # captured, or when an nn.Sequential's last child first runs (``check``).
         self.notes: list[str] = notes if notes is not None else []
 
     def module_names(self) -> list[str | None]:
