@@ -111,8 +111,9 @@ def main() -> None:
                    "lm (logits (batch, seq, vocab) against the next token of the input ids; needs --vocab-size), "
                    "or your own fn(outputs, targets) -> mean loss (with --data).")
 @click.option("--data", default=None, metavar="pkg.module:factory",
-              help="Your model's data: factory(batch_size) yields (inputs, targets) mini-batches; the inputs' "
-                   "shapes come from them. The profile times your loss on them; `run` trains on them.")
+              help="Your model's data: factory(batch_size) yields (inputs, targets) mini-batches (lm: ids and next "
+                   "ids, both (batch, seq); classify: class ids (batch,)); the inputs' shapes come from them, and "
+                   "--input-shape and the like, if given, must agree. `run` trains on them.")
 @click.option("--cut-at", default=None, metavar="REGEX",
               help="Your model: module paths that become the layers, e.g. 'model\\.layers\\.\\d+'. "
                    "Default: each block of the model's repeated block list, and each other module with weights.")

@@ -85,7 +85,9 @@ REPORT_FORMAT = "gpipe-plan.report"
 #   6  d replicas of the pipeline (``data_parallel``, ``gradient_sync``, ``placement``,
 #      ``factorisations``); a plan before it is one replica, stage k on rank k.
 #   7  ``options.fixed_costs``: the fixed costs per action kind and message the plan charged
-#      (planner/fixedcosts.py; absent or null: none beyond ``per_microbatch_overhead_s``).
+#      (planner/fixedcosts.py; absent or null: none beyond ``per_microbatch_overhead_s``); the
+#      placement order ``data-only`` for one stage of d > 1 replicas (no pipeline: version 6
+#      named it ``pipeline-inner``, and reads as it is).
 # Report
 #   2  the run's precision and, on CUDA, the allocator's reserved memory and what lies outside it.
 #   3  the per-micro-batch times move into ``chunks`` (with the halves of a split backward); its

@@ -20,6 +20,7 @@ from ..models import Precision, model_spec
 from ..schema import write_artifact
 from .device import resolve_device
 from .contention import default_processes
+from .phases import announced, phase_lines, phase_text
 from .profiler import ProfileRequest, default_sizes, profile_model
 from .show import render_profile
 
@@ -68,7 +69,7 @@ def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes
 
     err = Console(stderr=True)
     try:
-        with _progress_for(err, quiet) as bar:
+        with phase_lines(enabled=not quiet), _progress_for(err, quiet) as bar:
             doc = profile_model(request, bar)
     except (BadInput, KeyboardInterrupt):
         raise
@@ -139,8 +140,9 @@ class PhaseLines:
     apart: a layer (all its sizes, plain and checkpointed, and its optimizer step), the whole
     model, the link, the neighbours; the timing harnesses belong to the layer being measured.
     Each phase is announced once, the first time it runs: a profiler that times the layers in
-    interleaved rounds would otherwise print a line per layer per round. In a long stretch
-    without a new phase, a line every ``heartbeat_s`` says how far the profile is.
+    interleaved rounds would otherwise print a line per layer per round; one that a phase line
+    announced as it began (profiles/phases.py: a layer measured alone) is not said again. In a
+    long stretch without a new phase, a line every ``heartbeat_s`` says how far the profile is.
     """
 
     def __init__(self, stream: Any, heartbeat_s: float = 30.0, clock: Any = time.monotonic) -> None:
@@ -169,15 +171,16 @@ class PhaseLines:
         if phase is not None and phase not in self._seen:
             self._seen.add(phase)
             self._phase = phase
-            self._line(phase)
+            if not announced(phase):     # a phase line said it when it began (profiles/phases.py)
+                self._line(phase)
         elif self._phase is not None and self._clock() - self._last >= self._heartbeat_s:
             self._line(f"still {phase or self._phase}")
 
     def _line(self, what: str) -> None:
         now = self._clock()
         self._last = now
-        share = f"{self._done / self._total:4.0%}" if self._total else "   ?"
-        print(f"profiling [{share}, {now - self._started:5.0f} s] {what}", file=self._stream, flush=True)
+        share = self._done / self._total if self._total else None
+        print(phase_text(what, share, now - self._started), file=self._stream, flush=True)
 
 
 def phase_of(description: str) -> str | None:

@@ -55,6 +55,7 @@ from .measure import (Autocast, LayerMeasurement, Runner, Timing, harness_runner
                       peak_transient_bytes, prepare_layer, record_split, recompute_harness_runner,
                       recomputing_runner, has_weights, split_harness_runner, split_runner, time_rounds)
 from .memory import tensor_bytes, unique_bytes
+from .phases import announce, counted
 from .walk import walk_layers
 
 Tensors = tuple[torch.Tensor, ...]
@@ -154,7 +155,8 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
         context_bytes = outside_allocator_bytes(device)
     # Every parameter on meta: a layer is made real while it is walked or measured, then
     # given back (a model that cannot be built so is built whole, and stays real).
-    model = build_model(request.spec, seed=request.seed, materialize=())
+    announce(f"building model '{request.spec.get('name') or request.spec.get('factory')}'")
+    model = build_model(request.spec, seed=request.seed, materialize=(), announce=announce)
     request.precision.cast(model)
     whole = built_whole(model)
     if whole is not None:
@@ -162,10 +164,14 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
     if not _layer_by_layer(request, model):
         return _profile_in_memory(model, request, progress, context_bytes, whole)
     sizes = sorted(request.micro_batch_sizes)
+    announce(f"checking the {counted(len(model.layers), 'layer')} on a micro-batch, one at a time")
     with request.autocast():
         # A bad --input-shape fails here, in one line, one layer real at a time.
         streamed(model, device).check(batch_size=sizes[0], device=device)
+    for note in model.notes:
+        announce(f"note: {note}", key=note)
     batches = [_batch(model, b, request.seed, device) for b in sizes]
+    announce(f"running {len(sizes)} micro-batch sizes through the layers")
     walk = walk_layers(model, [inputs for inputs, _ in batches], device, request.autocast, request.share_figures)
 
     probe_before = speed_probe_s(device.type)   # see speedprobe: the speed this profile saw
@@ -273,8 +279,11 @@ def _profile_in_memory(model: LayeredModel, request: ProfileRequest, progress: P
     materialize_layers(model, range(len(model.layers)), unused=True)
     model.to(device)
     sizes = sorted(request.micro_batch_sizes)
+    announce(f"checking the {counted(len(model.layers), 'layer')} on a micro-batch")
     with request.autocast():
         model.check(batch_size=sizes[0], device=device)  # a bad --input-shape fails here, in one line
+    for note in model.notes:
+        announce(f"note: {note}", key=note)
     probe_before = speed_probe_s(device.type)
     rounds = request.warmup + request.repeats
     contention = request.contention_processes > 1 and device.type == "cpu"
@@ -283,6 +292,8 @@ def _profile_in_memory(model: LayeredModel, request: ProfileRequest, progress: P
     progress.begin(len(sizes) * rounds * (2 * runs_per_round + 3 * split_runs_per_round) + 1 + (1 if request.measure_link else 0)
                    + (1 if contention else 0) + (1 if request.fixed_costs else 0))
     # Every size is prepared first and all are timed in the same rounds (see _time_sizes).
+    announce(f"measuring {counted(len(model.layers), 'layer')} at sizes {','.join(map(str, sizes))}: memory, "
+             f"then {rounds} timed round{'s' if rounds != 1 else ''}")
     prepared = [_prepare_size(model, *_batch(model, b, request.seed, device), request, b) for b in sizes]
     _time_sizes(prepared, model, request, progress)
 
@@ -448,6 +459,7 @@ def _measure_layer(model: LayeredModel, i: int, inputs: list[Tensors], targets: 
     """
     name = model.layers[i][0]
     last = i == len(model.layers) - 1
+    announce(f"measuring layer {i + 1} of {len(model.layers)}: {name}", key=name)
     autocast: Autocast = request.autocast
     with layer_materialized(model, i, request.device) as layer:
         figures: list[LayerMeasurement] = []

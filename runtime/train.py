@@ -212,7 +212,7 @@ def _set_up(options: RunOptions, world: World) -> _Training:
         raise BadInput(f"the checkpoint in '{folder}' is at step {start}: --steps {options.steps} leaves nothing to do")
     run = _Training(options, world, plan, precision, threads, device, context_bytes, executor_name, objects,
                     joined_here, reporter, warnings, probes, model, stage, replicas, gradient_sync, scaler, data,
-                    _tokens_per_sample(plan),
+                    _tokens_per_sample(model),
                     optimizer_name, optimizer, options.learning_rate(optimizer_name), recorder, executor, needs_norm,
                     sync, tied, identity, folder, start)
     run.start_notes = _start_notes(run, resumed)
@@ -518,13 +518,15 @@ def _save_model(path: str, keys: Any, pieces: list[dict[str, torch.Tensor]]) -> 
     write_bytes_atomic(path, buffer.getvalue())
 
 
-def _tokens_per_sample(plan: RunPlan) -> int | None:
-    """Tokens in one sample of a language model (for tokens/s), None for other models."""
-    spec = plan.model
-    if spec.get("source") == "builtin" and spec.get("name") == "gpt":
-        return int(spec["options"]["seq_len"])
-    if spec.get("source") == "import" and spec.get("loss") == "lm":
-        return int(spec["input_shape"][0])
+def _tokens_per_sample(model: LayeredModel) -> int | None:
+    """Tokens in one sample of a language model (for tokens/s), None for other models.
+
+    A language model (the built-in gpt, or one's own under ``--loss lm``, on synthetic ids or a
+    data factory's) reads one input of ``seq_len`` token ids per sample."""
+    spec = model.spec
+    if (spec.get("source") == "builtin" and spec.get("name") == "gpt") or \
+            (spec.get("source") == "import" and spec.get("loss") == "lm"):
+        return int(model.input_shapes[0][0])
     return None
 
 
