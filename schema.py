@@ -33,7 +33,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .artifacts import BadInput, dumps, read_json, write_text_atomic
+from .artifacts import BadInput, Outputs, dumps, read_json
 from .plan_layout import GRADIENT_SYNCS, PLACEMENT_ORDERS
 
 # Ceilings: far above any real value, far below where sums of them overflow a float.
@@ -825,13 +825,22 @@ def check_built(doc: Any, kind: str, where: str) -> None:
     _check_written(dumps(doc), kind, where)
 
 
-def write_artifact(path: str | os.PathLike[str], doc: Any, kind: str) -> None:
+def write_artifact(path: str | os.PathLike[str], doc: Any, kind: str, outputs: Outputs | None = None,
+                   flag: str | None = None) -> None:
     """Write a profile, plan or report: checked as :func:`check_built` checks it, then written
-    atomically (:func:`~gpipe_plan.artifacts.write_text_atomic`). The one way an artifact is
-    written: a document its own schema refuses is never written, and the writer fails loudly."""
+    atomically (:class:`~gpipe_plan.artifacts.Outputs`). The one way an artifact is written: a
+    document its own schema refuses is never written, and the writer fails loudly.
+
+    ``outputs``: the set of the command's files this one joins (written with them, all or none);
+    without it, the file is written now. ``flag`` names it in a one-line error.
+    """
     text = dumps(doc)
     _check_written(text, kind, str(path))
-    write_text_atomic(path, text)
+    if outputs is None:
+        with Outputs() as alone:
+            alone.add(path, text, flag)
+    else:
+        outputs.add(path, text, flag)
 
 
 def _check_written(text: str, kind: str, where: str) -> None:

@@ -69,7 +69,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..artifacts import BadInput, named_first_line, write_json_atomic
+from ..artifacts import BadInput, fsync_folder, named_first_line, write_json_atomic
 from .loss_scale import LossScaler
 from .objects import all_gather_objects
 from .stage import StageChunks
@@ -151,21 +151,7 @@ def _replace_folder(partial: Path, final: Path) -> None:
         shutil.rmtree(aside, ignore_errors=True)
     else:
         os.rename(partial, final)
-    _fsync_folder(final.parent)
-
-
-def _fsync_folder(folder: Path) -> None:
-    """Make the rename durable (a crash after it must not bring the old name back)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    fsync_folder(final.parent)
 
 
 def prune(folder: Path, keep: int) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,13 +29,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import BadInput, RunFailure
+from ..artifacts import HOST_TAG, BadInput, RunFailure, process_alive
 from .options import ENV, RunOptions
 from .worker import ERROR_DIR_ENV, PARENT_ENV
 
 POLL_S = 0.05
 GRACE_S = 3.0          # after SIGTERM, before SIGKILL
 SETTLE_S = 0.5         # after the first failure, let the others report theirs
+
+
+# The ranks' error files go to a folder of the temporary directory named after the launcher
+# (``gpipe-plan-run-HOST-PID-RANDOM``): a launcher killed with SIGKILL cannot remove its own, so
+# every launch removes those of this host's launchers that are gone.
+ERRORS_PREFIX = "gpipe-plan-run-"
+
+
+def clear_dead_launchers() -> list[Path]:
+    """Remove the error folders that killed launchers of this host left; return them."""
+    start = f"{ERRORS_PREFIX}{HOST_TAG}-"
+    removed = []
+    for folder in Path(tempfile.gettempdir()).glob(f"{start}*"):
+        pid = folder.name[len(start):].split("-", 1)[0]
+        if folder.is_dir() and pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
 
 
 @dataclass
@@ -55,7 +74,8 @@ def free_port() -> int:
 def launch_local(options: RunOptions, nprocs: int, threads: int) -> None:
     """Run ``nprocs`` ranks here; return when all succeeded, raise when one failed."""
     port = free_port()
-    with tempfile.TemporaryDirectory(prefix="gpipe-plan-run-") as errors:
+    clear_dead_launchers()
+    with tempfile.TemporaryDirectory(prefix=f"{ERRORS_PREFIX}{HOST_TAG}-{os.getpid()}-") as errors:
         procs: list[subprocess.Popen[bytes]] = []
         try:
             for rank in range(nprocs):

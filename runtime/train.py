@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from ..artifacts import BadInput, RunFailure, precision_label, write_bytes_atomic, write_json_atomic
+from ..artifacts import BadInput, Outputs, RunFailure, dumps, precision_label
 from ..cudamemory import outside_allocator_bytes
 from ..models import LayeredModel, Precision, build_model, built_whole
 from ..schema import write_artifact
@@ -365,8 +365,6 @@ def _write_outputs(run: _Training, history: _History) -> None:
     pieces = _gather(mine, world, run.objects)
     if run.reporter:
         assert results is not None and pieces is not None
-        if options.save:
-            _save_model(options.save, run.model.module.state_dict().keys(), pieces)
         facts = _run_facts(options, run.optimizer_name, run.base_lr, run.threads, run.device, run.executor_name,
                            run.data.samples_text(), world)
         facts["data_parallel"], facts["gradient_sync"] = plan.data_parallel, run.gradient_sync.mode
@@ -375,18 +373,22 @@ def _write_outputs(run: _Training, history: _History) -> None:
             facts["loss_scale"] = run.scaler.state_dict()
         facts["warnings"] = run.warnings
         report = build_report(plan, results, losses=history.losses, run=facts, tokens_per_sample=run.tokens_per_sample)
-        if options.trace:
-            ordered = sorted(results, key=lambda r: r.rank)
-            names = [f"stage {r.stage}, replica {r.replica} (rank {r.rank})" for r in ordered] \
-                if plan.data_parallel > 1 else None
-            write_json_atomic(options.trace, chrome_trace([r.spans for r in ordered], {
-                "plan": plan.path, "schedule": plan.schedule, "micro_batches": plan.micro_batches,
-                "data_parallel": plan.data_parallel}, names))
         if not options.quiet:
             print_summary(report, Console())
-        # Last: a report its schema refuses (our bug) must not cost the trace or the summary.
-        if options.report:
-            write_artifact(options.report, report, "report")
+        # Every output is written to its temporary file first, then all are renamed together:
+        # a full disk (or a report its schema refuses, our bug) replaces none of the old files.
+        with Outputs() as outputs:
+            if options.report:
+                write_artifact(options.report, report, "report", outputs, "--report")
+            if options.trace:
+                ordered = sorted(results, key=lambda r: r.rank)
+                names = [f"stage {r.stage}, replica {r.replica} (rank {r.rank})" for r in ordered] \
+                    if plan.data_parallel > 1 else None
+                outputs.add(options.trace, dumps(chrome_trace([r.spans for r in ordered], {
+                    "plan": plan.path, "schedule": plan.schedule, "micro_batches": plan.micro_batches,
+                    "data_parallel": plan.data_parallel}, names)), "--trace")
+            if options.save:
+                outputs.add(options.save, _model_file(run.model.module.state_dict().keys(), pieces), "--save")
         if not options.quiet:
             written = [f"{what} {path}" for what, path in (("model", options.save), ("report", options.report),
                                                           ("trace", options.trace)) if path]
@@ -497,8 +499,9 @@ def _gather(obj: Any, world: World, group: Any) -> list[Any] | None:
     return gather_objects(obj, group)
 
 
-def _save_model(path: str, keys: Any, pieces: list[dict[str, torch.Tensor]]) -> None:
-    """The whole model's ``state_dict``, keys and order as the unsplit model's, from every stage's part."""
+def _model_file(keys: Any, pieces: list[dict[str, torch.Tensor]]) -> bytes:
+    """The whole model's ``state_dict``, keys and order as the unsplit model's, from every stage's
+    part, as the bytes of a ``torch.save`` file."""
     merged: dict[str, torch.Tensor] = {}
     for piece in pieces:
         merged.update(piece or {})
@@ -508,7 +511,7 @@ def _save_model(path: str, keys: Any, pieces: list[dict[str, torch.Tensor]]) -> 
     ordered = {k: merged[k] for k in keys}
     buffer = io.BytesIO()
     torch.save(ordered, buffer)
-    write_bytes_atomic(path, buffer.getvalue())
+    return buffer.getvalue()
 
 
 def _tokens_per_sample(plan: RunPlan) -> int | None:
