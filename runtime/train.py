@@ -18,7 +18,7 @@ import gc
 import io
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from ..models import LayeredModel, Precision, build_model, built_whole
 from ..schema import write_artifact
 from ..speedprobe import profile_probe_s, speed_probe_s, speed_ratio
 from . import checkpoint, faults
+from .checkpoint_dir import TRAINING_OPTIONS, new_run
 from .conditions import condition_warnings, cpu_cores, threads_per_rank
 from .data import BatchSource, batch_source
 from .distributed import Replicas, World, check_world, choose_device, init, replicas_of
@@ -93,6 +94,8 @@ class _Training:
     identity: dict[str, Any]
     folder: Path | None        # --checkpoint-dir
     start: int                 # the first step to run (after a resume, the checkpoint's)
+    run_record: dict[str, Any]  # the run its checkpoints belong to (checkpoint_dir.new_run, or the resumed one's)
+    adopted: bool              # resumed from a step that named no run: such steps are this run's to prune
     start_notes: list[str] = field(default_factory=list)   # printed before the first step (rank 0)
 
 
@@ -200,18 +203,21 @@ def _set_up(options: RunOptions, world: World) -> _Training:
     identity = _identity(plan, options, precision, optimizer_name)
     start = 0
     resumed: dict[str, Any] | None = None
+    # The run the checkpoints belong to: this one, or the one it continues (runtime/checkpoint_dir.py).
+    run_record, adopted = new_run(plan.sha256, options), False
     if resume_step is not None:
         assert folder is not None
         resumed = checkpoint.load(folder, resume_step, stage, optimizer, identity, options.seed, scaler, device,
                                   objects, layout=(plan.num_stages, plan.data_parallel))
         start = resume_step
+        run_record, adopted = (resumed["run"], False) if isinstance(resumed.get("run"), dict) else (run_record, True)
     if start >= options.steps:
         raise BadInput(f"the checkpoint in '{folder}' is at step {start}: --steps {options.steps} leaves nothing to do")
     run = _Training(options, world, plan, precision, threads, device, context_bytes, executor_name, objects,
                     joined_here, reporter, warnings, probes, model, stage, replicas, gradient_sync, scaler, data,
                     _tokens_per_sample(plan),
                     optimizer_name, optimizer, options.learning_rate(optimizer_name), recorder, executor, needs_norm,
-                    sync, tied, identity, folder, start)
+                    sync, tied, identity, folder, start, run_record, adopted)
     run.start_notes = _start_notes(run, resumed)
     return run
 
@@ -224,7 +230,7 @@ def _start_notes(run: _Training, resumed: dict[str, Any] | None) -> list[str]:
     if options.resume and run.start == 0:
         notes.append(f"no complete checkpoint in '{run.folder}' yet: starting from step 0")
     if resumed is not None:
-        note = _resume_note(resumed, run.plan, run.world)
+        note = _resume_note(resumed, run.plan, run.world, asdict(options))
         if options.init_from:
             note = "; ".join(filter(None, [note, "--init-from ignored: the checkpoint wins"]))
         if note:
@@ -267,9 +273,9 @@ def _run_steps(run: _Training) -> _History:
             if run.folder is not None and ((step + 1) % options.checkpoint_every == 0 or step + 1 == options.steps):
                 # All ranks save together; when save returns, step+1 is complete and older ones may go.
                 checkpoint.save(run.folder, step + 1, stage, run.optimizer, run.identity, _saved_by(run.plan, run.world),
-                                run.scaler, run.device, run.objects)
-                if run.reporter:
-                    checkpoint.prune(run.folder, options.keep_checkpoints)
+                                run.scaler, run.device, run.objects, run=run.run_record)
+                if run.reporter:   # this run's own older steps only
+                    checkpoint.prune(run.folder, options.keep_checkpoints, run.run_record["id"], run.adopted)
             # After the optimizer step and the step's checkpoint (which reads the sharded state):
             # fsdp starts gathering the next step's parameters. Not after the last step.
             if step + 1 < options.steps:
@@ -541,8 +547,9 @@ def _saved_by(plan: RunPlan, world: World) -> dict[str, Any]:
             "ranks": world.world_size, "data_parallel": plan.data_parallel, "gradient_sync": plan.gradient_sync}
 
 
-def _resume_note(meta: dict[str, Any], plan: RunPlan, world: World) -> str | None:
-    """How the checkpoint was made, when not under this very split, and what became of the RNG."""
+def _resume_note(meta: dict[str, Any], plan: RunPlan, world: World, now: dict[str, Any]) -> str | None:
+    """How the checkpoint was made, when not under this very split, what became of the RNG, and
+    the training options (``now``: this run's) that differ from those the run started with."""
     saved = meta.get("saved_by", {})
     ours = _saved_by(plan, world)
     notes = []
@@ -555,6 +562,11 @@ def _resume_note(meta: dict[str, Any], plan: RunPlan, world: World) -> str | Non
     if meta.get("rng") == "reseeded":
         notes.append(f"{saved.get('ranks')} rank(s) saved it, {world.world_size} resume it: random generators "
                      f"reseeded from (seed, step, rank)")
+    started = (meta.get("run") or {}).get("options") or {}
+    changed = [f"--{key.replace('_', '-')} {started[key]} then, {now[key]} now" for key in TRAINING_OPTIONS
+               if key in started and started[key] != now.get(key) and key != "steps"]
+    if changed:
+        notes.append("the run started with other options: " + ", ".join(changed))
     return "; ".join(notes) or None
 
 
