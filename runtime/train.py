@@ -47,7 +47,7 @@ from .options import RunOptions
 from .p2p import Neighbours
 from .plan import RunPlan, check_precision_matches, load_plan
 from .progress import TrainingProgress
-from .replicas import GradientSync, make_gradient_sync
+from .replicas import GradientSync, broadcast_from_replica_zero, make_gradient_sync
 from .report import RankResult, build_report, print_summary
 from .stage import StageChunks, build_stage_chunks
 from .sync import StepSync
@@ -168,6 +168,8 @@ def _set_up(options: RunOptions, world: World) -> _Training:
     # A parameter two chunks of this stage use is one object here: one .grad, one optimizer entry.
     stage = build_stage_chunks(model, plan, replicas.stage, precision, device.type)
     stage.module.to(device)
+    if plan.data_parallel > 1:   # the replicas start equal, whatever the model's initialisation drew from
+        broadcast_from_replica_zero(stage, replicas.dp_group, replicas.dp_ranks[0])
     # --resume looks for its checkpoint before any weights are read: an existing one wins over --init-from.
     folder = Path(options.checkpoint_dir) if options.checkpoint_dir else None
     resume_step = checkpoint.newest_complete_step(folder, objects) if options.resume and folder is not None else None
