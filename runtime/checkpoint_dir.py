@@ -3,7 +3,7 @@
 A ``--checkpoint-dir`` holds one folder per saved step (:mod:`.checkpoint` writes them)::
 
     CHECKPOINT_DIR/
-      .lock                  held by the one run writing here (its pid and host inside)
+      .lock                  while a run writes here: locked by it (its pid and host inside)
       step-00000040/         complete: its checkpoint.json names the run it belongs to
       step-00000060.partial/ a step some rank never finished (a killed run): never resumed
 
@@ -21,9 +21,10 @@ Three rules keep two runs from mixing there:
   ``--keep-checkpoints``, whatever the step numbers of other runs' steps there.
 
 One live run per folder: :func:`claim` takes an exclusive ``flock`` on ``.lock`` for the
-run's lifetime (the launcher holds it; under torchrun, rank 0). The kernel drops it when the
-process ends, however it ends, so a killed run leaves no stale lock; ``.partial`` folders a
-killed run left are cleared then, since no live run can be writing them. On a shared file
+run's lifetime (the launcher holds it; under torchrun, rank 0) and removes the file at the end.
+The kernel drops the lock when the process ends, however it ends, so a killed run leaves at
+most an unlocked ``.lock``, never a stale lock; ``.partial`` folders a killed run left are
+cleared when the next run claims the folder, since no live run can be writing them then. On a shared file
 system the lock is as good as its ``flock`` (NFS v4 and Linux's NFS client honour it).
 
 No torch here: the launcher claims the folder before any rank starts.
@@ -140,13 +141,18 @@ def _belongs(run: dict[str, Any] | None, run_id: str, adopted: bool) -> bool:
 # ---------------------------------------------------------------------- one run per folder
 @dataclasses.dataclass
 class Claim:
-    """A run's hold on its checkpoint folder: the open ``.lock`` (released when the process ends)."""
+    """A run's hold on its checkpoint folder: the open, locked ``.lock``."""
 
     folder: Path
     fd: int
 
     def release(self) -> None:
+        """Remove ``.lock`` and drop the lock (a run that is killed drops it too, and leaves the file)."""
         if self.fd >= 0:
+            try:
+                os.unlink(self.folder / LOCK_FILE)
+            except OSError:
+                pass
             os.close(self.fd)
             self.fd = -1
 
@@ -158,21 +164,7 @@ def claim(folder: Path, resume: bool) -> Claim:
     steps (another run's). Taken: ``.partial`` folders (killed runs' unfinished steps) are
     removed.
     """
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
-    except OSError as exc:
-        raise BadInput(f"cannot use --checkpoint-dir '{folder}': {exc.strerror or exc}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        holder = _read_holder(fd)
-        os.close(fd)
-        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise BadInput(f"cannot lock --checkpoint-dir '{folder}': {exc.strerror or exc}") from None
-        raise BadInput(f"--checkpoint-dir '{folder}' is in use by another run ({holder}): two runs writing one "
-                       f"folder would mix their checkpoints; give this run its own --checkpoint-dir") from None
-    held = Claim(folder, fd)
+    held = _lock(folder)
     try:
         steps = sorted(complete_steps(folder))
         if steps and not resume:
@@ -183,13 +175,45 @@ def claim(folder: Path, resume: bool) -> Claim:
         for child in folder.iterdir():
             if child.name.endswith(PARTIAL) and _STEP_DIR.fullmatch(child.name.removesuffix(PARTIAL)):
                 shutil.rmtree(child, ignore_errors=True)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                  "since_unix_s": round(time.time(), 3)}).encode(), 0)
+        os.ftruncate(held.fd, 0)
+        os.pwrite(held.fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                       "since_unix_s": round(time.time(), 3)}).encode(), 0)
     except BaseException:
         held.release()
         raise
     return held
+
+
+def _lock(folder: Path) -> Claim:
+    """An exclusive ``flock`` on ``folder/.lock``, or :class:`BadInput` naming its holder.
+
+    The lock must be on the file the path names *now*: a holder that releases removes the file,
+    and one that opened it just before would hold a lock on a file nobody else can open. So a
+    lock taken on a file no longer at the path is dropped and taken again.
+    """
+    path = folder / LOCK_FILE
+    while True:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as exc:
+            raise BadInput(f"cannot use --checkpoint-dir '{folder}': {exc.strerror or exc}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = _read_holder(fd)
+            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise BadInput(f"cannot lock --checkpoint-dir '{folder}': {exc.strerror or exc}") from None
+            raise BadInput(f"--checkpoint-dir '{folder}' is in use by another run ({holder}): two runs writing one "
+                           f"folder would mix their checkpoints; give this run its own --checkpoint-dir") from None
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return Claim(folder, fd)
+        os.close(fd)
 
 
 def _read_holder(fd: int) -> str:
