@@ -185,7 +185,8 @@ def process_alive(pid: int) -> bool:
     return True
 
 
-def cannot_write(path: str | os.PathLike[str], exc: OSError, flag: str | None = None, size: int | None = None) -> BadInput:
+def cannot_write(path: str | os.PathLike[str], exc: OSError, flag: str | None = None,
+                 size: int | None = None) -> BadInput:
     """The one line for a file the system would not let us write: which file, and why, in words."""
     p = Path(path)
     folder = p.parent if str(p.parent) else Path(".")

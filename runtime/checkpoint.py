@@ -76,6 +76,7 @@ import torch.distributed as dist
 from ..artifacts import BadInput, fsync_folder, named_first_line, write_json_atomic
 from ..units import format_bytes
 from .checkpoint_dir import META_FILE, complete_steps, partial_folder, prune, step_folder  # noqa: F401 (prune: train's)
+from . import watchdog
 from .loss_scale import LossScaler
 from .objects import all_gather_objects
 from .stage import StageChunks
@@ -104,6 +105,8 @@ def save(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Opt
 
     rank = _rank(group)
     partial, final = partial_folder(folder, step), step_folder(folder, step)
+    together = f"saving checkpoint '{final}' with the other ranks"
+    watchdog.doing(together, waiting=True)
     if rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # what a killed run left at this step
@@ -111,11 +114,21 @@ def save(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Opt
     tensors = {f"model/{key}": tensor.detach() for key, tensor in stage.state_dict().items()}
     tensors |= _optimizer_tensors(stage, optimizer)
     tensors |= _rng_tensors(rank, device)
+
+    class Writer(dcp.FileSystemWriter):
+        """DCP's writer, telling the watchdog when this rank writes and when it waits for the others."""
+
+        def write_data(self, *args: Any, **kwargs: Any) -> Any:
+            watchdog.doing(f"writing its tensors into '{partial}'")
+            try:
+                return super().write_data(*args, **kwargs)
+            finally:
+                watchdog.doing(together, waiting=True)
+
     try:
         # DCP gathers every rank's failure and raises it on all of them (CheckpointException is a
         # BaseException: an `except Exception` would let it through as a 50-line traceback).
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(partial), process_group=group,
-                 no_dist=not _distributed())
+        dcp.save(tensors, storage_writer=Writer(partial), process_group=group, no_dist=not _distributed())
         if rank == 0:
             write_json_atomic(partial / META_FILE, {
                 "format": FORMAT, "version": VERSION, "step": step, "identity": identity, "saved_by": saved_by,

@@ -12,6 +12,7 @@ from .checkpoint_dir import claim
 from .conditions import threads_per_rank
 from .options import RunOptions, check_options
 from .plan import check_precision_matches, load_plan
+from .trust import imports_note
 
 
 def run_command(plan: str, **options: Any) -> None:
@@ -20,6 +21,9 @@ def run_command(plan: str, **options: Any) -> None:
     run_plan = load_plan(opts.plan)  # a bad plan fails here, before any process starts
     check_precision_matches(run_plan, opts.precision, opts.param_dtype)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    note = imports_note(run_plan.model, opts.data)
+    if note and (not under_torchrun or os.environ["RANK"] == "0"):
+        print(note, file=sys.stderr, flush=True)   # before any rank imports it (runtime/trust.py)
     # The one run writing the checkpoint folder, until this process ends (runtime/checkpoint_dir.py):
     # the launcher, or rank 0 under torchrun.
     held = claim(Path(opts.checkpoint_dir), resume=opts.resume) \

@@ -31,7 +31,7 @@ from ..cudamemory import outside_allocator_bytes
 from ..models import LayeredModel, Precision, build_model, built_whole
 from ..schema import write_artifact
 from ..speedprobe import profile_probe_s, speed_probe_s, speed_ratio
-from . import checkpoint, faults
+from . import checkpoint, faults, watchdog
 from .checkpoint_dir import TRAINING_OPTIONS, new_run
 from .conditions import condition_warnings, cpu_cores, threads_per_rank
 from .data import BatchSource, batch_source
@@ -43,7 +43,7 @@ from .objects import gather_objects
 from .loss_scale import LossScaler
 from .memory import ActivationMeter, cuda_memory, peak_rss_bytes, static_bytes
 from .optim import clip_gradients, learning_rate, make_optimizer, set_learning_rate
-from .options import RunOptions
+from .options import RunOptions, is_data_factory
 from .p2p import Neighbours
 from .plan import RunPlan, check_precision_matches, load_plan
 from .progress import TrainingProgress
@@ -155,6 +155,8 @@ def _set_up(options: RunOptions, world: World) -> _Training:
     # (models/materialize.py): the unsplit model's initial values, no weights sent, a rank's
     # memory its stage's share. Parameters are kept in the plan's dtype; forwards and the loss
     # run in the plan's precision (models.precision).
+    factory = plan.model.get("factory") if plan.model.get("source") == "import" else None
+    watchdog.phase("building the model" + (f" (calling the plan's model factory '{factory}')" if factory else ""))
     model = build_model(plan.model, seed=options.seed, materialize=())
     precision.cast(model)
     whole = built_whole(model)
@@ -177,7 +179,10 @@ def _set_up(options: RunOptions, world: World) -> _Training:
         load_initial_weights(options.init_from, stage, model.module)
     loss_fn = precision.with_autocast(model.loss, device.type)
     scaler = LossScaler(enabled=precision.loss_scaling)
+    data_factory = options.data if options.data and is_data_factory(options.data) else plan.model.get("data")
+    watchdog.phase("making its data source" + (f" (calling the data factory '{data_factory}')" if data_factory else ""))
     data = batch_source(model, options.data, plan.global_batch_size, options.seed)
+    watchdog.phase("setting up")
     optimizer_name = options.optimizer_name(plan.optimizer)
     recorder = SpanRecorder(stage.index, device)
     # Before the optimizer is made: fsdp shards the parameters (they become other objects).
@@ -260,33 +265,39 @@ def _run_steps(run: _Training) -> _History:
     gc.freeze()
     dist.barrier(group=run.objects)
     recorder.start_clock()  # all ranks leave the barrier together: a common time origin
+    watchdog.phase("training")
     try:
-        for step in range(run.start, options.steps):
-            recorder.step = step
-            t0, c0 = recorder.now(), time.process_time()
-            loss = _one_step(run, step, meter if step == run.start else None)
-            t1 = recorder.now()
-            recorder.end_step()
-            history.step_s[step] = t1 - t0
-            history.cpu_s[step] = time.process_time() - c0
-            history.losses[step] = loss
-            progress.update(step, loss, t1 - t0)
+        # From here on a rank that makes no progress for --timeout stops the run (runtime/watchdog.py).
+        with watchdog.watching(run.world.rank, options.timeout):
+            for step in range(run.start, options.steps):
+                recorder.step = step
+                watchdog.at_step(step + 1)
+                t0, c0 = recorder.now(), time.process_time()
+                loss = _one_step(run, step, meter if step == run.start else None)
+                t1 = recorder.now()
+                recorder.end_step()
+                history.step_s[step] = t1 - t0
+                history.cpu_s[step] = time.process_time() - c0
+                history.losses[step] = loss
+                progress.update(step, loss, t1 - t0)
 
-            if run.folder is not None and ((step + 1) % options.checkpoint_every == 0 or step + 1 == options.steps):
-                # All ranks save together; when save returns, step+1 is complete and older ones may go.
-                checkpoint.save(run.folder, step + 1, stage, run.optimizer, run.identity, _saved_by(run.plan, run.world),
-                                run.scaler, run.device, run.objects, run=run.run_record)
-                if run.reporter:   # this run's own older steps only
-                    checkpoint.prune(run.folder, options.keep_checkpoints, run.run_record["id"], run.adopted)
-            # After the optimizer step and the step's checkpoint (which reads the sharded state):
-            # fsdp starts gathering the next step's parameters. Not after the last step.
-            if step + 1 < options.steps:
-                run.gradient_sync.after_optimizer()
-        run.sync.close()
-        # After the last step: the optimizer's state exists (the first step creates it) and
-        # CUDA's peak is over every step, not only the first.
-        history.memory = _memory(stage, run.optimizer, meter if run.executor.meters_activations else None, run.device,
-                                 run.context_bytes, sharded=run.gradient_sync.mode == "fsdp")
+                if run.folder is not None and ((step + 1) % options.checkpoint_every == 0
+                                               or step + 1 == options.steps):
+                    # All ranks save together; when save returns, step+1 is complete and older ones may go.
+                    checkpoint.save(run.folder, step + 1, stage, run.optimizer, run.identity,
+                                    _saved_by(run.plan, run.world), run.scaler, run.device, run.objects,
+                                    run=run.run_record)
+                    if run.reporter:   # this run's own older steps only
+                        checkpoint.prune(run.folder, options.keep_checkpoints, run.run_record["id"], run.adopted)
+                # After the optimizer step and the step's checkpoint (which reads the sharded state):
+                # fsdp starts gathering the next step's parameters. Not after the last step.
+                if step + 1 < options.steps:
+                    run.gradient_sync.after_optimizer()
+            run.sync.close()
+            # After the last step: the optimizer's state exists (the first step creates it) and
+            # CUDA's peak is over every step, not only the first.
+            history.memory = _memory(stage, run.optimizer, meter if run.executor.meters_activations else None,
+                                     run.device, run.context_bytes, sharded=run.gradient_sync.mode == "fsdp")
     finally:
         progress.close()
     return history
@@ -304,6 +315,7 @@ def _one_step(run: _Training, step: int, meter: ActivationMeter | None) -> float
     # others neither. Replica r takes its rows of it (:func:`replica_rows`).
     inputs = targets = None
     if stage.holds_first or stage.holds_last:
+        watchdog.doing(f"reading the step's batch ({run.data.samples_text()})")
         t_data = recorder.mark()
         batch_inputs, batch_targets = replica_rows(run.data.batch(step), run.replicas.replica, plan.data_parallel)
         inputs = tuple(x.to(run.device) for x in batch_inputs) if stage.holds_first else None
@@ -312,6 +324,7 @@ def _one_step(run: _Training, step: int, meter: ActivationMeter | None) -> float
 
     # fsdp: the step's parameters whole before the first action (timed as the step's sync).
     if plan.data_parallel > 1:
+        watchdog.doing("gathering the stage's parameters from its replicas", waiting=True)
         t_gather = recorder.mark()
         run.gradient_sync.gather()
         recorder.add("gradient_sync", -1, t_gather, recorder.mark())
@@ -321,12 +334,14 @@ def _one_step(run: _Training, step: int, meter: ActivationMeter | None) -> float
     micro_losses = run.executor.step(inputs, targets, meter)
     # The stage's last action is done: average its gradients over the replicas.
     if plan.data_parallel > 1:
+        watchdog.doing("averaging the gradients with the stage's other replicas", waiting=True)
         t_grad = recorder.mark()
         run.gradient_sync.finish()
         recorder.add("gradient_sync", -1, t_grad, recorder.mark())
     # Then sum tied copies inside the replica: sums and averages commute, and under fsdp each
     # copy's gradient is now its shard, sharded alike on every stage that holds one.
     if run.tied.mine:
+        watchdog.doing("summing the tied weights' gradients with the other stages holding them", waiting=True)
         t_tied = recorder.mark()
         run.tied.all_reduce()
         recorder.add("tied", -1, t_tied, recorder.mark())
@@ -334,6 +349,7 @@ def _one_step(run: _Training, step: int, meter: ActivationMeter | None) -> float
     # Every rank learns the loss (the stage holding the last chunk has it) and, for clipping or fp16, the global
     # gradient norm; so every rank stops here, together, when the loss is NaN.
     local_loss = float(sum(float(v) for v in micro_losses) / plan.micro_batches) if stage.holds_last else 0.0
+    watchdog.doing("learning the step's loss from the other ranks", waiting=True)
     t_sync = recorder.mark()
     loss, grad_norm = run.sync.finish_step(local_loss, run.gradient_sync.squared_norm_share(
         run.tied.counted(stage.parameters())) if run.needs_norm else 0.0)
@@ -348,6 +364,7 @@ def _one_step(run: _Training, step: int, meter: ActivationMeter | None) -> float
         if options.grad_clip:
             clip_gradients(stage.parameters(), grad_norm / scale, options.grad_clip)
 
+    watchdog.doing("stepping the optimizer")
     t_opt = recorder.mark()
     if take_step:
         run.optimizer.step()
@@ -359,6 +376,7 @@ def _one_step(run: _Training, step: int, meter: ActivationMeter | None) -> float
 def _write_outputs(run: _Training, history: _History) -> None:
     """Gather every rank's figures on rank 0, which writes the model, report and trace; leave."""
     options, world, plan = run.options, run.world, run.plan
+    watchdog.phase("gathering and writing the outputs")
     run.probes.append(_probe_in_turn(world, run.device, run.objects))
     result = RankResult(world.rank, run.recorder.spans, history.step_s, history.memory, history.cpu_s,
                         speed_probe_s=run.probes, stage=run.replicas.stage, replica=run.replicas.replica)
