@@ -71,6 +71,8 @@ REPORT_FORMAT = "gpipe-plan.report"
 #      stays alive between the halves (``weight_kept_bytes``).
 #   8  the all-reduce in ``link`` (``allreduce_bandwidth_bytes_per_s``, ...): what a data-parallel
 #      gradient sync costs; each layer's ``module``.
+#   9  a CPU profile's ``device.memory_bytes``: the host's memory (or its container's limit), which
+#      a plan's ranks on that host share; plans fit it unless ``--memory-limit`` says otherwise.
 # Plan
 #   2  ``options.compute_scale``.
 #   3  the precision (``precision``, ``param_dtype``; before it, fp32).
@@ -86,8 +88,8 @@ REPORT_FORMAT = "gpipe-plan.report"
 #      ``stages`` are devices, with their memory and idle time.
 #   4  data parallel: ``data_parallel``, ``gradient_sync``, per stage its measured gradient sync
 #      beside the plan's and its ``replicas``; the stages' figures are replica 0's.
-FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 8, PLAN_FORMAT: 6, REPORT_FORMAT: 4}
-READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8),
+FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 9, PLAN_FORMAT: 6, REPORT_FORMAT: 4}
+READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8, 9),
                                                  PLAN_FORMAT: (1, 2, 3, 4, 5, 6),
                                                  REPORT_FORMAT: (1, 2, 3, 4)}
 
@@ -104,6 +106,7 @@ READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5,
 #   ``measured_as`` (before 6): every layer was measured (:func:`layers_sharing_figures`).
 #   the split backward (before 7): I = W = backward / 2 (:func:`split_backward_timed`, LayerFigures).
 #   the all-reduce in ``link`` (before 8): a gradient sync is priced with the point-to-point figures.
+#   a CPU's ``device.memory_bytes`` (before 9): a CPU plan has no memory limit but ``--memory-limit``.
 RECOMPUTE_FIELDS = ("recompute_forward_s", "recompute_backward_s")
 SPLIT_FIELDS = ("backward_input_s", "backward_weight_s", "weight_kept_bytes")
 

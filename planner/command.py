@@ -13,7 +13,7 @@ from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Ta
 from rich.text import Text
 
 from ..artifacts import BadInput, Outputs, check_output_paths, dumps, file_sha256, precision_of
-from ..schema import PLAN_FORMAT, PROFILE_FORMAT, read_artifact, write_artifact
+from ..schema import MAX_SECONDS, PLAN_FORMAT, PROFILE_FORMAT, read_artifact, write_artifact
 from ..schedules import SCHEDULES
 from .budgets import LEAST_ONE_DEVICE_S, SOLVE_TIME_BUDGET_S
 from .plan import build_plan
@@ -146,12 +146,20 @@ def solve_file(profile_path: str, plan_path: str | None = None, *, stages: int |
         found = run(None)
     devices = found if replicated else None
     result = found.best.result if replicated else found
+    step = result.best.step_s
+    if plan_path is not None and step > MAX_SECONDS:   # beyond what a plan file records (schema.py)
+        raise BadInput(f"the best plan for a global batch of {result.global_batch_size} takes {step / 86400:,.0f} days "
+                       f"per step: plan a smaller --global-batch-size")
     # What the pipeline must beat: the best plan of the same batch on one device.
     # It shares the time budget: what the pipeline's search left of it.
     left = share_of_budget(opts.time_budget_s, started, 1, least_s=LEAST_ONE_DEVICE_S)
     used = result.best.setting.stages * result.best.setting.data_parallel
     single = replace(opts, time_budget_s=left)
+    if opts.memory_limit_source == "host":   # one device alone on the host has all of its share
+        single = device_memory_limit(profile, replace(single, memory_limit_bytes=None), ranks_per_host=1)
     baseline = one_stage_baseline(profile, single) if used > 1 else None
+    if baseline is not None and (baseline.step_s or 0.0) > MAX_SECONDS:
+        baseline = None   # one device would take months a step: there is nothing to compare with
     plan = build_plan(profile, profile_path, file_sha256(profile_path), result, one_stage=baseline, devices=devices)
     if plan_path is not None:
         write_artifact(plan_path, plan, "solved plan", outputs, "--out")
@@ -208,7 +216,7 @@ def import_pipedream_command(graph: str, batch_size: int | None, out: str | None
     Profile(doc, where=graph)   # what we write must be a profile the planner accepts
     target = out or f"{doc['model']['name']}.profile.json"
     check_output_paths({"--out": target}, inputs=(graph,))   # the default name, once the model's name is known
-    write_artifact(target, doc, "profile")
+    write_artifact(target, doc, "profile", flag="--out")
     Console().print(f"wrote {target}: {len(doc['layers'])} layers from {doc['source']['nodes']} nodes, "
                     f"batch {doc['batch_size']}", highlight=False)
 
