@@ -135,9 +135,10 @@ def save(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Opt
                 "run": run, "loss_scale": scaler.state_dict() if scaler is not None and scaler.enabled else None})
             _replace_folder(partial, final)
     except (Exception, CheckpointException) as exc:
+        failure = _save_failure(exc, partial, sum(_nbytes(t) for t in tensors.values()))   # the space still taken
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
-        raise _save_failure(exc, partial, sum(_nbytes(t) for t in tensors.values())) from None
+        raise failure from None
     _barrier(group)  # every rank returns knowing the step is complete
     return final
 
