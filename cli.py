@@ -334,18 +334,19 @@ def export(plan: str, target: str | None, out: str | None, schedule_csv: str | N
     gpipe-plan export plan.json --to torch -o train.py
     gpipe-plan export plan.json --schedule-csv schedule.csv
     """
-    from .artifacts import check_output_paths
+    from .artifacts import Outputs, check_output_paths
     from .planner.export import describe, describe_export, export_plan, export_schedule_csv
 
     if target is None and schedule_csv is None:
         raise BadInput("say what to export: --to torch|torchtitan|megatron|deepspeed, or --schedule-csv FILE")
     if target is None and out is not None:
         raise BadInput("--out goes with --to TARGET; the schedule's CSV is written to --schedule-csv FILE")
+    check_output_paths({"--out": out, "--schedule-csv": schedule_csv}, inputs=(plan,))
     # The target first (it refuses what it cannot export), the CSV after: a refusal writes nothing.
-    check_output_paths({"--schedule-csv": schedule_csv}, inputs=(plan,))
-    lines = describe_export(export_plan(plan, target, out)) if target is not None else []
-    if schedule_csv is not None:
-        lines = describe(export_schedule_csv(plan, schedule_csv)) + lines
+    with Outputs() as outputs:
+        lines = describe_export(export_plan(plan, target, out, outputs)) if target is not None else []
+        if schedule_csv is not None:
+            lines = describe(export_schedule_csv(plan, schedule_csv, outputs)) + lines
     for line in lines:
         click.echo(line)
 

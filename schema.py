@@ -33,7 +33,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .artifacts import BadInput, dumps, read_json, write_text_atomic
+from .artifacts import BadInput, Outputs, dumps, read_json
 from .plan_layout import GRADIENT_SYNCS, PLACEMENT_ORDERS
 
 # Ceilings: far above any real value, far below where sums of them overflow a float.
@@ -75,6 +75,8 @@ REPORT_FORMAT = "gpipe-plan.report"
 #      actions, measured with a short real pipeline (profiles/fixedcosts.py); on CUDA each
 #      layer's CPU issue time (``issue_forward_s``, ``issue_backward_s``) beside its GPU time,
 #      which is then measured behind a backlog (profiles/issue.py).
+#      A CPU profile's ``device.memory_bytes``: the host's memory (or its container's limit), which
+#      a plan's ranks on that host share; plans fit it unless ``--memory-limit`` says otherwise.
 # Plan
 #   2  ``options.compute_scale``.
 #   3  the precision (``precision``, ``param_dtype``; before it, fp32).
@@ -121,6 +123,7 @@ READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5,
 #   ``fixed_costs`` (before 9; ``profile --no-fixed-costs``): none are charged but the calibrated
 #   overhead, with several stages only, and a plan says so (planner/fixedcosts.py).
 #   the issue times (before 9; never on a CPU): an action takes its layers' time.
+#   a CPU's ``device.memory_bytes`` (before 9): a CPU plan has no memory limit but ``--memory-limit``.
 RECOMPUTE_FIELDS = ("recompute_forward_s", "recompute_backward_s")
 SPLIT_FIELDS = ("backward_input_s", "backward_weight_s", "weight_kept_bytes")
 ISSUE_FIELDS = ("issue_forward_s", "issue_backward_s")          # version 9, CUDA profiles
@@ -898,13 +901,22 @@ def check_built(doc: Any, kind: str, where: str) -> None:
     _check_written(dumps(doc), kind, where)
 
 
-def write_artifact(path: str | os.PathLike[str], doc: Any, kind: str) -> None:
+def write_artifact(path: str | os.PathLike[str], doc: Any, kind: str, outputs: Outputs | None = None,
+                   flag: str | None = None) -> None:
     """Write a profile, plan or report: checked as :func:`check_built` checks it, then written
-    atomically (:func:`~gpipe_plan.artifacts.write_text_atomic`). The one way an artifact is
-    written: a document its own schema refuses is never written, and the writer fails loudly."""
+    atomically (:class:`~gpipe_plan.artifacts.Outputs`). The one way an artifact is written: a
+    document its own schema refuses is never written, and the writer fails loudly.
+
+    ``outputs``: the set of the command's files this one joins (written with them, all or none);
+    without it, the file is written now. ``flag`` names it in a one-line error.
+    """
     text = dumps(doc)
     _check_written(text, kind, str(path))
-    write_text_atomic(path, text)
+    if outputs is None:
+        with Outputs() as alone:
+            alone.add(path, text, flag)
+    else:
+        outputs.add(path, text, flag)
 
 
 def _check_written(text: str, kind: str, where: str) -> None:

@@ -159,6 +159,7 @@ class Profile:
         self.recompute_call_s = _recompute_call(doc, where, self.layers)
         self.precision, self.param_dtype = precision_of(doc, where)
         self.usable_memory_bytes = usable_memory_bytes(self.device, where)
+        self.host_memory_bytes = host_memory_bytes(self.device, where)
         self.tied = _tied(doc, where, self.names)
         self.split_measured = _split_measured(self.layers, where)
         self._cache: dict[float, LayerFigures] = {}
@@ -249,8 +250,9 @@ DEVICE_MEMORY_HEADROOM = 0.10
 def usable_memory_bytes(device: Any, where: str) -> int | None:
     """What a plan may fill on a device of this profile: its memory less the CUDA context
     (``device.context_bytes``, measured by the profiler) and :data:`DEVICE_MEMORY_HEADROOM`.
-    None when the profile does not say how much memory the device has (CPU and imported
-    profiles): then only ``--memory-limit`` bounds a plan."""
+    None when the profile does not say how much memory the device has (imported profiles), and
+    for a CPU, whose memory its ranks share (:func:`host_share_bytes`): then only
+    ``--memory-limit`` bounds a plan."""
     if not isinstance(device, dict) or device.get("type") != "cuda" or device.get("memory_bytes") is None:
         return None
     total, context = device.get("memory_bytes"), device.get("context_bytes", 0)
@@ -258,6 +260,23 @@ def usable_memory_bytes(device: Any, where: str) -> int | None:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
             raise BadInput(f"{where}: 'device.{key}' must be a non-negative number of bytes, found {value!r}")
     return int(max(0.0, (float(total) - float(context)) * (1.0 - DEVICE_MEMORY_HEADROOM)))
+
+
+def host_memory_bytes(device: Any, where: str) -> int | None:
+    """A CPU profile's host memory (version 9: ``device.memory_bytes``); None before it, or off a CPU."""
+    if not isinstance(device, dict) or device.get("type") != "cpu" or device.get("memory_bytes") is None:
+        return None
+    total = device["memory_bytes"]
+    if not isinstance(total, (int, float)) or isinstance(total, bool) or not math.isfinite(total) or total <= 0:
+        raise BadInput(f"{where}: 'device.memory_bytes' must be a positive number of bytes, found {total!r}")
+    return int(total)
+
+
+def host_share_bytes(host_bytes: int, ranks: int) -> int:
+    """What each of ``ranks`` processes on one host may fill: the host's memory less
+    :data:`DEVICE_MEMORY_HEADROOM` (the processes' own libraries, the data, the system), shared
+    evenly: the stages of a CPU plan run side by side on the host that was profiled."""
+    return int(host_bytes * (1.0 - DEVICE_MEMORY_HEADROOM)) // max(1, ranks)
 
 
 def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:

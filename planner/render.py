@@ -112,7 +112,8 @@ def render_plan(plan: dict[str, Any], console: Console, where: str = "plan") -> 
         f"schedule [bold]{schedule_label(plan['schedule'], v)}[/bold]"
         + (f" ({len(chunks)} chunks, {len(chunks) // K} per stage)" if len(chunks) > K else "")
         + (f"; memory limit {format_bytes(limit)}" if limit else "")
-        + (" (the card's usable memory)" if limit and options.get("memory_limit_source") == "device" else ""))
+        + {"device": " (the card's usable memory)", "host": " (this host's memory shared by its ranks)"}.get(
+            options.get("memory_limit_source") if limit else None, ""))
     scale = options.get("compute_scale") or 1.0
     if scale != 1.0:
         console.print(f"layer times x{scale:.3f}: stages computing side by side are slower than the profile's "

@@ -27,7 +27,7 @@ from .fixedcosts import FixedCosts
 from .dp import GPipeSolver
 from .objective import Solution, proven_optimal
 from .onefoneb import OneFOneBSolver
-from .profile import LayerFigures, Profile
+from .profile import LayerFigures, Profile, host_share_bytes
 from ..units import format_bytes
 
 
@@ -40,8 +40,8 @@ class SolveOptions:
     virtual_stages: int | str = "auto"     # interleaved's chunks per stage; auto tries 2..4
     recompute: str = "auto"
     memory_limit_bytes: int | None = None
-    # Where the limit came from: "option" (--memory-limit), "device" (a CUDA profile's card,
-    # see device_memory_limit), or None (no limit).
+    # Where the limit came from: "option" (--memory-limit), "device" (a CUDA profile's card),
+    # "host" (a CPU profile's host, shared by its ranks: see device_memory_limit), or None (no limit).
     memory_limit_source: str | None = None
     link_bandwidth_bytes_per_s: float | None = None   # None: the profile's link, else free
     link_latency_s: float | None = None
@@ -116,18 +116,28 @@ class SearchResult:
         return proven_optimal(self.best.step_s, self.lower_bound_s)
 
 
-def device_memory_limit(profile: Profile, options: SolveOptions) -> SolveOptions:
-    """The options with the card's usable memory as the limit when none was given.
+def device_memory_limit(profile: Profile, options: SolveOptions, ranks_per_host: int | None = None) -> SolveOptions:
+    """The options with the device's usable memory as the limit when none was given.
 
     A plan from a CUDA profile must fit the card it was measured on, with room for the CUDA
-    context and the allocator (planner/profile.py, ``usable_memory_bytes``); ``--memory-limit``
-    overrides it. CPU and imported profiles give no default.
+    context and the allocator (planner/profile.py, ``usable_memory_bytes``); a plan from a CPU
+    profile that recorded its host's memory (version 9) must fit that host, which its ranks
+    share: each gets its share (``host_share_bytes``) of the N / nodes ranks on one host
+    (``ranks_per_host`` overrides that: 1 for the one-device baseline). ``--memory-limit``
+    overrides both; older CPU profiles and imported ones give no default.
     """
     if options.memory_limit_bytes is not None:
         return replace(options, memory_limit_source="option")
-    if profile.usable_memory_bytes is None:
-        return options
-    return replace(options, memory_limit_bytes=profile.usable_memory_bytes, memory_limit_source="device")
+    if profile.usable_memory_bytes is not None:
+        return replace(options, memory_limit_bytes=profile.usable_memory_bytes, memory_limit_source="device")
+    if profile.host_memory_bytes is not None:
+        if ranks_per_host is None:
+            devices = options.devices or (options.stages or 1) * (
+                options.data_parallel if isinstance(options.data_parallel, int) else 1)
+            ranks_per_host = max(1, devices // max(1, options.nodes))
+        return replace(options, memory_limit_bytes=host_share_bytes(profile.host_memory_bytes, ranks_per_host),
+                       memory_limit_source="host")
+    return options
 
 
 # The most micro-batches per step the planner considers. 1F1B's step time is an event
@@ -687,6 +697,10 @@ def explain_infeasible(profile: Profile, options: SolveOptions, batch: int, sync
     if options.memory_limit_source == "device":
         what = (f"the usable memory of the profiled {profile.device.get('name') or 'GPU'}, {format_bytes(limit)} "
                 f"(its memory less the CUDA context and headroom; --memory-limit overrides it),")
+    elif options.memory_limit_source == "host":
+        what = (f"this host's share per rank, {format_bytes(limit)} (the profiled host's "
+                f"{format_bytes(profile.host_memory_bytes)} less headroom, shared by the ranks on it; --memory-limit "
+                f"overrides it),")
     else:
         what = f"--memory-limit {format_bytes(limit)} per device"
     line = (f"no plan fits {what} with these options: the smallest limit "

@@ -79,7 +79,7 @@ def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes
     except Exception as exc:
         raise RunFailure(f"profiling failed: {type(exc).__name__}: {first_line(exc)}") from None
     doc["global_batch_size"] = intended_batch   # what solve and explore plan for by default
-    write_artifact(out, doc, "profile")
+    write_artifact(out, doc, "profile", flag="--out")
     if quiet:
         print(os.fspath(out))
         return

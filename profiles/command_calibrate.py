@@ -23,7 +23,7 @@ def calibrate_command(report: str, profile: str | None, out: str | None, speed_c
         check_profile_of_plan(report, profile)
     doc = calibrate(profile, report, use_speed_probe=speed_correction, force=force)
     target = out or str(Path(profile).with_suffix("")) + ".calibrated.json"
-    write_artifact(target, doc, "profile")
+    write_artifact(target, doc, "profile", flag="--out")
     last = doc["calibration"][-1]
     for problem in last.get("forced") or []:
         console.print(f"[yellow]--force:[/] folded in although {problem}", highlight=False)

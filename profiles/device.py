@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import re
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,7 +36,24 @@ def describe(device: torch.device, threads: int) -> dict[str, Any]:
         props = torch.cuda.get_device_properties(device)
         return {"type": "cuda", "name": torch.cuda.get_device_name(device), "index": device.index,
                 "memory_bytes": int(props.total_memory), "threads": threads}
-    return {"type": "cpu", "name": _cpu_name(), "threads": threads}
+    device = {"type": "cpu", "name": _cpu_name(), "threads": threads}
+    memory = host_memory_bytes()
+    if memory is not None:   # version 9: the memory the plans' ranks share (planner/profile.py)
+        device["memory_bytes"] = memory
+    return device
+
+
+def host_memory_bytes() -> int | None:
+    """This host's memory: its RAM, or the container's limit (cgroup v2 ``memory.max``) if lower."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        limit = "max"
+    return min(total, int(limit)) if limit.isdigit() else total
 
 
 def _cpu_name() -> str:
