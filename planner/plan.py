@@ -12,6 +12,7 @@ import statistics
 from dataclasses import replace
 from typing import Any
 
+from ..hostload import busy_phases, busy_profile_text
 from ..schema import FORMAT_VERSIONS, PLAN_FORMAT
 from ..schedules import SPLIT_BACKWARD, chunks_per_stage
 from .costmodel import CostModel
@@ -257,6 +258,11 @@ def plan_warnings(profile: Profile, best: Candidate, ev: Evaluation, proven: boo
             f"{'the calibrated overhead' if profile.calibrated_overhead_s else 'nothing'} for the runtime's work "
             "per action, so schedules of many chunks (interleaved) look cheaper than they run; profile again "
             "without --no-fixed-costs")
+    busy = busy_phases(profile.doc.get("host_load"))
+    if busy:
+        warnings.append(
+            f"the profile was measured on a busy host ({busy_profile_text(busy)}): its times are partly the other "
+            "processes', and so is this plan's prediction; profile again on a quiet host")
     if setting.schedule in SPLIT_BACKWARD and not profile.split_measured:
         warnings.append(
             f"{setting.schedule} splits each backward into I and W, which this profile did not measure: "
