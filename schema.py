@@ -92,7 +92,9 @@ REPORT_FORMAT = "gpipe-plan.report"
 #   7  ``options.fixed_costs``: the fixed costs per action kind and message the plan charged
 #      (planner/fixedcosts.py; absent or null: none beyond ``per_microbatch_overhead_s``); the
 #      placement order ``data-only`` for one stage of d > 1 replicas (no pipeline: version 6
-#      named it ``pipeline-inner``, and reads as it is).
+#      named it ``pipeline-inner``, and reads as it is); ``options.concurrent_ranks`` and
+#      ``predicted.dedicated_step_s`` where the ranks share fewer cores than they are (absent or
+#      null: a core each, as before).
 # Report
 #   2  the run's precision and, on CUDA, the allocator's reserved memory and what lies outside it.
 #   3  the per-micro-batch times move into ``chunks`` (with the halves of a split backward); its
@@ -685,6 +687,8 @@ def _plan(solved: bool, chunked: bool) -> Object:
             "fixed_costs": may(Object({key: may(_seconds(nullable=True)) for key in FIXED_COST_KEYS[:-1]},
                                       nullable=True)),
             "compute_scale": may(Number(0.0, MAX_RATIO, nullable=True)),
+            # Version 7: the ranks the host ran at once, when fewer than K (planner/timeshare.py).
+            "concurrent_ranks": may(Number(0.0, MAX_RATIO, nullable=True)),
             "devices": may(_count(1, nullable=True)),
             "data_parallel": may(Anything()),        # an integer >= 1 or "auto", as asked: only printed
             "nodes": may(_count(1, nullable=True)),
@@ -715,6 +719,7 @@ def _plan(solved: bool, chunked: bool) -> Object:
             "noise_fraction": may(_ratio()),
             "noise_sources": may(Table(_ratio(), nullable=True)),
             "gradient_sync_s": may(_seconds(nullable=True)),
+            "dedicated_step_s": may(_seconds(nullable=True)),     # version 7: time-shared plans
         }, nullable=not solved)),
         "optimality": may(Object({
             "proven": may(Flag(nullable=True)),
