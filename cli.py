@@ -133,7 +133,8 @@ def main() -> None:
                    "(gloo on CPU; NCCL on CUDA, the all-reduce over every GPU, at most 8).")
 @click.option("--contention-processes", type=int, default=None, metavar="N",
               help="CPU: also time the model with N processes computing at once (as N stages do), so "
-                   "plans predict what neighbours cost; 0: do not. Default: cores / --threads, 2 to 8.")
+                   "plans predict what neighbours cost; 0: do not. Default: cores / --threads, at most 8 "
+                   "(0 on one core); more than the cores run at once is refused.")
 @click.option("--recompute-timing/--no-recompute-timing", default=True, show_default=True,
               help="Also time every layer under activation checkpointing, so that plans price recomputation "
                    "as measured (about a third more profiling time).")

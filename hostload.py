@@ -27,6 +27,7 @@ from the report, and the benchmarks (bench/common.py) count other processes with
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import time
 from dataclasses import dataclass
@@ -92,12 +93,23 @@ class CpuSample:
     cores: int                   # the CPUs it may run on
 
 
-def sample() -> CpuSample:
-    """This process's reading of the host now."""
+def sample(children: bool = False) -> CpuSample:
+    """This process's reading of the host now; ``children``: its own CPU time counts that of
+    its finished (waited-for) child processes too (the profiler's helpers, timed with it)."""
     cpus = usable_cpus()
     times = cpu_times_s(cpus)
-    return CpuSample(time.monotonic(), times[0] if times else None, times[1] if times else None, time.process_time(),
-                     os.getpid(), socket.gethostname(), len(cpus) if cpus else (os.cpu_count() or 1))
+    own = time.process_time()
+    if children:
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        own += kids.ru_utime + kids.ru_stime
+    return CpuSample(time.monotonic(), times[0] if times else None, times[1] if times else None, own,
+                     os.getpid(), socket.gethostname(), usable_cores(cpus))
+
+
+def usable_cores(cpus: list[int] | None = None) -> int:
+    """How many CPUs this process may run on (its affinity mask; all of them where it is not known)."""
+    cpus = usable_cpus() if cpus is None else cpus
+    return len(cpus) if cpus else (os.cpu_count() or 1)
 
 
 def contended_cores(others: float, needed: float, cores: float) -> float:
@@ -120,20 +132,30 @@ def host_load(windows: Sequence[tuple[int, CpuSample, CpuSample]], threads_per_r
     hosts = []
     for host, ranks in sorted(by_host.items(), key=lambda item: min(r for r, _, _ in item[1])):
         _, start, end = min(ranks, key=lambda w: w[0])
-        wall = end.wall_s - start.wall_s
-        if start.busy_s is None or end.busy_s is None or start.steal_s is None or end.steal_s is None or wall <= 0:
-            continue
         own = sum({s.pid: e.own_s - s.own_s for _, s, e in ranks}.values())
-        steal = max(0.0, end.steal_s - start.steal_s) / wall
-        others = max(0.0, end.busy_s - start.busy_s - own) / wall + steal
-        needed = len(ranks) * threads_per_rank
-        hosts.append({"host": host, "cores": start.cores, "ranks": sorted(r for r, _, _ in ranks),
-                      "needed_cores": needed, "run_cores": own / wall, "other_cores": others, "steal_cores": steal,
-                      "contended_cores": contended_cores(others, needed, start.cores), "window_s": wall})
+        entry = window_load(start, end, len(ranks) * threads_per_rank, own)
+        if entry is not None:
+            hosts.append({"host": host, "ranks": sorted(r for r, _, _ in ranks), **entry})
     if not hosts:
         return None
     return {"window_s": max(h["window_s"] for h in hosts), "other_cores": max(h["other_cores"] for h in hosts),
             "contended_cores": max(h["contended_cores"] for h in hosts), "hosts": hosts}
+
+
+def window_load(start: CpuSample, end: CpuSample, needed: int, own_s: float | None = None) -> dict[str, Any] | None:
+    """One host over one window, from two readings of it: its ``cores``, the ``needed_cores``
+    the work being measured needed, the cores that work used (``run_cores``; ``own_s``: its CPU
+    seconds, else the readings' own), what other processes used (``other_cores``, the stolen
+    ``steal_cores`` among them) and took from it (``contended_cores``), over ``window_s``.
+    None when the host could not be read (not Linux) or the window is empty."""
+    wall = end.wall_s - start.wall_s
+    if start.busy_s is None or end.busy_s is None or start.steal_s is None or end.steal_s is None or wall <= 0:
+        return None
+    own = end.own_s - start.own_s if own_s is None else own_s
+    steal = max(0.0, end.steal_s - start.steal_s) / wall
+    others = max(0.0, end.busy_s - start.busy_s - own) / wall + steal
+    return {"cores": start.cores, "needed_cores": needed, "run_cores": own / wall, "other_cores": others,
+            "steal_cores": steal, "contended_cores": contended_cores(others, needed, start.cores), "window_s": wall}
 
 
 def busy_hosts(load: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -141,6 +163,26 @@ def busy_hosts(load: dict[str, Any] | None) -> list[dict[str, Any]]:
     :data:`BUSY_SHARE` of the cores the run needed there (none: a quiet run, or not measured)."""
     return [h for h in (load or {}).get("hosts") or []
             if (h.get("contended_cores") or 0.0) >= BUSY_SHARE * max(h.get("needed_cores") or 1, 1)]
+
+
+# What each phase of a profile's measurement was doing, as a sentence says it (profiles/profiler.py).
+PROFILE_PHASES = {"layers": "while it timed the layers", "contention": "while it timed its processes side by side",
+                  "fixed_costs": "while it timed the fixed costs' pipeline"}
+
+
+def busy_phases(load: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The phases of a profile's ``host_load`` during which other processes took at least
+    :data:`BUSY_SHARE` of the cores the phase needed (none: a quiet host, or not recorded)."""
+    return [p for p in (load or {}).get("phases") or []
+            if (p.get("contended_cores") or 0.0) >= BUSY_SHARE * max(p.get("needed_cores") or 1, 1)]
+
+
+def busy_profile_text(phases: list[dict[str, Any]]) -> str:
+    """``other processes took 0.40 of the 2 cores it needed while it timed ...; ...``: one clause per busy phase."""
+    return "; ".join(f"other processes took {p['contended_cores']:.2f} of the {p['needed_cores']} "
+                     f"core{'s' if p['needed_cores'] != 1 else ''} it needed "
+                     f"{PROFILE_PHASES.get(p.get('phase'), 'while it measured ' + str(p.get('phase')))}"
+                     for p in phases)
 
 
 def load_text(host: dict[str, Any], named: bool = False) -> str:

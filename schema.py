@@ -76,7 +76,10 @@ REPORT_FORMAT = "gpipe-plan.report"
 #      layer's CPU issue time (``issue_forward_s``, ``issue_backward_s``) beside its GPU time,
 #      which is then measured behind a backlog (profiles/issue.py).
 #      A CPU profile's ``device.memory_bytes``: the host's memory (or its container's limit), which
-#      a plan's ranks on that host share; plans fit it unless ``--memory-limit`` says otherwise.
+#      a plan's ranks on that host share; plans fit it unless ``--memory-limit`` says otherwise;
+#      and its ``device.cores``: the CPUs the ranks share (more ranks than cores time-share them).
+#      ``host_load``: per phase of the measurement, the cores other processes used and took from
+#      it; a plan from a profile measured on a busy host says so.
 # Plan
 #   2  ``options.compute_scale``.
 #   3  the precision (``precision``, ``param_dtype``; before it, fp32).
@@ -89,7 +92,9 @@ REPORT_FORMAT = "gpipe-plan.report"
 #   7  ``options.fixed_costs``: the fixed costs per action kind and message the plan charged
 #      (planner/fixedcosts.py; absent or null: none beyond ``per_microbatch_overhead_s``); the
 #      placement order ``data-only`` for one stage of d > 1 replicas (no pipeline: version 6
-#      named it ``pipeline-inner``, and reads as it is).
+#      named it ``pipeline-inner``, and reads as it is); ``options.concurrent_ranks`` and
+#      ``predicted.dedicated_step_s`` where the ranks share fewer cores than they are (absent or
+#      null: a core each, as before).
 # Report
 #   2  the run's precision and, on CUDA, the allocator's reserved memory and what lies outside it.
 #   3  the per-micro-batch times move into ``chunks`` (with the halves of a split backward); its
@@ -124,6 +129,8 @@ READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5,
 #   overhead, with several stages only, and a plan says so (planner/fixedcosts.py).
 #   the issue times (before 9; never on a CPU): an action takes its layers' time.
 #   a CPU's ``device.memory_bytes`` (before 9): a CPU plan has no memory limit but ``--memory-limit``.
+#   a CPU's ``device.cores`` (before 9): its ranks are taken to have a core each (no time-sharing).
+#   ``host_load`` (before 9): how busy the host was is not known, and nothing is said of it.
 RECOMPUTE_FIELDS = ("recompute_forward_s", "recompute_backward_s")
 SPLIT_FIELDS = ("backward_input_s", "backward_weight_s", "weight_kept_bytes")
 ISSUE_FIELDS = ("issue_forward_s", "issue_backward_s")          # version 9, CUDA profiles
@@ -435,6 +442,9 @@ DEVICE = Object({
     "context_bytes": may(_bytes(nullable=True)),
     "speed_probe_s": may(_seconds(nullable=True)),
     "speed_probe_workload": may(Items(_count(0), nullable=True)),
+    # Version 9, CPU: the CPUs the profiler could run on (its affinity mask): the cores the
+    # ranks of a plan on that host share (docs/planner.md, "More ranks than cores").
+    "cores": may(_count(1, nullable=True)),
 })
 
 LAYER = Object({
@@ -463,6 +473,18 @@ LAYER = Object({
     "issue_forward_s": may(_per_size(_seconds(), nullable=True)),
     "issue_backward_s": may(_per_size(_seconds(), nullable=True)),
 })
+
+# One host over one window (gpipe_plan/hostload.py, window_load): a run's report per host
+# (version 5), a profile's per phase (version 9).
+HOST_WINDOW = {
+    "cores": need(_count(1)),
+    "needed_cores": need(_count(0)),
+    "run_cores": may(_cores()),
+    "other_cores": need(_cores()),
+    "steal_cores": may(_cores()),
+    "contended_cores": need(_cores()),
+    "window_s": may(_seconds()),
+}
 
 FIXED_COST_KEYS = ("forward_s", "backward_s", "backward_input_s", "backward_weight_s", "send_s", "receive_s",
                    "between_actions_s")
@@ -527,6 +549,10 @@ PROFILE = Object({
         "bytes": need(_bytes()),
     }), nullable=True)),
     "measurement": may(Object(nullable=True)),
+    # Version 9: what other processes used of the host's cores while each phase was measured.
+    "host_load": may(Object({
+        "phases": need(Items(Object({"phase": need(Text(nonempty=True)), **HOST_WINDOW}))),
+    }, nullable=True)),
 })
 
 
@@ -661,6 +687,8 @@ def _plan(solved: bool, chunked: bool) -> Object:
             "fixed_costs": may(Object({key: may(_seconds(nullable=True)) for key in FIXED_COST_KEYS[:-1]},
                                       nullable=True)),
             "compute_scale": may(Number(0.0, MAX_RATIO, nullable=True)),
+            # Version 7: the ranks the host ran at once, when fewer than K (planner/timeshare.py).
+            "concurrent_ranks": may(Number(0.0, MAX_RATIO, nullable=True)),
             "devices": may(_count(1, nullable=True)),
             "data_parallel": may(Anything()),        # an integer >= 1 or "auto", as asked: only printed
             "nodes": may(_count(1, nullable=True)),
@@ -691,6 +719,7 @@ def _plan(solved: bool, chunked: bool) -> Object:
             "noise_fraction": may(_ratio()),
             "noise_sources": may(Table(_ratio(), nullable=True)),
             "gradient_sync_s": may(_seconds(nullable=True)),
+            "dedicated_step_s": may(_seconds(nullable=True)),     # version 7: time-shared plans
         }, nullable=not solved)),
         "optimality": may(Object({
             "proven": may(Flag(nullable=True)),
@@ -822,14 +851,8 @@ REPORT = Object({
         "contended_cores": need(_cores()),
         "hosts": need(Items(Object({
             "host": may(Text(nullable=True)),
-            "cores": need(_count(1)),
             "ranks": may(Items(_count(0), nullable=True)),
-            "needed_cores": need(_count(0)),
-            "run_cores": may(_cores()),
-            "other_cores": need(_cores()),
-            "steal_cores": may(_cores()),
-            "contended_cores": need(_cores()),
-            "window_s": may(_seconds()),
+            **HOST_WINDOW,
         }))),
     }, nullable=True)),
     "measured_step_s_per_step": may(Table(_seconds(nullable=True), key_pattern=_STEP_KEYS, nullable=True)),

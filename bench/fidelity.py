@@ -15,9 +15,11 @@ per round, the order reversed every other round, so that the host's drift lands 
 each run records the cores other processes used meanwhile.
 
 Per cell: measured / predicted; per model and K: the default plan's measured step against the
-fastest measured plan's. With K = 4 the 4 ranks share this machine's 2 cores: the profile
-then measures its neighbours' slowdown with 4 processes (``--contention-processes 4``), the
-share of a core each rank gets when all four compute.
+fastest measured plan's. One profile per model serves every K (its neighbours' slowdown measured
+with as many processes as the host runs at once, ``profile``'s default). With K = 4 the 4 ranks
+share this machine's 2 cores: the plans are predicted on shared cores (planner/timeshare.py,
+docs/planner.md "More ranks than cores"), and the section gives their figures apart from those of
+K = 2, where each rank has a core, as well as together.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from gpipe_plan.artifacts import file_sha256
+from gpipe_plan.hostload import busy_phases, busy_profile_text
 from gpipe_plan.schedules import label
 
 from .common import (BENCH_ENV, GPIPE_PLAN, ROOT, Ledger, measured_or_saved, publish, read_json, rng, run_plan,
@@ -82,20 +85,27 @@ def measure(models: list[str], stages: list[int], rounds: int, steps: int, ledge
         folder.mkdir(parents=True, exist_ok=True)
         for model in models:
             out["models"][model] = {}
+            profile, profile_s = measure_profile(model, folder)
             for K in stages:
-                out["models"][model][str(K)] = measure_cell(model, K, rounds, steps, ledger, folder)
+                out["models"][model][str(K)] = measure_cell(model, K, rounds, steps, ledger, folder, profile,
+                                                            profile_s if K == stages[0] else None)
     return out
 
 
-def measure_cell(model: str, K: int, rounds: int, steps: int, ledger: Ledger, folder: Path) -> dict[str, Any]:
-    """One model at K stages: its profile, its plans, their runs."""
-    profile = folder / f"{model}-k{K}.profile.json"
+def measure_profile(model: str, folder: Path) -> tuple[Path, float | None]:
+    """The model's one profile, and the seconds it took (None: a --keep folder's, reused)."""
+    profile = folder / f"{model}.profile.json"
+    if profile.exists():
+        return profile, None
     started = time.monotonic()
-    profile_s: float | None = None   # a --keep folder of an interrupted run: its profile is reused, untimed
-    if not profile.exists():
-        gpipe_plan("profile", *MODELS[model], "--micro-batch-sizes", SIZES, "--global-batch-size", GLOBAL_BATCH,
-                   "--contention-processes", max(2, K), "--out", profile, "-q")
-        profile_s = time.monotonic() - started
+    gpipe_plan("profile", *MODELS[model], "--micro-batch-sizes", SIZES, "--global-batch-size", GLOBAL_BATCH,
+               "--out", profile, "-q")
+    return profile, time.monotonic() - started
+
+
+def measure_cell(model: str, K: int, rounds: int, steps: int, ledger: Ledger, folder: Path, profile: Path,
+                 profile_s: float | None) -> dict[str, Any]:
+    """One model at K stages: its plans from the model's profile, their runs."""
     doc = read_json(profile)
     without = folder / f"{model}-k{K}.without-fixed-costs.profile.json"
     without.write_text(json.dumps({k: v for k, v in doc.items() if k != "fixed_costs"}))
@@ -132,9 +142,15 @@ def measure_cell(model: str, K: int, rounds: int, steps: int, ledger: Ledger, fo
         "profile_s": profile_s,
         "fixed_costs": fixed,
         "contention": (doc.get("contention") or {}).get("slowdown"),
+        "contention_processes": (doc.get("contention") or {}).get("processes"),
+        "cores": (doc.get("device") or {}).get("cores"),
+        "profile_host_load": doc.get("host_load"),
         "plans": {name: {"schedule": d["schedule"], "virtual_stages": d.get("virtual_stages", 1),
                          "micro_batches": d["micro_batches"], "balance": d["balance"],
-                         "predicted_step_s": d["predicted"]["step_s"], "same_as": unique[_shape(d)]}
+                         "predicted_step_s": d["predicted"]["step_s"],
+                         "dedicated_step_s": d["predicted"].get("dedicated_step_s"),
+                         "concurrent_ranks": (d.get("options") or {}).get("concurrent_ranks"),
+                         "same_as": unique[_shape(d)]}
                   for name, d in docs.items()},
         "measured_step_s": measured,
         "others_cores": others,
@@ -160,34 +176,57 @@ def cells(data: dict[str, Any]) -> list[dict[str, Any]]:
                 out.append({"model": model, "K": int(K), "plan": name, "schedule": plan["schedule"],
                             "virtual_stages": plan["virtual_stages"], "M": plan["micro_batches"],
                             "balance": plan["balance"], "predicted": plan["predicted_step_s"], "measured": measured,
-                            "runs": runs, "ratio": measured / plan["predicted_step_s"], "same_as": plan["same_as"]})
+                            "runs": runs, "ratio": measured / plan["predicted_step_s"], "same_as": plan["same_as"],
+                            "dedicated": plan.get("dedicated_step_s")})
     return out
 
 
-def summary(data: dict[str, Any]) -> dict[str, Any]:
-    """The figures the targets are about: over the plans (the two defaults counted where they are
-    another cell's plan only once, and the default without fixed costs left out: it is the old
-    model's prediction of its own plan), the median and worst |measured / predicted - 1|; per
-    model and K, the default's measured step against the fastest measured plan's."""
-    rows = cells(data)
+def summary(data: dict[str, Any], K: int | None = None) -> dict[str, Any]:
+    """The figures the targets are about (of every K, or of one): over the plans (the two
+    defaults counted where they are another cell's plan only once, and the default without fixed
+    costs left out: it is the old model's prediction of its own plan), the median and worst
+    |measured / predicted - 1|; per model and K, the default's measured step against the
+    fastest measured plan's."""
+    rows = [c for c in cells(data) if K is None or c["K"] == K]
     scored = [c for c in rows if c["plan"] != "default without fixed costs" and c["same_as"] == c["plan"]]
     errors = [abs(c["ratio"] - 1) for c in scored]
     defaults = []
     for model, by_k in data["models"].items():
-        for K, cell in by_k.items():
+        for k, cell in by_k.items():
+            if K is not None and int(k) != K:
+                continue
             med_of = {name: statistics.median(v) for name, v in cell["measured_step_s"].items()}
             fastest = min(med_of, key=med_of.get)
             default = med_of[cell["plans"]["default"]["same_as"]]
             old = med_of[cell["plans"]["default without fixed costs"]["same_as"]]
-            defaults.append({"model": model, "K": int(K), "fastest": fastest, "fastest_s": med_of[fastest],
+            defaults.append({"model": model, "K": int(k), "fastest": fastest, "fastest_s": med_of[fastest],
                              "default_s": default, "default_vs_fastest": default / med_of[fastest],
                              "old_default_s": old, "old_default_vs_fastest": old / med_of[fastest]})
+    ratios = [c["ratio"] for c in scored]
     return {"median_error": statistics.median(errors) if errors else None,
-            "worst_error": max(errors) if errors else None, "cells": len(scored), "defaults": defaults}
+            "worst_error": max(errors) if errors else None, "cells": len(scored), "defaults": defaults,
+            "median_ratio": statistics.median(ratios) if ratios else None,
+            "ratio_range": (min(ratios), max(ratios)) if ratios else None,
+            "within": sum(1 for d in defaults if d["default_vs_fastest"] <= 1.05),
+            "old_within": sum(1 for d in defaults if d["old_default_vs_fastest"] <= 1.05)}
 
 
 def _plan_label(c: dict[str, Any]) -> str:
     return f"{label(c['schedule'], c['virtual_stages'])}, M={c['M']}"
+
+
+def _targets(s: dict[str, Any]) -> str:
+    """One sentence: the targets met or missed by the figures of :func:`summary`."""
+    return (f"median |measured / predicted - 1| = {s['median_error']:.1%} ({'met' if s['median_error'] <= 0.10 else 'missed'}"
+            f"), worst {s['worst_error']:.1%} ({'met' if s['worst_error'] <= 0.20 else 'missed'}) over {s['cells']} "
+            f"plans, measured / predicted {s['median_ratio']:.2f} in the median ({s['ratio_range'][0]:.2f}.."
+            f"{s['ratio_range'][1]:.2f}); the default within 5% of the fastest in {s['within']} of "
+            f"{len(s['defaults'])} (the default without the fixed costs: {s['old_within']})")
+
+
+def _time_shared(data: dict[str, Any], K: int) -> bool:
+    return any(p.get("concurrent_ranks") for ks in data["models"].values() for k, cell in ks.items()
+               if int(k) == K for p in cell["plans"].values())
 
 
 def render(data: dict[str, Any]) -> str:
@@ -198,23 +237,18 @@ def render(data: dict[str, Any]) -> str:
             f"{data['rounds']} rounds of {data['steps']} steps per plan, the plans interleaved within each round "
             "(measured: the median over rounds of each run's median step after the first).\n"]
     if s["median_error"] is not None:
-        text.append(f"**Across the {s['cells']} plans: median |measured / predicted - 1| = {s['median_error']:.1%}, "
-                    f"worst {s['worst_error']:.1%}.**\n")
-    if s["median_error"] is not None:
-        within = sum(1 for d in s["defaults"] if d["default_vs_fastest"] <= 1.05)
-        old_within = sum(1 for d in s["defaults"] if d["old_default_vs_fastest"] <= 1.05)
-        text.append(f"Targets (median error <= 10%, worst <= 20%, the default within 5% of the fastest measured in "
-                    f"every model and K): median {'met' if s['median_error'] <= 0.10 else 'missed'}, worst "
-                    f"{'met' if s['worst_error'] <= 0.20 else 'missed'}; the default within 5% of the fastest in "
-                    f"{within} of {len(s['defaults'])} (the default without the fixed costs: {old_within}).\n")
-        by_k: dict[int, list[float]] = {}
-        for c in rows:
-            if c["plan"] != "default without fixed costs" and c["same_as"] == c["plan"]:
-                by_k.setdefault(c["K"], []).append(c["ratio"])
-        text.append("Median measured / predicted per K: " + ", ".join(
-            f"K = {K} {statistics.median(v):.2f} ({min(v):.2f}..{max(v):.2f})" for K, v in sorted(by_k.items()))
-            + "; the neighbours' slowdown each profile measured (with K processes): " + ", ".join(
-            f"{m} K={K} {cell['contention']:.2f}" for m, ks in data["models"].items() for K, cell in ks.items()) + ".\n")
+        text.append("Targets: median |measured / predicted - 1| <= 10%, worst <= 20%, the default within 5% of the "
+                    "fastest measured in every model and K.\n")
+        text.append(f"**All plans: {_targets(s)}.**\n")
+        for K in sorted({c["K"] for c in rows}):
+            shared = _time_shared(data, K)
+            what = (f"{K} ranks on fewer cores, predicted on shared cores (docs/planner.md, \"More ranks than cores\")"
+                    if shared else "each rank predicted as if it had its cores")
+            text.append(f"**K = {K}** ({what}): {_targets(summary(data, K))}.\n")
+        text.append("The neighbours' slowdown each profile measured: " + ", ".join(
+            f"{m} K={K} {cell['contention']:.2f}" + (f" ({cell['contention_processes']} processes)"
+                                                     if cell.get("contention_processes") else "")
+            for m, ks in data["models"].items() for K, cell in ks.items()) + ".\n")
     if data.get("note"):
         text.append(f"Note: {data['note']}.\n")
     text.append(table(["model", "K", "fastest measured", "default plan", "default / fastest",
@@ -234,20 +268,25 @@ def render(data: dict[str, Any]) -> str:
                                     f"± {spread.get(key, 0) * 1e6:.0f} µs"
                                     for key in ("forward_s", "backward_s", "backward_input_s", "backward_weight_s",
                                                 "send_s", "receive_s", "between_actions_s"))
-                took = f"{cell['profile_s']:.0f} s" if cell.get("profile_s") else "not timed (reused)"
+                took = f"{cell['profile_s']:.0f} s" if cell.get("profile_s") else "the same profile as above"
+                busy = busy_phases(cell.get("profile_host_load"))
                 text.append(f"Profile: {took}, of which the fixed costs {fixed.get('seconds', 0):.0f} s "
                             f"({fixed.get('executor')} executor, {fixed.get('backend')}, micro-batch "
-                            f"{fixed.get('micro_batch_size')}); neighbours' slowdown {cell['contention']:.2f}. "
+                            f"{fixed.get('micro_batch_size')}); neighbours' slowdown {cell['contention']:.2f}; "
+                            f"{'busy host: ' + busy_profile_text(busy) if busy else 'no busy phase'}. "
                             f"Fixed costs: {figures}.\n")
             for name, why in (cell.get("cannot_run") or {}).items():
                 text.append(f"{name}: not run ({why}).\n")
             mine = [c for c in rows if c["model"] == model and c["K"] == int(K)]
-            text.append(table(["plan", "schedule, M", "balance", "predicted ms", "measured ms", "rounds",
-                               "measured / predicted"],
+            shared = any(c.get("dedicated") for c in mine)
+            text.append(table(["plan", "schedule, M", "balance", "predicted ms"]
+                              + (["a core each ms"] if shared else []) + ["measured ms", "rounds",
+                                                                          "measured / predicted"],
                               [[c["plan"] + ("" if c["same_as"] == c["plan"] else f" (= {c['same_as']})"),
-                                _plan_label(c), " ".join(map(str, c["balance"])), f"{c['predicted'] * 1e3:.1f}",
-                                f"{c['measured'] * 1e3:.1f}", rng([r * 1e3 for r in c["runs"]], "{:.1f}"),
-                                f"{c['ratio']:.3f}"] for c in mine]))
+                                _plan_label(c), " ".join(map(str, c["balance"])), f"{c['predicted'] * 1e3:.1f}"]
+                               + ([f"{c['dedicated'] * 1e3:.1f}" if c.get("dedicated") else "-"] if shared else [])
+                               + [f"{c['measured'] * 1e3:.1f}", rng([r * 1e3 for r in c["runs"]], "{:.1f}"),
+                                  f"{c['ratio']:.3f}"] for c in mine]))
     text.append("\n![predicted vs measured](benchmarks/fidelity.svg)\n")
     return "\n".join(text) + "\n"
 

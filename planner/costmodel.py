@@ -136,10 +136,19 @@ class Setting:
     sync_bandwidth_bytes_per_s: float = math.inf    # inf: the sync is free
     sync_latency_s: float = 0.0                     # per ring step
     gradient_sync: str = "ddp"                      # "ddp" | "fsdp" (plan_layout.GRADIENT_SYNCS)
+    # More ranks than cores (planner/timeshare.py): how many of the K ranks the host runs at
+    # full speed at once; inf: each has cores of its own (a GPU each, or enough CPU cores).
+    concurrent_ranks: float = math.inf
 
     @property
     def comm_on(self) -> bool:
         return math.isfinite(self.link_bandwidth_bytes_per_s)
+
+    @property
+    def time_shared(self) -> bool:
+        """Whether the K ranks share fewer cores than they are: the step is then played out on
+        shared cores (planner/timeshare.py), not on a core per rank."""
+        return self.concurrent_ranks < self.stages
 
 
 def static_bytes(params_bytes: float, optimizer: str, data_parallel: int = 1,

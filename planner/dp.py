@@ -535,6 +535,13 @@ class GPipeSolver:
         it too, and when it runs out inside them the solve ends with what it has
         (:meth:`_out_of_time_solution`).
         """
+        if self.cm.setting.time_shared:
+            # On shared cores the step is no closed form, and the thresholds' optimum need not be
+            # the time-shared one: the branch and bound over cuts evaluates every plan it keeps
+            # (its dedicated bounds are lower bounds here too: planner/timeshare.py), so it is exact.
+            from .onefoneb import OneFOneBSolver
+
+            return OneFOneBSolver(self.cm, time_budget_s=self.time_budget_s, cutoff_s=cutoff_s).solve()
         self.started = time.perf_counter()
         self.deadline = self.started + self.time_budget_s
         # (self._seen, the best plan evaluated so far, is kept from an earlier solve of the same

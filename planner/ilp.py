@@ -271,6 +271,11 @@ def _read_solution(cm: CostModel, model: _Model, status) -> Solution | None:
     ev = evaluate(cm, bounds, chosen)
     proven = pulp.LpStatus[status] == "Optimal" and prob.sol_status == pulp.LpSolutionOptimal
     lower = ev.step_s if proven else 0.0     # CBC stopped early: no bound we can vouch for
+    if proven and ev.dedicated_step_s is not None:
+        # Shared cores: the programme optimises the dedicated step, which bounds every plan's
+        # time-shared step from below (planner/timeshare.py); this plan is proven only if it meets it.
+        lower = ev.dedicated_step_s
+        proven = ev.step_s <= lower
     return Solution(ev, proven, lower, f"integer linear programme (pulp/CBC), {cm.setting.schedule}",
                     {"variables": len(prob.variables()), "constraints": len(prob.constraints)})
 

@@ -12,6 +12,7 @@ import statistics
 from dataclasses import replace
 from typing import Any
 
+from ..hostload import busy_phases, busy_profile_text
 from ..schema import FORMAT_VERSIONS, PLAN_FORMAT
 from ..schedules import SPLIT_BACKWARD, chunks_per_stage
 from .costmodel import CostModel
@@ -109,6 +110,8 @@ def options_section(profile: Profile, result: SearchResult, devices: DevicesResu
         "per_microbatch_overhead_s": setting.overhead_s,
         "fixed_costs": setting.fixed_costs.record(),
         "compute_scale": setting.compute_scale,
+        # More ranks than cores (planner/timeshare.py): the ranks the host ran at once (null: a core each).
+        "concurrent_ranks": setting.concurrent_ranks if setting.time_shared else None,
         "optimizer": options.optimizer,
         "solver": options.solver,
         "virtual_stages": options.virtual_stages,
@@ -203,6 +206,8 @@ def step_predictions(ev: Evaluation, micro_batches: int, global_batch_size: int)
         "samples_per_s": global_batch_size / ev.step_s if ev.step_s > 0 else None,
         "peak_memory_bytes": int(math.ceil(ev.peak_memory_bytes)),
         "optimizer_wait_s": ev.optimizer_wait_s,
+        # More ranks than cores: the step with a core per rank, which sharing them lengthens to step_s.
+        "dedicated_step_s": ev.dedicated_step_s,
     }
 
 
@@ -257,6 +262,20 @@ def plan_warnings(profile: Profile, best: Candidate, ev: Evaluation, proven: boo
             f"{'the calibrated overhead' if profile.calibrated_overhead_s else 'nothing'} for the runtime's work "
             "per action, so schedules of many chunks (interleaved) look cheaper than they run; profile again "
             "without --no-fixed-costs")
+    if setting.time_shared:
+        ranks = setting.stages * setting.data_parallel
+        warnings.append(
+            f"the {ranks} ranks share {profile.host_cores} core{'s' if profile.host_cores != 1 else ''} of the "
+            f"profiled host, which runs {setting.concurrent_ranks * setting.data_parallel:g} at once: the step is "
+            f"predicted with the cores shared fairly among the ranks computing ({format_seconds(ev.step_s)}, against "
+            f"{format_seconds(ev.dedicated_step_s or ev.step_s)} with a core each), which the kernel does in slices "
+            "the model does not see, so it runs slower than predicted (docs/planner.md, \"More ranks than "
+            "cores\"); as many stages as cores, or fewer, avoid it")
+    busy = busy_phases(profile.doc.get("host_load"))
+    if busy:
+        warnings.append(
+            f"the profile was measured on a busy host ({busy_profile_text(busy)}): its times are partly the other "
+            "processes', and so is this plan's prediction; profile again on a quiet host")
     if setting.schedule in SPLIT_BACKWARD and not profile.split_measured:
         warnings.append(
             f"{setting.schedule} splits each backward into I and W, which this profile did not measure: "

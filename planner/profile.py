@@ -160,6 +160,12 @@ class Profile:
         self.precision, self.param_dtype = precision_of(doc, where)
         self.usable_memory_bytes = usable_memory_bytes(self.device, where)
         self.host_memory_bytes = host_memory_bytes(self.device, where)
+        # A CPU profile's cores (version 9), which the ranks of a plan on that host share
+        # (planner/timeshare.py); None: not recorded (older profiles; a GPU per rank).
+        cores = self.device.get("cores") if self.device.get("type") == "cpu" else None
+        self.host_cores: int | None = cores if isinstance(cores, int) and not isinstance(cores, bool) else None
+        threads = self.device.get("threads")
+        self.threads_per_rank: int = threads if isinstance(threads, int) and threads >= 1 else 1
         self.tied = _tied(doc, where, self.names)
         self.split_measured = _split_measured(self.layers, where)
         self._cache: dict[float, LayerFigures] = {}

@@ -13,11 +13,12 @@ from typing import Any
 
 from rich.console import Console
 
-from ..artifacts import BadInput, precision_label
+from ..artifacts import BadInput, json_number, precision_label
 from ..plan_layout import check_replicas, data_parallel, gradient_sync, plan_chunks, virtual_stages
 from ..schedules import label as schedule_label
 from ..schedules import SPLIT_BACKWARD
-from .schedule import ChunkTimes, Timeline, simulate_plan
+from .schedule import ChunkTimes, Event, Timeline, simulate_plan
+from .timeshare import time_shared_makespan
 from .timeline import timeline_svg
 from ..layer_names import LayerNames
 from ..tables import NarrowTable, narrow_table
@@ -51,14 +52,22 @@ def chunk_times(chunk: dict[str, Any]) -> ChunkTimes:
 
 
 def plan_timeline(plan: dict[str, Any], where: str = "plan") -> Timeline:
-    """Re-simulate the plan's schedule from its per-chunk predictions (no profile needed)."""
+    """Re-simulate the plan's schedule from its per-chunk predictions (no profile needed); a
+    plan whose ranks share the host's cores (``options.concurrent_ranks``) on shared cores."""
     chunks = timed_chunks(plan, where)
-    return simulate_plan(
-        plan["schedule"], len(plan["stages"]), plan["micro_batches"], virtual_stages(plan),
-        [chunk_times(c) for c in chunks],
-        [st.get("optimizer_s") or 0.0 for st in plan["stages"]],
-        record=True,
-    )
+    K, M, v = len(plan["stages"]), plan["micro_batches"], virtual_stages(plan)
+    times = [chunk_times(c) for c in chunks]
+    timeline = simulate_plan(plan["schedule"], K, M, v, times, [st.get("optimizer_s") or 0.0 for st in plan["stages"]],
+                             record=True)
+    concurrent = json_number((plan.get("options") or {}).get("concurrent_ranks"))
+    if concurrent is None or concurrent <= 0:
+        return timeline
+    makespan, events = time_shared_makespan(plan["schedule"], K, M, v, times, concurrent, record=True)
+    makespan = max(makespan, timeline.makespan_s)
+    events += [Event(e.stage, e.kind, e.micro_batch, makespan, makespan + e.end_s - e.start_s, e.chunk)
+               for e in timeline.events if e.kind == "optimizer"]
+    return Timeline(makespan_s=makespan, step_s=makespan + timeline.optimizer_tail_s, busy_s=timeline.busy_s,
+                    events=events, optimizer_tail_s=timeline.optimizer_tail_s)
 
 
 def plan_timeline_svg(plan: dict[str, Any], where: str = "plan") -> str:

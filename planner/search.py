@@ -23,6 +23,7 @@ from ..schedules import SCHEDULES, chunks_per_stage, label, problem
 from .budgets import LEAST_ILP_SETTING_S, LEAST_MEMORY_BUDGET_S, LEAST_SETTING_S, SOLVE_TIME_BUDGET_S
 from .chunked import ChunkedSolver
 from .costmodel import CostModel, Setting, neighbour_scale
+from .timeshare import concurrent_ranks_of
 from .fixedcosts import FixedCosts
 from .dp import GPipeSolver
 from .objective import Solution, proven_optimal
@@ -314,8 +315,14 @@ def cost_setting(profile: Profile, *, stages: int, micro_batches: int, schedule:
     between actions as planner/fixedcosts.py says (a calibrated figure replaces the profile's;
     from a profile without fixed costs, with several stages only); every layer time is scaled
     for the processes computing beside it on the host, the stages of all the replicas there
-    (``sync.neighbours``); and each stage's gradient sync as ``sync`` says.
+    (``sync.neighbours``), of which no more than the host's cores run at once; where the host
+    has fewer cores than ranks, the ranks share them (planner/timeshare.py, ``concurrent_ranks``);
+    and each stage's gradient sync as ``sync`` says.
     """
+    on_host = sync.neighbours(stages)
+    # The processes that compute at once on the host: its ranks, at most as many as its cores run.
+    computing = on_host if profile.host_cores is None else min(
+        on_host, max(1, profile.host_cores // profile.threads_per_rank))
     return Setting(
         stages=stages, micro_batches=micro_batches, schedule=schedule, recompute=recompute,
         memory_limit_bytes=memory_limit_bytes,
@@ -324,13 +331,13 @@ def cost_setting(profile: Profile, *, stages: int, micro_batches: int, schedule:
         optimizer=optimizer,
         overhead_s=profile.per_action_overhead_s(stages),
         fixed_costs=profile.fixed_costs or FixedCosts(),
-        compute_scale=neighbour_scale(profile.contention_slowdown, profile.contention_processes,
-                                      sync.neighbours(stages)),
+        compute_scale=neighbour_scale(profile.contention_slowdown, profile.contention_processes, computing),
         virtual_stages=virtual_stages,
         data_parallel=sync.data_parallel,
         sync_bandwidth_bytes_per_s=sync.bandwidth_bytes_per_s,
         sync_latency_s=sync.latency_s,
         gradient_sync=sync.gradient_sync,
+        concurrent_ranks=concurrent_ranks_of(profile.host_cores, profile.threads_per_rank, on_host, stages),
     )
 
 

@@ -16,10 +16,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from ..artifacts import BadInput, RunFailure, check_output_paths, first_line
+from ..hostload import usable_cores
 from ..models import Precision, model_spec
 from ..schema import write_artifact
 from .device import resolve_device
-from .contention import default_processes
+from .contention import default_processes, most_processes
 from .phases import announced, phase_lines, phase_text
 from .profiler import ProfileRequest, default_sizes, profile_model
 from .show import render_profile
@@ -59,6 +60,12 @@ def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes
         contention_processes = default_processes(threads) if dev.type == "cpu" else 0
     if contention_processes < 0 or contention_processes == 1:
         raise BadInput(f"--contention-processes must be 0 (do not measure) or at least 2, got {contention_processes}")
+    if dev.type == "cpu" and contention_processes > most_processes(threads):
+        most = most_processes(threads)
+        raise BadInput(f"--contention-processes {contention_processes} at --threads {threads} needs "
+                       f"{contention_processes * threads} cores and this host has {usable_cores()}: more processes "
+                       "than it runs at once take turns on its cores, which plans model themselves (docs/planner.md, "
+                       f"\"More ranks than cores\"); use {'at most ' + str(most) if most >= 2 else '0'}")
     request = ProfileRequest(spec=spec, micro_batch_sizes=sizes, device=dev, threads=threads, warmup=warmup,
                              repeats=repeats, seed=seed, measure_link=measure_link, batch_size=batch,
                              contention_processes=contention_processes, recompute=recompute_timing,

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ..artifacts import BadInput
+from ..hostload import usable_cores
 
 
 def resolve_device(text: str) -> torch.device:
@@ -36,7 +37,8 @@ def describe(device: torch.device, threads: int) -> dict[str, Any]:
         props = torch.cuda.get_device_properties(device)
         return {"type": "cuda", "name": torch.cuda.get_device_name(device), "index": device.index,
                 "memory_bytes": int(props.total_memory), "threads": threads}
-    device = {"type": "cpu", "name": _cpu_name(), "threads": threads}
+    # Version 9: the CPUs this process may run on, which the ranks of a plan share (planner/timeshare.py).
+    device = {"type": "cpu", "name": _cpu_name(), "threads": threads, "cores": usable_cores()}
     memory = host_memory_bytes()
     if memory is not None:   # version 9: the memory the plans' ranks share (planner/profile.py)
         device["memory_bytes"] = memory

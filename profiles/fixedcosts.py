@@ -277,8 +277,11 @@ class _ProbeModel:
     cut as the run cut them, on K = 2 stages with the profile's neighbour slowdown and link."""
 
     def __init__(self, doc: dict[str, Any], layers: tuple[int, int], size_index: int, probe: Probe) -> None:
-        from ..planner.costmodel import CostModel, Setting, neighbour_scale
+        from dataclasses import replace
+
+        from ..planner.costmodel import CostModel
         from ..planner.profile import Profile
+        from ..planner.search import cost_setting
 
         first, end = layers
         sub = {key: value for key, value in doc.items()
@@ -289,12 +292,15 @@ class _ProbeModel:
         self.profile = Profile(sub, "the probe's layers")
         self.probe = probe
         self.size = doc["micro_batch_sizes"][size_index]
-        self.scale = neighbour_scale(self.profile.contention_slowdown, self.profile.contention_processes, STAGES)
         link = self.profile.link_bandwidth_bytes_per_s
-        self._setting = lambda fixed, overhead: Setting(
-            stages=STAGES, micro_batches=MICRO_BATCHES, schedule=probe.schedule, virtual_stages=probe.virtual_stages,
-            link_bandwidth_bytes_per_s=link or math.inf, link_latency_s=self.profile.link_latency_s if link else 0.0,
-            compute_scale=self.scale, overhead_s=overhead, fixed_costs=fixed)
+        # What a plan of this run would be charged besides its layers (the neighbours' slowdown,
+        # the link, shared cores on a host of one), with the fixed costs being fitted.
+        charged = cost_setting(self.profile, stages=STAGES, micro_batches=MICRO_BATCHES, schedule=probe.schedule,
+                               virtual_stages=probe.virtual_stages, recompute="never", memory_limit_bytes=None,
+                               link_bandwidth_bytes_per_s=link or math.inf,
+                               link_latency_s=self.profile.link_latency_s if link else 0.0, optimizer="adam")
+        self.scale = charged.compute_scale
+        self._setting = lambda fixed, overhead: replace(charged, overhead_s=overhead, fixed_costs=fixed)
         self._cost_model = CostModel
         self.bare = CostModel(self.profile.at(self.size), self._setting(_zero(), 0.0))
         self._layer_times = {c: self.bare.chunk_times(c, probe.bounds[c], probe.bounds[c + 1], False)

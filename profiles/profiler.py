@@ -50,6 +50,7 @@ from ..schema import FORMAT_VERSIONS, PROFILE_FORMAT
 from ..speedprobe import speed_probe_s, workload
 from .clock import Clock, clock_for
 from ..cudamemory import outside_allocator_bytes
+from ..hostload import CpuSample, sample as host_sample, window_load
 from .device import describe
 from .measure import (Autocast, LayerMeasurement, Runner, Timing, harness_runner, model_step_runner, optimizer_step_s,
                       peak_transient_bytes, prepare_layer, record_split, recompute_harness_runner,
@@ -174,6 +175,7 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
     announce(f"running {len(sizes)} micro-batch sizes through the layers")
     walk = walk_layers(model, [inputs for inputs, _ in batches], device, request.autocast, request.share_figures)
 
+    layers_from = host_sample(children=True)    # what else ran while the layers were timed (_finish)
     probe_before = speed_probe_s(device.type)   # see speedprobe: the speed this profile saw
     rounds = request.warmup + request.repeats
     check_whole = _checks_whole_model(request, model)
@@ -206,7 +208,7 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
     for entry, rep in zip(doc["layers"], walk.measured_as):
         entry["measured_as"] = None if model.layers[rep][0] == entry["name"] else model.layers[rep][0]
     doc["measurement"]["shared_figures"] = request.share_figures
-    return _finish(doc, request, progress, probes, context_bytes, whole, True, contention)
+    return _finish(doc, request, progress, probes, context_bytes, whole, True, contention, layers_from)
 
 
 def _measure_link(request: ProfileRequest, progress: Progress) -> dict[str, Any] | None:
@@ -220,10 +222,15 @@ def _measure_link(request: ProfileRequest, progress: Progress) -> dict[str, Any]
 
 
 def _finish(doc: dict[str, Any], request: ProfileRequest, progress: Progress, probes: list[float],
-            context_bytes: int | None, whole: str | None, layer_by_layer: bool, contention: bool) -> dict[str, Any]:
-    """What both methods add to the document: how it was measured, contention, the device's figures."""
+            context_bytes: int | None, whole: str | None, layer_by_layer: bool, contention: bool,
+            layers_from: CpuSample) -> dict[str, Any]:
+    """What both methods add to the document: how it was measured, contention, the device's
+    figures, and what else ran on the host meanwhile (``host_load``: from ``layers_from``, the
+    reading taken before the layers were timed)."""
     doc["measurement"]["layer_by_layer"] = layer_by_layer
     doc["measurement"]["built_whole"] = whole
+    loads = _HostLoad()
+    loads.add("layers", layers_from, request.threads)
     if contention:
         from .contention import measure_contention
 
@@ -234,17 +241,41 @@ def _finish(doc: dict[str, Any], request: ProfileRequest, progress: Progress, pr
         middle = len(sizes) // 2
         busiest = max((i for i, layer in enumerate(doc["layers"]) if layer["measured_as"] is None),
                       key=lambda i: doc["layers"][i]["forward_s"][middle] + doc["layers"][i]["backward_s"][middle])
+        started = host_sample(children=True)
         doc["contention"] = measure_contention(request.spec, sizes[middle], request.threads,
                                                request.contention_processes, seed=request.seed,
                                                precision=request.precision, layer=busiest)
+        loads.add("contention", started, request.contention_processes * request.threads)
     if request.fixed_costs:
+        from .fixedcosts import STAGES
+
+        started = host_sample(children=True)
         _measure_fixed_costs(doc, request, progress)
+        loads.add("fixed_costs", started, STAGES * request.threads)
+    if loads.phases:
+        doc["host_load"] = {"phases": loads.phases}
     if context_bytes is not None:
         doc["device"]["context_bytes"] = context_bytes
     doc["device"]["speed_probe_s"] = sum(probes) / len(probes)
     doc["device"]["speed_probe_workload"] = list(workload(request.device.type))
     doc["measurement"]["speed_probe_s"] = probes
     return doc
+
+
+class _HostLoad:
+    """The profile's ``host_load``: per phase of the measurement, what other processes used of
+    the host's cores and took from the ones it needed (gpipe_plan/hostload.py), so that a plan
+    made from a profile measured on a busy host can say so (planner/profile.py)."""
+
+    def __init__(self) -> None:
+        self.phases: list[dict[str, Any]] = []
+
+    def add(self, phase: str, started: CpuSample, needed_cores: int) -> None:
+        """The phase that began at ``started`` and ends now, needing ``needed_cores`` (its
+        processes, the profiler's own and its finished helpers, are its own CPU time)."""
+        entry = window_load(started, host_sample(children=True), needed_cores)
+        if entry is not None:
+            self.phases.append({"phase": phase, **entry})
 
 
 def _measure_fixed_costs(doc: dict[str, Any], request: ProfileRequest, progress: Progress) -> None:
@@ -284,6 +315,7 @@ def _profile_in_memory(model: LayeredModel, request: ProfileRequest, progress: P
         model.check(batch_size=sizes[0], device=device)  # a bad --input-shape fails here, in one line
     for note in model.notes:
         announce(f"note: {note}", key=note)
+    layers_from = host_sample(children=True)    # what else ran while the layers were timed (_finish)
     probe_before = speed_probe_s(device.type)
     rounds = request.warmup + request.repeats
     contention = request.contention_processes > 1 and device.type == "cpu"
@@ -311,7 +343,7 @@ def _profile_in_memory(model: LayeredModel, request: ProfileRequest, progress: P
     for entry in doc["layers"]:
         entry["measured_as"] = None
     doc["measurement"]["shared_figures"] = False
-    return _finish(doc, request, progress, probes, context_bytes, whole, False, contention)
+    return _finish(doc, request, progress, probes, context_bytes, whole, False, contention, layers_from)
 
 
 @dataclass

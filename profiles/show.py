@@ -18,6 +18,7 @@ from typing import Any
 from rich.console import Console
 
 from ..artifacts import precision_label, precision_of
+from ..hostload import busy_phases, busy_profile_text
 from ..schema import layers_sharing_figures, recompute_timed, slowdown_of_slowest, split_backward_timed
 from ..layer_names import LayerNames
 from ..tables import NarrowTable, narrow_table
@@ -66,6 +67,9 @@ def render_profile(doc: dict[str, Any], console: Console) -> None:
     fixed = _fixed_costs_line(doc.get("fixed_costs"))
     if fixed:
         console.print(fixed, highlight=False)
+    busy = _host_load_line(doc.get("host_load"))
+    if busy:
+        console.print(busy, highlight=False)
     link = doc.get("link")
     if link:
         console.print(f"link ({link.get('backend', '?')}): latency {format_seconds(link.get('latency_s'))}, "
@@ -74,6 +78,14 @@ def render_profile(doc: dict[str, Any], console: Console) -> None:
             console.print(f"all-reduce over {link['allreduce_processes']} processes (ring): latency "
                           f"{format_seconds(link.get('allreduce_latency_s'))} per step, bus bandwidth "
                           f"{format_rate(link.get('allreduce_bandwidth_bytes_per_s'))}", highlight=False)
+
+
+def _host_load_line(load: Any) -> str | None:
+    """What else ran on the host while the profile measured (version 9), when it took from it."""
+    busy = busy_phases(load if isinstance(load, dict) else None)
+    if not busy:
+        return None
+    return f"[yellow]busy host[/]: {busy_profile_text(busy)}; plans from this profile say so"
 
 
 def _fixed_costs_line(fixed: Any) -> str | None:

@@ -148,7 +148,8 @@ def test_profile_records_the_hooks_and_run_trains_on_them(task_dir: Path, model:
                                                           shapes: list[list[int]]) -> None:
     profile = gpipe_plan("profile", model, "--data", data, "--loss", loss,
                          "--micro-batch-sizes", "2,4", "--warmup", "1", "--repeats", "2", "--contention-processes",
-                         "0", "--no-recompute-timing", "-o", "hooks-profile.json", "-q", cwd=task_dir)
+                         "0", "--no-recompute-timing", "--no-fixed-costs", "-o", "hooks-profile.json", "-q",
+                         cwd=task_dir)
     assert profile.returncode == 0, profile.stderr
     doc = json.loads((task_dir / "hooks-profile.json").read_text())
     assert doc["model"]["data"] == data and doc["model"]["loss"] == loss

@@ -37,7 +37,8 @@ GATED = """
         return Net()
 """
 PROFILE = ["--input-shape", "8", "--num-classes", "4", "--micro-batch-sizes", "1,2", "--warmup", "0", "--repeats",
-           "1", "--contention-processes", "0", "--no-recompute-timing", "--no-split-backward-timing"]
+           "1", "--contention-processes", "0", "--no-recompute-timing", "--no-split-backward-timing",
+           "--no-fixed-costs"]
 
 
 def _lines(stream) -> queue.Queue[str | None]:

@@ -30,7 +30,8 @@ from gpipe_plan.schema import FORMAT_VERSIONS, PROFILE_FORMAT, read_artifact, va
 from planner_helpers import profile_doc
 from user_models import SKIP_NET
 
-FAST = ["--warmup", "0", "--repeats", "1"]
+# The fixed-cost probe (a 2-process pipeline, seconds) has its own tests (tests/test_fixed_costs.py).
+FAST = ["--warmup", "0", "--repeats", "1", "--no-fixed-costs"]
 
 
 def profile(spec: dict, sizes: list[int], device: str = "cpu") -> dict:

@@ -188,7 +188,7 @@ def test_no_split_backward_timing_leaves_the_keys_out(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["profile", "gpt", "--layers", "1", "--width", "16", "--heads", "2",
                                        "--seq-len", "8", "--vocab-size", "32", "--micro-batch-sizes", "1",
                                        "--warmup", "0", "--repeats", "1", "--contention-processes", "0",
-                                       "--no-recompute-timing", "--no-split-backward-timing", "--quiet",
+                                       "--no-recompute-timing", "--no-split-backward-timing", "--no-fixed-costs", "--quiet",
                                        "--out", str(out)])
     assert result.exit_code == 0, result.output
     doc = json.loads(out.read_text())

@@ -1,7 +1,8 @@
 """The cost model's setting of a plan, rebuilt from what the plan recorded of it.
 
 A plan's ``options`` keep every figure the solver charged (the link, the per-micro-batch
-overhead and the fixed costs per action and message, the neighbours' compute scale, the memory limit, the optimizer) and its
+overhead and the fixed costs per action and message, the neighbours' compute scale, the ranks
+the host ran at once, the memory limit, the optimizer) and its
 ``placement`` what the gradient syncs of its replicas were charged: with the profile's layers
 they give back the very cost model that chose the plan, to price another split.
 """
@@ -41,6 +42,7 @@ def plan_setting(view: PlanView) -> Setting:
         sync_bandwidth_bytes_per_s=_bandwidth(placement.get("sync_bandwidth_bytes_per_s")),
         sync_latency_s=float(placement.get("sync_latency_s") or 0.0),
         gradient_sync=view.gradient_sync,
+        concurrent_ranks=json_number(options.get("concurrent_ranks")) or math.inf,
     )
 
 
