@@ -231,7 +231,7 @@ def _read_solution(cm: CostModel, model: _Model, status) -> Solution | None:
     proven = pulp.LpStatus[status] == "Optimal" and prob.sol_status == pulp.LpSolutionOptimal
     lower = ev.step_s if proven else 0.0     # CBC stopped early: no bound we can vouch for
     return Solution(ev, proven, lower, f"integer linear programme (pulp/CBC), {cm.setting.schedule}",
-                    {"variables": len(prob.variables()), "constraints": len(prob.constraints)})
+                    {"variables": len(prob.variables()), "constraints": len(prob.constraints)}, bound_by="ilp")
 
 
 def _tied_exchange(prob, cm: CostModel, member, k: int, time_unit: float):

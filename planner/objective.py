@@ -63,13 +63,16 @@ class Solution:
     """A solver's answer for one setting: the best plan it found, and how sure it is.
 
     ``proven``: no partition of the setting is faster; ``lower_bound_s``: none is faster than
-    this (the gap to ``evaluation.step_s`` when not proven); ``method``: how it was found."""
+    this (the gap to ``evaluation.step_s`` when not proven); ``method``: how it was found, in
+    words; ``bound_by``: which method gave ``lower_bound_s`` (one of schema.BOUND_METHODS)."""
 
     evaluation: Evaluation
     proven: bool
     lower_bound_s: float
     method: str
     stats: dict = field(default_factory=dict)
+    bound_by: str = "branch and bound"
+
 
 
 class Incumbent:
