@@ -80,16 +80,27 @@ REPORT_FORMAT = "gpipe-plan.report"
 #      it reads as one chunk per stage.
 #   6  d replicas of the pipeline (``data_parallel``, ``gradient_sync``, ``placement``,
 #      ``factorisations``); a plan before it is one replica, stage k on rank k.
+#   7  what proved or bounded the plan (``optimality.bound_by``, ``settings_bound_by``, one of
+#      BOUND_METHODS each, and ``milp_solver``); a plan before it does not say.
 # Report
 #   2  the run's precision and, on CUDA, the allocator's reserved memory and what lies outside it.
 #   3  the per-micro-batch times move into ``chunks`` (with the halves of a split backward); its
 #      ``stages`` are devices, with their memory and idle time.
 #   4  data parallel: ``data_parallel``, ``gradient_sync``, per stage its measured gradient sync
 #      beside the plan's and its ``replicas``; the stages' figures are replica 0's.
-FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 8, PLAN_FORMAT: 6, REPORT_FORMAT: 4}
+FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 8, PLAN_FORMAT: 7, REPORT_FORMAT: 4}
 READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8),
-                                                 PLAN_FORMAT: (1, 2, 3, 4, 5, 6),
+                                                 PLAN_FORMAT: (1, 2, 3, 4, 5, 6, 7),
                                                  REPORT_FORMAT: (1, 2, 3, 4)}
+
+
+# What can give a searched setting its lower bound, as a plan's ``optimality.bound_by`` names it
+# (version 7): GPipe's threshold search (planner/dp.py), the branch and bound of 1F1B and the
+# chunked schedules (planner/onefoneb.py, planner/chunked.py), the schedule MILP
+# (planner/milp.py), the GPipe/1F1B ILP of ``--solver ilp`` (planner/ilp.py).
+BOUND_METHODS = ("dp", "branch and bound", "milp", "ilp")
+# What the MILP runs on (``optimality.milp_solver``; null: pulp is not installed).
+MILP_SOLVERS = ("HiGHS", "CBC")
 
 
 # What an older profile lacks, and what it is read as: the one place that says so, beside the
@@ -646,9 +657,14 @@ def _plan(solved: bool, chunked: bool) -> Object:
         }, nullable=not solved)),
         "optimality": may(Object({
             "proven": may(Flag(nullable=True)),
+            "method": may(Text(nullable=True)),
             "settings_searched": may(_count(0, nullable=True)),
             "lower_bound_s": may(_seconds(nullable=True)),
             "gap": may(_ratio()),
+            # version 7
+            "bound_by": may(Text(choices=BOUND_METHODS, nullable=True)),
+            "settings_bound_by": may(Table(_count(0), key_pattern="|".join(BOUND_METHODS), nullable=True)),
+            "milp_solver": may(Text(choices=MILP_SOLVERS, nullable=True)),
         })),
         "warnings": may(Items(Text(), nullable=True)),
         "runners_up": may(Items(RUNNER_UP, nullable=True)),

@@ -49,7 +49,7 @@ def test_solve_writes_a_plan_with_the_documented_keys(profile_path: Path):
     assert result.exit_code == 0, result.output
     plan = json.loads(Path("plan.json").read_text())
     assert PLAN_KEYS <= plan.keys()
-    assert plan["format"] == "gpipe-plan.plan" and plan["version"] == FORMAT_VERSIONS[PLAN_FORMAT] == 6
+    assert plan["format"] == "gpipe-plan.plan" and plan["version"] == FORMAT_VERSIONS[PLAN_FORMAT] == 7
     assert OPTIONS_KEYS <= plan["options"].keys()
     assert PREDICTED_KEYS <= plan["predicted"].keys()
     assert {"proven", "method", "lower_bound_s", "gap"} <= plan["optimality"].keys()
@@ -408,10 +408,10 @@ def test_solve_show_export_and_help_do_not_import_torch(profile_path: Path, user
 
 def test_show_refuses_what_it_cannot_show(user_dir: Path):
     write_json(user_dir / "other.json", {"format": "something.else", "version": 1})
-    write_json(user_dir / "old.json", {"format": "gpipe-plan.plan", "version": 7})
+    write_json(user_dir / "old.json", {"format": "gpipe-plan.plan", "version": 99})
     before = {p.name for p in user_dir.iterdir()}
     assert_one_line_error(cli("show", "other.json"), r"not a gpipe-plan profile, plan or report", user_dir, before)
-    assert_one_line_error(cli("show", "old.json"), r"version 7", user_dir, before)
+    assert_one_line_error(cli("show", "old.json"), r"version 99", user_dir, before)
     assert_one_line_error(cli("show", "absent.json"), r"'absent.json' does not exist", user_dir, before)
 
 
