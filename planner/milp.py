@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -46,19 +45,19 @@ from .costmodel import CostModel
 from .schedule import _program
 
 
-# Building a programme and handing it over costs about 24 us per variable and constraint on the
-# development VM (0.02 s for 1F1B on 8 stages and 8 micro-batches, 1.6 s for 32 stages and 256):
-# charged as work, with a margin (fixed_cost_s).
-FIXED_S_PER_THOUSAND = 0.05
+# Building a programme and handing it over took 20-40 ms per thousand variables and constraints
+# on the 2-core development VM, HiGHS's presolve and root node 100-200 ms more, loaded (load
+# average about 10): charged as work (fixed_cost_s).
+FIXED_S_PER_THOUSAND = 0.2
 
 
 def available() -> str | None:
-    """The solver the programme would run on: "HiGHS" (highspy installed), "CBC" (pulp alone),
-    or None: no pulp (the GPU image), and the planner plans with its branch and bound alone.
-    Asked without importing either (pulp and highspy take 0.16 s to import)."""
-    if not _installed("pulp"):
-        return None
-    return "HiGHS" if _installed("highspy") else "CBC"
+    """The solver the programme would run on: "HiGHS" (highspy installed), "CBC" (pulp's, without
+    highspy), or None: neither (the GPU image), and the planner plans with its branch and bound
+    alone. Asked without importing them (pulp and highspy take 0.16 s to import)."""
+    if _installed("highspy"):
+        return "HiGHS"
+    return "CBC" if _installed("pulp") else None
 
 
 def _installed(name: str) -> bool:
@@ -68,14 +67,18 @@ def _installed(name: str) -> bool:
         return False
 
 
-def fixed_cost_s(cm: CostModel) -> float:
-    """What building ``cm``'s programme and handing it to the solver cost, in seconds of work:
-    :data:`FIXED_S_PER_THOUSAND` per thousand variables and constraints, about six per action
-    and three per cut position (counted, not built). A setting whose budget cannot pay for it
-    twice over (to leave as much to solve it) keeps its branch and bound's answer."""
+def size(cm: CostModel) -> int:
+    """About how many variables and constraints ``cm``'s programme has, counted, not built: three
+    per action (its start, its precedences, its message) and three per cut position."""
     actions = sum(len(ops) for ops in _program(cm.schedule, cm.K, cm.M, cm.virtual_stages).ops)
-    positions = max(0, cm.C - 1) * max(0, cm.L - cm.C)
-    return (6 * actions + 3 * positions) / 1000 * FIXED_S_PER_THOUSAND
+    return 3 * actions + 3 * max(0, cm.C - 1) * max(0, cm.L - cm.C)
+
+
+def fixed_cost_s(cm: CostModel) -> float:
+    """What building ``cm``'s programme, handing it over and solving its root node cost, in
+    seconds of work: :data:`FIXED_S_PER_THOUSAND` per thousand of its :func:`size`. A setting
+    whose budget cannot pay for it twice over keeps its branch and bound's answer."""
+    return size(cm) / 1000 * FIXED_S_PER_THOUSAND
 
 
 def pass_terms(cm: CostModel, kind: str, chunk: int, recompute: bool) -> tuple[Sequence[float], float]:
@@ -119,62 +122,56 @@ class _Form:
     def scaled(self, factor: float) -> "_Form":
         return _Form(self.constant * factor, {v: c * factor for v, c in self.terms.items()})
 
-    def upper(self, bounds: dict) -> float:
-        """The largest value over the variables' boxes (``bounds``: var -> (low, high))."""
+    def upper(self, pr: "_Programme") -> float:
+        """The largest value over the variables' boxes."""
         total = self.constant
         for var, coef in self.terms.items():
-            low, high = bounds.get(var, (0.0, 1.0))
+            low, high = pr.box(var)
             total += coef * (high if coef > 0 else low)
         return total
 
 
 class _Programme:
-    """The pulp problem and its constraints, built from forms."""
+    """A MILP in no solver's terms: columns (bounds, integrality) and rows ``lower <= Σ a x <=
+    upper``, numbered as they are made; planner/milp_solve.py hands it to HiGHS or to pulp's CBC."""
 
     def __init__(self) -> None:
-        import pulp
+        self.names: list[str] = []
+        self.low: list[float] = []
+        self.high: list[float] = []
+        self.binary: list[bool] = []
+        self.rows: list[tuple[float, float, list[int], list[float]]] = []
+        self.cost: dict[int, float] = {}
 
-        from .ilp import _var
-
-        self._new_var = _var
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            self.prob = pulp.LpProblem("gpipe_plan_schedule", pulp.LpMinimize)
-        self.count = 0
-        self.bounds: dict[Any, tuple[float, float]] = {}
-
-    def var(self, name: str, low: float = 0.0, high: float | None = None, binary: bool = False):
-        v = self._new_var(self.prob, name, low, cat="Binary" if binary else "Continuous")
-        if high is not None and not binary:
-            v.upBound = high
-        self.bounds[v] = (low, 1.0 if binary else (high if high is not None else math.inf))
-        return v
+    def var(self, name: str, low: float = 0.0, high: float | None = None, binary: bool = False) -> int:
+        self.names.append(name)
+        self.low.append(low)
+        self.high.append(1.0 if binary else (math.inf if high is None else high))
+        self.binary.append(binary)
+        return len(self.names) - 1
 
     def objective(self, form: _Form) -> None:
-        import pulp
-
-        self.prob.setObjective(pulp.LpAffineExpression(form.terms, constant=form.constant))
+        """Minimise ``form`` (its constant dropped)."""
+        self.cost = dict(form.terms)
 
     def at_least(self, form: _Form, rhs: float = 0.0) -> None:
         """form >= rhs."""
-        self._add(form, 1, rhs)
+        self._add(form, rhs - form.constant, math.inf)
 
     def at_most(self, form: _Form, rhs: float = 0.0) -> None:
-        self._add(form, -1, rhs)
+        """form <= rhs."""
+        self._add(form, -math.inf, rhs - form.constant)
 
     def equal(self, form: _Form, rhs: float = 0.0) -> None:
-        self._add(form, 0, rhs)
+        self._add(form, rhs - form.constant, rhs - form.constant)
 
-    def _add(self, form: _Form, sense: int, rhs: float) -> None:
-        """A constraint ``form (>=, <=, ==) rhs`` (sense 1, -1, 0: pulp's LpConstraintGE, LE, EQ)."""
-        import pulp
+    def _add(self, form: _Form, lower: float, upper: float) -> None:
+        index = [v for v, c in form.terms.items() if c != 0.0]
+        if index:
+            self.rows.append((lower, upper, index, [form.terms[v] for v in index]))
 
-        terms = {v: c for v, c in form.terms.items() if c != 0.0}
-        if not terms:
-            return
-        self.count += 1
-        expr = pulp.LpAffineExpression(terms, constant=form.constant)
-        self.prob.addConstraint(pulp.LpConstraint(expr, sense, f"c{self.count}", rhs))
+    def box(self, var: int) -> tuple[float, float]:
+        return self.low[var], self.high[var]
 
 
 class _Cuts:
@@ -231,11 +228,11 @@ class _Cuts:
         """The binaries' values for the cut ``bounds`` (a warm start)."""
         return {var: float(bounds[j] <= p) for j in range(1, self.C) for p, var in self.y[j].items()}
 
-    def read(self) -> tuple[int, ...]:
-        """The cut a solution holds."""
+    def read(self, values: Sequence[float]) -> tuple[int, ...]:
+        """The cut a solution (``values`` by column) holds."""
         bounds = [0]
         for j in range(1, self.C):
-            bounds.append(self.lo[j] + sum(1 for var in self.y[j].values() if (var.value() or 0.0) < 0.5))
+            bounds.append(self.lo[j] + sum(1 for var in self.y[j].values() if values[var] < 0.5))
         return (*bounds, self.L)
 
 
@@ -244,7 +241,7 @@ class _Cuts:
 class _Model:
     pr: _Programme
     cuts: _Cuts
-    recompute: list[Any]             # per stage: a bool, or a binary variable
+    recompute: list[Any]             # per stage: a bool, or a binary variable (its column)
     unit: float                      # seconds per time unit of the programme
     objective: _Form
     stats: dict = field(default_factory=dict)
@@ -288,7 +285,7 @@ def build(cm: CostModel) -> _Model:
                 form = cuts.span(c, *pass_terms(cm, kind, c, False)).scaled(inv)
                 rerun = cuts.span(c, *pass_terms(cm, kind, c, True)).scaled(inv).add(form, -1.0)
                 if rerun.terms or rerun.constant:
-                    big = rerun.upper(pr.bounds)
+                    big = rerun.upper(pr)
                     extra = pr.var(f"x_{kind}_{c}", high=max(0.0, big))
                     # extra >= rerun - big (1 - r): the rerun when recomputing, nothing otherwise
                     pr.at_least(_Form(big, {extra: 1.0, r: -big}).add(rerun, -1.0))
@@ -354,8 +351,7 @@ def build(cm: CostModel) -> _Model:
         _memory(pr, cm, cuts, recompute)
     objective = _Form(0.0, {makespan: 1.0, tail: 1.0})
     pr.objective(objective)
-    stats = {"binaries": sum(len(y) for y in cuts.y) + sum(1 for r in recompute if not isinstance(r, bool)),
-             "variables": len(pr.bounds), "constraints": pr.count}
+    stats = {"binaries": sum(pr.binary), "variables": len(pr.names), "constraints": len(pr.rows)}
     return _Model(pr, cuts, recompute, unit, objective, stats)
 
 
@@ -474,7 +470,7 @@ def _memory(pr: _Programme, cm: CostModel, cuts: _Cuts, recompute: list[Any]) ->
                 if isinstance(r, bool):
                     pr.at_most(form, 1.0)
                 else:
-                    big = max(0.0, form.upper(pr.bounds) - 1.0)
+                    big = max(0.0, form.upper(pr) - 1.0)
                     # the choice not taken is relaxed by big
                     form.plus(r, -big if not choice else big)
                     pr.at_most(form, 1.0 + (big if choice else 0.0))
@@ -490,13 +486,13 @@ def _held(pr: _Programme, cm: CostModel, cuts: _Cuts, c: int, recompute: bool, i
     if c == 0 and cm.split:
         if not recompute:
             return act, _Form(0.0), cuts.span(c, cm.pa)
-        most = pr.var(f"k0_{tag}", high=max(act.upper(pr.bounds), in_bytes[0]))
+        most = pr.var(f"k0_{tag}", high=max(act.upper(pr), in_bytes[0]))
         pr.at_least(_Form(0.0, {most: 1.0}).add(act, -1.0))
         pr.at_least(_Form(-in_bytes[0], {most: 1.0}))
         return _Form(in_bytes[0]), _Form(0.0), _Form(0.0, {most: 1.0})
     if not recompute:
         return act, _Form(0.0), kept
     inp = cuts.at(c, in_bytes)
-    over = pr.var(f"e_{c}_{tag}", high=max(0.0, act.upper(pr.bounds)))
+    over = pr.var(f"e_{c}_{tag}", high=max(0.0, act.upper(pr)))
     pr.at_least(_Form(0.0, {over: 1.0}).add(act, -1.0).add(inp))
     return inp, _Form(0.0, {over: 1.0}), kept

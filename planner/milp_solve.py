@@ -1,14 +1,14 @@
 """Solving the schedule MILP (planner/milp.py) inside a search: on what, for how long, and what
 its answer means.
 
-HiGHS (``highspy``) solves it through pulp on one thread, warm-started from the best plan the
-search has (pulp passes no start to HiGHS: :func:`_run_highs` gives it), and stops after a
-number of simplex iterations (:data:`WORK_PER_SECOND`, scaled by the programme's size, per
-second of budget) or once its bound reaches a cutoff: a count, unlike the clock, gives the same
-plan and bound on every run and machine; the wall-clock limit is only a safety net. Without
-highspy the programme goes to pulp's CBC (one thread, a node limit; CBC through pulp reports no
-bound when it stops early); without pulp the planner plans with its branch and bound alone
-(:func:`milp.available`).
+HiGHS (``highspy``, handed the programme's arrays directly: pulp's HiGHS interface passes no
+warm start and fails on a node limit's status) solves it on one thread, warm-started from the
+best plan the search has, and stops after a number of branch-and-bound nodes (its work budget,
+:func:`node_cost_s` per node) or once its bound reaches a cutoff: a count, unlike the clock,
+gives the same plan and bound on every run and machine; the wall-clock limit is only a safety
+net. Without highspy the programme goes to pulp's CBC (one thread, the same node limit; CBC
+through pulp reports no bound when it stops early); without either the planner plans with its
+branch and bound alone (:func:`milp.available`).
 
 The answer is read back as a cut and evaluated by the cost model (:func:`objective.evaluate`),
 so a plan's step is the simulator's to the last bit; the lower bound is HiGHS's (the least bound
@@ -33,13 +33,12 @@ from .objective import Evaluation, Solution, evaluate, proven_optimal
 # A gap HiGHS may close to call its plan optimal: its own tolerances (feasibility 1e-7 on
 # rows scaled to a layer's time) make a tighter claim meaningless.
 RELATIVE_GAP = 1e-6
-# The budget in work: WORK_PER_SECOND units per second of budget, a unit being one simplex
-# iteration on a thousand rows and columns (solve_milp). On the 2-core development VM, loaded,
-# HiGHS did 20,000-50,000 such units a second on the PipeDream programmes: the work limit binds
-# well before the wall clock, so a plan does not depend on the machine's speed.
-WORK_PER_SECOND = 10000
-# CBC's budget in branch-and-bound nodes per second of budget, for the same reason.
-CBC_NODES_PER_SECOND = 20
+# The budget in work: the solver stops after a number of branch-and-bound nodes, each charged
+# NODE_S_PER_THOUSAND seconds per thousand variables and constraints (node_cost_s), after
+# milp.fixed_cost_s for building the programme and its root. Set above what a node took on the
+# 2-core development VM, loaded, so that the node limit binds before the wall clock and a plan
+# does not depend on the machine's speed.
+NODE_S_PER_THOUSAND = 0.015
 
 
 @dataclass
@@ -52,19 +51,17 @@ class MilpResult:
     proven: bool
     infeasible: bool
     solver: str
-    work_s: float                    # the budget it used, in seconds of work (WORK_PER_SECOND)
+    work_s: float                    # the budget it used, in seconds of work (node_cost_s)
     stats: dict
 
 
 def solve_milp(cm: CostModel, start: Evaluation | None = None, cutoff_s: float = math.inf,
                work_budget_s: float = SOLVER_TIME_BUDGET_S, time_limit_s: float | None = None) -> MilpResult:
     """Solve ``cm``'s programme from the warm start ``start`` within ``work_budget_s`` seconds of
-    work (deterministic) and ``time_limit_s`` of wall time (the safety net; default three times
-    the work budget). ``cutoff_s``: a step achieved elsewhere: the search stops once its bound
-    reaches it (no cut of this setting can be better)."""
+    work (deterministic: branch-and-bound nodes) and ``time_limit_s`` of wall time (the safety
+    net; default three times the work budget). ``cutoff_s``: a step achieved elsewhere: the
+    search stops once its bound reaches it (no cut of this setting can be better)."""
     started = time.perf_counter()
-    fixed = fixed_cost_s(cm)
-    work_budget_s = max(0.0, work_budget_s - fixed)
     model = build(cm)
     built = time.perf_counter() - started
     solver = available()
@@ -75,24 +72,26 @@ def solve_milp(cm: CostModel, start: Evaluation | None = None, cutoff_s: float =
             if not isinstance(r, bool):
                 values[r] = float(chosen)
     cutoff = cutoff_s / model.unit if math.isfinite(cutoff_s) else math.inf
-    wall = 3 * work_budget_s if time_limit_s is None else time_limit_s
-    # One unit of work: a simplex iteration on a thousand rows and columns (an iteration costs
-    # about in proportion to the programme's size).
-    size = (model.stats["variables"] + model.stats["constraints"]) / 1000
-    units = max(1.0, work_budget_s * WORK_PER_SECOND)
+    wall = max(0.05, 3 * work_budget_s if time_limit_s is None else time_limit_s)
+    fixed = fixed_cost_s(cm)
+    per_node = node_cost_s(model)
+    nodes = max(0, int((work_budget_s - fixed) / per_node))
     if solver == "HiGHS":
-        status, lower, stats = _run_highs(model, values, cutoff, max(1, int(units / size)), max(0.05, wall))
-        work = fixed + stats["iterations"] * size / WORK_PER_SECOND
+        status, lower, cut, stats = _run_highs(model, values, cutoff, nodes, wall)
     else:
-        nodes = max(1, int(work_budget_s * CBC_NODES_PER_SECOND))
-        status, lower, stats = _run_cbc(model, values, nodes, max(1.0, wall))
-        work = fixed + work_budget_s       # (CBC through pulp does not say how much it did)
-    stats = {**model.stats, **stats, "build_seconds": round(built, 3),
+        status, lower, cut, stats = _run_cbc(model, values, max(1, nodes), wall)
+    work = fixed + min(nodes, stats["nodes"]) * per_node
+    stats = {**model.stats, **stats, "node_limit": nodes, "build_seconds": round(built, 3),
              "seconds": round(time.perf_counter() - started, 3)}
     if status == "infeasible":
         return MilpResult(None, math.inf, True, True, solver, work, stats)
-    bounds = model.cuts.read() if status in ("optimal", "feasible") else None
-    return MilpResult(bounds, lower * model.unit, status == "optimal", False, solver, work, stats)
+    return MilpResult(cut, lower * model.unit, status == "optimal", False, solver, work, stats)
+
+
+def node_cost_s(model: _Model) -> float:
+    """What one branch-and-bound node is charged, in seconds of work: :data:`NODE_S_PER_THOUSAND`
+    per thousand variables and constraints (a node re-solves the programme's linear relaxation)."""
+    return (model.stats["variables"] + model.stats["constraints"]) / 1000 * NODE_S_PER_THOUSAND
 
 
 _banner_silenced = False
@@ -122,69 +121,109 @@ def _silence_banner() -> None:
     _banner_silenced = True
 
 
-def _run_highs(model: _Model, values: dict, cutoff: float, iterations: int, time_limit_s: float):
-    """HiGHS through pulp on one thread, warm-started from ``values``; a callback stops it once
-    it has run ``iterations`` simplex iterations or its bound has reached ``cutoff``."""
+# HiGHS on one thread, deterministic; no improvement heuristics at the root (RENS, RINS and the
+# feasibility jump took 4x the root's time on the PipeDream programmes, and the search brings its
+# own start) and no symmetry detection (it took three quarters of the root's time, and the
+# searches were no shorter with it); a gap closed to RELATIVE_GAP.
+HIGHS_OPTIONS = {"output_flag": False, "threads": 1, "random_seed": 0, "mip_rel_gap": RELATIVE_GAP,
+                 "mip_abs_gap": 0.0, "mip_heuristic_run_rens": False, "mip_heuristic_run_rins": False,
+                 "mip_heuristic_run_feasibility_jump": False, "mip_detect_symmetry": False}
+
+
+def _run_highs(model: _Model, values: dict, cutoff: float, nodes: int, time_limit_s: float):
+    """HiGHS (highspy), warm-started from ``values``, at most ``nodes`` branch-and-bound nodes;
+    a callback stops it once its bound has reached ``cutoff``. Returns (status, lower bound,
+    cut or None, stats)."""
     import highspy
     import numpy as np
-    import pulp
 
     _silence_banner()
+    pr = model.pr
+    h = highspy.Highs()
+    for key, value in {**HIGHS_OPTIONS, "mip_max_nodes": nodes, "time_limit": time_limit_s}.items():
+        h.setOptionValue(key, value)
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = len(pr.names), len(pr.rows)
+    cost = np.zeros(len(pr.names))
+    for var, coef in pr.cost.items():
+        cost[var] = coef
+    lp.col_cost_, lp.col_lower_, lp.col_upper_ = cost, np.array(pr.low), np.array(pr.high)
+    lp.row_lower_ = np.array([row[0] for row in pr.rows])
+    lp.row_upper_ = np.array([row[1] for row in pr.rows])
+    starts = [0]
+    for row in pr.rows:
+        starts.append(starts[-1] + len(row[2]))
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_ = np.array(starts, dtype=np.int32)
+    lp.a_matrix_.index_ = np.array([v for row in pr.rows for v in row[2]], dtype=np.int32)
+    lp.a_matrix_.value_ = np.array([c for row in pr.rows for c in row[3]])
+    kinds = (highspy.HighsVarType.kContinuous, highspy.HighsVarType.kInteger)
+    lp.integrality_ = [kinds[b] for b in pr.binary]
+    h.passModel(lp)
+    if values:
+        h.setSolution(len(values), np.array(list(values), dtype=np.int32), np.array(list(values.values())))
+    if math.isfinite(cutoff):
+        def interrupt(kind, message, data_out, data_in, user_data):
+            if data_out.mip_dual_bound >= cutoff:
+                data_in.user_interrupt = True
 
-    def interrupt(kind, message, data_out, data_in, user_data):
-        if data_out.simplex_iteration_count >= iterations or data_out.mip_dual_bound >= cutoff:
-            data_in.user_interrupt = True
-
-    class WarmStarted(pulp.HiGHS):
-        """pulp's HiGHS, given the start before it runs (pulp passes none to HiGHS)."""
-
-        def callSolver(self, lp):
-            if values:
-                h = lp.solverModel
-                index = np.array([v.index for v in values], dtype=np.int32)
-                h.setSolution(len(index), index, np.array(list(values.values()), dtype=np.float64))
-            lp.solverModel.run()
-
-    solver = WarmStarted(msg=False, threads=1, timeLimit=time_limit_s, gapRel=RELATIVE_GAP, gapAbs=0.0,
-                         callbackTuple=(interrupt, None),
-                         callbacksToActivate=[highspy.cb.HighsCallbackType.kCallbackMipInterrupt],
-                         random_seed=0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        model.pr.prob.solve(solver)
-    h = model.pr.prob.solverModel
-    info = h.getInfo()
-    status = h.getModelStatus()
+        h.setCallback(interrupt, None)
+        h.startCallback(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
+    h.run()
+    info, status = h.getInfo(), h.getModelStatus()
     states = highspy.HighsModelStatus
-    stats = {"iterations": int(info.simplex_iteration_count), "nodes": max(0, int(info.mip_node_count))}
+    stats = {"nodes": max(0, int(info.mip_node_count)), "iterations": int(info.simplex_iteration_count)}
+    found = info.primal_solution_status == 2
+    cut = model.cuts.read(list(h.getSolution().col_value)) if found else None
     if status == states.kInfeasible:
-        return "infeasible", math.inf, stats
+        return "infeasible", math.inf, None, stats
     if status == states.kOptimal:
         # (a programme without binaries is a linear one: its optimum is its bound)
-        return "optimal", max(info.mip_dual_bound, info.objective_function_value * (1 - RELATIVE_GAP)), stats
+        return "optimal", max(info.mip_dual_bound, info.objective_function_value * (1 - RELATIVE_GAP)), cut, stats
     lower = info.mip_dual_bound if math.isfinite(info.mip_dual_bound) else 0.0
-    return ("feasible" if info.primal_solution_status == 2 else "none"), lower, stats
+    return ("feasible" if found else "none"), lower, cut, stats
 
 
 def _run_cbc(model: _Model, values: dict, nodes: int, time_limit_s: float):
-    """pulp's CBC (one thread, ``nodes`` branch-and-bound nodes at most). CBC through pulp
-    reports no bound when it stops early: its lower bound is then none (0)."""
+    """pulp's CBC (one thread, ``nodes`` branch-and-bound nodes at most), warm-started from
+    ``values``. CBC through pulp reports no bound when it stops early: then none (0)."""
     import pulp
 
-    for var, value in values.items():
-        var.setInitialValue(value)
-    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(time_limit_s)), gapRel=RELATIVE_GAP, gapAbs=0,
-                               warmStart=bool(values), threads=1, options=[f"maxNodes {nodes}"])
+    from .ilp import _var
+
+    pr = model.pr
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        status = model.pr.prob.solve(solver)
+        prob = pulp.LpProblem("gpipe_plan_schedule", pulp.LpMinimize)
+        columns = [_var(prob, name, low, cat="Binary" if binary else "Continuous")
+                   for name, low, binary in zip(pr.names, pr.low, pr.binary)]
+        for var, high, binary in zip(columns, pr.high, pr.binary):
+            if not binary and math.isfinite(high):
+                var.upBound = high
+        prob.setObjective(pulp.LpAffineExpression({columns[v]: c for v, c in pr.cost.items()}))
+        for i, (lower, upper, index, coefs) in enumerate(pr.rows):
+            expr = pulp.LpAffineExpression({columns[v]: c for v, c in zip(index, coefs)})
+            if lower == upper:
+                prob.addConstraint(pulp.LpConstraint(expr, pulp.LpConstraintEQ, f"r{i}", lower))
+                continue
+            if math.isfinite(lower):
+                prob.addConstraint(pulp.LpConstraint(expr, pulp.LpConstraintGE, f"r{i}", lower))
+            if math.isfinite(upper):
+                prob.addConstraint(pulp.LpConstraint(expr, pulp.LpConstraintLE, f"s{i}", upper))
+        for var, value in values.items():
+            columns[var].setInitialValue(value)
+        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(time_limit_s)), gapRel=RELATIVE_GAP, gapAbs=0,
+                                   warmStart=bool(values), threads=1, options=[f"maxNodes {nodes}"])
+        status = prob.solve(solver)
+    stats = {"nodes": nodes}
     name = pulp.LpStatus[status]
     if name == "Infeasible":
-        return "infeasible", math.inf, {}
-    if name == "Optimal" and model.pr.prob.sol_status == pulp.LpSolutionOptimal:
-        return "optimal", pulp.value(model.pr.prob.objective), {}
-    found = model.pr.prob.sol_status == pulp.LpSolutionIntegerFeasible
-    return ("feasible" if found else "none"), 0.0, {}
+        return "infeasible", math.inf, None, stats
+    found = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    cut = model.cuts.read([var.value() or 0.0 for var in columns]) if found else None
+    if name == "Optimal" and prob.sol_status == pulp.LpSolutionOptimal:
+        return "optimal", pulp.value(prob.objective), cut, stats
+    return ("feasible" if found else "none"), 0.0, cut, stats
 
 
 # --------------------------------------------------------------------------- in a search
