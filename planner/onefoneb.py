@@ -199,9 +199,7 @@ class OneFOneBSolver:
             self.simulations += 1
             self.work_done += self.simulation_work
 
-        for seed in self.seeds:
-            if found.best is not None and self._spent(started):
-                break
+        for seed in self.seeds:      # (every one, whatever the budget: a search is never worse than them)
             if len(seed) == K + 1 and seed[-1] == L:
                 consider(tuple(seed))
         consider(self._least_bound_partition(rest))
