@@ -45,10 +45,10 @@ from .costmodel import CostModel
 from .schedule import _program
 
 
-# Building a programme and handing it over took 20-40 ms per thousand variables and constraints
-# on the 2-core development VM, HiGHS's presolve and root node 100-200 ms more, loaded (load
-# average about 10): charged as work (fixed_cost_s).
-FIXED_S_PER_THOUSAND = 0.2
+# Building a programme, HiGHS's presolve and its root node (linear relaxation and cuts) took
+# 0.6-0.9 s of CPU per thousand variables and constraints on the 2-core development VM: charged
+# as work, with a margin (fixed_cost_s).
+FIXED_S_PER_THOUSAND = 1.0
 
 
 def available() -> str | None:
@@ -77,7 +77,8 @@ def size(cm: CostModel) -> int:
 def fixed_cost_s(cm: CostModel) -> float:
     """What building ``cm``'s programme, handing it over and solving its root node cost, in
     seconds of work: :data:`FIXED_S_PER_THOUSAND` per thousand of its :func:`size`. A setting
-    whose budget cannot pay for it twice over keeps its branch and bound's answer."""
+    whose budget cannot pay for it one and a half times over keeps its branch and bound's answer
+    (planner/solvers.py)."""
     return size(cm) / 1000 * FIXED_S_PER_THOUSAND
 
 
@@ -195,6 +196,43 @@ class _Cuts:
                         pr.at_most(_Form(0.0, {var: 1.0}))
                     continue
                 pr.at_least(_Form(0.0, {below: 1.0, var: -1.0}))
+        self.structure = len(pr.rows)      # the rows so far only say what a cut is
+        self.silent: list[set[int]] = [set() for _ in range(C + 1)]
+
+    def canonical_only(self, pr: _Programme) -> None:
+        """Leave one of each set of cuts that cost alike (call once every cost is in ``pr``).
+
+        A binary ``y[j][p]`` that no cost reads (every function of a cut takes the same value at
+        p and p + 1: layer p costs nothing at all, as a zero-time layer with no parameters, on
+        free links and without a memory limit) only tells cuts apart that cost the same: b_j = p
+        and b_j = p + 1. Of those the programme keeps the leftmost: b_j = p + 1 only when b_j-1 = p
+        (chunk j - 1 is that one layer). Moving such a b_j left while it can keeps every cost, so
+        a cut that obeys this is as good as any (:meth:`canonical` finds it), and the search no
+        longer branches between cuts that differ only where nothing is charged."""
+        used = set()
+        for row in pr.rows[self.structure:]:
+            used.update(row[2])
+        used.update(pr.cost)
+        self.silent = [{p for p, var in self.y[j].items() if var not in used} for j in range(self.C + 1)]
+        for j in range(1, self.C):
+            for p in sorted(self.silent[j]):
+                # y[j][p+1] - y[j][p] <= [b_j-1 = p]
+                form = self.indicator(j, p + 1).add(self.indicator(j, p), -1.0)
+                form.add(self.indicator(j - 1, p), -1.0).add(self.indicator(j - 1, p - 1))
+                pr.at_most(form, 0.0)
+
+    def canonical(self, bounds: Sequence[int]) -> tuple[int, ...]:
+        """The cut of the same cost that :meth:`canonical_only` keeps: each b_j moved left while
+        the layer it passes costs nothing and the chunk before keeps a layer."""
+        out = list(bounds)
+        moved = True
+        while moved:
+            moved = False
+            for j in range(1, self.C):
+                while out[j] - 1 in self.silent[j] and out[j] - 1 > out[j - 1]:
+                    out[j] -= 1
+                    moved = True
+        return tuple(out)
 
     def indicator(self, j: int, p: int) -> _Form:
         """[b_j <= p]."""
@@ -349,6 +387,7 @@ def build(cm: CostModel) -> _Model:
         pr.at_least(_Form(0.0, {tail: 1.0}).add(opt, -1.0).add(first[k]))
     if cm.limit is not None:
         _memory(pr, cm, cuts, recompute)
+    cuts.canonical_only(pr)
     objective = _Form(0.0, {makespan: 1.0, tail: 1.0})
     pr.objective(objective)
     stats = {"binaries": sum(pr.binary), "variables": len(pr.names), "constraints": len(pr.rows)}

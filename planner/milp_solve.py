@@ -35,10 +35,10 @@ from .objective import Evaluation, Solution, evaluate, proven_optimal
 RELATIVE_GAP = 1e-6
 # The budget in work: the solver stops after a number of branch-and-bound nodes, each charged
 # NODE_S_PER_THOUSAND seconds per thousand variables and constraints (node_cost_s), after
-# milp.fixed_cost_s for building the programme and its root. Set above what a node took on the
-# 2-core development VM, loaded, so that the node limit binds before the wall clock and a plan
-# does not depend on the machine's speed.
-NODE_S_PER_THOUSAND = 0.015
+# milp.fixed_cost_s for building the programme and its root. A node took 6-15 ms of CPU per
+# thousand on the 2-core development VM: with the margin, the node limit binds before the wall
+# clock wherever the planner has most of a core, and a plan does not depend on the machine's speed.
+NODE_S_PER_THOUSAND = 0.02
 
 
 @dataclass
@@ -67,7 +67,7 @@ def solve_milp(cm: CostModel, start: Evaluation | None = None, cutoff_s: float =
     solver = available()
     values = {}
     if start is not None:
-        values = model.cuts.values(start.bounds)
+        values = model.cuts.values(model.cuts.canonical(start.bounds))
         for r, chosen in zip(model.recompute, start.recompute):
             if not isinstance(r, bool):
                 values[r] = float(chosen)

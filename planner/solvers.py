@@ -54,7 +54,7 @@ def solve_cost_model(cm: CostModel, solver: str, time_budget_s: float, seeds: Se
     if cm.schedule == "gpipe":
         return _used(GPipeSolver(cm, time_budget_s=time_budget_s, seeds=seeds).solve(cutoff_s), 0.0)
     follow = (milp.available() is not None and cm.C <= cm.L
-              and work_s * (1 - BRANCH_AND_BOUND_SHARE) >= 2 * milp.fixed_cost_s(cm))
+              and work_s * (1 - BRANCH_AND_BOUND_SHARE) >= 1.5 * milp.fixed_cost_s(cm))
     share = BRANCH_AND_BOUND_SHARE if follow else 1.0
     if cm.schedule == "1f1b":
         search = OneFOneBSolver(cm, seeds=seeds, time_budget_s=time_budget_s * share, cutoff_s=cutoff_s,
@@ -117,7 +117,7 @@ def tighten(candidates: Sequence, cost_model, cutoff_s: float, work_budget_s: fl
         tried.add(id(weakest))
         cm = cost_model(weakest)
         before = weakest.solution.stats.get("milp", {}).get("work_s", 0.0)
-        if left < 2 * milp.fixed_cost_s(cm) or left <= 2 * before or cm.C > cm.L:
+        if left < 1.5 * milp.fixed_cost_s(cm) or left <= 2 * before or cm.C > cm.L:
             continue
         refined = milp_solve.refine(cm, weakest.solution, best, left, wall)
         if refined is None:
