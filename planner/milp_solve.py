@@ -49,7 +49,7 @@ class MilpResult:
     bounds: tuple[int, ...] | None
     lower_bound_s: float
     proven: bool
-    infeasible: bool
+    infeasible: bool                 # no cut fits at all
     solver: str
     work_s: float                    # the budget it used, in seconds of work (node_cost_s)
     stats: dict
@@ -83,9 +83,15 @@ def solve_milp(cm: CostModel, start: Evaluation | None = None, cutoff_s: float =
     work = fixed + min(nodes, stats["nodes"]) * per_node
     stats = {**model.stats, **stats, "node_limit": nodes, "build_seconds": round(built, 3),
              "seconds": round(time.perf_counter() - started, 3)}
-    if status == "infeasible":
+    if status == "infeasible" and not math.isfinite(cutoff):
         return MilpResult(None, math.inf, True, True, solver, work, stats)
-    return MilpResult(cut, lower * model.unit, status == "optimal", False, solver, work, stats)
+    lower_s = lower * model.unit
+    if status == "infeasible" or lower >= cutoff:
+        # No cut is faster than the cutoff (none at all, or none within the bound HiGHS was given):
+        # the setting is settled at it, within HiGHS's tolerance as any proof.
+        lower_s = max(lower_s if math.isfinite(lower_s) else 0.0, cutoff_s)
+        stats["reached_cutoff"] = True
+    return MilpResult(cut, lower_s, status == "optimal", False, solver, work, stats)
 
 
 def node_cost_s(model: _Model) -> float:
@@ -163,6 +169,9 @@ def _run_highs(model: _Model, values: dict, cutoff: float, nodes: int, time_limi
     if values:
         h.setSolution(len(values), np.array(list(values), dtype=np.int32), np.array(list(values.values())))
     if math.isfinite(cutoff):
+        # Nodes whose bound passes the cutoff are pruned as if a plan that fast were known.
+        h.setOptionValue("objective_bound", cutoff * (1 + RELATIVE_GAP))
+
         def interrupt(kind, message, data_out, data_in, user_data):
             if data_out.mip_dual_bound >= cutoff:
                 data_in.user_interrupt = True
@@ -244,8 +253,14 @@ def refine(cm: CostModel, solution: Solution | None, cutoff_s: float = math.inf,
     if best is None:
         return None
     searched = solution.lower_bound_s if solution else 0.0
-    # Unproven, the programme's bound is its open nodes' least, within its tolerance.
-    programme = best.step_s if result.proven else result.lower_bound_s * (1 - RELATIVE_GAP)
+    # Unproven, the programme's bound is its open nodes' least, within its tolerance; proven
+    # unable to beat the cutoff, the cutoff.
+    if result.proven:
+        programme = best.step_s
+    elif result.stats.get("reached_cutoff"):
+        programme = min(best.step_s, max(cutoff_s, result.lower_bound_s * (1 - RELATIVE_GAP)))
+    else:
+        programme = result.lower_bound_s * (1 - RELATIVE_GAP)
     lower = min(best.step_s, max(searched, programme))
     milp_stats = {"solver": result.solver, "work_s": round(result.work_s, 3), **result.stats}
     return Solution(best, result.proven or proven_optimal(best.step_s, lower), lower,
