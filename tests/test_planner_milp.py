@@ -20,10 +20,9 @@ from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.profile import Profile
 from gpipe_plan.planner.search import SolveOptions, search
 from gpipe_plan.planner.solvers import solve_cost_model
-from gpipe_plan.schedules import problem
 from gpipe_plan.schema import BOUND_METHODS
 
-from planner_helpers import make_figures, profile_doc, write_json
+from planner_helpers import profile_doc, schedule_case, write_json
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*PuLP 4:DeprecationWarning")
 
@@ -31,32 +30,8 @@ SHAPES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("z
 
 
 def random_case(rng: random.Random, schedule: str, v: int, max_extra_layers: int = 4):
-    """A small instance with every feature drawn on or off: links (latency, finite bandwidth),
-    optimizer time, measured recomputation with a call cost, memory limits (recompute auto),
-    transient memory, a tied weight, replicas with a gradient sync, a fixed cost per action."""
-    K = rng.choice([2, 2, 3])
-    C = K * (v if schedule == "interleaved" else 2 if schedule == "zb-v" else 1)
-    L = rng.randint(C, min(C + max_extra_layers, 9))
-    M = rng.choice([m for m in range(1, 7) if not problem(schedule, K, m, v)])
-    t = lambda: rng.choice([0.0, rng.uniform(0, 2e-3), 1e-3])      # noqa: E731 - ties and zeros too
-    fig = make_figures([t() for _ in range(L)], [t() for _ in range(L)],
-                       activation=[rng.randint(0, 200) for _ in range(L)],
-                       output=[rng.randint(0, 200) for _ in range(L)],
-                       params=[rng.randint(0, 200) for _ in range(L)],
-                       transient=[rng.randint(0, 300) for _ in range(L)] if rng.random() < 0.3 else None,
-                       optimizer=[rng.uniform(0, 3e-4) for _ in range(L)] if rng.random() < 0.5 else None,
-                       input_bytes=rng.randint(0, 200),
-                       recompute_backward=[rng.uniform(1e-3, 4e-3) for _ in range(L)] if rng.random() < 0.5 else None,
-                       recompute_call=rng.choice([0.0, 2e-4]),
-                       tied=[((0, L - 1), 500.0)] if rng.random() < 0.3 else ())
-    setting = Setting(stages=K, micro_batches=M, schedule=schedule, recompute=rng.choice(["never", "always", "auto"]),
-                      memory_limit_bytes=rng.choice([None, None, 3000, 5000]),
-                      link_bandwidth_bytes_per_s=rng.choice([float("inf"), 2e5]),
-                      link_latency_s=rng.choice([0.0, 1e-4]),
-                      overhead_s=rng.choice([0.0, 1e-4, 1e-4]), virtual_stages=v,
-                      data_parallel=rng.choice([1, 1, 2]), sync_bandwidth_bytes_per_s=rng.choice([float("inf"), 1e5]),
-                      sync_latency_s=rng.choice([0.0, 1e-4]))
-    return fig, setting
+    """A small instance with every feature drawn on or off (planner_helpers.schedule_case)."""
+    return schedule_case(rng, schedule, v, max_extra_layers=max_extra_layers)
 
 
 @pytest.mark.parametrize("schedule,v", SHAPES)
