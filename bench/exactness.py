@@ -9,7 +9,7 @@ rounded up to a multiple of 32; each of the five schedules (interleaved with v =
 recompute auto, no memory limit, free links (the profiles measured none); the default budget
 (30 s). Each case is one ``search`` (a solve without its one-device comparison), timed.
 
-``--record FILE`` writes the raw rows (JSON lines, resumable) and nothing else: run it with an
+``--record FILE`` writes the raw rows (JSON lines; ``--resume`` continues a file) and nothing else: run it with an
 older planner on the path (``PYTHONPATH`` naming a checkout as ``gpipe_plan``) to record its
 plans; ``--baseline FILE`` then compares with them. Also measured: the gnmt case of issue 27
 (K = 8, M = 8, 1f1b) and the solve of gnmt on 512 devices (``--scale``).
@@ -25,7 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
-from .common import PIPEDREAM, RESULTS, git_revision, machine, table, write_section
+from .common import PIPEDREAM, RESULTS, ROOT, git_revision, machine, table, write_section
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 BATCH_SIZES = {"gnmt": 64, "gnmt_large": 64}   # token inputs: the batch cannot be read off the input
@@ -92,8 +92,11 @@ def cases(names, stages, micro_batches, schedules):
                     yield name, K, M, schedule
 
 
-def record(path: Path, names, stages, micro_batches, schedules, budget_s: float) -> list[dict]:
-    """Solve every case not in ``path`` yet, appending each row as it is done (resumable)."""
+def record(path: Path, names, stages, micro_batches, schedules, budget_s: float, resume: bool) -> list[dict]:
+    """Solve every case, appending each row to ``path`` as it is done; ``resume``: keep the rows
+    already there and solve only the cases they lack."""
+    if not resume and path.exists():
+        path.unlink()
     rows = read_rows(path)
     done = {(r["model"], r["stages"], r["micro_batches"], r["schedule"]) for r in rows}
     loaded = profiles()
@@ -271,9 +274,10 @@ def main(argv=None) -> None:
     parser.add_argument("--micro-batches", default="8,16,32")
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--budget", type=float, default=30.0, help="--time-budget of each solve")
-    parser.add_argument("--record", type=Path, help="only solve the cases into this JSON-lines file (resumable)")
+    parser.add_argument("--record", type=Path, help="only solve the cases into this JSON-lines file")
     parser.add_argument("--rows", type=Path, default=RESULTS / "data" / "exactness-rows.jsonl",
-                        help="where this planner's rows go (resumable)")
+                        help="where this planner's rows go")
+    parser.add_argument("--resume", action="store_true", help="keep the rows already in the file, solve the rest")
     parser.add_argument("--baseline", type=Path, help="rows recorded with an earlier planner, to compare with")
     parser.add_argument("--scale", action="store_true", help="also the solve of gnmt on 512 devices")
     args = parser.parse_args(argv)
@@ -282,12 +286,12 @@ def main(argv=None) -> None:
     ms = [int(x) for x in args.micro_batches.split(",")]
     schedules = [s for s in args.schedules.split(",") if s]
     if args.record:
-        record(args.record, names, stages, ms, schedules, args.budget)
+        record(args.record, names, stages, ms, schedules, args.budget, args.resume)
         return
     args.rows.parent.mkdir(parents=True, exist_ok=True)
-    rows = [r for r in record(args.rows, names, stages, ms, schedules, args.budget)
+    rows = [r for r in record(args.rows, names, stages, ms, schedules, args.budget, args.resume)
             if r["model"] in names and r["stages"] in stages and r["micro_batches"] in ms and r["schedule"] in schedules]
-    baseline = read_rows(args.baseline) if args.baseline else None
+    baseline = read_rows(args.baseline if args.baseline.exists() else ROOT / args.baseline) if args.baseline else None
     gnmt = gnmt_case(args.budget)
     scale = scale_case(args.budget) if args.scale else None
     data = {"rows": rows, "baseline": baseline, "gnmt": gnmt, "scale": scale}
