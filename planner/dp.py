@@ -47,7 +47,7 @@ from typing import Iterable, Sequence
 
 from .budgets import SOLVER_TIME_BUDGET_S
 from .costmodel import CostModel
-from .objective import RELATIVE_SLACK, Evaluation, Solution, evaluate
+from .objective import RELATIVE_SLACK, Evaluation, Solution, evaluate, work_floor
 
 INF = math.inf
 # A bisection over the bits of a float >= 0 ends within 64 halvings (and the jumps after a failed
@@ -509,14 +509,12 @@ class GPipeSolver:
             if bounds is None:
                 return None                               # nothing fits in memory
             best = self._seen = even if even.fits else evaluate(cm, bounds)
-        least_backward = min(cm.pg[L] if False in cm.allowed_recompute else INF,
-                             cm.pgr[L] if True in cm.allowed_recompute else INF)
-        average_work = M * (cm.pf[L] + least_backward + 2 * K * cm.overhead) / K
-        lower = min(best.step_s, max(self._floor, average_work))
+        least_backward = cm.pg if False in cm.allowed_recompute else cm.pgr
+        lower = min(best.step_s, max(self._floor, work_floor(cm, least_backward)))
         stats = {"probes": self.probes, "dp_runs": self.dp_runs,
                  "seconds": round(time.perf_counter() - self.started, 3)}
         return Solution(best, lower >= best.step_s, lower,
-                        "gpipe closed form; out of time inside the DP: best plan seen, average-work bound", stats,
+                        "gpipe closed form; out of time inside the DP: best plan seen, work bound", stats,
                         bound_by="dp")
 
     def _solve(self, cutoff_s: float) -> Solution | None:

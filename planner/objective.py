@@ -132,3 +132,18 @@ def gpipe_optimizer_tail(chunks: Sequence[ChunkCost], stages: Sequence[StageCost
         tail = max(tail, stage.optimizer_s - before)
         before += chunk.forward_s + chunk.send_s
     return tail
+
+
+def work_floor(cm: CostModel, backward_prefix: Sequence[float]) -> float:
+    """A lower bound on every plan's step that needs no table (what a search that ran out of time
+    before its bounds keeps): each stage runs its M forwards and backwards one at a time, so the
+    makespan is at least the average stage's work, and at least the heaviest layer's M forwards
+    and backwards on whichever stage holds it; then stage 0 steps its optimizer (its least).
+    ``backward_prefix``: the prefix sums of each layer's least backward."""
+    L, K, M = cm.L, cm.K, cm.M
+    pf = cm.pf
+    average = M * (pf[L] + backward_prefix[L] + 2 * K * cm.overhead) / K
+    heaviest = M * (max(pf[i + 1] - pf[i] + backward_prefix[i + 1] - backward_prefix[i] for i in range(L))
+                    + 2 * cm.overhead)
+    return max(average, heaviest) + cm.least_first_optimizer()
+

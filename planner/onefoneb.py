@@ -30,7 +30,7 @@ from typing import Iterable
 
 from .budgets import SOLVER_TIME_BUDGET_S, WORK_PER_SECOND
 from .costmodel import CostModel
-from .objective import Incumbent, Solution
+from .objective import Incumbent, Solution, work_floor
 
 INF = math.inf
 
@@ -276,7 +276,7 @@ class OneFOneBSolver:
         The plan is the best of the seeds (GPipe's partition of the same M, in a search) and
         an even split by layer count; the lower bound is the one that needs no table: every
         stage runs its M forwards and M backwards one at a time, so the step takes at least the
-        busiest stage's work, which is at least the average stage's. The gap is then wide but
+        busiest stage's work (objective.work_floor). The gap is then wide but
         honest, and the solve ends within its budget.
         """
         cm, L, K, M = self.cm, self.L, self.K, self.M
@@ -289,11 +289,10 @@ class OneFOneBSolver:
         best = found.best
         if best is None:
             return None
-        average_work = M * (cm.pf[L] + self.other_backward[L] + 2 * K * cm.overhead) / K
-        lower = min(best.step_s, average_work)
+        lower = min(best.step_s, work_floor(cm, self.other_backward))
         return Solution(best, lower >= best.step_s, lower,
                         f"{cm.setting.schedule} {'closed form' if self.gpipe else 'event simulation'}; "
-                        "out of time before the per-stage bounds: best seed, average-work bound",
+                        "out of time before the per-stage bounds: best seed, work bound",
                         {"simulations": self.simulations, "nodes": self.nodes,
                          "seconds": round(time.perf_counter() - started, 3)})
 
