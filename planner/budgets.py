@@ -22,6 +22,12 @@ WORK_PER_SECOND = 10000
 EXPLORE_POINT_TIME_BUDGET_S = 0.5
 SOLVER_TIME_BUDGET_S = 10.0
 
+# The wall clock is only a safety net for the work-budgeted searches (planner/solvers.py): a
+# setting may run past its share of the wall time up to this many times its work budget, so that
+# on a loaded or slower machine the search still stops where its work says, later, and gives the
+# same plan (a solve then takes longer than --time-budget, at most about this many times).
+WALL_SAFETY = 3.0
+
 # With the schedule MILP to follow (planner/milp.py), a setting's branch and bound gets this
 # share of the setting's budget first: what it proves quickly (most 1F1B and zb-h1 settings of
 # few stages) it proves, and its best plan warm-starts the MILP, which gets the rest.

@@ -15,8 +15,8 @@ A setting (M, schedule, v, recomputation) is a cost model; its best cut comes fr
 Every search starts from the same seeds (planner/seeds.py): what the caller found for a related
 setting, then the min-max cut and its neighbours.
 
-Budgets: ``time_budget_s`` is wall time (a safety net), ``work_budget_s`` the same in
-deterministic work (budgets.WORK_PER_SECOND, milp_solve.node_cost_s), which is what ends a search
+Budgets: ``time_budget_s`` is wall time (a safety net, stretched to budgets.WALL_SAFETY times the
+work budget), ``work_budget_s`` the same in deterministic work (budgets.WORK_PER_SECOND, milp_solve.node_cost_s), which is what ends a search
 in practice, so that a plan is the same on every run. The work a search used is in its
 ``stats["work_s"]``: what it leaves goes to the settings after it (search.SettingBudgets), and
 what all of them leave to :func:`tighten`, which spends it on the setting that keeps the proof
@@ -30,7 +30,7 @@ import time
 from typing import Sequence
 
 from . import milp, milp_solve
-from .budgets import BRANCH_AND_BOUND_SHARE, WORK_PER_SECOND
+from .budgets import BRANCH_AND_BOUND_SHARE, WALL_SAFETY, WORK_PER_SECOND
 from .chunked import ChunkedSolver
 from .costmodel import CostModel
 from .dp import GPipeSolver
@@ -53,6 +53,9 @@ def solve_cost_model(cm: CostModel, solver: str, time_budget_s: float, seeds: Se
         return _used(milp_solve.solve(cm, seeds, cutoff_s, work_s, time_budget_s), None)
     if cm.schedule == "gpipe":
         return _used(GPipeSolver(cm, time_budget_s=time_budget_s, seeds=seeds).solve(cutoff_s), 0.0)
+    # For the work-budgeted searches the wall clock is a safety net: past the setting's share only
+    # where the work is far from done (GPipe's search and the ILP keep the clock as their budget).
+    time_budget_s = max(time_budget_s, WALL_SAFETY * work_s)
     follow = (milp.available() is not None and cm.C <= cm.L
               and work_s * (1 - BRANCH_AND_BOUND_SHARE) >= 1.5 * milp.fixed_cost_s(cm))
     share = BRANCH_AND_BOUND_SHARE if follow else 1.0
@@ -108,7 +111,7 @@ def tighten(candidates: Sequence, cost_model, cutoff_s: float, work_budget_s: fl
     tried: set[int] = set()
     while True:
         left = work_budget_s - spent
-        wall = time_budget_s - (time.perf_counter() - started)
+        wall = max(time_budget_s, WALL_SAFETY * work_budget_s) - (time.perf_counter() - started)
         open_ = [c for c in candidates if c.solution is not None and id(c) not in tried
                  and not settled(c.solution, best)]
         if not open_ or left <= 0 or wall <= 0 or milp.available() is None:
