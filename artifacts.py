@@ -18,10 +18,14 @@ No torch here: ``gpipe-plan solve`` imports this and must start fast.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
 import os
+import re
+import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -122,6 +126,93 @@ def dumps(doc: Any) -> str:
     return json.dumps(_finite(doc), indent=2, ensure_ascii=False, allow_nan=False) + "\n"
 
 
+# --------------------------------------------------------------------------- writing
+# How a file is written: in full to a temporary file beside it, flushed to the disk, then
+# renamed over it (a rename within a folder is atomic), so that a reader sees the old file or
+# the new one, never half. The temporary file is named ``.NAME.HOST.PID.RANDOM.tmp``: a
+# writer killed before its rename (kill -9, a power cut) leaves it behind, and the next write
+# of NAME from this host removes every one whose process is gone (:func:`clear_leftovers`).
+# The host is part of the name because on a shared file system a process number says nothing
+# about another machine's processes: their leftovers are left to them.
+TEMP_SUFFIX = ".tmp"
+HOST_TAG = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
+# What the check before any work writes to a folder to learn that it can be written: a
+# device with less room than this is as good as full.
+PROBE_BYTES = 64 * 1024
+
+
+def temp_prefix(target: Path) -> str:
+    """The start of this process's temporary files for ``target``: ``.NAME.HOST.PID.``."""
+    return f".{target.name}.{HOST_TAG}.{os.getpid()}."
+
+
+def clear_leftovers(target: str | os.PathLike[str]) -> list[Path]:
+    """Remove the temporary files that killed writers of ``target`` left beside it; return them.
+
+    Only this host's, and only those whose process no longer runs: a live writer's file (another
+    command writing the same path at this moment) is its own.
+    """
+    p = Path(target)
+    folder = p.parent if str(p.parent) else Path(".")
+    start = f".{p.name}.{HOST_TAG}."
+    removed = []
+    try:
+        children = list(folder.iterdir())
+    except OSError:
+        return removed
+    for child in children:
+        name = child.name
+        if not (name.startswith(start) and name.endswith(TEMP_SUFFIX)):
+            continue
+        pid = name[len(start):].split(".", 1)[0]
+        if pid.isdigit() and not process_alive(int(pid)):
+            try:
+                child.unlink()
+                removed.append(child)
+            except OSError:
+                pass
+    return removed
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cannot_write(path: str | os.PathLike[str], exc: OSError, flag: str | None = None,
+                 size: int | None = None) -> BadInput:
+    """The one line for a file the system would not let us write: which file, and why, in words."""
+    p = Path(path)
+    folder = p.parent if str(p.parent) else Path(".")
+    what = f"{flag} '{p}'" if flag else f"'{p}'"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            free = f", {_format_size(shutil.disk_usage(folder).free)} free"
+        except OSError:
+            free = ""
+        need = f" for {_format_size(size)}" if size else ""
+        kind = "no space left" if exc.errno == errno.ENOSPC else "the disk quota is used up"
+        return BadInput(f"cannot write {what}: {kind} on the device holding '{folder}'{free}{need}; "
+                        f"free some space or write it elsewhere")
+    reason = {errno.EROFS: "its file system is read-only", errno.EACCES: f"folder '{folder}' is not writable",
+              errno.EPERM: f"folder '{folder}' is not writable",
+              errno.ENOENT: f"no file can be created in folder '{folder}'"}.get(exc.errno or 0,
+                                                                                exc.strerror or str(exc))
+    return BadInput(f"cannot write {what}: {reason}")
+
+
+def _format_size(n: int) -> str:
+    from .units import format_bytes   # here, not at the top: units imports BadInput from this module
+
+    return format_bytes(n)
+
+
 def write_json_atomic(path: str | os.PathLike[str], doc: Any) -> None:
     """Write ``doc`` as JSON to ``path`` so that readers see the old file or the new one, never half."""
     write_text_atomic(path, dumps(doc))
@@ -129,6 +220,107 @@ def write_json_atomic(path: str | os.PathLike[str], doc: Any) -> None:
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file renamed over it, with the mode a
+    plain ``open(path, "w")`` would give (see :func:`_creation_mode`). A file that cannot be
+    written (a full disk, a read-only file system) is :class:`BadInput`, and leaves nothing."""
+    with Outputs() as outputs:
+        outputs.add(path, data)
+
+
+class Outputs:
+    """Every file one command writes, made visible together: all of them or none.
+
+    ``add`` writes a file in full to its temporary file (flushed to the disk) at once, so that a
+    full disk shows there; leaving the ``with`` block renames every one over its target, one
+    after the other; an error inside the block removes them all and the old files stay as they
+    were. So ``run --save m.pt --trace t.json --report r.json`` on a full disk no longer
+    replaces the model and then fails on the report. The renames take no space and do not fail
+    on a healthy file system; a crash among them leaves some new files and some old ones, each
+    whole.
+    """
+
+    def __init__(self) -> None:
+        self._staged: list[tuple[Path, str]] = []
+
+    def __enter__(self) -> "Outputs":
+        return self
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+        if kind is None:
+            self.commit()
+        else:
+            self.discard()
+
+    def add(self, path: str | os.PathLike[str], data: bytes | str, flag: str | None = None) -> None:
+        """Write ``data`` to ``path``'s temporary file now; :class:`BadInput` if the system refuses."""
+        if isinstance(data, str):
+            data = data.encode("utf-8")
+        p = Path(path)
+        folder = p.parent if str(p.parent) else Path(".")
+        if not folder.exists():
+            raise BadInput(f"cannot write {flag + ' ' if flag else ''}'{p}': folder '{folder}' does not exist")
+        clear_leftovers(p)
+        mode = _creation_mode(p)
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=temp_prefix(p), suffix=TEMP_SUFFIX, dir=folder)
+        except OSError as exc:
+            raise cannot_write(p, exc, flag, len(data)) from None
+        try:
+            os.fchmod(fd, mode)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException as exc:
+            _unlink(tmp)
+            if isinstance(exc, OSError):
+                raise cannot_write(p, exc, flag, len(data)) from None
+            raise
+        self._staged.append((p, tmp))
+
+    def commit(self) -> None:
+        """Rename every staged file over its target, then make the renames durable."""
+        folders = set()
+        try:
+            while self._staged:
+                target, tmp = self._staged[0]
+                os.replace(tmp, target)
+                self._staged.pop(0)
+                folders.add(target.parent if str(target.parent) else Path("."))
+        except OSError as exc:
+            self.discard()
+            raise cannot_write(target, exc) from None
+        for folder in folders:
+            fsync_folder(folder)
+
+    def discard(self) -> None:
+        for _, tmp in self._staged:
+            _unlink(tmp)
+        self._staged = []
+
+
+def _unlink(path: str | os.PathLike[str]) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def fsync_folder(folder: str | os.PathLike[str]) -> None:
+    """Make the renames in ``folder`` durable (a crash after them must not bring the old names back)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def check_output_paths(outputs: dict[str, str | os.PathLike[str] | None],
@@ -140,17 +332,24 @@ def check_output_paths(outputs: dict[str, str | os.PathLike[str] | None],
     or fails before touching any: ``solve --out plan.json --timeline missing/t.svg`` must not
     replace plan.json and then fail on the timeline, and ``run --report`` to a folder it cannot
     write must not train for an hour first. Checked: the path is not a folder, its folder
-    exists and is a folder we may create files in, an existing file there may be replaced, and
-    it is none of the command's ``inputs`` (``export plan.json -o plan.json`` would replace the
-    plan it reads).
+    exists and is a folder we may create files in (a small file is written there and removed:
+    that finds a full disk, a read-only file system and a folder such as /proc where no file
+    can be made, which permissions alone do not say), an existing file there may be replaced,
+    no two outputs name one file (one would silently be lost), and no output is one of the
+    command's ``inputs`` (``export plan.json -o plan.json`` would replace the plan it reads).
     """
     read = {Path(path).resolve() for path in inputs}
+    named: dict[Path, str] = {}
     for flag, value in outputs.items():
         if value is None:
             continue
         p = Path(value)
-        if p.resolve() in read:
+        resolved = p.resolve()
+        if resolved in read:
             raise BadInput(f"cannot write {flag} '{p}': it is the file this command reads; choose another path")
+        if resolved in named:
+            raise BadInput(f"{named[resolved]} and {flag} both name '{p}': one would be lost; give each its own path")
+        named[resolved] = flag
         folder = p.parent if str(p.parent) else Path(".")
         if p.is_dir():
             raise BadInput(f"cannot write {flag} '{p}': it is a folder")
@@ -161,6 +360,26 @@ def check_output_paths(outputs: dict[str, str | os.PathLike[str] | None],
         # that needs write and search permission on the folder (not on an existing file).
         if not os.access(folder, os.W_OK | os.X_OK):
             raise BadInput(f"cannot write {flag} '{p}': folder '{folder}' is not writable")
+        _probe(p, flag)
+
+
+def _probe(target: Path, flag: str) -> None:
+    """Create a temporary file beside ``target``, give it :data:`PROBE_BYTES`, remove it."""
+    folder = target.parent if str(target.parent) else Path(".")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(target), suffix=TEMP_SUFFIX, dir=folder)
+    except OSError as exc:
+        raise cannot_write(target, exc, flag) from None
+    try:
+        try:
+            os.posix_fallocate(fd, 0, PROBE_BYTES)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise cannot_write(target, exc, flag) from None
+            # EOPNOTSUPP and the like: a file system that cannot reserve space says nothing here.
+    finally:
+        os.close(fd)
+        _unlink(tmp)
 
 
 def _creation_mode(target: Path) -> int:
@@ -176,30 +395,6 @@ def _creation_mode(target: Path) -> int:
         umask = os.umask(0)       # the only way to read it; set back at once (the CLI is one thread)
         os.umask(umask)
         return 0o666 & ~umask
-
-
-def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file renamed over it, with the mode a
-    plain ``open(path, "w")`` would give (see :func:`_creation_mode`)."""
-    p = Path(path)
-    folder = p.parent if str(p.parent) else Path(".")
-    if not folder.exists():
-        raise BadInput(f"cannot write '{p}': folder '{folder}' does not exist")
-    mode = _creation_mode(p)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=folder)
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:

@@ -111,8 +111,9 @@ def main() -> None:
                    "lm (logits (batch, seq, vocab) against the next token of the input ids; needs --vocab-size), "
                    "or your own fn(outputs, targets) -> mean loss (with --data).")
 @click.option("--data", default=None, metavar="pkg.module:factory",
-              help="Your model's data: factory(batch_size) yields (inputs, targets) mini-batches; the inputs' "
-                   "shapes come from them. The profile times your loss on them; `run` trains on them.")
+              help="Your model's data: factory(batch_size) yields (inputs, targets) mini-batches (lm: ids and next "
+                   "ids, both (batch, seq); classify: class ids (batch,)); the inputs' shapes come from them, and "
+                   "--input-shape and the like, if given, must agree. `run` trains on them.")
 @click.option("--cut-at", default=None, metavar="REGEX",
               help="Your model: module paths that become the layers, e.g. 'model\\.layers\\.\\d+'. "
                    "Default: each block of the model's repeated block list, and each other module with weights.")
@@ -132,7 +133,8 @@ def main() -> None:
                    "(gloo on CPU; NCCL on CUDA, the all-reduce over every GPU, at most 8).")
 @click.option("--contention-processes", type=int, default=None, metavar="N",
               help="CPU: also time the model with N processes computing at once (as N stages do), so "
-                   "plans predict what neighbours cost; 0: do not. Default: cores / --threads, 2 to 8.")
+                   "plans predict what neighbours cost; 0: do not. Default: cores / --threads, at most 8 "
+                   "(0 on one core); more than the cores run at once is refused.")
 @click.option("--recompute-timing/--no-recompute-timing", default=True, show_default=True,
               help="Also time every layer under activation checkpointing, so that plans price recomputation "
                    "as measured (about a third more profiling time).")
@@ -140,6 +142,9 @@ def main() -> None:
               help="Also time every layer's backward split into the input and the weight gradient, and weigh what "
                    "stays alive between them, so that plans price zero-bubble schedules (zb-h1, zb-v) as measured "
                    "(about a third more profiling time).")
+@click.option("--fixed-costs/--no-fixed-costs", default=True, show_default=True,
+              help="Also run a short 2-process pipeline of the model's layers to measure what the runtime costs "
+                   "per action and message, which plans charge (seconds; see docs/profile-format.md).")
 @click.option("--layer-by-layer/--whole-model", default=None,
               help="Layer by layer: only the layer being measured is in memory, and layers that are alike (same "
                    "code, parameter shapes, input and output shapes: a transformer's blocks) are measured once. "
@@ -283,7 +288,10 @@ def explore(**options: Any) -> None:
                    "measured times. Off by default: the probe times a generic workload, whose drift can differ "
                    "from the model's own, so dividing it out can move the times away from what the model cost "
                    "(docs/runtime.md, 'Calibration').")
-def calibrate(report: str, profile_path: str | None, out: str | None, speed_correction: bool) -> None:
+@click.option("--force", is_flag=True, default=False,
+              help="Fold the run in even when calibrate would refuse it as not the model's cost (a busy host, a "
+                   "ratio no correct run gives); a run of another model or profile is refused all the same.")
+def calibrate(report: str, profile_path: str | None, out: str | None, speed_correction: bool, force: bool) -> None:
     """Fold a run's measured per-stage times (REPORT from `run --report`) into its profile.
 
     A second `solve` with the calibrated profile plans with what the pipeline really costs.
@@ -292,7 +300,7 @@ def calibrate(report: str, profile_path: str | None, out: str | None, speed_corr
     from .profiles.command_calibrate import calibrate_command
 
     check_output_paths({"--out": out}, inputs=(report,) + ((profile_path,) if profile_path else ()))
-    calibrate_command(report, profile_path, out, speed_correction=speed_correction)
+    calibrate_command(report, profile_path, out, speed_correction=speed_correction, force=force)
 
 
 # --------------------------------------------------------------------------- import-pipedream
@@ -328,18 +336,19 @@ def export(plan: str, target: str | None, out: str | None, schedule_csv: str | N
     gpipe-plan export plan.json --to torch -o train.py
     gpipe-plan export plan.json --schedule-csv schedule.csv
     """
-    from .artifacts import check_output_paths
+    from .artifacts import Outputs, check_output_paths
     from .planner.export import describe, describe_export, export_plan, export_schedule_csv
 
     if target is None and schedule_csv is None:
         raise BadInput("say what to export: --to torch|torchtitan|megatron|deepspeed, or --schedule-csv FILE")
     if target is None and out is not None:
         raise BadInput("--out goes with --to TARGET; the schedule's CSV is written to --schedule-csv FILE")
+    check_output_paths({"--out": out, "--schedule-csv": schedule_csv}, inputs=(plan,))
     # The target first (it refuses what it cannot export), the CSV after: a refusal writes nothing.
-    check_output_paths({"--schedule-csv": schedule_csv}, inputs=(plan,))
-    lines = describe_export(export_plan(plan, target, out)) if target is not None else []
-    if schedule_csv is not None:
-        lines = describe(export_schedule_csv(plan, schedule_csv)) + lines
+    with Outputs() as outputs:
+        lines = describe_export(export_plan(plan, target, out, outputs)) if target is not None else []
+        if schedule_csv is not None:
+            lines = describe(export_schedule_csv(plan, schedule_csv, outputs)) + lines
     for line in lines:
         click.echo(line)
 

@@ -11,8 +11,9 @@ beside cli.py, not in any of them.
    that the loss visibly falls from ln 256 = 5.5, a uniform guess among 256 bytes;
 4. show the plan, its predicted timeline, measured against predicted, and the loss.
 
-Everything is written to ``--out-dir`` (a temporary folder by default), so the profile, the
-plan, the report and the trace can be looked at afterwards.
+Everything is written to ``--out-dir``, so that the profile, the plan, the report and the trace
+can be looked at afterwards; without it, to a temporary folder that is deleted at the end, as
+the last line says.
 """
 
 from __future__ import annotations
@@ -40,9 +41,15 @@ GRAD_CLIP = 1.0
 STEPS = 100
 
 
+# What the demo writes, and what each file is.
+FILES = {"profile.json": "", "plan.json": "", "plan.svg": "the predicted timeline", "report.json": "",
+         "trace.json": "the measured one: open it in https://ui.perfetto.dev"}
+
+
 def demo_command(steps: int = STEPS, stages: int = 2, out_dir: str | None = None) -> None:
     check_demo_flags(steps, stages, out_dir)     # before half a minute of profiling
     console = Console()
+    started = time.monotonic()
     if out_dir is not None:
         folder = Path(out_dir)
         folder.mkdir(parents=True, exist_ok=True)
@@ -50,6 +57,17 @@ def demo_command(steps: int = STEPS, stages: int = 2, out_dir: str | None = None
     else:
         with tempfile.TemporaryDirectory(prefix="gpipe-plan-demo-") as tmp:
             _demo(console, Path(tmp), steps, stages)
+    console.print(f"\ndone in {time.monotonic() - started:.0f} s. {files_line(out_dir)}", highlight=False)
+
+
+def files_line(out_dir: str | None) -> str:
+    """Where the demo's files are: in ``--out-dir``, or gone with the temporary folder they
+    were written to (and how to keep them)."""
+    if out_dir is not None:
+        listed = ", ".join(f"{name} ({what})" if what else name for name, what in FILES.items())
+        return f"Files in {out_dir}: {listed}"
+    return (f"The files ({', '.join(FILES)}) were in a temporary folder, deleted now: keep them with "
+            f"`gpipe-plan demo --out-dir DIR`")
 
 
 def check_demo_flags(steps: int, stages: int, out_dir: str | None) -> None:
@@ -78,7 +96,6 @@ def _demo(console: Console, folder: Path, steps: int, stages: int) -> None:
     import warnings
 
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    started = time.monotonic()
     profile_path, plan_path = folder / "profile.json", folder / "plan.json"
 
     console.rule("[bold]1. profile[/] the built-in gpt, layer by layer, 1 thread")
@@ -98,22 +115,21 @@ def _demo(console: Console, folder: Path, steps: int, stages: int) -> None:
     threads = int(profile["device"].get("threads") or 1)
     launch_local(options, stages, threads)
     console.print(loss_line(report_path), highlight=False)
-    console.print(f"\ndone in {time.monotonic() - started:.0f} s. Files in {folder}: profile.json, plan.json, "
-                  f"plan.svg (the predicted timeline), report.json, trace.json (the measured one: open it in "
-                  f"https://ui.perfetto.dev)", highlight=False)
 
 
 def _profile(console: Console, path: Path, stages: int) -> dict[str, Any]:
     import torch
 
     from .models import model_spec
+    from .profiles.phases import phase_lines
     from .profiles.profiler import ProfileRequest, profile_model
 
     request = ProfileRequest(spec=model_spec("gpt"), micro_batch_sizes=MICRO_BATCH_SIZES,
                              device=torch.device("cpu"), threads=1, warmup=2, repeats=5, batch_size=GLOBAL_BATCH,
                              # the stages will compute side by side: measure what that costs
                              contention_processes=stages if stages > 1 else 0)
-    doc = profile_model(request)
+    with phase_lines():      # what the profile is doing, a line each, as profile prints them
+        doc = profile_model(request)
     doc["global_batch_size"] = GLOBAL_BATCH   # as `profile --global-batch-size`: what solve plans for
     write_artifact(path, doc, "profile")
     from .profiles.show import render_profile

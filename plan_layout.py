@@ -121,7 +121,9 @@ def _check_outputs(item: dict[str, Any], prefix: str) -> None:
 
 # ---------------------------------------------------------------------- replicas (plan format 6)
 GRADIENT_SYNCS = ("ddp", "fsdp")
-PLACEMENT_ORDERS = ("pipeline-inner", "data-inner")
+# How ranks are laid out: a replica's stages consecutive, a stage's replicas consecutive, or (plan
+# format 7) one stage of d replicas, which has no pipeline to lay out (format 6 called it pipeline-inner).
+PLACEMENT_ORDERS = ("pipeline-inner", "data-inner", "data-only")
 
 
 def data_parallel(doc: dict[str, Any]) -> int:

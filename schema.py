@@ -33,7 +33,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .artifacts import BadInput, dumps, read_json, write_text_atomic
+from .artifacts import BadInput, Outputs, dumps, read_json
 from .plan_layout import GRADIENT_SYNCS, PLACEMENT_ORDERS
 
 # Ceilings: far above any real value, far below where sums of them overflow a float.
@@ -71,6 +71,15 @@ REPORT_FORMAT = "gpipe-plan.report"
 #      stays alive between the halves (``weight_kept_bytes``).
 #   8  the all-reduce in ``link`` (``allreduce_bandwidth_bytes_per_s``, ...): what a data-parallel
 #      gradient sync costs; each layer's ``module``.
+#   9  ``fixed_costs``: the runtime's fixed cost per action kind and per message, and between
+#      actions, measured with a short real pipeline (profiles/fixedcosts.py); on CUDA each
+#      layer's CPU issue time (``issue_forward_s``, ``issue_backward_s``) beside its GPU time,
+#      which is then measured behind a backlog (profiles/issue.py).
+#      A CPU profile's ``device.memory_bytes``: the host's memory (or its container's limit), which
+#      a plan's ranks on that host share; plans fit it unless ``--memory-limit`` says otherwise;
+#      and its ``device.cores``: the CPUs the ranks share (more ranks than cores time-share them).
+#      ``host_load``: per phase of the measurement, the cores other processes used and took from
+#      it; a plan from a profile measured on a busy host says so.
 # Plan
 #   2  ``options.compute_scale``.
 #   3  the precision (``precision``, ``param_dtype``; before it, fp32).
@@ -80,18 +89,30 @@ REPORT_FORMAT = "gpipe-plan.report"
 #      it reads as one chunk per stage.
 #   6  d replicas of the pipeline (``data_parallel``, ``gradient_sync``, ``placement``,
 #      ``factorisations``); a plan before it is one replica, stage k on rank k.
-#   7  what proved or bounded the plan (``optimality.bound_by``, ``settings_bound_by``, one of
-#      BOUND_METHODS each, and ``milp_solver``); a plan before it does not say.
+#   7  ``options.fixed_costs``: the fixed costs per action kind and message the plan charged
+#      (planner/fixedcosts.py; absent or null: none beyond ``per_microbatch_overhead_s``); the
+#      placement order ``data-only`` for one stage of d > 1 replicas (no pipeline: version 6
+#      named it ``pipeline-inner``, and reads as it is); ``options.concurrent_ranks`` and
+#      ``predicted.dedicated_step_s`` where the ranks share fewer cores than they are (absent or
+#      null: a core each, as before); what proved or bounded the plan (``optimality.bound_by``,
+#      ``settings_bound_by``, one of BOUND_METHODS each, and ``milp_solver``); a plan before it
+#      does not say.
 # Report
 #   2  the run's precision and, on CUDA, the allocator's reserved memory and what lies outside it.
 #   3  the per-micro-batch times move into ``chunks`` (with the halves of a split backward); its
 #      ``stages`` are devices, with their memory and idle time.
 #   4  data parallel: ``data_parallel``, ``gradient_sync``, per stage its measured gradient sync
 #      beside the plan's and its ``replicas``; the stages' figures are replica 0's.
-FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 8, PLAN_FORMAT: 7, REPORT_FORMAT: 4}
-READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8),
+#   5  the host's load over the steps (``host_load``: the cores other processes used, and took
+#      from the run); each speed probe's spread (``speed.per_rank_probe_spread``); the headline
+#      judges the plan's own prediction (``basis`` "profile"), with the speed-adjusted one beside
+#      it only where the probe held steady (``at_run_speed``, else ``speed_left_out``) and
+#      ``host_busy``. A version-4 headline (its prediction the speed-adjusted one) is read and
+#      shown as version 5 would make it from the report's own fields.
+FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 9, PLAN_FORMAT: 7, REPORT_FORMAT: 5}
+READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8, 9),
                                                  PLAN_FORMAT: (1, 2, 3, 4, 5, 6, 7),
-                                                 REPORT_FORMAT: (1, 2, 3, 4)}
+                                                 REPORT_FORMAT: (1, 2, 3, 4, 5)}
 
 
 # What can give a searched setting its lower bound, as a plan's ``optimality.bound_by`` names it
@@ -115,8 +136,15 @@ MILP_SOLVERS = ("HiGHS", "CBC")
 #   ``measured_as`` (before 6): every layer was measured (:func:`layers_sharing_figures`).
 #   the split backward (before 7): I = W = backward / 2 (:func:`split_backward_timed`, LayerFigures).
 #   the all-reduce in ``link`` (before 8): a gradient sync is priced with the point-to-point figures.
+#   ``fixed_costs`` (before 9; ``profile --no-fixed-costs``): none are charged but the calibrated
+#   overhead, with several stages only, and a plan says so (planner/fixedcosts.py).
+#   the issue times (before 9; never on a CPU): an action takes its layers' time.
+#   a CPU's ``device.memory_bytes`` (before 9): a CPU plan has no memory limit but ``--memory-limit``.
+#   a CPU's ``device.cores`` (before 9): its ranks are taken to have a core each (no time-sharing).
+#   ``host_load`` (before 9): how busy the host was is not known, and nothing is said of it.
 RECOMPUTE_FIELDS = ("recompute_forward_s", "recompute_backward_s")
 SPLIT_FIELDS = ("backward_input_s", "backward_weight_s", "weight_kept_bytes")
+ISSUE_FIELDS = ("issue_forward_s", "issue_backward_s")          # version 9, CUDA profiles
 
 
 def recompute_timed(doc: dict[str, Any]) -> bool:
@@ -390,6 +418,11 @@ def _ratio(nullable: bool = True) -> Number:
     return Number(None, MAX_RATIO, nullable=nullable)
 
 
+def _cores(nullable: bool = False) -> Number:
+    """A number of CPU cores in use on average (a share of a host's): >= 0."""
+    return Number(0.0, float(MAX_COUNT), nullable=nullable)
+
+
 def _loss() -> Number:
     return Number(None, MAX_LOSS, nullable=True)
 
@@ -420,6 +453,9 @@ DEVICE = Object({
     "context_bytes": may(_bytes(nullable=True)),
     "speed_probe_s": may(_seconds(nullable=True)),
     "speed_probe_workload": may(Items(_count(0), nullable=True)),
+    # Version 9, CPU: the CPUs the profiler could run on (its affinity mask): the cores the
+    # ranks of a plan on that host share (docs/planner.md, "More ranks than cores").
+    "cores": may(_count(1, nullable=True)),
 })
 
 LAYER = Object({
@@ -444,7 +480,38 @@ LAYER = Object({
     "backward_input_s": may(_per_size(_seconds(), nullable=True)),
     "backward_weight_s": may(_per_size(_seconds(), nullable=True)),
     "weight_kept_bytes": may(_per_size(_bytes(), nullable=True)),
+    # Version 9, CUDA: the CPU's time to issue the layer's passes (the GPU busy meanwhile).
+    "issue_forward_s": may(_per_size(_seconds(), nullable=True)),
+    "issue_backward_s": may(_per_size(_seconds(), nullable=True)),
 })
+
+# One host over one window (gpipe_plan/hostload.py, window_load): a run's report per host
+# (version 5), a profile's per phase (version 9).
+HOST_WINDOW = {
+    "cores": need(_count(1)),
+    "needed_cores": need(_count(0)),
+    "run_cores": may(_cores()),
+    "other_cores": need(_cores()),
+    "steal_cores": may(_cores()),
+    "contended_cores": need(_cores()),
+    "window_s": may(_seconds()),
+}
+
+FIXED_COST_KEYS = ("forward_s", "backward_s", "backward_input_s", "backward_weight_s", "send_s", "receive_s",
+                   "between_actions_s")
+FIXED_COSTS = Object({
+    **{key: need(_seconds()) for key in FIXED_COST_KEYS},
+    "spread": may(Table(_seconds(), nullable=True)),
+    "executor": may(Text(nullable=True)),
+    "backend": may(Text(nullable=True)),
+    "processes": may(_count(2, nullable=True)),
+    "threads_per_process": may(_count(1, nullable=True)),
+    "micro_batch_size": may(_count(1, nullable=True)),
+    "compute_scale": may(Number(0.0, MAX_RATIO, nullable=True)),
+    "layers": may(Items(Text(), nullable=True)),
+    "configurations": may(Items(Anything(), nullable=True)),
+    "seconds": may(_seconds(nullable=True)),
+}, nullable=True)
 
 PROFILE = Object({
     "model": need(MODEL),
@@ -482,6 +549,7 @@ PROFILE = Object({
     }, nullable=True)),
     "recompute_call_s": may(_per_size(_seconds(), nullable=True)),
     "overhead": may(Object({"per_microbatch_s": may(_seconds(nullable=True))}, nullable=True)),
+    "fixed_costs": may(FIXED_COSTS),
     "calibration": may(Items(Anything(), nullable=True)),
     "consistency": may(Object({
         key: may(_per_size(Number(0.0, MAX_SECONDS, nullable=True), nullable=True))
@@ -492,6 +560,10 @@ PROFILE = Object({
         "bytes": need(_bytes()),
     }), nullable=True)),
     "measurement": may(Object(nullable=True)),
+    # Version 9: what other processes used of the host's cores while each phase was measured.
+    "host_load": may(Object({
+        "phases": need(Items(Object({"phase": need(Text(nonempty=True)), **HOST_WINDOW}))),
+    }, nullable=True)),
 })
 
 
@@ -623,7 +695,11 @@ def _plan(solved: bool, chunked: bool) -> Object:
             "link_bandwidth_bytes_per_s": may(Number(0.0, MAX_RATE, nullable=True)),
             "link_latency_s": may(_seconds(nullable=True)),
             "per_microbatch_overhead_s": may(_seconds(nullable=True)),
+            "fixed_costs": may(Object({key: may(_seconds(nullable=True)) for key in FIXED_COST_KEYS[:-1]},
+                                      nullable=True)),
             "compute_scale": may(Number(0.0, MAX_RATIO, nullable=True)),
+            # Version 7: the ranks the host ran at once, when fewer than K (planner/timeshare.py).
+            "concurrent_ranks": may(Number(0.0, MAX_RATIO, nullable=True)),
             "devices": may(_count(1, nullable=True)),
             "data_parallel": may(Anything()),        # an integer >= 1 or "auto", as asked: only printed
             "nodes": may(_count(1, nullable=True)),
@@ -654,6 +730,7 @@ def _plan(solved: bool, chunked: bool) -> Object:
             "noise_fraction": may(_ratio()),
             "noise_sources": may(Table(_ratio(), nullable=True)),
             "gradient_sync_s": may(_seconds(nullable=True)),
+            "dedicated_step_s": may(_seconds(nullable=True)),     # version 7: time-shared plans
         }, nullable=not solved)),
         "optimality": may(Object({
             "proven": may(Flag(nullable=True)),
@@ -760,6 +837,7 @@ REPORT = Object({
         "profile_probe_s": may(_seconds(nullable=True)),
         "run_probe_s": may(_seconds(nullable=True)),
         "per_rank_probe_s": may(Table(Items(_seconds(nullable=True)), nullable=True)),
+        "per_rank_probe_spread": may(Table(Items(_ratio()), nullable=True)),    # version 5
         "ratio": may(Number(0.0, MAX_RATIO, nullable=True)),
         "predicted_step_s_at_run_speed": may(_seconds(nullable=True)),
         "step_time_ratio_at_run_speed": may(_ratio()),
@@ -771,6 +849,27 @@ REPORT = Object({
         "noise_sources": may(Table(_ratio(), nullable=True)),
         "step_time_ratio": need(_ratio()),
         "within_noise": need(Flag(nullable=True)),
+        # Version 5: the speed-adjusted comparison where the probe held steady, else why not; the host.
+        "at_run_speed": may(Object({
+            "predicted_step_s": need(_seconds()),
+            "speed_ratio": need(Number(0.0, MAX_RATIO)),
+            "noise_fraction": need(_ratio()),
+            "step_time_ratio": need(_ratio()),
+            "within_noise": need(Flag(nullable=True)),
+        }, nullable=True)),
+        "speed_left_out": may(Text(nullable=True)),
+        "host_busy": may(Flag(nullable=True)),
+    }, nullable=True)),
+    # Version 5: what the host's other processes used over the steps (gpipe_plan/hostload.py).
+    "host_load": may(Object({
+        "window_s": need(_seconds()),
+        "other_cores": need(_cores()),
+        "contended_cores": need(_cores()),
+        "hosts": need(Items(Object({
+            "host": may(Text(nullable=True)),
+            "ranks": may(Items(_count(0), nullable=True)),
+            **HOST_WINDOW,
+        }))),
     }, nullable=True)),
     "measured_step_s_per_step": may(Table(_seconds(nullable=True), key_pattern=_STEP_KEYS, nullable=True)),
     "predicted_bubble_fraction": may(_ratio()),
@@ -841,13 +940,22 @@ def check_built(doc: Any, kind: str, where: str) -> None:
     _check_written(dumps(doc), kind, where)
 
 
-def write_artifact(path: str | os.PathLike[str], doc: Any, kind: str) -> None:
+def write_artifact(path: str | os.PathLike[str], doc: Any, kind: str, outputs: Outputs | None = None,
+                   flag: str | None = None) -> None:
     """Write a profile, plan or report: checked as :func:`check_built` checks it, then written
-    atomically (:func:`~gpipe_plan.artifacts.write_text_atomic`). The one way an artifact is
-    written: a document its own schema refuses is never written, and the writer fails loudly."""
+    atomically (:class:`~gpipe_plan.artifacts.Outputs`). The one way an artifact is written: a
+    document its own schema refuses is never written, and the writer fails loudly.
+
+    ``outputs``: the set of the command's files this one joins (written with them, all or none);
+    without it, the file is written now. ``flag`` names it in a one-line error.
+    """
     text = dumps(doc)
     _check_written(text, kind, str(path))
-    write_text_atomic(path, text)
+    if outputs is None:
+        with Outputs() as alone:
+            alone.add(path, text, flag)
+    else:
+        outputs.add(path, text, flag)
 
 
 def _check_written(text: str, kind: str, where: str) -> None:

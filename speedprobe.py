@@ -47,6 +47,13 @@ def profile_probe_s(device: dict[str, Any]) -> float | None:
 
 def speed_probe_s(device: str = "cpu", repeats: int = REPEATS) -> float:
     """Median seconds of one repeat of the reference workload on ``device``."""
+    return speed_probe(device, repeats)[0]
+
+
+def speed_probe(device: str = "cpu", repeats: int = REPEATS) -> tuple[float, float]:
+    """``(median, spread)`` of one repeat of the reference workload on ``device``: the median
+    seconds and the repeats' relative spread (:func:`repeat_spread`), which says whether the
+    machine held one speed while it was timed."""
     import torch
 
     dev = torch.device(device)
@@ -71,7 +78,54 @@ def speed_probe_s(device: str = "cpu", repeats: int = REPEATS) -> float:
             for _ in range(10):
                 once()
             times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return statistics.median(times), repeat_spread(times)
+
+
+def repeat_spread(times: list[float]) -> float:
+    """The repeats' interquartile range over their median: 0 for a machine at one speed; a
+    neighbour that comes and goes while the probe runs spreads it."""
+    if len(times) < 4:
+        return 0.0
+    q1, median, q3 = statistics.quantiles(times, n=4)
+    return (q3 - q1) / median if median > 0 else 0.0
+
+
+# The probe tells the run's speed only when it held still: each reading's repeats within this
+# spread (interquartile range over median), and the readings before and after training (every
+# rank) within it of each other (half their range over their mean). Beyond it the machine changed
+# speed while it was measured, and a ratio from it would move the prediction by its noise: the
+# headline then compares with the plan's own prediction alone. On the 2-core development VM,
+# quiet, readings spread by 2-10%; beside two busy loops by 19-150% (docs/runtime.md).
+STEADY = 0.10
+# A speed ratio this close to 1 is the profile's speed: no adjusted prediction is worth printing.
+SAME_SPEED = 0.05
+# One machine drifts by tens of percent (docs/runtime.md, "The machine's speed"), not by this
+# factor: a ratio beyond it says one of the two probes was disturbed, or the run is on another machine.
+DRIFT_LIMIT = 1.5
+
+
+def probe_doubt(readings_s: list[float], spreads: list[float], profile_drift: float | None,
+                ratio: float | None = None) -> str | None:
+    """Why the run's speed ratio cannot be trusted, in words; None when it can.
+
+    ``readings_s``: every probe of the run (each rank, before and after training); ``spreads``:
+    their repeats' spreads (:func:`repeat_spread`; none in reports before version 5);
+    ``profile_drift``: how far the profile's own two probes were apart (half their difference
+    over their mean; None: not recorded); ``ratio``: the run's probe over the profile's.
+    """
+    if len(readings_s) < 2:
+        return "it has fewer than two readings"
+    drift = (max(readings_s) - min(readings_s)) / (max(readings_s) + min(readings_s))
+    if drift > STEADY:
+        return f"its readings before and after training differ by ±{drift:.0%}"
+    if spreads and max(spreads) > STEADY:
+        return f"its repeats spread by {max(spreads):.0%} within one reading"
+    if profile_drift is not None and profile_drift > STEADY:
+        return f"the profile's own two readings differ by ±{profile_drift:.0%}"
+    if ratio is not None and not 1 / DRIFT_LIMIT <= ratio <= DRIFT_LIMIT:
+        return (f"it reads {ratio:.2f}x the profile's time, more than one machine drifts (a disturbed reading, "
+                "or another machine: profile here)")
+    return None
 
 
 def speed_ratio(run_probe_s: float | None, profile_probe_s: float | None) -> float | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Iterable, Sequence
 
 from .artifacts import BadInput
 
@@ -85,3 +86,31 @@ def format_percent(fraction: float | None, decimals: int = 0, sign: bool = False
     if value == 0:
         value = 0.0     # drops the sign of -0.0
     return f"{value:{'+' if sign and value else ''}.{decimals}f}%"
+
+
+# A table's column holds figures of one quantity in one unit, named in its heading (gpipe_plan/tables.py):
+# the unit of the column's largest figure, so that it reads 1 or more and the rest fall in below it.
+TIME_UNITS = (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6))
+BYTE_UNITS = (("TiB", 2.0**40), ("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10), ("B", 1.0))
+
+
+def column_unit(values: Iterable[float | None], units: Sequence[tuple[str, float]]) -> tuple[str, float]:
+    """``(name, size)`` of the largest of ``units`` the column's largest figure is at least one of
+    (the smallest unit when every figure is below it, or there is none)."""
+    largest = max((abs(v) for v in values if v is not None and math.isfinite(v)), default=0.0)
+    for name, size in units:
+        if largest >= size:
+            return name, size
+    return units[-1]
+
+
+def format_figure(value: float | None, size: float = 1.0, digits: int = 3) -> str:
+    """``value`` in units of ``size`` with ``digits`` significant digits and never an exponent:
+    ``0.108``, ``6.43``, ``64.3``, ``643``, ``6431``; ``-`` for None."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    scaled = value / size
+    if scaled == 0:
+        return "0"
+    decimals = min(9, max(0, digits - 1 - math.floor(math.log10(abs(scaled)))))
+    return f"{scaled:.{decimals}f}"

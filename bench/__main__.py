@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PARTS = {
     "profiler": ("bench.profiler", "gpipe-plan profile: wall time, consistency, run-to-run spread"),
     "drift": ("bench.drift", "this machine's speed over time, one process alone and two at once"),
+    "noise": ("bench.noise", "the speed probe's steadiness and the host's load, quiet and beside busy loops"),
     "quality": ("bench.planner_quality", "plan quality on the 14 PipeDream profiles vs the usual heuristics"),
     "solver": ("bench.planner_speed", "solver speed: 2,000 layers x 64 stages, full search on 500 layers"),
     "exactness": ("bench.exactness", "share of plans proven optimal, gaps and solve time on the PipeDream "
@@ -29,6 +30,8 @@ PARTS = {
     "explore": ("bench.explore_grid", "explore grids on two PipeDream profiles; three gpt cells run for real"),
     "handtuning": ("bench.handtuning", "our plan vs a grid of hand-tuned uniform splits x M, measured on this CPU"),
     "accuracy": ("bench.accuracy", "cost model: measured vs predicted step and memory, before/after calibration"),
+    "fidelity": ("bench.fidelity", "does the default plan run fastest? every schedule measured vs predicted, "
+                                   "gpt, resnet, llama at K = 2, 4"),
     "runtime": ("bench.runtime_speedup", "2 stages vs 1 on this CPU: samples/s, per-micro-batch overhead"),
     "efficiency": ("bench.efficiency", "measured step vs ideal and bubble bound; vs torch.distributed.pipelining by hand"),
     "demo": ("bench.demo", "gpipe-plan demo's loss on the text it ships; the text recipe on a 12-layer gpt"),

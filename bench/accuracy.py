@@ -219,9 +219,13 @@ def measure(cells: list[Cell], rounds: int, B: int, steps: int, calibrate: bool,
                     if calibrate:
                         report = folder / f"{cell.slug}.before.report.json"
                         calibrated = folder / f"{cell.slug}.calibrated.json"
-                        cli("calibrate", report, "--profile", profile, "--out", calibrated)
+                        # --force: the part measures what calibration makes of every run it gets;
+                        # one from a busy host is kept, and says so (``forced``; the ledger says how busy)
+                        cli("calibrate", report, "--profile", profile, "--out", calibrated, "--force")
                         after = one_run(cell, calibrated, folder, "after", B, steps, ledger)
-                        after["speed_divided"] = read_json(calibrated)["calibration"][-1]["speed_ratio_divided_out"] != 1.0
+                        last_round = read_json(calibrated)["calibration"][-1]
+                        after["speed_divided"] = last_round["speed_ratio_divided_out"] != 1.0
+                        after["forced"] = last_round.get("forced") or []
                         results[cell.key]["after"].append(after)
                         print(f"round {r + 1} {cell.key:36s} after  {after['ratio']:.3f} "
                               f"(at run speed {after['ratio_at_speed'] or float('nan'):.3f})", flush=True)

@@ -64,6 +64,8 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Callable, Iterable  # noqa: E402
 
+from gpipe_plan.hostload import host_cpu_s  # noqa: E402  (busy and stolen time: one home for both)
+
 GPIPE_PLAN = str(Path(sys.executable).parent / "gpipe-plan")
 BENCH_ENV = dict(os.environ, PYTHONWARNINGS="ignore")
 
@@ -75,16 +77,6 @@ def load_line() -> str:
     except OSError:
         return "load unknown"
     return f"load average {one:.2f} {five:.2f} {fifteen:.2f}"
-
-
-def busy_cpu_s() -> float:
-    """CPU seconds every process on this machine has used so far (from /proc/stat)."""
-    try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    except OSError:
-        return float("nan")
-    user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 def own_cpu_s() -> float:
@@ -103,12 +95,12 @@ class Others:
     cores: float = float("nan")
 
     def __enter__(self) -> "Others":
-        self._busy, self._own, self._t = busy_cpu_s(), own_cpu_s(), time.monotonic()
+        self._busy, self._own, self._t = host_cpu_s(), own_cpu_s(), time.monotonic()
         return self
 
     def __exit__(self, *exc: object) -> None:
         wall = time.monotonic() - self._t
-        used = (busy_cpu_s() - self._busy) - (own_cpu_s() - self._own)
+        used = (host_cpu_s() - self._busy) - (own_cpu_s() - self._own)
         self.cores = max(0.0, used / wall) if wall > 0 else float("nan")
 
 

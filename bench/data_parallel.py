@@ -264,7 +264,10 @@ def measure_cpu(rounds: int, steps: int, ledger: Ledger) -> dict[str, Any]:
                 report = run_plan(plans[key], steps, ledger=ledger)
                 runs.append({"round": r, "shape": key, "measured_step_s": report["measured_step_s"],
                              "predicted_step_s": report.get("predicted_step_s"),
-                             "headline_predicted_step_s": (report.get("headline") or {}).get("predicted_step_s"),
+                             # the plan's step at the run's speed (report version 5's headline
+                             # judges the plan's own, and gives this one only where the probe held)
+                             "headline_predicted_step_s": (report.get("speed") or {}).get(
+                                 "predicted_step_s_at_run_speed"),
                              "predicted_gradient_sync_s": report.get("predicted_gradient_sync_s"),
                              "measured_gradient_sync_s": report.get("measured_gradient_sync_s"),
                              "others_cores": report["_others_cores"]})
@@ -314,8 +317,8 @@ def render_cpu(data: dict[str, Any]) -> str:
             f"{data['global_batch_size']}, each K x d planned by `solve --devices {data['devices']} "
             f"--data-parallel d` and run for {data['steps']} steps in each of {data['rounds']} rounds "
             f"(the shapes interleaved within a round; median step after the first, from the run's report). "
-            f"`predicted`: the plan's step; `at run speed`: the report's headline prediction, adjusted for the "
-            f"machine's speed during the run. Gradient sync: the slowest stage's, per step, as the plan "
+            f"`predicted`: the plan's step; `at run speed`: the plan's step times the report's speed-probe ratio "
+            f"(`speed.predicted_step_s_at_run_speed`), adjusted for the machine's speed during the run. Gradient sync: the slowest stage's, per step, as the plan "
             f"predicts it (`stages[k].gradient_sync_s`; the step pays only what the next step's fill does not "
             f"hide) and as the report measures it (from the stage's last action to its averaged gradients, "
             f"waiting for the slowest replica included; median over rounds).\n\n"

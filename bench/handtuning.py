@@ -24,13 +24,15 @@ spell), and our plan is compared with it within each round.
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from gpipe_plan.artifacts import write_json_atomic
-from gpipe_plan.planner.costmodel import CostModel, Setting, neighbour_scale
+from gpipe_plan.planner.costmodel import CostModel
+from gpipe_plan.planner.search import cost_setting
 from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.profile import Profile
 from tests.handplan import hand_plan  # the hand-written plans are the tests' helper
@@ -65,8 +67,9 @@ def predict(profile_doc: dict[str, Any], balance: list[int], M: int, B: int, sch
     """The planner's prediction for a hand-made plan, with what `solve` charges too (neighbours)."""
     profile = Profile(profile_doc)
     K = len(balance)
-    setting = Setting(K, M, schedule, "never", overhead_s=profile.per_microbatch_overhead_s if K > 1 else 0.0,
-                      compute_scale=neighbour_scale(profile.contention_slowdown, profile.contention_processes, K))
+    setting = cost_setting(profile, stages=K, micro_batches=M, schedule=schedule, virtual_stages=1, recompute="never",
+                           memory_limit_bytes=None, link_bandwidth_bytes_per_s=math.inf, link_latency_s=0.0,
+                           optimizer="adam")
     cm = CostModel(profile.at(B / M), setting)
     bounds = [0]
     for n in balance:
@@ -105,7 +108,8 @@ def measure(args: argparse.Namespace, ledger: Ledger) -> dict[str, Any]:
                 entry["runs"].setdefault(OURS, []).append(_row(rep))
                 plan_doc = read_json(plan)
                 calibrated = folder / "profile.calibrated.json"
-                cli("calibrate", report, "--profile", profile, "--out", calibrated)
+                # --force: a run from a busy host is folded in all the same (the ledger says how busy)
+                cli("calibrate", report, "--profile", profile, "--out", calibrated, "--force")
                 plan_cal = folder / "ours-calibrated.json"
                 cli("solve", calibrated, "-k", 2, "-b", B, "--out", plan_cal, "-q")
                 entry["plans"].append({"round": r, OURS: describe(plan_doc), OURS_CAL: describe(read_json(plan_cal)),

@@ -32,16 +32,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from .common import Others
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -93,18 +93,6 @@ def write_plan(folder: Path, factory: str, shape: list[int], balance: list[int],
     return path
 
 
-def busy_cpu_s() -> float:
-    """CPU seconds every process on this machine has used so far (from /proc/stat)."""
-    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def children_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def step_time(plan: Path, steps: int, *extra: str, attempts: int = 3) -> float:
     """Median step time after the first, from the run's report, measured on a quiet machine.
 
@@ -116,10 +104,10 @@ def step_time(plan: Path, steps: int, *extra: str, attempts: int = 3) -> float:
     env = dict(os.environ, PYTHONPATH=str(HERE), PYTHONWARNINGS="ignore")
     best: tuple[float, float] | None = None
     for _ in range(attempts):
-        busy0, ours0, t0 = busy_cpu_s(), children_cpu_s(), time.monotonic()
-        subprocess.run([GPIPE_PLAN, "run", str(plan), "--steps", str(steps), "--report", str(report), "-q",
-                        "--optimizer", "sgd", *extra], check=True, env=env, cwd=HERE)
-        others = ((busy_cpu_s() - busy0) - (children_cpu_s() - ours0)) / (time.monotonic() - t0)
+        with Others() as measured:
+            subprocess.run([GPIPE_PLAN, "run", str(plan), "--steps", str(steps), "--report", str(report), "-q",
+                            "--optimizer", "sgd", *extra], check=True, env=env, cwd=HERE)
+        others = measured.cores
         seconds = float(json.loads(report.read_text())["measured_step_s"])
         if best is None or others < best[1]:
             best = (seconds, others)

@@ -36,7 +36,8 @@ __all__ = [
 _BUILDERS = {"gpt": gpt.build, "resnet": resnet.build}
 
 
-def build_model(spec: dict[str, Any], seed: int = 0, materialize: Collection[int] | None = None) -> LayeredModel:
+def build_model(spec: dict[str, Any], seed: int = 0, materialize: Collection[int] | None = None,
+                announce: Callable[[str], None] | None = None) -> LayeredModel:
     """Construct the model ``spec`` describes, with the initial parameters ``seed`` gives it.
 
     Every process that calls this with the same spec and seed gets bit-identical parameters,
@@ -48,8 +49,11 @@ def build_model(spec: dict[str, Any], seed: int = 0, materialize: Collection[int
     device, taking no memory, for :func:`materialize_layers` to make real later: a layer's
     values never depend on which others are real (models/materialize.py). A model that cannot
     be built that way is built whole, every parameter real (:func:`built_whole` says why).
+
+    ``announce``: told, in one line, each slow phase of the build as it begins (a capture
+    with ``torch.export``), for the profiler's phase lines (profiles/phases.py).
     """
-    builder = _builder(spec)
+    builder = _builder(spec, announce)
     model = build_on_meta(builder, seed)
     model.module.train()
     everything = materialize is None
@@ -57,7 +61,7 @@ def build_model(spec: dict[str, Any], seed: int = 0, materialize: Collection[int
     return model
 
 
-def _builder(spec: dict[str, Any]) -> Callable[[], LayeredModel]:
+def _builder(spec: dict[str, Any], announce: Callable[[str], None] | None = None) -> Callable[[], LayeredModel]:
     """The checked spec's builder, ready to call (BadInput for a spec that names no model)."""
     source = spec.get("source") if isinstance(spec, dict) else None
     if source == "builtin":
@@ -69,7 +73,7 @@ def _builder(spec: dict[str, Any]) -> Callable[[], LayeredModel]:
         build = _BUILDERS[name]
     elif source == "import":
         checked = model_spec(str(spec.get("factory")), **{k: spec.get(k) for k in IMPORT_OPTIONS})
-        build = user.build
+        return lambda: user.build(checked, announce)
     elif source == "pipedream":
         raise BadInput(f"model '{spec.get('name')}' comes from an imported PipeDream profile: "
                        f"it can be planned, but there is no PyTorch model to run")

@@ -49,6 +49,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from .layered import loss_output_note
 from .traced import _dataflow, _fetch, _Group, _layers, _unique_names
 
 # Operations that only check (shapes, dtypes, guards) and compute nothing: dropped, since an
@@ -61,14 +62,17 @@ class NotCapturable(Exception):
 
 
 def split_exported(module: nn.Module, example_inputs: tuple[torch.Tensor, ...],
-                   cut_at: str | None = None) -> list[tuple[str, nn.Module]]:
+                   cut_at: str | None = None, notes: list[str] | None = None) -> list[tuple[str, nn.Module]]:
     """``module`` as ``(name, layer)`` pairs following the calling convention of LayeredModel.
 
     ``example_inputs`` have a batch dimension of at least 2 (export specialises a size of 1).
     ``cut_at``: a regular expression over module paths whose matches are the layers; default:
-    the elements of the model's repeated block lists.
+    the elements of the model's repeated block lists. ``notes`` gets which output of a dict
+    without ``logits`` the loss takes.
     """
-    graph_module, logits_first = capture(module, example_inputs)
+    graph_module, logits_first, note = capture(module, example_inputs)
+    if note is not None and notes is not None and note not in notes:
+        notes.append(note)
     pattern = re.compile(cut_at) if cut_at else block_pattern(module)
     nodes = [n for n in graph_module.graph.nodes]
     recomputed = _recomputed(nodes, graph_module)
@@ -87,8 +91,9 @@ def split_exported(module: nn.Module, example_inputs: tuple[torch.Tensor, ...],
 
 
 # ---------------------------------------------------------------------- capture
-def capture(module: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> tuple[fx.GraphModule, int]:
-    """The model as a flat ``fx.GraphModule`` and the index of the output the loss trains on."""
+def capture(module: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> tuple[fx.GraphModule, int, str | None]:
+    """The model as a flat ``fx.GraphModule``, the index of the output the loss trains on, and
+    the note that says which one it is when the model returns a dict without ``logits``."""
     config = getattr(module, "config", None)
     if config is not None and getattr(config, "use_cache", False):
         config.use_cache = False  # a KV cache is for generation; export refuses it as an output
@@ -109,7 +114,7 @@ def capture(module: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> tupl
         if not node.users and _is_check(node):
             graph_module.graph.erase_node(node)
     graph_module.graph.lint()
-    return graph_module, _logits_index(program)
+    return (graph_module, *_logits_index(program))
 
 
 @contextmanager
@@ -184,15 +189,20 @@ def describe_export_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first}{where}"
 
 
-def _logits_index(program: torch.export.ExportedProgram) -> int:
-    """Which flat output is the logits: ``outputs["logits"]`` of a ModelOutput or dict, else 0."""
+def _logits_index(program: torch.export.ExportedProgram) -> tuple[int, str | None]:
+    """Which flat output is the logits: ``outputs["logits"]`` of a ModelOutput or dict, else 0;
+    and, for a dict without ``logits``, the note naming the value taken instead."""
     spec = program.call_spec.out_spec
     if spec is None:
-        return 0
+        return 0, None
     leaves = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
-    if isinstance(leaves, Mapping) and "logits" in leaves and isinstance(leaves["logits"], int):
-        return leaves["logits"]
-    return 0
+    if not isinstance(leaves, Mapping):
+        return 0, None
+    if isinstance(leaves.get("logits"), int):
+        return leaves["logits"], None
+    # The keys in the order of their flat outputs: flat output 0 is the first key's first leaf.
+    keys = [key for key, leaf in leaves.items() if pytree.tree_leaves(leaf)]
+    return 0, loss_output_note([str(key) for key in keys])
 
 
 def _reorder(outputs: list[fx.Node], first: int) -> list[fx.Node]:

@@ -13,9 +13,19 @@ with ``shuffle=True`` and no workers) then yields the same batches on every rank
 run, and touches no other random state (the model's initialisation, say). Step ``s`` is the
 ``s``-th mini-batch, so a resumed run skips ``s`` of them.
 
-``--loss pkg.module:fn``: ``fn(outputs, targets)`` returns the mean loss over the micro-batch
-as a scalar tensor; ``outputs`` is what the model returns (one tensor, or the tuple of its
-tensors). The pipeline averages it over the micro-batches, which is the mean over the batch.
+The loss is the user's or one of the two built-in ones, whose targets say what they need
+(:func:`check_declared` holds the first mini-batch to it, in one line if it does not fit):
+
+- ``--loss classify`` (the default): targets are class ids, integers of shape ``(batch,)``; the
+  model's first output is logits ``(batch, classes)``;
+- ``--loss lm``: one input of token ids ``(batch, seq)`` and targets of the same shape (the next
+  token of each), both integers; the first output is logits ``(batch, seq, vocab)``;
+- ``--loss pkg.module:fn``: ``fn(outputs, targets)`` returns the mean loss over the micro-batch
+  as a scalar tensor; ``outputs`` is what the model returns (one tensor, or the tuple of its
+  tensors). The pipeline averages it over the micro-batches, which is the mean over the batch.
+
+``--input-shape``, ``--input-dtype``, ``--num-classes`` and ``--vocab-size`` need not be given
+with a factory (its batches say it all); given, they must agree with its batches.
 """
 
 from __future__ import annotations
@@ -95,15 +105,78 @@ def user_loss(fn: Callable[..., Any], path: str) -> Callable[[Tensors, torch.Ten
 
 
 
+# The flags that say what a batch looks like; with --data they are checked against its batches.
+DECLARED = ("input_shape", "input_dtype", "num_classes", "vocab_size")
+
+
+def check_declared(inputs: Tensors, targets: torch.Tensor, loss: str, declared: dict[str, Any], path: str) -> None:
+    """Refuse, in one line, a mini-batch that the built-in ``loss`` cannot train on, or that
+    contradicts what the user declared of it (``declared``: ``input_shape``, ``input_dtype`` as a
+    torch dtype, ``num_classes``, ``vocab_size``; each optional)."""
+    where = f"data factory '{path}'"
+    shapes = [list(x.shape[1:]) for x in inputs]
+    integer = [not (x.dtype.is_floating_point or x.dtype.is_complex) for x in (*inputs, targets)]
+    if loss == "lm" and (len(inputs) != 1 or inputs[0].ndim != 2 or not integer[0] or not integer[-1]
+                         or targets.shape != inputs[0].shape):
+        raise BadInput(f"--loss lm trains on (ids, next ids): one integer tensor [batch, seq] in and targets of the "
+                       f"same shape; {where} yields {_describe(inputs, targets)}: give your own --loss pkg.module:fn")
+    if loss == "classify" and (targets.ndim != 1 or not integer[-1]):
+        raise BadInput(f"--loss classify (the default) trains on class ids: integer targets of shape [batch]; {where} "
+                       f"yields {_describe(inputs, targets)}: give --loss lm for next-token targets, or your own "
+                       f"--loss pkg.module:fn")
+    if "input_shape" in declared and (len(inputs) != 1 or shapes[0] != list(declared["input_shape"])):
+        raise BadInput(f"--input-shape {','.join(map(str, declared['input_shape']))} contradicts {where}, whose "
+                       f"samples are {' and '.join(map(str, shapes))}: drop the flag or mend one of them")
+    dtype = declared.get("input_dtype")
+    if dtype is not None and (len(inputs) != 1 or inputs[0].dtype != dtype):
+        raise BadInput(f"--input-dtype {_dtype(dtype)} contradicts {where}, whose inputs are "
+                       f"{' and '.join(_dtype(x.dtype) for x in inputs)}: drop the flag or mend one of them")
+    vocab = declared.get("vocab_size")
+    if vocab is not None:
+        ids = [x for x, is_int in zip(inputs, integer) if is_int]
+        if not ids:
+            raise BadInput(f"--vocab-size {vocab} is the range of integer inputs, but {where} yields "
+                           f"{' and '.join(_dtype(x.dtype) for x in inputs)}: drop the flag")
+        top = max((int(x.max()) for x in ids if x.numel()), default=-1)
+        if top >= vocab:
+            raise BadInput(f"--vocab-size {vocab} contradicts {where}: its inputs hold id {top}")
+    classes = declared.get("num_classes")
+    if classes is not None and targets.numel() and int(targets.max()) >= classes:
+        raise BadInput(f"--num-classes {classes} contradicts {where}: its targets hold class {int(targets.max())}")
+
+
+def _describe(inputs: Tensors, targets: torch.Tensor) -> str:
+    """``inputs [2, 8] float32, targets [2] int64``: a mini-batch as a user reads it (batch first)."""
+    parts = ", ".join(f"{list(x.shape)} {_dtype(x.dtype)}" for x in inputs)
+    return f"inputs {parts}, targets {list(targets.shape)} {_dtype(targets.dtype)}"
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 class FactoryData(SyntheticData):
     """A model's data from the user's factory: shapes read off a first mini-batch (a
-    :class:`~.data.SyntheticData` for the profiler and ``check``)."""
+    :class:`~.data.SyntheticData` for the profiler and ``check``), which is held to the
+    built-in ``loss`` and to what the user ``declared`` of it (:func:`check_declared`).
 
-    def __init__(self, factory: Callable[[int], Any], path: str) -> None:
+    With ``loss="lm"`` it has ``seq_len`` (and ``vocab_size`` if declared), with ``classify``
+    ``num_classes`` if declared: what ``LayeredModel.check`` holds the logits to, as for
+    :class:`~.data.NextToken` and :class:`~.data.Classification`.
+    """
+
+    def __init__(self, factory: Callable[[int], Any], path: str, loss: str = "classify",
+                 declared: dict[str, Any] | None = None) -> None:
         self.factory, self.path = factory, path
         inputs, targets = self.batch(2, torch.Generator().manual_seed(0))
         self.input_shapes = tuple(tuple(x.shape[1:]) for x in inputs)
         self.input_dtypes = tuple(x.dtype for x in inputs)
+        declared = declared or {}
+        check_declared(inputs, targets, loss, declared, path)
+        if loss == "lm":
+            self.seq_len, self.vocab_size = int(inputs[0].shape[1]), declared.get("vocab_size")
+        elif loss == "classify":
+            self.num_classes = declared.get("num_classes")
 
     def batch(self, batch_size: int, generator: torch.Generator) -> Batch:
         """The first mini-batch of ``factory(batch_size)``, on a stream seeded from ``generator``."""

@@ -40,27 +40,30 @@ class AsTuple(nn.Module):
     one tuple argument, as ``nn.Sequential`` would have.
     """
 
-    def __init__(self, module: nn.Module, spread: bool = False) -> None:
+    def __init__(self, module: nn.Module, spread: bool = False, notes: list[str] | None = None) -> None:
         super().__init__()
         self.module = module
         # spread: call module(*xs) (our own built-in layers take several arguments), instead
         # of the nn.Sequential convention module(x) / module((x1, x2)).
         self.spread = spread
+        self.notes = notes   # the model's notes (LayeredModel.notes): which value of a dict the loss takes
 
     def forward(self, *xs: Any) -> Tensors:
         if self.spread:
             out = self.module(*xs)
         else:
             out = self.module(xs[0] if len(xs) == 1 else xs)
-        return as_tuple(out)
+        return as_tuple(out, self.notes)
 
 
 
 
-def as_tuple(out: Any) -> Tensors:
+def as_tuple(out: Any, notes: list[str] | None = None) -> Tensors:
     """A model's or layer's output as a tuple of tensors (a bare tensor becomes a 1-tuple).
 
-    A ``ModelOutput`` or dict becomes its tensors, ``logits`` first.
+    A ``ModelOutput`` or dict becomes its tensors, ``logits`` first (the loss trains on the
+    first); without ``logits``, its first tensor comes first, and ``notes`` (when given) gets
+    the line saying so (:func:`loss_output_note`).
     """
     if isinstance(out, torch.Tensor):
         return (out,)
@@ -70,8 +73,22 @@ def as_tuple(out: Any) -> Tensors:
         tensors = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
         if tensors:
             first = "logits" if "logits" in tensors else next(iter(tensors))
+            note = loss_output_note([str(k) for k in tensors])
+            if note is not None and notes is not None and note not in notes:
+                notes.append(note)
             return (tensors.pop(first), *tensors.values())
     raise TypeError(f"expected a tensor or a tuple of tensors, got {type(out).__name__}")
+
+
+def loss_output_note(keys: Sequence[str]) -> str | None:
+    """What a user must be told of a model whose output is a dict with these keys, in order:
+    nothing when it has ``logits`` (the loss's input, by the Hugging Face convention), else
+    that the loss takes its first value, which may not be the one they meant."""
+    if not keys or "logits" in keys:
+        return None
+    others = f" (the others ride along: {', '.join(repr(k) for k in keys[1:])})" if len(keys) > 1 else ""
+    return (f"the model returns a dict without 'logits': the loss trains on its first value, {keys[0]!r}{others}; "
+            f"name the value to train on 'logits' to choose another")
 
 
 def batch_dimensions(layer: str, small: Sequence[Sequence[int]], small_size: int,
@@ -110,10 +127,12 @@ class LayeredModel:
         layers: ``(name, layer)`` in execution order, names unique. See the module docstring
             for the calling convention.
         data: how inputs and targets look, and how synthetic ones are drawn.
+        notes: what the user should be told of how the model was read (``profile`` prints them).
     """
 
     def __init__(self, spec: dict[str, Any], module: nn.Module, layers: Sequence[tuple[str, nn.Module]],
-                 data: SyntheticData, loss_fn: Callable[[Tensors, torch.Tensor], torch.Tensor] | None = None) -> None:
+                 data: SyntheticData, loss_fn: Callable[[Tensors, torch.Tensor], torch.Tensor] | None = None,
+                 notes: list[str] | None = None) -> None:
         names = [name for name, _ in layers]
         if len(set(names)) != len(names):
             raise ValueError(f"layer names are not unique: {names}")
@@ -124,6 +143,9 @@ class LayeredModel:
         self.layers: list[tuple[str, nn.Module]] = list(layers)
         self.data = data
         self.loss_fn = loss_fn  # the user's loss (models.hooks); None: cross-entropy
+        # Which value of a dict output the loss takes, filled as it is found: when the model is
+        # captured, or when an nn.Sequential's last child first runs (``check``).
+        self.notes: list[str] = notes if notes is not None else []
 
     def module_names(self) -> list[str | None]:
         """Per layer, the unsplit model's fully qualified name of the module it is, None if none.
@@ -228,9 +250,10 @@ class LayeredModel:
             raise BadInput(f"{self._title()} returns shape {list(logits.shape[1:])} per sample; "
                            f"expected logits [{classes}] (--num-classes {classes})")
         vocab, seq = getattr(self.data, "vocab_size", None), getattr(self.data, "seq_len", None)
-        if vocab is not None and logits.shape != (batch_size, seq, vocab):
+        if seq is not None and (logits.shape[:2] != (batch_size, seq) or logits.ndim != 3
+                                or (vocab is not None and logits.shape[2] != vocab)):
             raise BadInput(f"{self._title()} returns shape {list(logits.shape[1:])} per sample; --loss lm "
-                           f"needs logits [seq, vocab] = [{seq}, {vocab}] (batch, seq, vocab)")
+                           f"needs logits [seq, vocab] = [{seq}, {vocab or 'vocab'}] (batch, seq, vocab)")
 
     def _title(self) -> str:
         return f"model '{self.spec.get('name') or self.spec.get('factory')}'"

@@ -468,4 +468,4 @@ def streamed(model: LayeredModel, device: torch.device | str | None = None) -> L
     would keep every layer's activations, and the parameters with them).
     """
     layers = [(name, _Streamed(model, i, device)) for i, (name, _) in enumerate(model.layers)]
-    return LayeredModel(model.spec, model.module, layers, model.data)
+    return LayeredModel(model.spec, model.module, layers, model.data, notes=model.notes)

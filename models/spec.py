@@ -13,6 +13,7 @@ from typing import Any
 
 from ..artifacts import LOSSES, BadInput
 from . import gpt, resnet
+from .hooks import DECLARED
 from .user import INPUT_DTYPES, find_factory
 
 BUILTINS: dict[str, dict[str, Any]] = {"gpt": gpt.DEFAULTS, "resnet": resnet.DEFAULTS}
@@ -78,61 +79,88 @@ def _import_spec(path: str, given: dict[str, Any]) -> dict[str, Any]:
         return _data_spec(path, given, loss, data)
     if "input_shape" not in given:
         raise BadInput(f"a model of your own ('{path}') needs --input-shape (or --data pkg.module:factory)")
-    shape = _int_list(given["input_shape"], "--input-shape")
-    num_classes = given.get("num_classes")
     if ":" in loss:
         raise BadInput(f"--loss {loss} needs --data pkg.module:factory: your loss's targets come from your data")
+    values = _checked_values(given, loss)
+    shape, num_classes = values["input_shape"], values.get("num_classes")
     if loss == "lm":
-        if num_classes is not None:
-            raise BadInput("--num-classes does not apply to --loss lm: the classes are the vocabulary (--vocab-size)")
-        if len(shape) != 1 or given.get("input_dtype", "int64") not in ("int64", "int32"):
+        if len(shape) != 1 or values.get("input_dtype", "int64") not in ("int64", "int32"):
             raise BadInput("--loss lm takes token ids: --input-shape SEQ_LEN (one number) and --input-dtype int64")
-        given.setdefault("input_dtype", "int64")
-        if given.get("vocab_size") is None:
+        values.setdefault("input_dtype", "int64")
+        if values.get("vocab_size") is None:
             raise BadInput("--loss lm needs --vocab-size: the range of the token ids, and the logits' last dimension")
     elif num_classes is None:
         raise BadInput(f"a model of your own ('{path}') needs --num-classes (or --loss lm for a language model)")
-    elif not isinstance(num_classes, int) or num_classes < 2:
-        raise BadInput(f"--num-classes must be an integer of at least 2, got {num_classes!r}")
+    dtype = values.get("input_dtype", "float32")
+    vocab_size = values.get("vocab_size")
+    is_float = dtype.startswith(("float", "bfloat"))
+    if not is_float and vocab_size is None:
+        raise BadInput(f"--input-dtype {dtype} (token ids) needs --vocab-size: the range to draw them from")
+    if is_float and vocab_size is not None:
+        raise BadInput(f"--vocab-size applies to integer inputs (--input-dtype int64), not {dtype}")
+    find_factory(path)  # fail now, in one line, if it does not import
+    spec = {"source": "import", "factory": path, "input_shape": shape, "input_dtype": dtype,
+            "num_classes": num_classes, "vocab_size": vocab_size, "loss": loss}
+    if values.get("cut_at") is not None:
+        spec["cut_at"] = values["cut_at"]  # absent by default: specs written before it existed stay equal
+    return spec
+
+
+def _data_spec(path: str, given: dict[str, Any], loss: str, data: str) -> dict[str, Any]:
+    """A model fed by the user's data factory: the inputs' shapes come from its batches.
+
+    Any loss: ``classify`` and ``lm`` where the batches have their shapes (checked on the
+    first batch when the model is built: models/hooks.py), or the user's own. Flags that
+    describe the batches too (``--input-shape``, ``--input-dtype``, ``--num-classes``,
+    ``--vocab-size``) are kept in the spec, only when given, and held against the batches
+    at every build: they document the data, and a contradiction is one line.
+    """
+    values = _checked_values(given, loss)
+    find_factory(data, "data factory")
+    if ":" in loss:
+        find_factory(loss, "loss")
+    find_factory(path)
+    spec = {"source": "import", "factory": path, "data": data, "loss": loss}
+    # Only what was given: specs written before these were accepted stay equal.
+    spec.update({k: values[k] for k in DECLARED if k in values})
+    if values.get("cut_at") is not None:
+        spec["cut_at"] = values["cut_at"]
+    return spec
+
+
+def _checked_values(given: dict[str, Any], loss: str) -> dict[str, Any]:
+    """The given ``input_shape``, ``input_dtype``, ``num_classes``, ``vocab_size`` and ``cut_at``,
+    each checked on its own (a list of positive integers, a known dtype, ...); absent ones stay absent."""
+    values: dict[str, Any] = {}
+    if given.get("input_shape") is not None:
+        values["input_shape"] = _int_list(given["input_shape"], "--input-shape")
+    num_classes = given.get("num_classes")
+    if num_classes is not None:
+        if loss == "lm":
+            raise BadInput("--num-classes does not apply to --loss lm: the classes are the vocabulary (--vocab-size)")
+        if ":" in loss:
+            raise BadInput(f"--num-classes says what --loss classify scores; your loss {loss} reads the outputs itself")
+        if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 2:
+            raise BadInput(f"--num-classes must be an integer of at least 2, got {num_classes!r}")
+        values["num_classes"] = num_classes
     cut_at = given.get("cut_at")
     if cut_at is not None:
         try:
             re.compile(cut_at)
         except re.error as exc:
             raise BadInput(f"--cut-at '{cut_at}' is not a regular expression: {exc}") from None
-    dtype = given.get("input_dtype", "float32")
-    if dtype not in INPUT_DTYPES:
-        raise BadInput(f"--input-dtype '{dtype}' is not one of {', '.join(INPUT_DTYPES)}")
+        values["cut_at"] = cut_at
+    dtype = given.get("input_dtype")
+    if dtype is not None:
+        if dtype not in INPUT_DTYPES:
+            raise BadInput(f"--input-dtype '{dtype}' is not one of {', '.join(INPUT_DTYPES)}")
+        values["input_dtype"] = dtype
     vocab_size = given.get("vocab_size")
-    is_float = dtype.startswith(("float", "bfloat"))
-    if not is_float and vocab_size is None:
-        raise BadInput(f"--input-dtype {dtype} (token ids) needs --vocab-size: the range to draw them from")
-    if is_float and vocab_size is not None:
-        raise BadInput(f"--vocab-size applies to integer inputs (--input-dtype int64), not {dtype}")
-    if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size < 1):
-        raise BadInput(f"--vocab-size must be a positive integer, got {vocab_size!r}")
-    find_factory(path)  # fail now, in one line, if it does not import
-    spec = {"source": "import", "factory": path, "input_shape": shape, "input_dtype": dtype,
-            "num_classes": num_classes, "vocab_size": vocab_size, "loss": loss}
-    if cut_at is not None:
-        spec["cut_at"] = cut_at  # absent by default: specs written before it existed stay equal
-    return spec
-
-
-def _data_spec(path: str, given: dict[str, Any], loss: str, data: str) -> dict[str, Any]:
-    """A model fed by the user's data factory: the inputs' shapes come from its batches."""
-    if ":" not in loss:
-        raise BadInput(f"--data {data} comes with your own loss: --loss pkg.module:fn(outputs, targets)")
-    for key in ("input_shape", "input_dtype", "num_classes", "vocab_size"):
-        if given.get(key) is not None:
-            raise BadInput(f"{_flag(key)} does not apply with --data: the data factory's batches say it")
-    find_factory(data, "data factory")
-    find_factory(loss, "loss")
-    find_factory(path)
-    spec = {"source": "import", "factory": path, "data": data, "loss": loss}
-    if given.get("cut_at") is not None:
-        spec["cut_at"] = given["cut_at"]
-    return spec
+    if vocab_size is not None:
+        if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
+            raise BadInput(f"--vocab-size must be a positive integer, got {vocab_size!r}")
+        values["vocab_size"] = vocab_size
+    return values
 
 
 def _int_list(value: Any, flag: str) -> list[int]:

@@ -24,7 +24,7 @@ from torch import nn
 from ..artifacts import BadInput, first_line
 from .data import Classification, NextToken, SyntheticData
 from .exported import NotCapturable, split_exported
-from .hooks import FactoryData, user_loss
+from .hooks import DECLARED, FactoryData, user_loss
 from .layered import AsTuple, LayeredModel
 from .traced import NotTraceable, split_traced
 
@@ -54,7 +54,7 @@ def find_factory(path: str, what: str = "model") -> Callable[..., Any]:
         module = importlib.import_module(module_name)
     except Exception as exc:  # ImportError, but also whatever the module's own code raises
         raise BadInput(f"cannot import '{module_name}' (from '{path}'): "
-                       f"{type(exc).__name__}: {first_line(exc)}") from None
+                       f"{type(exc).__name__}: {first_line(exc)}{_import_hint(module_name, exc)}") from None
     try:
         factory = _getattr_path(module, attr)
     except AttributeError:
@@ -62,6 +62,19 @@ def find_factory(path: str, what: str = "model") -> Callable[..., Any]:
     if not callable(factory):
         raise BadInput(f"'{path}' is not callable: the {what} must be a function")
     return factory
+
+
+def _import_hint(module_name: str, exc: Exception) -> str:
+    """What to do about a module that is not found: the user's own is looked for in the current
+    directory and on PYTHONPATH; a package it imports is installed, or not."""
+    if not isinstance(exc, ModuleNotFoundError) or not exc.name:
+        return ""
+    top = module_name.split(".")[0]
+    if module_name == exc.name or module_name.startswith(exc.name + "."):
+        holds = f"the package {top}/" if "." in module_name else f"{top}.py"
+        return (f": run from the folder that holds {holds}, or add that folder to PYTHONPATH "
+                f"(PYTHONPATH=/path/to/folder gpipe-plan ...)")
+    return f": '{module_name}' imports '{exc.name}', which this Python does not have: install it (pip install ...)"
 
 
 def _getattr_path(obj: Any, dotted: str) -> Any:
@@ -72,7 +85,8 @@ def _getattr_path(obj: Any, dotted: str) -> Any:
 
 
 
-def build(spec: dict[str, Any]) -> LayeredModel:
+def build(spec: dict[str, Any], announce: Callable[[str], None] | None = None) -> LayeredModel:
+    """The user's model cut into layers; ``announce`` is told of a capture as it begins."""
     path = spec["factory"]
     factory = find_factory(path)
     try:
@@ -84,34 +98,41 @@ def build(spec: dict[str, Any]) -> LayeredModel:
     loss = spec.get("loss") or "classify"
     data: SyntheticData | FactoryData
     if spec.get("data"):
-        data = FactoryData(find_factory(spec["data"], "data factory"), spec["data"])
+        declared = {k: spec[k] for k in DECLARED if spec.get(k) is not None}
+        if "input_dtype" in declared:
+            declared["input_dtype"] = INPUT_DTYPES[declared["input_dtype"]]
+        data = FactoryData(find_factory(spec["data"], "data factory"), spec["data"], loss, declared)
     elif loss == "lm":
         data = NextToken(seq_len=spec["input_shape"][0], vocab_size=spec["vocab_size"])
     else:
         data = Classification(shape=tuple(spec["input_shape"]), dtype=INPUT_DTYPES[spec["input_dtype"]],
                               num_classes=spec["num_classes"], token_range=spec.get("vocab_size"))
     loss_fn = user_loss(find_factory(loss, "loss"), loss) if ":" in loss else None
+    notes: list[str] = []
     with torch.random.fork_rng(devices=[]):  # capturing must not move the seeded stream
         example, _ = data.batch(2, torch.Generator().manual_seed(0))
-        layers = split(module, path, example, spec.get("cut_at"))
-    return LayeredModel(spec, module, layers, data, loss_fn)
+        if announce is not None and not isinstance(module, nn.Sequential):
+            announce(f"capturing '{path}' with torch.export")
+        layers = split(module, path, example, spec.get("cut_at"), notes)
+    return LayeredModel(spec, module, layers, data, loss_fn, notes=notes)
 
 
 def split(module: nn.Module, path: str = "the model", example_inputs: tuple[torch.Tensor, ...] = (),
-          cut_at: str | None = None) -> list[tuple[str, nn.Module]]:
+          cut_at: str | None = None, notes: list[str] | None = None) -> list[tuple[str, nn.Module]]:
     """Cut a module into layers: a Sequential at its children, anything else by graph capture.
 
     ``example_inputs`` (a batch of at least 2 samples) are what torch.export runs the model
-    on; without them only torch.fx is tried.
+    on; without them only torch.fx is tried. ``notes`` gets what the user should know of the
+    cut (which output of a dict the loss takes: :func:`~.layered.loss_output_note`).
     """
     if isinstance(module, nn.Sequential):
         if len(module) == 0:
             raise BadInput(f"'{path}' returned an empty nn.Sequential")
-        return [(name, AsTuple(child)) for name, child in module.named_children()]
+        return [(name, AsTuple(child, notes=notes)) for name, child in module.named_children()]
     export_error = None
     if example_inputs:
         try:
-            return split_exported(module, example_inputs, cut_at)
+            return split_exported(module, example_inputs, cut_at, notes)
         except NotCapturable as exc:
             export_error = str(exc)
     try:

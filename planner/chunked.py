@@ -129,7 +129,13 @@ class ChunkedSolver:
             self.plain_backward = [0.0, *accumulate(least)]
         else:
             self.plain_backward = cm.pgr if self.plain else cm.pg
-        self.per_chunk_overhead = (3 if cm.split else 2) * cm.overhead
+        # The fixed parts of the chunks not cut yet, from chunk c on: of their forwards, and of all
+        # their actions (F, and B or I + W); chunk 0's are the least it can have (no rerun).
+        forward_fixed = [cm.chunk_fixed("F", c) for c in range(cm.C)]
+        action_fixed = [forward_fixed[c] + (cm.chunk_fixed("I", c) + cm.chunk_fixed("W", c) if cm.split
+                                            else cm.chunk_fixed("B", c)) for c in range(cm.C)]
+        self.forward_fixed_from = [*accumulate(reversed(forward_fixed))][::-1] + [0.0]
+        self.action_fixed_from = [*accumulate(reversed(action_fixed))][::-1] + [0.0]
         self.layer_work = [f + b for f, b in zip(cm.pf, self.plain_backward)]   # prefix of F + B per layer
         # heaviest_from[s]: the most work (F + B, plain) of one layer among layers s..L-1
         self.heaviest_from = [0.0] * (self.L + 1)
@@ -151,12 +157,12 @@ class ChunkedSolver:
             s, e = bounds[c], bounds[c + 1]
             r = recompute[self.stage_of[c]]
             r = self.plain if r is None else r
-            times[0][c] = cm.forward(s, e)
+            f, b, i, w = cm.chunk_times(c, s, e, r)
+            times[0][c] = f
             if cm.split:
-                times[1][c] = cm.backward_input(s, e, r)
-                times[2][c] = cm.backward_weight(s, e, r)
+                times[1][c], times[2][c] = i, w
             else:
-                times[1][c] = cm.backward(s, e, r)
+                times[1][c] = b
             if c < C - 1 and self.stage_of[c + 1] != self.stage_of[c]:
                 send[c] = cm.comm[e]
         return times, send
@@ -190,7 +196,7 @@ class ChunkedSolver:
         cm = self.cm
         forward_all = fwd[decided]
         if decided < C:
-            forward_all += cm.pf[self.L] - cm.pf[bounds[-1]] + (C - decided) * cm.overhead
+            forward_all += cm.pf[self.L] - cm.pf[bounds[-1]] + self.forward_fixed_from[decided]
         back = [0.0] * C               # back[c]: from the last chunk's B/I start to the gradient at c
         for c in range(C - 2, -1, -1):
             back[c] = back[c + 1] + BI[c + 1] + send[c]
@@ -257,7 +263,7 @@ class ChunkedSolver:
             return max(floors)
         cm = self.cm
         rest = self.M * (cm.pf[self.L] - cm.pf[start] + self.plain_backward[self.L] - self.plain_backward[start]
-                         + (self.C - decided) * self.per_chunk_overhead)
+                         + self.action_fixed_from[decided])
         open_stages = sorted(floors[k] for k in {self.stage_of[c] for c in range(decided, self.C)})
         # ... and the heaviest layer left lands whole on one of them
         heaviest = open_stages[0] + self.M * self.heaviest_from[start]

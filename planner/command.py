@@ -12,8 +12,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Task, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from ..artifacts import BadInput, check_output_paths, file_sha256, precision_of, write_json_atomic, write_text_atomic
-from ..schema import PLAN_FORMAT, PROFILE_FORMAT, read_artifact, write_artifact
+from ..artifacts import BadInput, Outputs, check_output_paths, dumps, file_sha256, precision_of
+from ..schema import MAX_SECONDS, PLAN_FORMAT, PROFILE_FORMAT, read_artifact, write_artifact
 from ..schedules import SCHEDULES
 from .budgets import LEAST_ONE_DEVICE_S, SOLVE_TIME_BUDGET_S
 from .plan import build_plan
@@ -122,11 +122,12 @@ def solve_options(
 
 
 def solve_file(profile_path: str, plan_path: str | None = None, *, stages: int | None = None,
-               progress: bool = False, **options: Any) -> dict[str, Any]:
+               progress: bool = False, outputs: Outputs | None = None, **options: Any) -> dict[str, Any]:
     """Plan from a profile file; writes the plan (atomically) when ``plan_path`` is given.
 
     ``options`` are those of :func:`solve_options` (e.g. ``global_batch_size=32``,
-    ``micro_batches="auto"``, ``memory_limit="16GiB"``, ``devices=8``). Returns the plan document.
+    ``micro_batches="auto"``, ``memory_limit="16GiB"``, ``devices=8``); ``outputs``: the set of
+    files the plan is written with (all or none). Returns the plan document.
     """
     started = time.perf_counter()
     profile = load_profile(profile_path)
@@ -145,15 +146,23 @@ def solve_file(profile_path: str, plan_path: str | None = None, *, stages: int |
         found = run(None)
     devices = found if replicated else None
     result = found.best.result if replicated else found
+    step = result.best.step_s
+    if plan_path is not None and step > MAX_SECONDS:   # beyond what a plan file records (schema.py)
+        raise BadInput(f"the best plan for a global batch of {result.global_batch_size} takes {step / 86400:,.0f} days "
+                       f"per step: plan a smaller --global-batch-size")
     # What the pipeline must beat: the best plan of the same batch on one device.
     # It shares the time budget: what the pipeline's search left of it.
     left = share_of_budget(opts.time_budget_s, started, 1, least_s=LEAST_ONE_DEVICE_S)
     used = result.best.setting.stages * result.best.setting.data_parallel
     single = replace(opts, time_budget_s=left)
+    if opts.memory_limit_source == "host":   # one device alone on the host has all of its share
+        single = device_memory_limit(profile, replace(single, memory_limit_bytes=None), ranks_per_host=1)
     baseline = one_stage_baseline(profile, single) if used > 1 else None
+    if baseline is not None and (baseline.step_s or 0.0) > MAX_SECONDS:
+        baseline = None   # one device would take months a step: there is nothing to compare with
     plan = build_plan(profile, profile_path, file_sha256(profile_path), result, one_stage=baseline, devices=devices)
     if plan_path is not None:
-        write_artifact(plan_path, plan, "solved plan")
+        write_artifact(plan_path, plan, "solved plan", outputs, "--out")
     return plan
 
 
@@ -165,14 +174,16 @@ def solve_command(profile: str, stages: int | None, micro_batches: str, global_b
                   network_latency: float = 0.0, gradient_sync: str = "ddp") -> None:
     started = time.perf_counter()
     check_output_paths({"--out": out, "--timeline": timeline}, inputs=(profile,))   # both files or neither
-    plan = solve_file(profile, out, stages=stages, progress=not quiet and sys.stderr.isatty(),
-                      micro_batches=micro_batches, global_batch_size=global_batch_size, schedule=schedule,
-                      virtual_stages=virtual_stages, recompute=recompute, memory_limit=memory_limit, link_bandwidth=link_bandwidth,
-                      link_latency=link_latency, optimizer=optimizer, solver=solver, time_budget_s=time_budget,
-                      devices=devices, data_parallel=data_parallel, nodes=nodes, network_bandwidth=network_bandwidth,
-                      network_latency=network_latency, gradient_sync=gradient_sync)
-    if timeline:
-        write_text_atomic(timeline, plan_timeline_svg(plan))
+    with Outputs() as outputs:   # the plan and its timeline: both or neither
+        plan = solve_file(profile, out, stages=stages, progress=not quiet and sys.stderr.isatty(), outputs=outputs,
+                          micro_batches=micro_batches, global_batch_size=global_batch_size, schedule=schedule,
+                          virtual_stages=virtual_stages, recompute=recompute, memory_limit=memory_limit,
+                          link_bandwidth=link_bandwidth, link_latency=link_latency, optimizer=optimizer, solver=solver,
+                          time_budget_s=time_budget, devices=devices, data_parallel=data_parallel, nodes=nodes,
+                          network_bandwidth=network_bandwidth, network_latency=network_latency,
+                          gradient_sync=gradient_sync)
+        if timeline:
+            outputs.add(timeline, plan_timeline_svg(plan), "--timeline")
     console = Console()
     if quiet:
         console.print(f"{out}: predicted step {format_seconds(plan['predicted']['step_s'])}, {batch_line(plan)}",
@@ -192,7 +203,8 @@ def show_plan(path: str, timeline: str | None = None) -> None:
     precision_of(plan, f"plan '{path}'")
     render_plan(plan, Console(), f"plan '{path}'")
     if timeline:
-        write_text_atomic(timeline, plan_timeline_svg(plan, f"plan '{path}'"))
+        with Outputs() as outputs:
+            outputs.add(timeline, plan_timeline_svg(plan, f"plan '{path}'"), "--timeline")
         Console().print(f"wrote {timeline}", highlight=False)
 
 
@@ -204,7 +216,7 @@ def import_pipedream_command(graph: str, batch_size: int | None, out: str | None
     Profile(doc, where=graph)   # what we write must be a profile the planner accepts
     target = out or f"{doc['model']['name']}.profile.json"
     check_output_paths({"--out": target}, inputs=(graph,))   # the default name, once the model's name is known
-    write_artifact(target, doc, "profile")
+    write_artifact(target, doc, "profile", flag="--out")
     Console().print(f"wrote {target}: {len(doc['layers'])} layers from {doc['source']['nodes']} nodes, "
                     f"batch {doc['batch_size']}", highlight=False)
 
@@ -245,10 +257,11 @@ def explore_command(profile: str, stages: str | None, micro_batches: str, global
                                                                    description=f"exploring {what}"),
                      devices=devices, nodes=nodes, network_bandwidth_bytes_per_s=network,
                      network_latency_s=network_latency, gradient_sync=gradient_sync or "ddp")
-    if json_out:
-        write_json_atomic(json_out, exploration_json(ex))
-    if chart:
-        write_text_atomic(chart, exploration_chart(ex))
+    with Outputs() as outputs:   # the table and the chart: both or neither
+        if json_out:
+            outputs.add(json_out, dumps(exploration_json(ex)), "--json")
+        if chart:
+            outputs.add(chart, exploration_chart(ex), "--chart")
     console = Console()
     render_exploration(ex, console, limit)
     written = [p for p in (json_out, chart) if p]

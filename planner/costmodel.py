@@ -10,16 +10,38 @@ micro-batch::
     B_k = sum(recompute_backward_s[s:e]) + overhead + recompute_call   when the stage recomputes
     C_k = latency + output_bytes[e-1] / bandwidth    send to stage k+1 (0 for the last stage)
 
-``overhead`` is the runtime's fixed cost per micro-batch and action (profile key
-``overhead.per_microbatch_s``; zero unless calibrated): once for F and B, once each for I and W.
+``overhead`` is the runtime's fixed cost per micro-batch and action between actions (the
+executor's loop; profile key ``fixed_costs.between_actions_s``, or ``overhead.per_microbatch_s``
+once calibrated: planner/fixedcosts.py): once for F and B, once each for I and W. Each action
+kind also has its own fixed cost, and every message to or from another stage one more, paid by
+the action that sends or receives it (:class:`~.fixedcosts.FixedCosts`, measured by ``profile``
+with a real pipeline): so chunk c's forward is ``sum(forward_s[s:e]) + overhead + fixed F +
+its messages``, and v chunks per stage pay v times the actions and their messages.
+
+Per chunk. A time is ``prefix[e] - prefix[s] + fixed``, and a chunk's fixed part depends on
+the chunk, not on its layers: its kind's fixed cost plus the messages its place gives it (a
+chunk at the pipeline's end receives or sends nothing there; a zb-v stage hands its own pair
+over without a message). :meth:`CostModel.formula` gives chunk c's two functions (for one chunk
+per stage, chunk k is stage k), and every solver reads chunk times through it, so that its
+bounds and the evaluation of its plans agree to the last bit. :meth:`CostModel.chunk_fixed`
+says the fixed part of each of chunk c's actions (the exact MILP encodes each pass as its
+layers' coefficients plus that).
+
+The CPU-issue bound. On a GPU a call returns once its kernel is queued: a pass takes the
+longer of its kernels' time and the CPU's time to issue them. A CUDA profile that timed both
+(``issue_forward_s``, ``issue_backward_s``: profiles/issue.py) makes each pass over [s, e)
+``max(sum GPU, sum issue) + fixed``: two term pairs, ``(prefix, fixed)`` each, whose larger is
+the time (``stage_time_formula``'s ``issue``); a reach is then the smaller of the two reaches,
+and the bounds that read prefix sums directly keep the GPU's, a lower bound still.
 
 F and B have one definition, :func:`stage_time_formula`: :class:`CostModel` makes it once per
-setting (``CostModel.forward`` and ``CostModel.whole_backward``, from prefix sums: any stage in
-O(1)), its chunk figures call it, and so do the solvers (planner/dp.py, planner/onefoneb.py,
-planner/chunked.py), binding those two functions to local names in their innermost loops
-rather than summing the prefixes themselves. Where a solver needs "the largest stage within a
-time", it asks :meth:`CostModel.forward_reach` / :meth:`CostModel.backward_reach`, which
-bisect on the same prefix sums and settle on the same expression.
+setting and chunk (``CostModel.formula(c)``; ``CostModel.forward`` and ``CostModel.whole_backward``
+are the same without messages, from prefix sums: any stage in O(1)), its chunk figures call it,
+and so do the solvers (planner/dp.py, planner/onefoneb.py, planner/chunked.py), binding those
+two functions to local names in their innermost loops rather than summing the prefixes
+themselves. Where a solver needs "the largest stage within a time", it asks
+:meth:`CostModel.forward_reach` / :meth:`CostModel.backward_reach`, which bisect on the same
+prefix sums and settle on the same expression.
 
 Recomputation (activation checkpointing) is not free beyond the rerun forward: the checkpointed
 forward runs hooks on every tensor it would have saved, the rerun happens inside the backward,
@@ -84,6 +106,7 @@ from typing import Callable, Sequence
 
 from ..schedules import SCHEDULES, SPLIT_BACKWARD, all_actions, chunks_of_stage, chunks_per_stage, problem, stage_of_chunk
 from .profile import LayerFigures
+from .fixedcosts import FixedCosts, messages
 from ..collectives import ring_allreduce_s
 from .schedule import ChunkTimes
 
@@ -103,7 +126,8 @@ class Setting:
     link_bandwidth_bytes_per_s: float = math.inf   # inf: communication is free
     link_latency_s: float = 0.0
     optimizer: str = "adam"
-    overhead_s: float = 0.0
+    overhead_s: float = 0.0       # per action, between actions (planner/fixedcosts.py)
+    fixed_costs: FixedCosts = FixedCosts()   # per action kind and per message
     compute_scale: float = 1.0    # neighbour_scale(...): every layer time is multiplied by it
     virtual_stages: int = 1       # chunks per stage of ``interleaved`` (2 for zb-v is implied)
     # Data parallel (planner/replicas.py): d replicas of the pipeline; each stage averages its
@@ -112,10 +136,19 @@ class Setting:
     sync_bandwidth_bytes_per_s: float = math.inf    # inf: the sync is free
     sync_latency_s: float = 0.0                     # per ring step
     gradient_sync: str = "ddp"                      # "ddp" | "fsdp" (plan_layout.GRADIENT_SYNCS)
+    # More ranks than cores (planner/timeshare.py): how many of the K ranks the host runs at
+    # full speed at once; inf: each has cores of its own (a GPU each, or enough CPU cores).
+    concurrent_ranks: float = math.inf
 
     @property
     def comm_on(self) -> bool:
         return math.isfinite(self.link_bandwidth_bytes_per_s)
+
+    @property
+    def time_shared(self) -> bool:
+        """Whether the K ranks share fewer cores than they are: the step is then played out on
+        shared cores (planner/timeshare.py), not on a core per rank."""
+        return self.concurrent_ranks < self.stages
 
 
 def static_bytes(params_bytes: float, optimizer: str, data_parallel: int = 1,
@@ -266,7 +299,8 @@ def _undominated(points: set[tuple[tuple[int, ...], tuple[int, ...], int]]) -> t
 
 
 def stage_time_formula(forward_terms: tuple[list[float], float],
-                       backward_terms: dict[bool, tuple[list[float], float]]
+                       backward_terms: dict[bool, tuple[list[float], float]],
+                       issue: tuple[list[float], dict[bool, list[float]]] | None = None,
                        ) -> tuple[Callable[[int, int], float], Callable[[int, int, bool], float]]:
     """The stage-time formula: ``forward(s, e)`` and ``backward(s, e, recompute)`` of layers
     ``[s, e)``, per micro-batch, the F and B of the module docstring (B whole, as GPipe and
@@ -279,10 +313,17 @@ def stage_time_formula(forward_terms: tuple[list[float], float],
     figures and the solvers' innermost loops (once per candidate stage, O(K L^2) calls) call
     them. They are closures rather than methods because a closure reads its prefix sums as
     local cells, where a method looks each one up on the instance at every call.
+
+    ``issue``: the prefix sums of the CPU's issue times of the forward and of the backward
+    (plain, recomputing), for a profile that has them (CUDA). A pass then takes the larger of
+    its layers' two sums, plus the fixed part: each term pair is ``(prefix, fixed)`` and the time
+    is the largest of them (see "The CPU-issue bound" in the module docstring).
     """
     forward_prefix, forward_fixed = forward_terms
     plain_prefix, plain_fixed = backward_terms[False]
     rerun_prefix, rerun_fixed = backward_terms[True]
+    if issue is not None:
+        return _issue_bound_formula(forward_terms, backward_terms, issue)
 
     def forward(s: int, e: int) -> float:
         return forward_prefix[e] - forward_prefix[s] + forward_fixed
@@ -291,6 +332,32 @@ def stage_time_formula(forward_terms: tuple[list[float], float],
         if recompute:
             return rerun_prefix[e] - rerun_prefix[s] + rerun_fixed
         return plain_prefix[e] - plain_prefix[s] + plain_fixed
+
+    return forward, backward
+
+
+def _issue_bound_formula(forward_terms: tuple[list[float], float],
+                         backward_terms: dict[bool, tuple[list[float], float]],
+                         issue: tuple[list[float], dict[bool, list[float]]],
+                         ) -> tuple[Callable[[int, int], float], Callable[[int, int, bool], float]]:
+    """:func:`stage_time_formula` under the CPU-issue bound: the larger sum, then the fixed part
+    (when the GPU's sum is the larger, the very float of the plain formula)."""
+    forward_prefix, forward_fixed = forward_terms
+    plain_prefix, plain_fixed = backward_terms[False]
+    rerun_prefix, rerun_fixed = backward_terms[True]
+    forward_issue, backward_issue = issue
+    plain_issue, rerun_issue = backward_issue[False], backward_issue[True]
+
+    def forward(s: int, e: int) -> float:
+        gpu, cpu = forward_prefix[e] - forward_prefix[s], forward_issue[e] - forward_issue[s]
+        return (gpu if gpu >= cpu else cpu) + forward_fixed
+
+    def backward(s: int, e: int, recompute: bool) -> float:
+        if recompute:
+            gpu, cpu = rerun_prefix[e] - rerun_prefix[s], rerun_issue[e] - rerun_issue[s]
+            return (gpu if gpu >= cpu else cpu) + rerun_fixed
+        gpu, cpu = plain_prefix[e] - plain_prefix[s], plain_issue[e] - plain_issue[s]
+        return (gpu if gpu >= cpu else cpu) + plain_fixed
 
     return forward, backward
 
@@ -336,13 +403,42 @@ class CostModel:
         self.pgw = _prefix(figures.weight_backward_s())
         self.pkept = _prefix(figures.kept_bytes())
         # ... plus the checkpoint wrapper's own cost, once per stage and micro-batch.
-        self.overhead_recompute = self.overhead + _cost(figures.recompute_call_s)
+        call = self.recompute_call = _cost(figures.recompute_call_s)
+        self.overhead_recompute = self.overhead + call
+        # Fixed costs per action kind (planner/fixedcosts.py), each with the cost between
+        # actions; zero when the profile measured none, which leaves every figure as before.
+        fixed = setting.fixed_costs
+        self.forward_fixed = self.overhead + _cost(fixed.forward_s)
+        self.backward_fixed = {False: self.overhead + _cost(fixed.backward_s)}
+        self.backward_fixed[True] = self.backward_fixed[False] + call
+        self.input_fixed = {False: self.overhead + _cost(fixed.backward_input_s)}
+        self.input_fixed[True] = self.input_fixed[False] + call
+        self.weight_fixed = self.overhead + _cost(fixed.backward_weight_s)
+        # ... and per message to or from another stage, on the action that sends or receives it.
+        self.send_fixed = _cost(fixed.send_s)
+        self.receive_fixed = _cost(fixed.receive_s)
+        self.messages = messages(setting.schedule, self.K, setting.virtual_stages)
+        self.forward_messages = [m.forward_sends * self.send_fixed + m.forward_receives * self.receive_fixed
+                                 for m in self.messages]
+        self.backward_messages = [m.backward_sends * self.send_fixed + m.backward_receives * self.receive_fixed
+                                  for m in self.messages]
         # Each pass over layers [s, e) costs prefix[e] - prefix[s] + its fixed cost: the pairs,
-        # named once here, and the one formula on them (stage_time_formula).
-        self.forward_terms: tuple[list[float], float] = (self.pf, self.overhead)
+        # named once here, and the one formula on them (stage_time_formula). These are without
+        # messages; chunk c's own pairs (formula(c)) add its messages to the fixed parts.
+        self.forward_terms: tuple[list[float], float] = (self.pf, self.forward_fixed)
         self.backward_terms: dict[bool, tuple[list[float], float]] = {
-            False: (self.pg, self.overhead), True: (self.pgr, self.overhead_recompute)}
-        self.forward, self.whole_backward = stage_time_formula(self.forward_terms, self.backward_terms)
+            False: (self.pg, self.backward_fixed[False]), True: (self.pgr, self.backward_fixed[True])}
+        # The CPU-issue bound (CUDA profiles): each pass takes the larger of its layers' GPU and
+        # issue sums; prefix sums of the issue times per kind, None without them.
+        issue = figures.issue_times()
+        self.issue: dict[str, list[float]] | None = None if issue is None else {
+            key: _prefix(times) for key, times in issue.items()}
+        self.issue_terms = None if self.issue is None else (
+            self.issue["F"], {False: self.issue["B"], True: self.issue["B recompute"]})
+        self.forward, self.whole_backward = stage_time_formula(self.forward_terms, self.backward_terms,
+                                                               self.issue_terms)
+        self._formulas: dict[tuple[float, float, float], tuple[Callable[[int, int], float],
+                                                                Callable[[int, int, bool], float]]] = {}
         # A split backward runs I and W: its B is their sum (see backward_input).
         self.backward: Callable[[int, int, bool], float] = (
             self._split_backward if self.split else self.whole_backward)
@@ -384,36 +480,96 @@ class CostModel:
     # forward(s, e), whole_backward(s, e, recompute) and backward(s, e, recompute) are set in
     # __init__: see stage_time_formula.
 
-    def _split_backward(self, s: int, e: int, recompute: bool) -> float:
-        """B of layers [s, e) under a schedule that splits it: I + W."""
-        return self.backward_input(s, e, recompute) + self.backward_weight(s, e, recompute)
+    def _split_backward(self, s: int, e: int, recompute: bool, c: int | None = None) -> float:
+        """B of layers [s, e) under a schedule that splits it: I + W (of chunk c, with its messages)."""
+        return self.backward_input(s, e, recompute, c) + self.backward_weight(s, e, recompute, c)
 
-    def forward_reach(self, s: int, budget: float) -> int:
-        """The largest e >= s with ``forward(s, e) <= budget`` (s if none), by bisection."""
-        prefix, fixed = self.forward_terms
-        return reach(prefix, s, budget, fixed)
+    def formula(self, c: int) -> tuple[Callable[[int, int], float], Callable[[int, int, bool], float]]:
+        """Chunk c's ``forward(s, e)`` and whole ``backward(s, e, recompute)``: the stage-time
+        formula with the chunk's messages in the fixed parts (with one chunk per stage, chunk k
+        is stage k). Chunks whose fixed parts are alike share the functions."""
+        fm, bm = self.forward_messages[c], self.backward_messages[c]
+        key = (fm, bm)
+        found = self._formulas.get(key)
+        if found is None:
+            if fm == 0.0 and bm == 0.0:
+                found = (self.forward, self.whole_backward)
+            else:
+                found = stage_time_formula(
+                    (self.pf, self.forward_fixed + fm),
+                    {False: (self.pg, self.backward_fixed[False] + bm), True: (self.pgr, self.backward_fixed[True] + bm)},
+                    self.issue_terms)
+            self._formulas[key] = found
+        return found
 
-    def backward_reach(self, s: int, budget: float, recompute: bool) -> int:
+    def chunk_fixed(self, kind: str, c: int, recompute: bool = False) -> float:
+        """The fixed part of chunk c's ``kind`` action (F, B, I or W), per micro-batch: what it
+        costs beyond its layers' prefix sums (its kind's fixed cost, the cost between actions,
+        the checkpoint call when recomputing, and its messages). Chunk 0's I under a split
+        backward is all fixed (it computes nothing); its W is the whole backward's layers plus
+        this. Every pass time is ``prefix[e] - prefix[s] + chunk_fixed``."""
+        if kind == "F":
+            return self.forward_fixed + self.forward_messages[c]
+        if kind == "B":
+            return self.backward_fixed[recompute] + self.backward_messages[c]
+        if kind == "I":
+            if c == 0 and self.split:
+                return self.overhead + self.backward_messages[0]
+            return self.input_fixed[recompute] + self.backward_messages[c]
+        if kind == "W":
+            return self.weight_fixed + self.recompute_call if c == 0 and self.split and recompute else self.weight_fixed
+        raise ValueError(f"unknown action kind {kind!r}")
+
+    def message_totals(self, chunks: Sequence[int]) -> float:
+        """What the messages of one forward and one backward of each of ``chunks`` cost together."""
+        return sum(self.forward_messages[c] + self.backward_messages[c] for c in chunks)
+
+    def forward_reach(self, s: int, budget: float, fixed: float | None = None) -> int:
+        """The largest e >= s with ``forward(s, e) <= budget`` (s if none), by bisection; with
+        ``fixed``, for a forward of that fixed part (a chunk's: :meth:`chunk_fixed`)."""
+        prefix, own = self.forward_terms
+        fixed = own if fixed is None else fixed
+        e = reach(prefix, s, budget, fixed)
+        # Under the CPU-issue bound both sums must keep within the budget.
+        return e if self.issue is None else min(e, reach(self.issue["F"], s, budget, fixed))
+
+    def backward_reach(self, s: int, budget: float, recompute: bool, fixed: float | None = None) -> int:
         """The largest e >= s with ``whole_backward(s, e, recompute) <= budget`` (s if none)."""
-        prefix, fixed = self.backward_terms[recompute]
-        return reach(prefix, s, budget, fixed)
+        prefix, own = self.backward_terms[recompute]
+        fixed = own if fixed is None else fixed
+        e = reach(prefix, s, budget, fixed)
+        if self.issue is None:
+            return e
+        return min(e, reach(self.issue["B recompute" if recompute else "B"], s, budget, fixed))
 
-    def backward_input(self, s: int, e: int, recompute: bool) -> float:
-        """I of layers [s, e): the input gradient, with the recomputed forward when recomputing.
+    def _layers_sum(self, prefix: list[float], issue_key: str, s: int, e: int) -> float:
+        """The layers' sum of a pass over [s, e): under the CPU-issue bound the larger of the two."""
+        gpu = prefix[e] - prefix[s]
+        if self.issue is None:
+            return gpu
+        cpu = self.issue[issue_key][e] - self.issue[issue_key][s]
+        return gpu if gpu >= cpu else cpu
+
+    def backward_input(self, s: int, e: int, recompute: bool, c: int | None = None) -> float:
+        """I of layers [s, e): the input gradient, with the recomputed forward when recomputing
+        (as chunk c, with its messages; None: without).
 
         Chunk 0 has no input gradient to send: its I computes nothing and its W runs the whole
         backward, as torch.distributed.pipelining does (and both executors, which run its code)."""
+        bm = self.backward_messages[c] if c is not None else 0.0
         if s == 0 and self.split:
-            return self.overhead
+            return self.overhead + bm
         if recompute:
-            return self.pgir[e] - self.pgir[s] + self.overhead_recompute
-        return self.pgi[e] - self.pgi[s] + self.overhead
+            return self._layers_sum(self.pgir, "I recompute", s, e) + (self.input_fixed[True] + bm)
+        return self._layers_sum(self.pgi, "I", s, e) + (self.input_fixed[False] + bm)
 
-    def backward_weight(self, s: int, e: int, recompute: bool = False) -> float:
-        """W of layers [s, e): the weight gradient (for chunk 0, the whole backward: see I)."""
+    def backward_weight(self, s: int, e: int, recompute: bool = False, c: int | None = None) -> float:
+        """W of layers [s, e): the weight gradient (for chunk 0, the whole backward: see I).
+        W exchanges no message (``c`` is accepted for symmetry with I)."""
         if s == 0 and self.split:
-            return self.whole_backward(0, e, recompute)
-        return self.pgw[e] - self.pgw[s] + self.overhead
+            prefix, key = (self.pgr, "B recompute") if recompute else (self.pg, "B")
+            return self._layers_sum(prefix, key, 0, e) + self.chunk_fixed("W", 0, recompute)
+        return self._layers_sum(self.pgw, "W", s, e) + self.weight_fixed
 
     def optimizer(self, s: int, e: int) -> float:
         """The step after the backward: the gradient sync over the replicas, the optimizer on
@@ -548,20 +704,30 @@ class CostModel:
         """The layer ranges of stage k's chunks, for chunk boundaries ``bounds``."""
         return tuple((bounds[c], bounds[c + 1]) for c in self.peaks[k].chunks)
 
+    def chunk_times(self, c: int, s: int, e: int, recompute: bool) -> tuple[float, float, float, float]:
+        """Chunk c = layers [s, e): its F, B, I and W per micro-batch, messages included (the
+        one place the solvers and the evaluation read a chunk's times from). Under a split
+        backward B is I + W; else I and W say what the halves would take."""
+        forward, whole = self.formula(c)
+        i = self.backward_input(s, e, recompute, c)
+        w = self.backward_weight(s, e, recompute, c)
+        b = i + w if self.split else whole(s, e, recompute)
+        return forward(s, e), b, i, w
+
     def chunk(self, c: int, s: int, e: int, recompute: bool) -> ChunkCost:
         """Chunk c = layers [s, e)."""
         k = self.stage_of_chunk[c]
         send = self.comm[e] if c < self.C - 1 and self.stage_of_chunk[c + 1] != k else 0.0
-        if self.split:
-            i, w = self.backward_input(s, e, recompute), self.backward_weight(s, e, recompute)
-            rerun = (i + w) - (self.backward_input(s, e, False) + self.backward_weight(s, e, False)) if recompute else 0.0
-            b = i + w
+        f, b, i, w = self.chunk_times(c, s, e, recompute)
+        if recompute:
+            plain = self.chunk_times(c, s, e, False)
+            rerun = b - plain[1]
         else:
+            rerun = 0.0
+        if not self.split:
             # A schedule that runs B: I and W say what the halves would take (the plan shows them).
-            b = self.backward(s, e, recompute)
-            i, w = self.backward_input(s, e, recompute), self.backward_weight(s, e)
-            rerun = b - self.backward(s, e, False) if recompute else 0.0
-        return ChunkCost(c, k, s, e, recompute, self.forward(s, e), b, i, w, rerun, send)
+            w = self.backward_weight(s, e, False, c)
+        return ChunkCost(c, k, s, e, recompute, f, b, i, w, rerun, send)
 
     def stage(self, k: int, spans: Sequence[tuple[int, int]], recompute: bool) -> StageCost:
         """Stage k holding the layer ranges ``spans`` (its chunks, in pipeline order)."""

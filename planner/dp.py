@@ -100,10 +100,21 @@ class GPipeSolver:
         # depends on its input (the cut it starts at) under a limit.
         shrink_safe = not has_limit or self.fixed_recompute is False
         self.comm_on = comm_on
+        # Each stage's F and B as its chunk (messages in the fixed parts: the first and the last
+        # stage exchange fewer than the others), and which stages share them (a class).
+        self.formulas = [cm.formula(k) for k in range(self.K)]
+        self.fixed = [(cm.chunk_fixed("F", k), cm.chunk_fixed("B", k, False), cm.chunk_fixed("B", k, True))
+                      for k in range(self.K)]
+        classes: dict[tuple[float, float, float], int] = {}
+        self.stage_class = [classes.setdefault(f, len(classes)) for f in self.fixed]
+        self.classes = len(classes)
+        # The greedy probe cuts each stage with its own class's fixed parts (see _probe_greedy).
         self.greedy_ok = shrink_safe
         # Cut positions by send time, to count those a threshold allows (see _probe_greedy).
         self.sorted_comm = sorted(cm.comm[1:cm.L])
-        self.window_ok = self.fixed_recompute is not None and shrink_safe
+        # The sliding-window DP and the per-first-stage search take F + B to add up to the same
+        # total for every partition: not so under the CPU-issue bound (the larger of two sums).
+        self.window_ok = self.fixed_recompute is not None and shrink_safe and cm.issue is None
         # no after-the-backward term at all (optimizer step, gradient sync): it only grows with a stage
         self.constant_additive = self.window_ok and not comm_on and cm.optimizer(0, cm.L) == 0.0
         self.probes = 0
@@ -124,9 +135,17 @@ class GPipeSolver:
             s, e = bounds[k], bounds[k + 1]
             r = self._recompute(s, e)
             c = cm.comm[e] if e < self.L else 0.0
-            phi = max(phi, cm.forward(s, e), c)
-            gamma = max(gamma, cm.backward(s, e, bool(r)), c)
+            forward, backward = self.formulas[k]
+            phi = max(phi, forward(s, e), c)
+            gamma = max(gamma, backward(s, e, bool(r)), c)
         return phi, gamma
+
+    def _reaches(self, s: int, X: float, Y: float, recompute: bool, k: int) -> tuple[int, int]:
+        """The longest stage k from s whose forward is <= X, and whose backward is <= Y."""
+        cm = self.cm
+        forward_fixed, plain_fixed, rerun_fixed = self.fixed[k]
+        return (cm.forward_reach(s, X, forward_fixed),
+                cm.backward_reach(s, Y, recompute, rerun_fixed if recompute else plain_fixed))
 
     def _recompute(self, s: int, e: int) -> bool | None:
         # GPipe keeps M micro-batches in flight on every stage: the stage index does not matter.
@@ -139,8 +158,7 @@ class GPipeSolver:
         self.probes += 1
         if self.greedy_ok:
             return self._probe_greedy(X, Y, first_cap)
-        assert first_cap is None
-        return self._probe_reachable(X, Y)
+        return self._probe_reachable(X, Y, first_cap)
 
     def _mem_reach(self, s: int, hi: int, recompute: bool) -> int:
         """The largest e in [s, hi] whose stage [s, e) fits in memory (s if none)."""
@@ -152,6 +170,13 @@ class GPipeSolver:
         A stage may end only where the send to the next stage meets both thresholds; the greedy
         stage steps back to the last such cut. Shorter stages still meet the thresholds, so a
         greedy plan with m stages becomes one with K as long as there are enough allowed cuts.
+
+        Stage k is cut with its own fixed parts (its class: the first and last stages exchange
+        fewer messages than the others). The greedy cut is still exact where it says "no" after
+        K stages (every feasible partition's k-th cut is at or before the greedy's, stage by
+        stage); where it could be wrong, it asks the reachability sweep: a middle stage that
+        cannot take one layer (that layer may belong to the last stage, which pays less), or
+        stages added to a greedy plan of fewer than K that no longer meet their own class.
 
         On failure it also notes, in ``self.next_forward`` / ``self.next_backward``, the least
         threshold at which the greedy cuts could change (a held-back stage could take one more
@@ -165,16 +190,17 @@ class GPipeSolver:
         s = 0
         next_forward = next_backward = INF
         while s < L:
-            e_forward = cm.forward_reach(s, X)
-            e_backward = cm.backward_reach(s, Y, r)
+            k = min(len(bounds) - 1, K - 1)
+            forward, backward = self.formulas[k]
+            e_forward, e_backward = self._reaches(s, X, Y, r, k)
             e = self._mem_reach(s, min(e_forward, e_backward), r)
             if s == 0 and first_cap is not None:
                 e = min(e, first_cap)
             if e < L:
                 if e_forward == e and e_forward < e_backward:
-                    next_forward = min(next_forward, cm.forward(s, e + 1))
+                    next_forward = min(next_forward, forward(s, e + 1))
                 if e_backward == e and e_backward < e_forward:
-                    next_backward = min(next_backward, cm.backward(s, e + 1, r))
+                    next_backward = min(next_backward, backward(s, e + 1, r))
             if self.comm_on:
                 skipped = INF
                 while s < e < L and comm[e] > cut_cap:
@@ -185,7 +211,12 @@ class GPipeSolver:
                         next_forward = min(next_forward, skipped)
                     if Y <= X:
                         next_backward = min(next_backward, skipped)
-            if e <= s or len(bounds) > K:
+            if len(bounds) > K:
+                self.next_forward, self.next_backward = next_forward, next_backward
+                return None
+            if e <= s:
+                if 0 < k < K - 1 and self.stage_class[k] != self.stage_class[K - 1]:
+                    return self._probe_exactly(X, Y, first_cap)
                 self.next_forward, self.next_backward = next_forward, next_backward
                 return None
             bounds.append(e)
@@ -202,46 +233,70 @@ class GPipeSolver:
                 self.next_backward = nxt if Y <= X else INF
                 return None
             bounds = sorted(taken.union(extra))
+            if self.classes > 1 and not self._within(bounds, X, Y, r, first_cap):
+                return self._probe_exactly(X, Y, first_cap)
         return tuple(bounds)
 
-    def _valid_ends(self, s: int, X: float, Y: float) -> list[tuple[int, int]]:
-        """Intervals (lo, hi) of ends e for which the stage [s, e) meets X, Y and memory."""
-        cm = self.cm
-        e_forward = cm.forward_reach(s, X)
+    def _within(self, bounds: list[int], X: float, Y: float, r: bool, first_cap: int | None) -> bool:
+        """Whether every stage of ``bounds`` meets the thresholds and memory as its own class."""
+        for k in range(self.K):
+            s, e = bounds[k], bounds[k + 1]
+            forward, backward = self.formulas[k]
+            if forward(s, e) > X or backward(s, e, r) > Y or not self.cm.fits(s, e, 0, r):
+                return False
+        return first_cap is None or bounds[1] <= first_cap
+
+    def _probe_exactly(self, X: float, Y: float, first_cap: int | None) -> tuple[int, ...] | None:
+        """The reachability sweep where the greedy cut cannot decide: exact, with no jump to
+        offer on failure (the next threshold to try is the next float)."""
+        self.next_forward = self.next_backward = 0.0
+        return self._probe_reachable(X, Y, first_cap)
+
+    def _valid_ends(self, s: int, X: float, Y: float, k: int = 0) -> list[tuple[int, int]]:
+        """Intervals (lo, hi) of ends e for which stage k = [s, e) meets X, Y and memory."""
+        e_forward, e_plain = self._reaches(s, X, Y, False, k)
         if e_forward <= s:
             return []
         if self.fixed_recompute is not None:
             r = self.fixed_recompute
-            e = self._mem_reach(s, min(e_forward, cm.backward_reach(s, Y, r)), r)
+            e = self._mem_reach(s, min(e_forward, self._reaches(s, X, Y, r, k)[1]), r)
             return [(s + 1, e)] if e > s else []
         # Per-stage choice: without recomputation while it fits, with it beyond.
         fits_plain = self._mem_reach(s, e_forward, False)
         out = []
-        e0 = min(fits_plain, cm.backward_reach(s, Y, False))
+        e0 = min(fits_plain, e_plain)
         if e0 > s:
             out.append((s + 1, e0))
         if fits_plain < e_forward:
-            e1 = self._mem_reach(s, min(e_forward, cm.backward_reach(s, Y, True)), True)
+            e1 = self._mem_reach(s, min(e_forward, self._reaches(s, X, Y, True, k)[1]), True)
             if e1 > fits_plain:
                 out.append((fits_plain + 1, e1))
         return out
 
-    def _probe_reachable(self, X: float, Y: float) -> tuple[int, ...] | None:
+    def _probe_reachable(self, X: float, Y: float, first_cap: int | None = None) -> tuple[int, ...] | None:
+        """Some partition within X, Y (and the first stage ending by ``first_cap``), by the cut
+        positions each stage can reach from those the stages before it reached."""
         cm, L, K = self.cm, self.L, self.K
         cut_cap = min(X, Y)
         cut_ok = [e == L or cm.comm[e] <= cut_cap for e in range(L + 1)]
         current = [False] * (L + 1)
         current[0] = True
         parents: list[list[int]] = []
-        ends: dict[int, list[tuple[int, int]]] = {}    # GPipe: a stage's ends do not depend on k
+        # GPipe: a stage's ends depend on its start and on k only through its fixed parts (class).
+        ends: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for k in range(K):
             self._check_deadline()
             intervals = []
+            cls = self.stage_class[k]
             for s in range(L):
                 if current[s]:
-                    if s not in ends:
-                        ends[s] = self._valid_ends(s, X, Y)
-                    for lo, hi in ends[s]:
+                    if (s, cls) not in ends:
+                        ends[(s, cls)] = self._valid_ends(s, X, Y, k)
+                    for lo, hi in ends[(s, cls)]:
+                        if k == 0 and first_cap is not None:
+                            hi = min(hi, first_cap)
+                            if hi < lo:
+                                continue
                         intervals.append((lo, hi, s))
             intervals.sort()
             nxt = [False] * (L + 1)
@@ -313,12 +368,13 @@ class GPipeSolver:
         return least, front
 
     def _forward_floor(self) -> float:
-        cm = self.cm
-        return max(cm.forward(i, i + 1) for i in range(self.L))
+        """No Phi is below the heaviest layer's forward as the stage of least fixed part."""
+        forward = min(self.formulas, key=lambda pair: pair[0](0, 0))[0]
+        return max(forward(i, i + 1) for i in range(self.L))
 
     def _backward_floor(self) -> float:
-        cm = self.cm
-        return max(cm.backward(i, i + 1, False) for i in range(self.L))
+        backward = min(self.formulas, key=lambda pair: pair[1](0, 0, False))[1]
+        return max(backward(i, i + 1, False) for i in range(self.L))
 
     def _minimise(self, probe, value, jump, floor: float) -> tuple[float, tuple[int, ...]] | None:
         """The least threshold whose probe succeeds: bisection over the floats themselves,
@@ -363,7 +419,8 @@ class GPipeSolver:
         for k in range(self.K):
             s, e = bounds[k], bounds[k + 1]
             r = bool(self._recompute(s, e))
-            total += cm.forward(s, e) + cm.backward(s, e, r) + 2 * (cm.comm[e] if e < self.L else 0.0)
+            forward, backward = self.formulas[k]
+            total += forward(s, e) + backward(s, e, r) + 2 * (cm.comm[e] if e < self.L else 0.0)
         return total
 
     def _additive_window(self, X: float, Y: float) -> tuple[float, tuple[int, ...]] | None:
@@ -372,20 +429,29 @@ class GPipeSolver:
         cm, L, K = self.cm, self.L, self.K
         r = bool(self.fixed_recompute)
         cut_cap = min(X, Y)
-        forward, backward, fits = cm.forward, cm.backward, cm.fits
-        lo = [0] * (L + 1)
-        s = 0
-        for e in range(1, L + 1):
-            while s < e and not (forward(s, e) <= X and backward(s, e, r) <= Y and fits(s, e, 0, r)):
-                s += 1
-            lo[e] = s
+        fits = cm.fits
+        # lo[e] per class of stage (their fixed parts differ: see __init__)
+        los: dict[int, list[int]] = {}
+        for k in range(K):
+            if self.stage_class[k] in los:
+                continue
+            forward, backward = self.formulas[k]
+            lo = [0] * (L + 1)
+            s = 0
+            for e in range(1, L + 1):
+                while s < e and not (forward(s, e) <= X and backward(s, e, r) <= Y and fits(s, e, 0, r)):
+                    s += 1
+                lo[e] = s
+            los[self.stage_class[k]] = lo
         comm2 = [2 * c for c in cm.comm]
         cost = [INF] * (L + 1)
+        lo = los[self.stage_class[0]]
         for e in range(1, L - K + 2):
             if lo[e] == 0 and cm.comm[e] <= cut_cap:
                 cost[e] = cm.optimizer(0, e) + comm2[e]
         parents: list[list[int]] = []
         for k in range(1, K):
+            lo = los[self.stage_class[k]]
             first, last = (k + 1 if k < K - 1 else L), L - (K - 1 - k)
             new = [INF] * (L + 1)
             parent = [-1] * (L + 1)
@@ -418,14 +484,16 @@ class GPipeSolver:
         """D(X, Y) by relaxing, from every reachable cut s, the stages [s, e) that meet the
         thresholds (their ends form at most two intervals: see _valid_ends)."""
         cm, L, K = self.cm, self.L, self.K
-        forward, backward, comm = cm.forward, cm.backward, cm.comm
+        comm = cm.comm
         cut_cap = min(X, Y)
         plain_ok = False in cm.allowed_recompute
         cost = [INF] * (L + 1)
         cost[0] = 0.0
         parents: list[list[int]] = []
-        ends: dict[int, list[tuple[int, int]]] = {}
+        ends: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for k in range(K):
+            forward, backward = self.formulas[k]
+            cls = self.stage_class[k]
             last = L - (K - 1 - k)
             new = [INF] * (L + 1)
             parent = [-1] * (L + 1)
@@ -435,10 +503,10 @@ class GPipeSolver:
                 base = cost[s]
                 if base == INF:
                     continue
-                if s not in ends:
-                    ends[s] = self._valid_ends(s, X, Y)
+                if (s, cls) not in ends:
+                    ends[(s, cls)] = self._valid_ends(s, X, Y, k)
                 plain_end = cm.max_end(s, 0, False) if plain_ok else s
-                for lo, hi in ends[s]:
+                for lo, hi in ends[(s, cls)]:
                     # the last stage ends at L: its other ends need not be visited
                     for e in range(max(lo, k + 1, L if k == K - 1 else 0), min(hi, last) + 1):
                         send = comm[e]           # 0.0 at e = L: there is no cut there
@@ -471,6 +539,13 @@ class GPipeSolver:
         it too, and when it runs out inside them the solve ends with what it has
         (:meth:`_out_of_time_solution`).
         """
+        if self.cm.setting.time_shared:
+            # On shared cores the step is no closed form, and the thresholds' optimum need not be
+            # the time-shared one: the branch and bound over cuts evaluates every plan it keeps
+            # (its dedicated bounds are lower bounds here too: planner/timeshare.py), so it is exact.
+            from .onefoneb import OneFOneBSolver
+
+            return OneFOneBSolver(self.cm, time_budget_s=self.time_budget_s, cutoff_s=cutoff_s).solve()
         self.started = time.perf_counter()
         self.deadline = self.started + self.time_budget_s
         # (self._seen, the best plan evaluated so far, is kept from an earlier solve of the same
@@ -604,8 +679,8 @@ class GPipeSolver:
         cap = e_star - 1
         while cap >= 1 and K > 1:
             rest = K - 1
-            rest_floor = ((cm.pf[L] - cm.pf[cap] + rest * cm.overhead) / rest
-                          + (cm.pg[L] - cm.pg[cap] + rest * cm.overhead) / rest)
+            rest_floor = ((cm.pf[L] - cm.pf[cap] + sum(f for f, _, _ in self.fixed[1:])) / rest
+                          + (cm.pg[L] - cm.pg[cap] + sum(b for _, b, _ in self.fixed[1:])) / rest)
             floor = constant + cheapest_optimizer + (M - 1) * max(least_sum, rest_floor)
             if floor >= incumbent() * (1 - RELATIVE_SLACK):
                 break

@@ -294,7 +294,7 @@ def _solve_point(grid: _Grid, shape: _Shape, M: int, size: int, schedule: str, r
                 st = cm.setting
                 key = (M, size, recompute, limit, st.compute_scale, st.link_bandwidth_bytes_per_s,
                        st.link_latency_s, st.data_parallel, st.sync_bandwidth_bytes_per_s,
-                       st.sync_latency_s, st.gradient_sync)
+                       st.sync_latency_s, st.gradient_sync, st.overhead_s, st.fixed_costs)
                 sol = OneFOneBSolver(cm, seeds=seed_cuts(cm, seeds), time_budget_s=budget_s,
                                      suffix_tables=tables.setdefault(key, {})).solve()
         else:

@@ -12,11 +12,11 @@ from html import escape
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from ..schedules import label as schedule_label
 from .explore import Cell, Exploration
-from ..units import format_bytes, format_percent, format_seconds
+from ..tables import narrow_table
+from ..units import BYTE_UNITS, TIME_UNITS, column_unit, format_bytes, format_figure, format_percent
 
 PALETTE = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#FF9DA6", "#9D755D"]
 
@@ -84,11 +84,10 @@ def render_exploration(ex: Exploration, console: Console, memory_limit_bytes: in
     if replicas:
         render_factorisations(ex, console)
     for schedule, recompute in combos:
-        table = Table(title=f"{schedule}, recompute {recompute}: normalised throughput "
-                            f"(bubble, peak memory per device)", header_style="bold")
-        table.add_column("K x d \\ M" if replicas else "K \\ M", justify="right")
-        for M in ms:
-            table.add_column(str(M), justify="right")
+        cells = [c for c in ex.cells if (c.schedule, c.recompute) == (schedule, recompute)]
+        unit, size = column_unit((c.peak_memory_bytes for c in cells if c.step_s is not None), BYTE_UNITS)
+        table = narrow_table(f"{schedule}, recompute {recompute}: normalised throughput, and under it the bubble "
+                             f"and peak {unit} per device", ("K x d \\ M" if replicas else "K \\ M", *map(str, ms)))
         for K, d in rows:
             row = [shape_label(K, d) if replicas else str(K)]
             for M in ms:
@@ -98,15 +97,15 @@ def render_exploration(ex: Exploration, console: Console, memory_limit_bytes: in
                     continue
                 shape = schedule_label(schedule, c.virtual_stages)[len(schedule):]   # " v=2": its chunks per stage
                 text = (f"{c.normalized_throughput:.2f}{'' if c.proven else '*'}{shape}\n"
-                        f"{format_percent(c.bubble_fraction)}, {format_bytes(c.peak_memory_bytes)}")
-                row.append(text if c.fits else f"[red]{text}\ndoes not fit[/red]")
+                        f"{format_percent(c.bubble_fraction)} {format_figure(c.peak_memory_bytes, size)}")
+                row.append(text if c.fits else f"[red]{text}\nover[/red]")
             table.add_row(*row)
         console.print(table)
     if any(not c.proven for c in ex.cells if c.step_s is not None):
         console.print("* search stopped at its time budget: the best plan found, not proven optimal")
     if memory_limit_bytes:
-        console.print(f"red cells exceed the memory limit of {format_bytes(memory_limit_bytes)} per device "
-                      "(shown: their best plan without the limit)")
+        console.print(f"cells marked over (red) exceed the memory limit of {format_bytes(memory_limit_bytes)} per "
+                      "device (shown: their best plan without the limit)")
     never = never_fitting(ex)
     if never:
         console.print(f"settings with no line in the chart, {never_fitting_line(never)}", highlight=False)
@@ -117,11 +116,9 @@ def render_exploration(ex: Exploration, console: Console, memory_limit_bytes: in
         console.print("capacity: no repeated block found in this profile")
     elif ex.capacity:
         b = ex.block
-        table = Table(title=f"capacity: copies of the repeated block ({', '.join(b['names'])}; "
-                            f"{b['blocks']} in the profile) that fit {format_bytes(memory_limit_bytes)} per device",
-                      header_style="bold")
-        for col in ("K", "recompute", "blocks", "parameters", "with"):
-            table.add_column(col, justify="right" if col not in ("recompute", "with") else "left")
+        table = narrow_table(f"capacity: copies of the repeated block ({', '.join(b['names'])}; "
+                             f"{b['blocks']} in the profile) that fit {format_bytes(memory_limit_bytes)} per device",
+                             ("K", "recompute", "blocks", "parameters", "with"), left=("recompute", "with"))
         for cap in ex.capacity:
             table.add_row(str(cap.stages), cap.recompute, f"{cap.blocks:,}",
                           f"{cap.parameters / 1e6:,.1f} M ({format_bytes(cap.param_bytes)})", cap.setting)
@@ -132,11 +129,14 @@ def render_exploration(ex: Exploration, console: Console, memory_limit_bytes: in
 
 def render_factorisations(ex: Exploration, console: Console) -> None:
     """The --devices summary: per K x d (best first) its best plan that fits, or why none does."""
-    table = Table(title=f"{ex.devices} devices as K stages x d replicas: the best plan of each that fits "
-                        f"(samples/s: x one device)", header_style="bold")
-    for col in ("K x d", "best plan that fits", "step", "samples/s", "grad. sync", "memory", "fit"):
-        table.add_column(col, justify="left" if col in ("K x d", "best plan that fits") else "right",
-                         no_wrap=col != "best plan that fits")
+    found = [f.best for f in ex.factorisations if f.best is not None]
+    unit, size = column_unit((c.step_s for c in found), TIME_UNITS)
+    memory_unit, memory_size = column_unit((c.peak_memory_bytes for c in found), BYTE_UNITS)
+    table = narrow_table(f"{ex.devices} devices as K stages x d replicas: the best plan of each that fits "
+                         f"(samples/s: x one device; sync: the slowest stage's gradient sync)",
+                         ("K x d", "best plan that fits", f"step {unit}", "samples/s", f"sync {unit}",
+                          f"peak {memory_unit}", "fit"), left=("K x d", "best plan that fits"),
+                         wrap=("best plan that fits",))
     for f in ex.factorisations:
         c = f.best
         if c is None:
@@ -147,10 +147,10 @@ def render_factorisations(ex: Exploration, console: Console) -> None:
         if c.order and c.data_parallel > 1 and c.stages > 1:
             plan += f" {c.order}"             # the order matters only with both stages and replicas
         table.add_row(shape_label(f.stages, f.data_parallel), plan,
-                      f"{format_seconds(c.step_s, 3)}{'' if c.proven else '*'}",
+                      f"{format_figure(c.step_s, size)}{'' if c.proven else '*'}",
                       f"{c.throughput_per_s:,.1f} ({c.normalized_throughput:.2f}x)",
-                      format_seconds(c.slowest_stage_gradient_sync_s or 0.0, 3), format_bytes(c.peak_memory_bytes),
-                      f"{f.fitting_cells}/{f.cells}")
+                      format_figure(c.slowest_stage_gradient_sync_s or 0.0, size),
+                      format_figure(c.peak_memory_bytes, memory_size), f"{f.fitting_cells}/{f.cells}")
     console.print(table)
 
 

@@ -77,8 +77,14 @@ class _ScaledTimes:
     rerun: list[float]           # what recomputing adds to each layer's backward (>= 0)
     call: float                  # the checkpoint call, once per recomputing stage
     optimizer: list[float]       # per layer
-    overhead: float              # per micro-batch and stage
+    forward_fixed: list[float]   # per stage: its forward's fixed part (CostModel.chunk_fixed)
+    backward_fixed: list[float]  # per stage: its plain backward's
     comm: list[float]            # comm[e]: the cut before layer e
+    # The CPU-issue bound (CUDA profiles): per layer, the issue time of its forward and backward
+    # and what recomputing adds to the backward's; None without it.
+    issue_forward: list[float] | None = None
+    issue_backward: list[float] | None = None
+    issue_rerun: list[float] | None = None
 
 
 _LARGEST_COEFFICIENT = 1e6
@@ -86,7 +92,9 @@ _LARGEST_COEFFICIENT = 1e6
 
 def _scaled_times(cm: CostModel) -> _ScaledTimes:
     fig = cm.figures
-    others = [*cm.comm, cm.overhead, fig.recompute_call_s, *fig.optimizer_s,
+    forward_fixed = [cm.chunk_fixed("F", k) for k in range(cm.K)]
+    backward_fixed = [cm.chunk_fixed("B", k) for k in range(cm.K)]
+    others = [*cm.comm, *forward_fixed, *backward_fixed, fig.recompute_call_s, *fig.optimizer_s,
               *(cm.tied_exchange_s(t) for t in range(len(fig.tied)))]
     work = (sum(fig.forward_s) + sum(fig.backward_s)) / cm.L
     unit = max(work, max(others) / _LARGEST_COEFFICIENT) or 1.0
@@ -97,9 +105,19 @@ def _scaled_times(cm: CostModel) -> _ScaledTimes:
         rerun=[(r - b) / unit for r, b in zip(fig.recomputing_backward_s(), fig.backward_s)],
         call=fig.recompute_call_s / unit,
         optimizer=[x / unit for x in fig.optimizer_s],
-        overhead=cm.overhead / unit,
+        forward_fixed=[x / unit for x in forward_fixed],
+        backward_fixed=[x / unit for x in backward_fixed],
         comm=[c / unit for c in cm.comm],
+        **_scaled_issue(cm, unit),
     )
+
+
+def _scaled_issue(cm: CostModel, unit: float) -> dict[str, list[float]]:
+    issue = cm.figures.issue_times()
+    if issue is None:
+        return {}
+    return {"issue_forward": [x / unit for x in issue["F"]], "issue_backward": [x / unit for x in issue["B"]],
+            "issue_rerun": [(r - b) / unit for r, b in zip(issue["B recompute"], issue["B"])]}
 
 
 @dataclass
@@ -173,18 +191,41 @@ def _stage_times(prob, cm: CostModel, times: _ScaledTimes, member, ends, recompu
     forward, backward, send = [], [], []
     big_extra = sum(times.rerun) + times.call
     for k in range(K):
-        fk = pulp.lpSum(times.forward[i] * member(i, k) for i in range(L)) + times.overhead
+        fk = pulp.lpSum(times.forward[i] * member(i, k) for i in range(L)) + times.forward_fixed[k]
         rerun_k = pulp.lpSum(times.rerun[i] * member(i, k) for i in range(L)) + times.call
         extra = _var(prob, f"recompute_time_{k}", 0)
         if isinstance(recompute[k], int):
             prob += extra == (rerun_k if recompute[k] else 0)
         else:
             prob += extra >= rerun_k - big_extra * (1 - recompute[k])
+        bk = pulp.lpSum(times.backward[i] * member(i, k) for i in range(L)) + times.backward_fixed[k] + extra
+        if times.issue_forward is not None:
+            fk, bk = _issue_bound(prob, k, times, member, recompute[k], fk, bk, L)
         forward.append(fk)
-        backward.append(pulp.lpSum(times.backward[i] * member(i, k) for i in range(L)) + times.overhead + extra)
+        backward.append(bk)
         if k < K - 1:
             send.append(pulp.lpSum(times.comm[i + 1] * ends(i, k) for i in range(L - 1)))
     return forward, backward, send
+
+
+def _issue_bound(prob, k: int, times: _ScaledTimes, member, recompute, fk, bk, L: int):
+    """Stage k's forward and backward under the CPU-issue bound: variables at least the GPU's
+    sums and at least the issue sums (each with the fixed part); every objective term grows with
+    them, so the optimum holds each at the larger (planner/costmodel.py)."""
+    f = _var(prob, f"issue_bound_forward_{k}", 0)
+    b = _var(prob, f"issue_bound_backward_{k}", 0)
+    prob += f >= fk
+    prob += f >= pulp.lpSum(times.issue_forward[i] * member(i, k) for i in range(L)) + times.forward_fixed[k]
+    prob += b >= bk
+    rerun = pulp.lpSum(times.issue_rerun[i] * member(i, k) for i in range(L)) + times.call
+    issue_extra = _var(prob, f"issue_recompute_{k}", 0)
+    if isinstance(recompute, int):
+        prob += issue_extra == (rerun if recompute else 0)
+    else:
+        prob += issue_extra >= rerun - (sum(times.issue_rerun) + times.call) * (1 - recompute)
+    prob += b >= (pulp.lpSum(times.issue_backward[i] * member(i, k) for i in range(L)) + times.backward_fixed[k]
+                  + issue_extra)
+    return f, b
 
 
 def _optimizer_tail(prob, cm: CostModel, times: _ScaledTimes, member, forward, send):
@@ -231,6 +272,11 @@ def _read_solution(cm: CostModel, model: _Model, status) -> Solution | None:
     ev = evaluate(cm, bounds, chosen)
     proven = pulp.LpStatus[status] == "Optimal" and prob.sol_status == pulp.LpSolutionOptimal
     lower = ev.step_s if proven else 0.0     # CBC stopped early: no bound we can vouch for
+    if proven and ev.dedicated_step_s is not None:
+        # Shared cores: the programme optimises the dedicated step, which bounds every plan's
+        # time-shared step from below (planner/timeshare.py); this plan is proven only if it meets it.
+        lower = ev.dedicated_step_s
+        proven = ev.step_s <= lower
     return Solution(ev, proven, lower, f"integer linear programme (pulp/CBC), {cm.setting.schedule}",
                     {"variables": len(prob.variables()), "constraints": len(prob.constraints)}, bound_by="ilp")
 

@@ -42,7 +42,7 @@ from typing import Any, Sequence
 
 from ..collectives import ring_allreduce_s
 from .costmodel import CostModel
-from .schedule import _program
+from .schedule import compiled_program
 
 
 # Building a programme, HiGHS's presolve and its root node (linear relaxation and cuts) took
@@ -70,7 +70,7 @@ def _installed(name: str) -> bool:
 def size(cm: CostModel) -> int:
     """About how many variables and constraints ``cm``'s programme has, counted, not built: three
     per action (its start, its precedences, its message) and three per cut position."""
-    actions = sum(len(ops) for ops in _program(cm.schedule, cm.K, cm.M, cm.virtual_stages).ops)
+    actions = sum(len(ops) for ops in compiled_program(cm.schedule, cm.K, cm.M, cm.virtual_stages).ops)
     return 3 * actions + 3 * max(0, cm.C - 1) * max(0, cm.L - cm.C)
 
 
@@ -85,18 +85,27 @@ def fixed_cost_s(cm: CostModel) -> float:
 def pass_terms(cm: CostModel, kind: str, chunk: int, recompute: bool) -> tuple[Sequence[float], float]:
     """The linear form of chunk ``chunk``'s ``kind`` pass (F, B, I or W), per micro-batch, as
     (prefix, fixed): over layers [s, e) it takes ``prefix[e] - prefix[s] + fixed``, what
-    CostModel.forward / backward / backward_input / backward_weight compute. Chunk 0 of a split
-    backward has no input gradient: its I is the fixed cost alone and its W the whole backward."""
-    split = cm.split
+    CostModel.forward / backward / backward_input / backward_weight compute, the fixed part
+    :meth:`CostModel.chunk_fixed` (its kind's fixed cost, the cost between actions, the
+    checkpoint call, its messages). Chunk 0 of a split backward has no input gradient: its I is
+    the fixed part alone and its W the whole backward."""
+    fixed = cm.chunk_fixed(kind, chunk, recompute and kind != "F")
     if kind == "F":
-        return cm.forward_terms
+        return cm.pf, fixed
     if kind == "B":
-        return cm.backward_terms[recompute]
-    if chunk == 0 and split:
-        return ((0.0,) * (cm.L + 1), cm.overhead) if kind == "I" else cm.backward_terms[recompute]
+        return (cm.pgr if recompute else cm.pg), fixed
+    if chunk == 0 and cm.split:
+        return ((0.0,) * (cm.L + 1), fixed) if kind == "I" else ((cm.pgr if recompute else cm.pg), fixed)
     if kind == "I":
-        return (cm.pgir, cm.overhead_recompute) if recompute else (cm.pgi, cm.overhead)
-    return cm.pgw, cm.overhead
+        return (cm.pgir if recompute else cm.pgi), fixed
+    return cm.pgw, fixed
+
+
+def applicable(cm: CostModel) -> bool:
+    """Whether the programme models ``cm`` exactly enough to serve: not under the CPU-issue bound
+    (a pass there is the larger of two sums, which is not linear in the cuts; the branch and
+    bound plans those settings alone), and with at least one layer per chunk."""
+    return cm.issue is None and cm.C <= cm.L
 
 
 # --------------------------------------------------------------------------- linear forms
@@ -290,7 +299,8 @@ def _time_unit(cm: CostModel) -> float:
     a million times over (as ilp._scaled_times: solvers lose their tolerances across such ranges)."""
     L = cm.L
     work = (cm.pf[L] + cm.pg[L]) / max(1, L)
-    others = [max(cm.comm, default=0.0), cm.overhead, cm.overhead_recompute, cm.popt[L]]
+    others = [max(cm.comm, default=0.0), *(cm.chunk_fixed(kind, c, r) for kind in ("F", "B", "I", "W")
+                                              for c in range(cm.C) for r in (False, True)), cm.popt[L]]
     return max(work, max(others) / 1e6) or 1.0
 
 
@@ -339,7 +349,7 @@ def build(cm: CostModel) -> _Model:
                 send[c] = var
 
     # Start times and the schedule's dependencies, from the simulator's compiled program.
-    prog = _program(cm.schedule, K, M, cm.virtual_stages)
+    prog = compiled_program(cm.schedule, K, M, cm.virtual_stages)
     kind_name = ("F", "B", "I", "W")
     start = [[pr.var(f"t_{k}_{i}") for i in range(len(ops))] for k, ops in enumerate(prog.ops)]
     producer: dict[int, tuple[int, int]] = {}

@@ -255,7 +255,12 @@ def refine(cm: CostModel, solution: Solution | None, cutoff_s: float = math.inf,
     searched = solution.lower_bound_s if solution else 0.0
     # Unproven, the programme's bound is its open nodes' least, within its tolerance; proven
     # unable to beat the cutoff, the cutoff.
-    if result.proven:
+    # On shared cores (planner/timeshare.py) the programme optimises the dedicated step, which
+    # bounds every plan's time-shared step from below: its proven optimum is a bound there, no more.
+    shared = best.dedicated_step_s is not None
+    if result.proven and shared:
+        programme = min(best.step_s, evaluate(cm, result.bounds).dedicated_step_s * (1 - RELATIVE_GAP))
+    elif result.proven:
         programme = best.step_s
     elif result.stats.get("reached_cutoff"):
         programme = min(best.step_s, max(cutoff_s, result.lower_bound_s * (1 - RELATIVE_GAP)))
@@ -263,7 +268,7 @@ def refine(cm: CostModel, solution: Solution | None, cutoff_s: float = math.inf,
         programme = result.lower_bound_s * (1 - RELATIVE_GAP)
     lower = min(best.step_s, max(searched, programme))
     milp_stats = {"solver": result.solver, "work_s": round(result.work_s, 3), **result.stats}
-    return Solution(best, result.proven or proven_optimal(best.step_s, lower), lower,
+    return Solution(best, (result.proven and not shared) or proven_optimal(best.step_s, lower), lower,
                     (f"{solution.method}; " if solution and solution.method else "")
                     + f"MILP over the cuts ({result.solver}), warm-started from the best plan found",
                     {**(solution.stats if solution else {}), "milp": milp_stats},

@@ -8,6 +8,7 @@ from typing import Sequence
 
 from .costmodel import ChunkCost, CostModel, StageCost
 from .schedule import gpipe_makespan, simulate_plan
+from .timeshare import time_shared_makespan
 
 # Bounds and step times are sums of floats, so two equal costs can differ in their last bits:
 # a search prunes a branch, or prefers a plan, only when it is better by more than this share.
@@ -29,6 +30,7 @@ class Evaluation:
     makespan_s: float
     fits: bool                       # every stage within the memory limit
     optimizer_wait_s: float = 0.0    # what later stages' optimizer steps add beyond stage 0's
+    dedicated_step_s: float | None = None   # time-shared (planner/timeshare.py): the step on a core per rank
 
     @property
     def recompute(self) -> tuple[bool, ...]:
@@ -108,7 +110,11 @@ class Incumbent:
 
 def evaluate(cm: CostModel, bounds: Sequence[int], recompute: Sequence[bool] | None = None) -> Evaluation:
     """Step time and memory of the chunk boundaries ``bounds`` (recompute per stage; chosen per
-    stage when not given)."""
+    stage when not given).
+
+    When the ranks share fewer cores than they are (``Setting.time_shared``), the makespan is
+    the one played out on shared cores (planner/timeshare.py), never below the dedicated one,
+    which stays in ``dedicated_step_s``; the optimizer's tail is the dedicated model's."""
     chunks, stages = cm.layout(bounds, recompute)
     fits = cm.limit is None or all(s.memory_bytes <= cm.limit for s in stages)
     if cm.schedule == "gpipe":
@@ -119,8 +125,14 @@ def evaluate(cm: CostModel, bounds: Sequence[int], recompute: Sequence[bool] | N
         timeline = simulate_plan(cm.schedule, cm.K, cm.M, cm.virtual_stages, [c.times() for c in chunks],
                                  [s.optimizer_s for s in stages])
         makespan, tail = timeline.makespan_s, timeline.optimizer_tail_s
+    dedicated = None
+    if cm.setting.time_shared:
+        dedicated = makespan + tail
+        shared, _ = time_shared_makespan(cm.schedule, cm.K, cm.M, cm.virtual_stages, [c.times() for c in chunks],
+                                         cm.setting.concurrent_ranks)
+        makespan = max(makespan, shared)      # never below (the module says why); max() keeps it so bit for bit
     return Evaluation(tuple(bounds), tuple(chunks), tuple(stages), makespan + tail, makespan, fits,
-                      tail - stages[0].optimizer_s)
+                      tail - stages[0].optimizer_s, dedicated)
 
 
 def gpipe_optimizer_tail(chunks: Sequence[ChunkCost], stages: Sequence[StageCost]) -> float:
@@ -139,11 +151,15 @@ def work_floor(cm: CostModel, backward_prefix: Sequence[float]) -> float:
     before its bounds keeps): each stage runs its M forwards and backwards one at a time, so the
     makespan is at least the average stage's work, and at least the heaviest layer's M forwards
     and backwards on whichever stage holds it; then stage 0 steps its optimizer (its least).
-    ``backward_prefix``: the prefix sums of each layer's least backward."""
+    ``backward_prefix``: the prefix sums of each layer's least backward. For the one-chunk
+    schedules it serves (GPipe, 1F1B): stage k's fixed part per micro-batch is its forward's
+    and its least backward's (``CostModel.chunk_fixed``, messages included)."""
     L, K, M = cm.L, cm.K, cm.M
     pf = cm.pf
-    average = M * (pf[L] + backward_prefix[L] + 2 * K * cm.overhead) / K
+    fixed = [cm.chunk_fixed("F", k) + min(cm.chunk_fixed("B", k, r) for r in cm.allowed_recompute)
+             for k in range(K)]
+    average = M * (pf[L] + backward_prefix[L] + sum(fixed)) / K
     heaviest = M * (max(pf[i + 1] - pf[i] + backward_prefix[i + 1] - backward_prefix[i] for i in range(L))
-                    + 2 * cm.overhead)
+                    + min(fixed))
     return max(average, heaviest) + cm.least_first_optimizer()
 

@@ -57,6 +57,15 @@ class OneFOneBSolver:
         self.suffix_tables = {} if suffix_tables is None else suffix_tables
         # The other stages' backward, at its least: with recomputation when every stage must.
         self.other_backward = cm.pgr if cm.allowed_recompute == (True,) else cm.pg
+        # Each stage's F and B as its own chunk (its messages in their fixed parts), and the
+        # fixed parts of one forward and one backward of every stage before k and after k: the
+        # least time the stages around k add to its waits, whatever their layers.
+        K = cm.K
+        self.formulas = [cm.formula(k) for k in range(K)]
+        fixed = [cm.chunk_fixed("F", k) + cm.chunk_fixed("B", k) for k in range(K)]
+        self.fixed_before = [sum(fixed[:k]) for k in range(K)]
+        self.fixed_after = [sum(fixed[k + 1:]) for k in range(K)]
+        self.fixed_total = sum(fixed)
         self.cutoff_s = cutoff_s
         self.L, self.K, self.M = cm.L, cm.K, cm.M
         self.seeds = list(seeds)
@@ -74,13 +83,14 @@ class OneFOneBSolver:
         earlier stages and links add (known once they are chosen), else their least value."""
         cm, L, K, M = self.cm, self.L, self.K, self.M
         if before is None:
-            before = cm.pf[s] + self.other_backward[s] + 2 * k * cm.overhead
-        f = cm.forward(s, e)
-        b = cm.backward(s, e, recompute)
+            before = cm.pf[s] + self.other_backward[s] + self.fixed_before[k]
+        forward, backward = self.formulas[k]
+        f = forward(s, e)
+        b = backward(s, e, recompute)
         # (the same expressions as in _suffix_tables, so that both give the very same float)
         ob = self.other_backward
         total = cm.pf[L] + ob[L]
-        down = total - cm.pf[e] - ob[e] + 2 * (K - 1 - k) * cm.overhead + (2 * cm.comm[e] if e < L else 0.0)
+        down = total - cm.pf[e] - ob[e] + self.fixed_after[k] + (2 * cm.comm[e] if e < L else 0.0)
         warmup = cm.in_flight(k)      # forwards before its first backward (schedules.py's list)
         if warmup < M:
             idle = max(0.0, down - (warmup - 1) * f) + max(0.0, down - (warmup - 1) * b)
@@ -100,33 +110,37 @@ class OneFOneBSolver:
             if r is None:
                 return INF
             worst = max(worst, self.stage_bound(s, e, k, r, before))
-            before += cm.forward(s, e) + cm.backward(s, e, r) + (2 * cm.comm[e] if e < self.L else 0.0)
+            forward, backward = self.formulas[k]
+            before += forward(s, e) + backward(s, e, r) + (2 * cm.comm[e] if e < self.L else 0.0)
         return worst + cm.optimizer(bounds[0], bounds[1])
 
     def _suffix_bounds(self) -> list[list[float]]:
         """rest[k][s]: the least, over ways to cut layers [s, L) into stages k..K-1, of their
         largest stage bound (with the least time before each stage)."""
         tables = self._suffix_tables()
-        ovh = self.cm.overhead
-        return [[v + 2 * k * ovh for v in tables[self.K - k]] for k in range(self.K)] + [tables[0]]
+        return [[v + self.fixed_before[k] for v in tables[_table_key(self.K - k, self.K)]]
+                for k in range(self.K)] + [tables[0]]
 
-    def _suffix_tables(self) -> dict[int, list[float]]:
-        """tables[R][s]: rest[K - R][s] less the 2 (K - R) overheads every term of it carries.
+    def _suffix_tables(self) -> dict[int | tuple[str, int], list[float]]:
+        """tables[R][s]: rest[K - R][s] less the fixed costs of the stages before K - R, which
+        every term of it carries (the first stage's table: tables[("first", K)]).
 
         What the last R stages of a pipeline can do depends on R, not on K (warm-up depth,
-        in-flight micro-batches and waits all count the stages left), so one table serves
-        every K: pass the same ``suffix_tables`` dict to the solvers of several K (explore).
+        in-flight micro-batches and waits all count the stages left, and a stage's messages
+        depend on whether it is the last), except where they are the whole pipeline (its first
+        stage receives nothing), so one table serves every K: pass the same ``suffix_tables``
+        dict to the solvers of several K (explore).
 
         Without communication a stage's bound only grows as it takes more layers (each extra
         layer adds M times its work and takes at most (M-1) times it off the waits), so the
         scan over a stage's end stops at the first end whose bound passes the best so far.
         """
         cm, L, K, M = self.cm, self.L, self.K, self.M
-        forward, backward = cm.forward, cm.backward       # the stage-time formula (costmodel)
-        pf, comm, ovh = cm.pf, cm.comm, cm.overhead
+        pf, comm = cm.pf, cm.comm
         ob = self.other_backward
         total = pf[L] + ob[L]
-        monotone = not cm.setting.comm_on
+        # (not under the CPU-issue bound: a layer may add less to a pass than the waits lose)
+        monotone = not cm.setting.comm_on and cm.issue is None
         plain_allowed = False in cm.allowed_recompute
         recompute_allowed = True in cm.allowed_recompute
         tables = self.suffix_tables
@@ -134,13 +148,15 @@ class OneFOneBSolver:
         if 0 not in tables:
             tables[0] = [INF] * L + [0.0]
         for R in range(1, K + 1):
-            if R in tables:
+            key = _table_key(R, K)
+            if key in tables:
                 continue
             k = K - R                          # as stage k of this pipeline (memory: in flight)
             warmup = cm.in_flight(k)  # the same for the last R stages of any K: min(M, R)
-            after_k = tables[R - 1]
+            forward, backward = self.formulas[k]   # the stage-time formula (costmodel), as stage k
+            after_k = tables[_table_key(R - 1, K)]
             here = [INF] * (L + 1)
-            waits = 2 * (R - 1) * ovh
+            waits = self.fixed_after[k]
             for s in range(0, L - R + 1):
                 if s % 64 == 0 and (time.perf_counter() > deadline or self.work_done >= self.work_budget):
                     raise _OutOfTime     # a table is stored only once complete: nothing half-done stays
@@ -172,7 +188,7 @@ class OneFOneBSolver:
                         best = value
                 here[s] = best
                 self.work_done += scanned / 48          # (a table's ends are cheaper than the search's)
-            tables[R] = here
+            tables[key] = here
         return tables
 
     # ----------------------------------------------------------------- search
@@ -249,9 +265,10 @@ class OneFOneBSolver:
                 if out_of_time:
                     open_bound = min(open_bound, bound)
                     continue
+                forward, backward = self.formulas[k]
                 send = cm.comm[e] if e < L else 0.0
-                step_before = before + cm.forward(s, e) + cm.backward(s, e, r) + 2 * send
-                dfs(k + 1, e, step_before, fill + cm.forward(s, e) + send,
+                step_before = before + forward(s, e) + backward(s, e, r) + 2 * send
+                dfs(k + 1, e, step_before, fill + forward(s, e) + send,
                     max(worst, self.stage_bound(s, e, k, r, before)), stage_tail, cuts + [e])
 
         if global_bound < incumbent():
@@ -312,3 +329,9 @@ class OneFOneBSolver:
             cuts.append(chosen)
             s = chosen
         return tuple(cuts)
+
+
+def _table_key(R: int, K: int) -> int | tuple[str, int]:
+    """The key of the last R stages' suffix table in a pipeline of K: R, or ("first", K) for the
+    whole pipeline, whose first stage's messages differ (0: nothing left)."""
+    return ("first", K) if R == K and R > 0 else R

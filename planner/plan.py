@@ -12,6 +12,7 @@ import statistics
 from dataclasses import replace
 from typing import Any
 
+from ..hostload import busy_phases, busy_profile_text
 from ..schema import FORMAT_VERSIONS, PLAN_FORMAT
 from ..schedules import SPLIT_BACKWARD, chunks_per_stage
 from . import milp
@@ -20,8 +21,11 @@ from .objective import Evaluation, evaluate
 from .profile import Profile
 from .replicas import DevicesResult, Factorisation, placements, Topology
 from .search import Candidate, OneStage, SearchResult, global_batch_source
+from ..units import format_percent, format_seconds
 
 MAX_RUNNERS_UP = 12
+# A later stage's optimizer wait under this share of the step is not worth a warning: no decision turns on it.
+OPTIMIZER_WAIT_QUIET = 0.01
 
 
 def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result: SearchResult,
@@ -68,7 +72,7 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
         "optimality": optimality,
         "factorisations": factorisation_rows(devices) if devices is not None else [
             one_pipeline_row(ev, result.proven, global_batch)],
-        "runners_up": [runner_up(c, global_batch, replicas) for c in result.candidates[1:MAX_RUNNERS_UP + 1]],
+        "runners_up": runners_up(result.candidates, global_batch, replicas),
         "warnings": plan_warnings(profile, best, ev, optimality["proven"]),
     }
 
@@ -105,7 +109,10 @@ def options_section(profile: Profile, result: SearchResult, devices: DevicesResu
                                                       if devices is not None else setting.link_bandwidth_bytes_per_s),
         "link_latency_s": devices.topology.link_latency_s if devices is not None else setting.link_latency_s,
         "per_microbatch_overhead_s": setting.overhead_s,
+        "fixed_costs": setting.fixed_costs.record(),
         "compute_scale": setting.compute_scale,
+        # More ranks than cores (planner/timeshare.py): the ranks the host ran at once (null: a core each).
+        "concurrent_ranks": setting.concurrent_ranks if setting.time_shared else None,
         "optimizer": options.optimizer,
         "solver": options.solver,
         "virtual_stages": options.virtual_stages,
@@ -200,6 +207,8 @@ def step_predictions(ev: Evaluation, micro_batches: int, global_batch_size: int)
         "samples_per_s": global_batch_size / ev.step_s if ev.step_s > 0 else None,
         "peak_memory_bytes": int(math.ceil(ev.peak_memory_bytes)),
         "optimizer_wait_s": ev.optimizer_wait_s,
+        # More ranks than cores: the step with a core per rank, which sharing them lengthens to step_s.
+        "dedicated_step_s": ev.dedicated_step_s,
     }
 
 
@@ -241,10 +250,13 @@ def plan_warnings(profile: Profile, best: Candidate, ev: Evaluation, proven: boo
         warnings.append(
             f"micro-batch size {best.micro_batch_size} is outside the profiled sizes {lo}..{hi}: "
             "its times are extrapolated; profile with --micro-batch-sizes covering it for a firmer prediction")
-    if ev.optimizer_wait_s > 0:
+    if ev.optimizer_wait_s > OPTIMIZER_WAIT_QUIET * ev.step_s:
         warnings.append(
-            f"a later stage's optimizer step outlasts the next step's fill by {ev.optimizer_wait_s:.3g} s "
-            "(predicted.optimizer_wait_s): the step includes that wait")
+            f"a later stage's work after its last backward (gradient sync, optimizer step) outlasts the next "
+            f"step's fill before it by {format_seconds(ev.optimizer_wait_s)}: {format_percent(ev.optimizer_wait_s / ev.step_s, 1)} "
+            f"of the {format_seconds(ev.step_s)} step, already in the prediction (predicted.optimizer_wait_s) and "
+            "weighed by the search against the other splits and schedules; only a faster optimizer step or "
+            "gradient sync on that stage would remove it")
     if not proven:
         warnings.append("the search ran out of time before proving this plan optimal; see optimality.gap")
     if setting.data_parallel > 1 and not math.isfinite(setting.sync_bandwidth_bytes_per_s) \
@@ -253,12 +265,48 @@ def plan_warnings(profile: Profile, best: Candidate, ev: Evaluation, proven: boo
             f"the gradient syncs of the {setting.data_parallel} replicas are charged nothing: the profile has no "
             "link figures and no --link-bandwidth was given, so more replicas always look free; profile with "
             "--measure-link, or give --link-bandwidth, for a plan that weighs them")
+    if profile.fixed_costs is None and setting.stages > 1 and profile.model.get("source") != "pipedream":
+        warnings.append(
+            "the profile measured no fixed costs per action and message (profile format 9): the plan charges "
+            f"{'the calibrated overhead' if profile.calibrated_overhead_s else 'nothing'} for the runtime's work "
+            "per action, so schedules of many chunks (interleaved) look cheaper than they run; profile again "
+            "without --no-fixed-costs")
+    if setting.time_shared:
+        ranks = setting.stages * setting.data_parallel
+        warnings.append(
+            f"the {ranks} ranks share {profile.host_cores} core{'s' if profile.host_cores != 1 else ''} of the "
+            f"profiled host, which runs {setting.concurrent_ranks * setting.data_parallel:g} at once: the step is "
+            f"predicted with the cores shared fairly among the ranks computing ({format_seconds(ev.step_s)}, against "
+            f"{format_seconds(ev.dedicated_step_s or ev.step_s)} with a core each), which the kernel does in slices "
+            "the model does not see, so it runs slower than predicted (docs/planner.md, \"More ranks than "
+            "cores\"); as many stages as cores, or fewer, avoid it")
+    busy = busy_phases(profile.doc.get("host_load"))
+    if busy:
+        warnings.append(
+            f"the profile was measured on a busy host ({busy_profile_text(busy)}): its times are partly the other "
+            "processes', and so is this plan's prediction; profile again on a quiet host")
     if setting.schedule in SPLIT_BACKWARD and not profile.split_measured:
         warnings.append(
             f"{setting.schedule} splits each backward into I and W, which this profile did not measure: "
             "the plan takes I = W = backward_s / 2 and keeps every activation until W; "
             "profile again (profile format 7) for measured figures")
     return warnings
+
+
+# What a runner-up shows a user beside its schedule's name: two settings alike in all of it are one plan.
+_SHOWN = ("micro_batches", "micro_batch_size", "fits", "step_s", "bubble_fraction", "peak_memory_bytes", "balance",
+          "recompute")
+
+
+def runners_up(candidates: list[Candidate], global_batch_size: int, data_parallel: int = 1) -> list[dict[str, Any]]:
+    """The settings that lost to ``candidates[0]``, best first, at most :data:`MAX_RUNNERS_UP`.
+
+    A setting whose plan is the winner's under another schedule's name is left out: on one
+    stage every schedule runs a micro-batch's forward then its backward, so at M = 1 gpipe and
+    1f1b are one plan, and listing it would show the winner again at "+0.0%"."""
+    rows = [runner_up(c, global_batch_size, data_parallel) for c in candidates]
+    best = {key: rows[0].get(key) for key in _SHOWN} if rows else None
+    return [row for row in rows[1:] if {key: row.get(key) for key in _SHOWN} != best][:MAX_RUNNERS_UP]
 
 
 def runner_up(c: Candidate, global_batch_size: int, data_parallel: int = 1) -> dict[str, Any]:

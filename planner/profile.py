@@ -22,7 +22,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from ..artifacts import BadInput, precision_of
-from ..schema import (PROFILE_FORMAT, RECOMPUTE_FIELDS, SPLIT_FIELDS, check_format, recompute_timed,
+from .fixedcosts import FixedCosts, between_actions_s
+from ..schema import (ISSUE_FIELDS, PROFILE_FORMAT, RECOMPUTE_FIELDS, SPLIT_FIELDS, check_format, recompute_timed,
                       split_backward_timed, validate)
 
 @dataclass(frozen=True)
@@ -54,6 +55,12 @@ class LayerFigures:
     backward_input_s: tuple[float, ...] | None = None
     backward_weight_s: tuple[float, ...] | None = None
     weight_kept_bytes: tuple[float, ...] | None = None
+    # CUDA (profile version 9): the CPU's time to issue each layer's forward and backward
+    # (unsynchronised, the GPU busy), beside its GPU time (forward_s, backward_s, measured behind
+    # a backlog). None: not measured (CPU profiles: issuing is computing), so an action takes its
+    # layers' time; else the larger of the two sums (planner/costmodel.py, "The CPU-issue bound").
+    issue_forward_s: tuple[float, ...] | None = None
+    issue_backward_s: tuple[float, ...] | None = None
 
     @property
     def num_layers(self) -> int:
@@ -79,6 +86,20 @@ class LayerFigures:
             return tuple(a + o for a, o in zip(self.activation_bytes, self.output_bytes))
         return self.weight_kept_bytes
 
+    def issue_times(self) -> dict[str, tuple[float, ...]] | None:
+        """Per layer, the CPU's issue time of each pass (None when not measured): F and B as
+        measured; a recomputing B issues the forward again; I and W share B's issue time as
+        their GPU times share B's (torch issues each half's kernels as it runs them)."""
+        if self.issue_forward_s is None or self.issue_backward_s is None:
+            return None
+        inputs, weights = self.input_backward_s(), self.weight_backward_s()
+        share = [i / (i + w) if i + w > 0 else 0.5 for i, w in zip(inputs, weights)]
+        return {"F": self.issue_forward_s, "B": self.issue_backward_s,
+                "B recompute": tuple(b + f for b, f in zip(self.issue_backward_s, self.issue_forward_s)),
+                "I": tuple(b * x for b, x in zip(self.issue_backward_s, share)),
+                "I recompute": tuple(b * x + f for b, x, f in zip(self.issue_backward_s, share, self.issue_forward_s)),
+                "W": tuple(b * (1 - x) for b, x in zip(self.issue_backward_s, share))}
+
     def recomputing_backward_s(self) -> tuple[float, ...]:
         """Each layer's backward in a stage that recomputes (never below its plain backward)."""
         if self.recompute_backward_s is None:
@@ -93,6 +114,7 @@ class LayerFigures:
             return None if times is None else tuple(t * factor for t in times)
 
         return replace(self, forward_s=tuple(t * factor for t in self.forward_s),
+                       issue_forward_s=scaled(self.issue_forward_s), issue_backward_s=scaled(self.issue_backward_s),
                        backward_input_s=scaled(self.backward_input_s),
                        backward_weight_s=scaled(self.backward_weight_s),
                        backward_s=tuple(t * factor for t in self.backward_s),
@@ -125,10 +147,25 @@ class Profile:
                                                   and not isinstance(latency, bool) and latency >= 0 else None)
         overhead = doc.get("overhead") or {}
         self.per_microbatch_overhead_s: float = float(overhead.get("per_microbatch_s") or 0.0)
+        calibrated = overhead.get("per_microbatch_s")
+        self.calibrated_overhead_s: float | None = float(calibrated) if calibrated is not None else None
+        # The runtime's fixed costs per action and message, measured at profile time (version 9;
+        # planner/fixedcosts.py): None when the profile measured none.
+        fixed = doc.get("fixed_costs")
+        self.fixed_costs: FixedCosts | None = FixedCosts.from_record(fixed) if isinstance(fixed, dict) else None
+        between = fixed.get("between_actions_s") if isinstance(fixed, dict) else None
+        self.between_actions_s: float | None = float(between) if between is not None else None
         self.contention_slowdown, self.contention_processes = _contention(doc, where)
         self.recompute_call_s = _recompute_call(doc, where, self.layers)
         self.precision, self.param_dtype = precision_of(doc, where)
         self.usable_memory_bytes = usable_memory_bytes(self.device, where)
+        self.host_memory_bytes = host_memory_bytes(self.device, where)
+        # A CPU profile's cores (version 9), which the ranks of a plan on that host share
+        # (planner/timeshare.py); None: not recorded (older profiles; a GPU per rank).
+        cores = self.device.get("cores") if self.device.get("type") == "cpu" else None
+        self.host_cores: int | None = cores if isinstance(cores, int) and not isinstance(cores, bool) else None
+        threads = self.device.get("threads")
+        self.threads_per_rank: int = threads if isinstance(threads, int) and threads >= 1 else 1
         self.tied = _tied(doc, where, self.names)
         self.split_measured = _split_measured(self.layers, where)
         self._cache: dict[float, LayerFigures] = {}
@@ -136,6 +173,10 @@ class Profile:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    def per_action_overhead_s(self, stages: int) -> float:
+        """The cost between actions a plan of ``stages`` is charged (planner/fixedcosts.py)."""
+        return between_actions_s(self.calibrated_overhead_s, self.between_actions_s, stages)
 
     @property
     def model(self) -> dict:
@@ -171,6 +212,7 @@ class Profile:
                 input_bytes=series(self.input_bytes) if self.input_bytes is not None else 0.0,
                 **self._recompute_at(series),
                 **self._split_at(series),
+                **self._issue_at(series),
                 tied=self.tied,
             )
         return self._cache[b]
@@ -187,6 +229,12 @@ class Profile:
                 for l in self.layers),
             "recompute_call_s": series(self.recompute_call_s),
         }
+
+    def _issue_at(self, series: Any) -> dict[str, Any]:
+        """The CPU's issue times at one size, when every layer has them (CUDA profiles, version 9)."""
+        if not all(l.get(key) is not None for l in self.layers for key in ISSUE_FIELDS):
+            return {}
+        return {key: tuple(series(l[key]) for l in self.layers) for key in ISSUE_FIELDS}
 
     def _split_at(self, series: Any) -> dict[str, Any]:
         """The split backward at one size, when every layer has it (else the estimate is used)."""
@@ -208,8 +256,9 @@ DEVICE_MEMORY_HEADROOM = 0.10
 def usable_memory_bytes(device: Any, where: str) -> int | None:
     """What a plan may fill on a device of this profile: its memory less the CUDA context
     (``device.context_bytes``, measured by the profiler) and :data:`DEVICE_MEMORY_HEADROOM`.
-    None when the profile does not say how much memory the device has (CPU and imported
-    profiles): then only ``--memory-limit`` bounds a plan."""
+    None when the profile does not say how much memory the device has (imported profiles), and
+    for a CPU, whose memory its ranks share (:func:`host_share_bytes`): then only
+    ``--memory-limit`` bounds a plan."""
     if not isinstance(device, dict) or device.get("type") != "cuda" or device.get("memory_bytes") is None:
         return None
     total, context = device.get("memory_bytes"), device.get("context_bytes", 0)
@@ -217,6 +266,23 @@ def usable_memory_bytes(device: Any, where: str) -> int | None:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
             raise BadInput(f"{where}: 'device.{key}' must be a non-negative number of bytes, found {value!r}")
     return int(max(0.0, (float(total) - float(context)) * (1.0 - DEVICE_MEMORY_HEADROOM)))
+
+
+def host_memory_bytes(device: Any, where: str) -> int | None:
+    """A CPU profile's host memory (version 9: ``device.memory_bytes``); None before it, or off a CPU."""
+    if not isinstance(device, dict) or device.get("type") != "cpu" or device.get("memory_bytes") is None:
+        return None
+    total = device["memory_bytes"]
+    if not isinstance(total, (int, float)) or isinstance(total, bool) or not math.isfinite(total) or total <= 0:
+        raise BadInput(f"{where}: 'device.memory_bytes' must be a positive number of bytes, found {total!r}")
+    return int(total)
+
+
+def host_share_bytes(host_bytes: int, ranks: int) -> int:
+    """What each of ``ranks`` processes on one host may fill: the host's memory less
+    :data:`DEVICE_MEMORY_HEADROOM` (the processes' own libraries, the data, the system), shared
+    evenly: the stages of a CPU plan run side by side on the host that was profiled."""
+    return int(host_bytes * (1.0 - DEVICE_MEMORY_HEADROOM)) // max(1, ranks)
 
 
 def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:

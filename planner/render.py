@@ -12,15 +12,17 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
-from ..artifacts import BadInput, precision_label
+from ..artifacts import BadInput, json_number, precision_label
 from ..plan_layout import check_replicas, data_parallel, gradient_sync, plan_chunks, virtual_stages
 from ..schedules import label as schedule_label
 from ..schedules import SPLIT_BACKWARD
-from .schedule import ChunkTimes, Timeline, simulate_plan
+from .schedule import ChunkTimes, Event, Timeline, simulate_plan
+from .timeshare import time_shared_makespan
 from .timeline import timeline_svg
-from ..units import format_bytes, format_percent, format_seconds
+from ..layer_names import LayerNames
+from ..tables import NarrowTable, narrow_table
+from ..units import BYTE_UNITS, TIME_UNITS, column_unit, format_bytes, format_figure, format_percent, format_seconds
 
 
 def timed_chunks(plan: dict[str, Any], where: str) -> list[dict[str, Any]]:
@@ -50,14 +52,22 @@ def chunk_times(chunk: dict[str, Any]) -> ChunkTimes:
 
 
 def plan_timeline(plan: dict[str, Any], where: str = "plan") -> Timeline:
-    """Re-simulate the plan's schedule from its per-chunk predictions (no profile needed)."""
+    """Re-simulate the plan's schedule from its per-chunk predictions (no profile needed); a
+    plan whose ranks share the host's cores (``options.concurrent_ranks``) on shared cores."""
     chunks = timed_chunks(plan, where)
-    return simulate_plan(
-        plan["schedule"], len(plan["stages"]), plan["micro_batches"], virtual_stages(plan),
-        [chunk_times(c) for c in chunks],
-        [st.get("optimizer_s") or 0.0 for st in plan["stages"]],
-        record=True,
-    )
+    K, M, v = len(plan["stages"]), plan["micro_batches"], virtual_stages(plan)
+    times = [chunk_times(c) for c in chunks]
+    timeline = simulate_plan(plan["schedule"], K, M, v, times, [st.get("optimizer_s") or 0.0 for st in plan["stages"]],
+                             record=True)
+    concurrent = json_number((plan.get("options") or {}).get("concurrent_ranks"))
+    if concurrent is None or concurrent <= 0:
+        return timeline
+    makespan, events = time_shared_makespan(plan["schedule"], K, M, v, times, concurrent, record=True)
+    makespan = max(makespan, timeline.makespan_s)
+    events += [Event(e.stage, e.kind, e.micro_batch, makespan, makespan + e.end_s - e.start_s, e.chunk)
+               for e in timeline.events if e.kind == "optimizer"]
+    return Timeline(makespan_s=makespan, step_s=makespan + timeline.optimizer_tail_s, busy_s=timeline.busy_s,
+                    events=events, optimizer_tail_s=timeline.optimizer_tail_s)
 
 
 def plan_timeline_svg(plan: dict[str, Any], where: str = "plan") -> str:
@@ -110,9 +120,9 @@ def render_plan(plan: dict[str, Any], console: Console, where: str = "plan") -> 
         f"micro-batches [bold]{plan['micro_batches']}[/bold] x {plan['micro_batch_size']} samples, "
         f"schedule [bold]{schedule_label(plan['schedule'], v)}[/bold]"
         + (f" ({len(chunks)} chunks, {len(chunks) // K} per stage)" if len(chunks) > K else "")
-        + "; times are per micro-batch; rc: recomputes"
         + (f"; memory limit {format_bytes(limit)}" if limit else "")
-        + (" (the card's usable memory)" if limit and options.get("memory_limit_source") == "device" else ""))
+        + {"device": " (the card's usable memory)", "host": " (this host's memory shared by its ranks)"}.get(
+            options.get("memory_limit_source") if limit else None, ""))
     scale = options.get("compute_scale") or 1.0
     if scale != 1.0:
         console.print(f"layer times x{scale:.3f}: stages computing side by side are slower than the profile's "
@@ -133,8 +143,9 @@ def render_plan(plan: dict[str, Any], console: Console, where: str = "plan") -> 
         what = (f"[green]proven optimal[/green] for {K * d} devices over {len(rows)} (stages, replicas) pairs"
                 if len(rows) > 1 else f"[green]proven optimal[/green] for {K} stage{'s' if K > 1 else ''}"
                 + (f" x {d} replicas" if d > 1 else ""))
-        console.print(f"{what} and {searched} settings of M and schedule" if searched and len(rows) > 1 else
-                      f"{what} over {searched} settings of M and schedule" if searched else what,
+        settings = f"{searched} setting{'s' if searched != 1 else ''} of M and schedule"
+        console.print(f"{what} and {settings}" if searched and len(rows) > 1 else
+                      f"{what} over {settings}" if searched else what,
                       f"({opt.get('method')})", highlight=False)
     elif opt:
         gap = opt.get("gap")
@@ -142,27 +153,45 @@ def render_plan(plan: dict[str, Any], console: Console, where: str = "plan") -> 
                       if gap is not None else "[yellow]not proven optimal[/yellow]")
     runners = plan.get("runners_up") or []
     if runners:
-        rt = Table(title="runners-up", header_style="bold")
-        for col in ("M", "size", "schedule", "step", "vs best", "bubble", "peak memory", "balance"):
-            # The schedule whole ("interleaved v=3"); the rest may wrap in a narrow terminal.
-            rt.add_column(col, justify="right" if col not in ("schedule", "balance") else "left",
-                          no_wrap=col == "schedule")
-        for r in runners:
-            if not r.get("fits"):
-                rt.add_row(str(r["micro_batches"]), str(r["micro_batch_size"]), runner_schedule(r),
-                           "[red]does not fit[/red]", "", "", "", "")
-                continue
-            versus = format_percent(r['step_s'] / pred['step_s'] - 1, 1, sign=True) if pred["step_s"] > 0 else "-"
-            rt.add_row(str(r["micro_batches"]), str(r["micro_batch_size"]), runner_schedule(r),
-                       format_seconds(r["step_s"]), versus,
-                       format_percent(r['bubble_fraction'], 1), format_bytes(r["peak_memory_bytes"]),
-                       " ".join(map(str, r.get("balance", []))))
-        console.print(rt)
+        console.print(runners_up_table(runners, pred["step_s"]))
     factorisations = plan.get("factorisations") or []
     if len(factorisations) > 1:
         console.print(factorisation_table(factorisations, K, d))
     for w in plan.get("warnings") or []:
         console.print(f"[yellow]warning:[/yellow] {w}")
+
+
+def runners_up_table(runners: list[dict[str, Any]], best_step_s: float) -> NarrowTable:
+    """The settings of the chosen (K, d) that lost, best first, against the plan's step."""
+    fitting = [r for r in runners if r.get("fits")]
+    unit, size = column_unit((r["step_s"] for r in fitting), TIME_UNITS)
+    memory_unit, memory_size = column_unit((r["peak_memory_bytes"] for r in fitting), BYTE_UNITS)
+    table = narrow_table("runners-up", ("M", "size", "schedule", f"step {unit}", "vs best", "bubble",
+                                        f"peak {memory_unit}", "balance"),
+                         left=("schedule", "balance"))
+    for r in runners:
+        if not r.get("fits"):
+            table.add_row(str(r["micro_batches"]), str(r["micro_batch_size"]), runner_schedule(r),
+                          "[red]does not fit[/red]", "", "", "", "")
+            continue
+        versus = format_percent(r["step_s"] / best_step_s - 1, 1, sign=True) if best_step_s > 0 else "-"
+        table.add_row(str(r["micro_batches"]), str(r["micro_batch_size"]), runner_schedule(r),
+                      format_figure(r["step_s"], size), versus, format_percent(r["bubble_fraction"], 1),
+                      format_figure(r["peak_memory_bytes"], memory_size), balance_text(r.get("balance", [])))
+    return table
+
+
+# The runners-up's balance column at most this wide, so that a row of many chunks stays on one
+# line at 80 columns; the plan file has the whole list.
+BALANCE_CHARS = 17
+
+
+def balance_text(balance: list[int], width: int = BALANCE_CHARS) -> str:
+    """Layers per chunk, ``5 6``; cut at a number with `` …`` beyond ``width`` characters."""
+    text = " ".join(map(str, balance))
+    if len(text) <= width:
+        return text
+    return text[:text.rfind(" ", 0, width - 1)] + " …"
 
 
 def replica_lines(plan: dict[str, Any]) -> list[str]:
@@ -183,54 +212,56 @@ def replica_lines(plan: dict[str, Any]) -> list[str]:
     return lines
 
 
-def factorisation_table(rows: list[dict[str, Any]], stages: int, replicas: int) -> Table:
+def factorisation_table(rows: list[dict[str, Any]], stages: int, replicas: int) -> NarrowTable:
     """Every (K, d) searched, best first: the chosen one marked, why the others lost or cannot run."""
-    table = Table(title="stages x replicas", header_style="bold")
-    for col in ("K", "d", "order", "step", "samples/s", "", "why not"):
-        table.add_column(col, justify="left" if col in ("order", "why not", "") else "right")
+    unit, size = column_unit((r.get("step_s") for r in rows if r.get("fits")), TIME_UNITS)
+    table = narrow_table("stages x replicas", ("K", "d", "order", f"step {unit}", "samples/s", "", "why not"),
+                         left=("order", "", "why not"), wrap=("why not",))
     for r in rows:
         chosen = r["stages"] == stages and r["data_parallel"] == replicas
-        step = format_seconds(r["step_s"]) if r.get("fits") and r.get("step_s") is not None else "-"
+        step = format_figure(r["step_s"], size) if r.get("fits") and r.get("step_s") is not None else "-"
         rate = f"{r['samples_per_s']:,.1f}" if r.get("samples_per_s") else "-"
         table.add_row(str(r["stages"]), str(r["data_parallel"]), r.get("order") or "-", step, rate,
                       "[green]chosen[/green]" if chosen else "", r.get("reason") or "")
     return table
 
 
-def chunk_table(chunks: list[dict[str, Any]], split: bool) -> Table:
+def chunk_table(chunks: list[dict[str, Any]], split: bool) -> NarrowTable:
     """Per chunk: where it runs, its layers, and what one micro-batch costs on it.
 
     ``split``: the schedule runs the backward as I (input gradient) and W (weight gradient),
-    which are shown apart; else as one B.
+    which are shown apart; else as one B. The times are in one unit, the largest's.
     """
-    table = Table(title=None, show_lines=False, header_style="bold")
-    backward = [("input (I)", "right"), ("weight (W)", "right")] if split else [("backward", "right")]
-    for col, justify in [("chunk", "right"), ("stage", "right"), ("layers", "left"), ("#", "right"),
-                         ("forward", "right"), *backward, ("rc", "center"), ("send", "right")]:
-        table.add_column(col, justify=justify, no_wrap=col != "layers")
+    kinds = ("backward_input_s", "backward_weight_s") if split else ("backward_s",)
+    unit, size = column_unit((c[key] for c in chunks for key in ("forward_s", "send_s", *kinds)), TIME_UNITS)
+    backward = ("I", "W") if split else ("backward",)
+    halves = "I: input gradient, W: weight gradient; " if split else ""
+    table = narrow_table(f"per chunk and micro-batch, in {unit} ({halves}rc: recomputes)",
+                         ("chunk", "stage", "layers", "#", "forward", *backward, "rc", "send"), left=("layers", "rc"))
+    naming = LayerNames(name for c in chunks for name in c["layers"])
     for c in chunks:
-        names = c["layers"]
-        span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
-        times = ([c["backward_input_s"], c["backward_weight_s"]] if split else [c["backward_s"]])
         table.add_row(
-            str(c["index"]), str(c["stage"]), span, str(len(names)),
-            format_seconds(c["forward_s"], 3), *(format_seconds(t, 3) for t in times),
-            "yes" if c["recompute"] else "-",
-            format_seconds(c["send_s"], 3) if c["send_s"] else "-",
+            str(c["index"]), str(c["stage"]), naming.span(c["layers"], count=False), str(len(c["layers"])),
+            format_figure(c["forward_s"], size), *(format_figure(c[key], size) for key in kinds),
+            "rc" if c["recompute"] else "-",
+            format_figure(c["send_s"], size) if c["send_s"] else "-",
         )
+    table.note = naming.note()
     return table
 
 
 def stage_table(stages: list[dict[str, Any]], chunks: list[dict[str, Any]], limit: float | None,
-                sync: bool = False) -> Table:
+                sync: bool = False) -> NarrowTable:
     """Per stage (device): the chunks it holds, its peak memory (against the limit), the
     micro-batches whose activations it holds at once, and how busy it is in a step;
     ``sync``: also its gradient sync over the replicas (per rank, each replica alike)."""
-    table = Table(title=None, show_lines=False, header_style="bold")
-    for col in ("stage", "chunks", "memory", "in flight", "busy", "idle") + (("sync",) if sync else ()):
-        table.add_column(col, justify="left" if col == "chunks" else "right", no_wrap=True)
+    memory_unit, memory_size = column_unit((st.get("memory_bytes") for st in stages), BYTE_UNITS)
+    time_unit, time_size = column_unit((st.get(key) for st in stages for key in ("busy_s", "gradient_sync_s")),
+                                       TIME_UNITS)
+    columns = ("stage", "chunks", f"memory {memory_unit}", "in flight", f"busy {time_unit}", "idle")
+    table = narrow_table(None, columns + ((f"sync {time_unit}",) if sync else ()), left=("chunks",))
     for k, st in enumerate(stages):
-        mem = format_bytes(st.get("memory_bytes"))
+        mem = format_figure(st.get("memory_bytes"), memory_size)
         if limit and st.get("memory_bytes") is not None:
             share = st["memory_bytes"] / limit
             colour = "red" if share > 1 else ("yellow" if share > 0.9 else "green")
@@ -238,8 +269,8 @@ def stage_table(stages: list[dict[str, Any]], chunks: list[dict[str, Any]], limi
         held = ", ".join(str(c["index"]) for c in chunks if c["stage"] == k)
         in_flight = st.get("in_flight")
         table.add_row(str(k), held, mem, "-" if in_flight is None else str(in_flight),
-                      format_seconds(st.get("busy_s"), 3), format_percent(st.get("idle_fraction") or 0.0, 1),
-                      *((format_seconds(st.get("gradient_sync_s") or 0.0, 3),) if sync else ()))
+                      format_figure(st.get("busy_s"), time_size), format_percent(st.get("idle_fraction") or 0.0, 1),
+                      *((format_figure(st.get("gradient_sync_s") or 0.0, time_size),) if sync else ()))
     return table
 
 
@@ -276,8 +307,10 @@ def one_device_line(plan: dict[str, Any]) -> str | None:
     """The plan against the best one-device plan of the same batch, in one line (None: K = 1 or unknown).
 
     A pipeline pays a bubble, sends and, on one host, neighbours for its speed; whether that
-    pays is a comparison with one device, which the plan records (plan version 4). Within the
-    prediction's own noise band (``predicted.noise_fraction``), the two are as fast as each other.
+    pays is a comparison with one device, which the plan records (plan version 4). The line
+    says which is faster and by how much; a pipeline ahead by no more than the prediction's
+    own noise (``predicted.noise_fraction``) does not pay either, and the line says the gap is
+    within that noise.
     """
     pred = plan["predicted"]
     K = len(plan["stages"]) * data_parallel(plan)     # devices
@@ -291,11 +324,19 @@ def one_device_line(plan: dict[str, Any]) -> str | None:
         return (f"one device does not fit: it needs {one_memory} ({memory}); "
                 f"pipelining is what makes this plan possible")
     speedup = pred.get("speedup_over_one_stage") or 0.0
-    noise = max(pred.get("noise_fraction") or 0.0, AS_FAST)
+    band = pred.get("noise_fraction")
+    noise = max(band or 0.0, AS_FAST)
     times = f"{format_seconds(step)} vs {format_seconds(mine)}"
     memories = f"memory {one_memory} on one device, {memory}"
-    if speedup < 1.0 - noise:
-        return f"[yellow]one device is faster[/yellow]: {times}; pipelining does not pay here ({memories})"
     if speedup <= 1.0 + noise:
-        return f"[yellow]one device is as fast[/yellow]: {times}; pipelining does not pay here ({memories})"
+        # Which is ahead, by what share of the step, and whether that gap is within the noise.
+        within = f", within the prediction's noise of ±{format_percent(band)}" if band and abs(speedup - 1) <= band else ""
+        if speedup < 1.0 - AS_FAST:
+            return (f"[yellow]one device is faster[/yellow]: {format_percent(1 - speedup)} less time per step "
+                    f"({times}{within}); pipelining does not pay here ({memories})")
+        if speedup > 1.0 + AS_FAST:
+            return (f"[yellow]the pipeline is faster[/yellow]: {format_percent(1 - 1 / speedup)} less time per step "
+                    f"({format_seconds(mine)} vs {format_seconds(step)} on one device{within}); pipelining may not "
+                    f"pay here ({memories})")
+        return f"[yellow]one device is as fast[/yellow] ({times}); pipelining does not pay here ({memories})"
     return f"{speedup:.2f}x faster than one device ({format_seconds(mine)} vs {format_seconds(step)}; {memories})"

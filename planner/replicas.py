@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
 Progress = Callable[[int, int, str], None]
 
-PIPELINE_INNER, DATA_INNER = PLACEMENT_ORDERS
+PIPELINE_INNER, DATA_INNER, DATA_ONLY = PLACEMENT_ORDERS
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,8 @@ class Placement:
 
 def rank_grid(stages: int, data_parallel: int, order: str) -> tuple[tuple[int, ...], ...]:
     """``ranks[k][r]`` for an order: ``pipeline-inner`` rank = r K + k (one replica's stages
-    on consecutive ranks), ``data-inner`` rank = k d + r (one stage's replicas consecutive)."""
+    on consecutive ranks), ``data-inner`` rank = k d + r (one stage's replicas consecutive);
+    ``data-only`` (K = 1) rank = r, what both give with one stage."""
     if order == PIPELINE_INNER:
         return tuple(tuple(r * stages + k for r in range(data_parallel)) for k in range(stages))
     return tuple(tuple(k * data_parallel + r for r in range(data_parallel)) for k in range(stages))
@@ -131,12 +132,14 @@ def placements(stages: int, data_parallel: int, topology: Topology) -> list[Plac
     (conservative: one plan serves all replicas, and the solver charges one figure per send).
     With one node both orders are alike: ``pipeline-inner``, the layout of
     ``init_device_mesh(("dp", "pp"))``. Two orders that give the same ranks or charge alike
-    keep the first.
+    keep the first. One stage of d > 1 replicas has no pipeline, and both orders give rank r
+    to replica r: that is ``data-only``.
     """
     link = (topology.link_bandwidth_bytes_per_s, topology.link_latency_s)
     network = (topology.network_bandwidth_bytes_per_s, topology.network_latency_s)
     found: list[Placement] = []
-    for order in (PIPELINE_INNER, DATA_INNER):
+    orders = (DATA_ONLY,) if stages == 1 and data_parallel > 1 else (PIPELINE_INNER, DATA_INNER)
+    for order in orders:
         ranks = rank_grid(stages, data_parallel, order)
         probe = Placement(order, topology.nodes, topology.devices_per_node, ranks, 0.0, 0.0, 0.0, 0.0, "")
         pipe = link if probe.pipeline_on_link else network
@@ -170,7 +173,7 @@ def placement_reason(placement: Placement, stages: int, data_parallel: int,
     pipe = traffic("pipeline sends", placement.pipeline_on_link, pipeline_bytes, stages == 1)
     sync = traffic("gradient syncs", placement.sync_on_link, sync_bytes, data_parallel == 1)
     line = f"{placement.order} on {where}: {pipe}, {sync}"
-    if placement.nodes == 1:
+    if placement.nodes == 1 and placement.order != DATA_ONLY:
         line += " (one node: both orders alike)"
     elif not placement.pipeline_on_link and stages > 1:
         line += " (every cut charged the network: conservative)"

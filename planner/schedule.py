@@ -95,7 +95,7 @@ _KIND_OF_INDEX = ("forward", "backward", "backward_input", "backward_weight")
 
 
 @dataclass(frozen=True)
-class _Program:
+class Program:
     stages: int
     chunks: int
     ops: tuple[tuple[_Op, ...], ...]     # per stage, in its order
@@ -103,9 +103,10 @@ class _Program:
 
 
 @functools.lru_cache(maxsize=32)
-def _program(schedule: str, stages: int, micro_batches: int, virtual_stages: int) -> _Program:
+def compiled_program(schedule: str, stages: int, micro_batches: int, virtual_stages: int) -> Program:
     """The schedule's action lists with every dependency resolved to an index (made once per
-    shape: the solvers simulate thousands of partitions of the same shape)."""
+    shape: the solvers simulate thousands of partitions of the same shape; planner/timeshare.py
+    plays the same program out on shared cores)."""
     K, M = stages, micro_batches
     C = K * chunks_per_stage(schedule, virtual_stages)
     where = [stage_of_chunk(schedule, c, K) for c in range(C)]
@@ -134,7 +135,7 @@ def _program(schedule: str, stages: int, micro_batches: int, virtual_stages: int
                     produce, lnk, cut = C * M + (c - 1) * M + m, link(where[c], where[c - 1], 1), c - 1
             ops.append((kind * C + c, wait, produce, lnk, cut, kind, c, m))
         program.append(tuple(ops))
-    return _Program(K, C, tuple(program), len(links))
+    return Program(K, C, tuple(program), len(links))
 
 
 def simulate_plan(schedule: str, stages: int, micro_batches: int, virtual_stages: int,
@@ -146,7 +147,7 @@ def simulate_plan(schedule: str, stages: int, micro_batches: int, virtual_stages
     ``optimizer_s``: one per stage. ``record`` keeps every action, send and optimizer step as
     an :class:`Event` (the timeline picture); without it only the times are computed.
     """
-    prog = _program(schedule, stages, micro_batches, virtual_stages)
+    prog = compiled_program(schedule, stages, micro_batches, virtual_stages)
     K, C, M = prog.stages, prog.chunks, micro_batches
     if len(chunks) != C:
         raise ValueError(f"{schedule} with {K} stages has {C} chunks; got times for {len(chunks)}")
@@ -187,7 +188,7 @@ def simulate_plan(schedule: str, stages: int, micro_batches: int, virtual_stages
                     else:
                         arrived[produce] = t
                 if record:
-                    _record(events, k, kind, c, m, start, t, chunks[c].recompute_s)
+                    record_action(events, k, kind, c, m, start, t, chunks[c].recompute_s)
                 if p == 0:
                     first_start[k] = start
                 p += 1
@@ -213,7 +214,7 @@ def simulate_plan(schedule: str, stages: int, micro_batches: int, virtual_stages
                     optimizer_tail_s=tail)
 
 
-def _record(events: list[Event], stage: int, kind: int, chunk: int, micro_batch: int,
+def record_action(events: list[Event], stage: int, kind: int, chunk: int, micro_batch: int,
             start: float, end: float, recompute_s: float) -> None:
     """An action as events: the recomputed forward is the first part of a B or I (of chunk 0's
     W, which runs its whole backward: costmodel.CostModel.backward_input)."""

@@ -22,9 +22,11 @@ from ..artifacts import BadInput
 from ..schedules import SCHEDULES, chunks_per_stage, label, problem
 from .budgets import LEAST_ILP_SETTING_S, LEAST_MEMORY_BUDGET_S, LEAST_SETTING_S, SOLVE_TIME_BUDGET_S
 from .costmodel import CostModel, Setting, neighbour_scale
+from .timeshare import concurrent_ranks_of
+from .fixedcosts import FixedCosts
 from .dp import GPipeSolver
 from .objective import Solution, proven_optimal
-from .profile import LayerFigures, Profile
+from .profile import LayerFigures, Profile, host_share_bytes
 from .seeds import seed_cuts
 from .solvers import solve_cost_model, tighten
 from ..units import format_bytes
@@ -39,8 +41,8 @@ class SolveOptions:
     virtual_stages: int | str = "auto"     # interleaved's chunks per stage; auto tries 2..4
     recompute: str = "auto"
     memory_limit_bytes: int | None = None
-    # Where the limit came from: "option" (--memory-limit), "device" (a CUDA profile's card,
-    # see device_memory_limit), or None (no limit).
+    # Where the limit came from: "option" (--memory-limit), "device" (a CUDA profile's card),
+    # "host" (a CPU profile's host, shared by its ranks: see device_memory_limit), or None (no limit).
     memory_limit_source: str | None = None
     link_bandwidth_bytes_per_s: float | None = None   # None: the profile's link, else free
     link_latency_s: float | None = None
@@ -127,18 +129,28 @@ class SearchResult:
         return sum(c.solution.stats.get("work_s", 0.0) for c in self.candidates if c.solution is not None)
 
 
-def device_memory_limit(profile: Profile, options: SolveOptions) -> SolveOptions:
-    """The options with the card's usable memory as the limit when none was given.
+def device_memory_limit(profile: Profile, options: SolveOptions, ranks_per_host: int | None = None) -> SolveOptions:
+    """The options with the device's usable memory as the limit when none was given.
 
     A plan from a CUDA profile must fit the card it was measured on, with room for the CUDA
-    context and the allocator (planner/profile.py, ``usable_memory_bytes``); ``--memory-limit``
-    overrides it. CPU and imported profiles give no default.
+    context and the allocator (planner/profile.py, ``usable_memory_bytes``); a plan from a CPU
+    profile that recorded its host's memory (version 9) must fit that host, which its ranks
+    share: each gets its share (``host_share_bytes``) of the N / nodes ranks on one host
+    (``ranks_per_host`` overrides that: 1 for the one-device baseline). ``--memory-limit``
+    overrides both; older CPU profiles and imported ones give no default.
     """
     if options.memory_limit_bytes is not None:
         return replace(options, memory_limit_source="option")
-    if profile.usable_memory_bytes is None:
-        return options
-    return replace(options, memory_limit_bytes=profile.usable_memory_bytes, memory_limit_source="device")
+    if profile.usable_memory_bytes is not None:
+        return replace(options, memory_limit_bytes=profile.usable_memory_bytes, memory_limit_source="device")
+    if profile.host_memory_bytes is not None:
+        if ranks_per_host is None:
+            devices = options.devices or (options.stages or 1) * (
+                options.data_parallel if isinstance(options.data_parallel, int) else 1)
+            ranks_per_host = max(1, devices // max(1, options.nodes))
+        return replace(options, memory_limit_bytes=host_share_bytes(profile.host_memory_bytes, ranks_per_host),
+                       memory_limit_source="host")
+    return options
 
 
 # The most micro-batches per step the planner considers. 1F1B's step time is an event
@@ -311,24 +323,33 @@ def cost_setting(profile: Profile, *, stages: int, micro_batches: int, schedule:
     that says what a plan is charged besides its layers (solve and explore both call it).
 
     The link's latency counts only when its bandwidth does (an infinite link is free); the
-    per-micro-batch overhead only with several stages (one stage hands nothing over); every
-    layer time is scaled for the processes computing beside it on the host, the stages of all
-    the replicas there (``sync.neighbours``); and each stage's gradient sync as ``sync`` says.
+    runtime's fixed costs per action and message as the profile measured them, and the cost
+    between actions as planner/fixedcosts.py says (a calibrated figure replaces the profile's;
+    from a profile without fixed costs, with several stages only); every layer time is scaled
+    for the processes computing beside it on the host, the stages of all the replicas there
+    (``sync.neighbours``), of which no more than the host's cores run at once; where the host
+    has fewer cores than ranks, the ranks share them (planner/timeshare.py, ``concurrent_ranks``);
+    and each stage's gradient sync as ``sync`` says.
     """
+    on_host = sync.neighbours(stages)
+    # The processes that compute at once on the host: its ranks, at most as many as its cores run.
+    computing = on_host if profile.host_cores is None else min(
+        on_host, max(1, profile.host_cores // profile.threads_per_rank))
     return Setting(
         stages=stages, micro_batches=micro_batches, schedule=schedule, recompute=recompute,
         memory_limit_bytes=memory_limit_bytes,
         link_bandwidth_bytes_per_s=link_bandwidth_bytes_per_s,
         link_latency_s=link_latency_s if math.isfinite(link_bandwidth_bytes_per_s) else 0.0,
         optimizer=optimizer,
-        overhead_s=profile.per_microbatch_overhead_s if stages > 1 else 0.0,
-        compute_scale=neighbour_scale(profile.contention_slowdown, profile.contention_processes,
-                                      sync.neighbours(stages)),
+        overhead_s=profile.per_action_overhead_s(stages),
+        fixed_costs=profile.fixed_costs or FixedCosts(),
+        compute_scale=neighbour_scale(profile.contention_slowdown, profile.contention_processes, computing),
         virtual_stages=virtual_stages,
         data_parallel=sync.data_parallel,
         sync_bandwidth_bytes_per_s=sync.bandwidth_bytes_per_s,
         sync_latency_s=sync.latency_s,
         gradient_sync=sync.gradient_sync,
+        concurrent_ranks=concurrent_ranks_of(profile.host_cores, profile.threads_per_rank, on_host, stages),
     )
 
 
@@ -722,6 +743,10 @@ def explain_infeasible(profile: Profile, options: SolveOptions, batch: int, sync
     if options.memory_limit_source == "device":
         what = (f"the usable memory of the profiled {profile.device.get('name') or 'GPU'}, {format_bytes(limit)} "
                 f"(its memory less the CUDA context and headroom; --memory-limit overrides it),")
+    elif options.memory_limit_source == "host":
+        what = (f"this host's share per rank, {format_bytes(limit)} (the profiled host's "
+                f"{format_bytes(profile.host_memory_bytes)} less headroom, shared by the ranks on it; --memory-limit "
+                f"overrides it),")
     else:
         what = f"--memory-limit {format_bytes(limit)} per device"
     line = (f"no plan fits {what} with these options: the smallest limit "

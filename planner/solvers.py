@@ -50,13 +50,15 @@ def solve_cost_model(cm: CostModel, solver: str, time_budget_s: float, seeds: Se
             from .ilp import solve_ilp  # pulp loads lazily: the exact path never pays for it
 
             return _used(solve_ilp(cm, time_limit_s=time_budget_s), 0.0)
-        return _used(milp_solve.solve(cm, seeds, cutoff_s, work_s, time_budget_s), None)
+        if milp.applicable(cm):
+            return _used(milp_solve.solve(cm, seeds, cutoff_s, work_s, time_budget_s), None)
+        # (under the CPU-issue bound the programme does not apply: the branch and bound plans it)
     if cm.schedule == "gpipe":
         return _used(GPipeSolver(cm, time_budget_s=time_budget_s, seeds=seeds).solve(cutoff_s), 0.0)
     # For the work-budgeted searches the wall clock is a safety net: past the setting's share only
     # where the work is far from done (GPipe's search and the ILP keep the clock as their budget).
     time_budget_s = max(time_budget_s, WALL_SAFETY * work_s)
-    follow = (milp.available() is not None and cm.C <= cm.L
+    follow = (milp.available() is not None and milp.applicable(cm)
               and work_s * (1 - BRANCH_AND_BOUND_SHARE) >= 1.5 * milp.fixed_cost_s(cm))
     share = BRANCH_AND_BOUND_SHARE if follow else 1.0
     if cm.schedule == "1f1b":
@@ -120,7 +122,7 @@ def tighten(candidates: Sequence, cost_model, cutoff_s: float, work_budget_s: fl
         tried.add(id(weakest))
         cm = cost_model(weakest)
         before = weakest.solution.stats.get("milp", {}).get("work_s", 0.0)
-        if left < 1.5 * milp.fixed_cost_s(cm) or left <= 2 * before or cm.C > cm.L:
+        if left < 1.5 * milp.fixed_cost_s(cm) or left <= 2 * before or not milp.applicable(cm):
             continue
         refined = milp_solve.refine(cm, weakest.solution, best, left, wall)
         if refined is None:

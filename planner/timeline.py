@@ -121,6 +121,9 @@ def _rect(ev: Event, row_y, scale: float, several_chunks: bool) -> str:
 
 
 def _time(t: float) -> str:
+    """A moment of the step as the axis and tooltips print it; its start is plain ``0`` (any unit)."""
+    if t == 0:
+        return "0"
     if t >= 1:
         return f"{t:.2f} s"
     if t >= 1e-3:

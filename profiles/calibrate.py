@@ -52,14 +52,17 @@ from ..artifacts import BadInput, file_sha256, precision_label, precision_of
 from ..plan_layout import plan_chunks
 from ..schema import (PLAN_FORMAT, PROFILE_FORMAT, REPORT_FORMAT, read_artifact, report_chunks,
                       timing_key, validate)
-from .overhead import measure_overhead, overheads_in_prediction
-
-# A stage measured this far from its prediction is more likely a broken run than a slowdown.
-PLAUSIBLE = (0.2, 5.0)
+from .overhead import fixed_in_times, measure_overhead
+from .plausibility import Ratio, check_round
 
 
-def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False) -> dict[str, Any]:
-    """The profile at ``profile_path`` with its layer times scaled by the run in ``report_path``."""
+def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False,
+              force: bool = False) -> dict[str, Any]:
+    """The profile at ``profile_path`` with its layer times scaled by the run in ``report_path``.
+
+    A round whose ratios are not the model's (a busy host, a ratio no correct run gives) is
+    refused in one line that says what explains them (profiles/plausibility.py); ``force``
+    folds it in anyway, and the round records what was forced (``forced``)."""
     profile = read_artifact(profile_path, PROFILE_FORMAT)
     validate(profile, "profile", f"profile '{profile_path}'")
     report = read_artifact(report_path, REPORT_FORMAT)
@@ -88,9 +91,12 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
     layers = out["layers"]
     measured_any = False
     previous_overhead = (profile.get("overhead") or {}).get("per_microbatch_s")
-    # The plan's chunk times include the profile's per-action overhead (K > 1 only), which the
-    # run measures between its spans, not in them: the layers' ratio is against the rest.
-    overhead_predicted = (previous_overhead or 0.0) if (report.get("num_stages") or len(report["stages"])) > 1 else 0.0
+    # The plan's chunk times include the fixed costs it charged (the per-action overhead and,
+    # from a version-9 profile, each kind's and each message's), some of which the run measures
+    # in its spans and some between them: the layers' ratio is of what is left of both.
+    fixed = fixed_in_times(profile, report)
+
+    ratios: list[Ratio] = []   # every ratio folded in, checked before the round is kept
 
     def ratio_of(unit: dict[str, Any], kind: str, predicted: float | None, what: str) -> float | None:
         """The unit's measured / predicted ``kind`` time with the drift divided out (None: not measured)."""
@@ -98,9 +104,7 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
         if not measured or not predicted or predicted <= 0:
             return None
         ratio = measured / drift / predicted
-        if not PLAUSIBLE[0] <= ratio <= PLAUSIBLE[1]:
-            raise BadInput(f"'{report_path}' {what} measured its {kind} {ratio:.2f}x the prediction: that run "
-                           "looks broken (or its plan came from another profile); not calibrating with it")
+        ratios.append(Ratio(what, kind, ratio))
         return ratio
 
     stage_rounds = []
@@ -130,9 +134,12 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
         entry = {"chunk": chunk["index"], "stage": chunk["stage"], "layers": chunk["layers"]}
         for kind in ("forward", "backward"):
             predicted = chunk.get(timing_key("predicted", kind))
-            if predicted:
-                predicted -= overhead_predicted * overheads_in_prediction(report.get("schedule"), kind)
-            ratio = ratio_of(chunk, kind, predicted, chunk["what"])
+            measured = chunk.get(timing_key("measured", kind))
+            if predicted and measured:
+                in_prediction, in_span = fixed.of(chunk["index"], kind)
+                predicted -= in_prediction
+                measured = max(0.0, measured - in_span)     # 0: no layer time left to scale
+            ratio = ratio_of({timing_key("measured", kind): measured}, kind, predicted, chunk["what"])
             if ratio is None:
                 continue
             scale = shrink(ratio, spread)
@@ -146,6 +153,7 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
         chunk_rounds.append(entry)
     if not measured_any:
         raise BadInput(f"'{report_path}' has no per-stage measurements to calibrate with")
+    forced = check_round(report, report_path, ratios, force)
     overhead = measure_overhead(report)
     if overhead.per_microbatch_s is not None:
         out["overhead"] = {**(out.get("overhead") or {}), "per_microbatch_s": overhead.per_microbatch_s}
@@ -159,6 +167,7 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
         "stages": stage_rounds,
         "chunks": chunk_rounds,
         "overhead": overhead.record(previous_overhead),
+        **({"forced": forced} if forced else {}),
     })
     out["calibration"] = history
     return out

@@ -16,10 +16,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from ..artifacts import BadInput, RunFailure, check_output_paths, first_line
+from ..hostload import usable_cores
 from ..models import Precision, model_spec
 from ..schema import write_artifact
 from .device import resolve_device
-from .contention import default_processes
+from .contention import default_processes, most_processes
+from .phases import announced, phase_lines, phase_text
 from .profiler import ProfileRequest, default_sizes, profile_model
 from .show import render_profile
 
@@ -37,7 +39,7 @@ def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes
                     split_backward_timing: bool = True,
                     precision: str = "fp32", param_dtype: str = "fp32", measure_every_layer: bool = False,
                     whole_model_check: bool | None = None, layer_by_layer: bool | None = None,
-                    global_batch_size: int | None = None,
+                    global_batch_size: int | None = None, fixed_costs: bool = True,
                     **options: Any) -> None:
     """Profile MODEL and write the profile JSON to ``out``. Raises BadInput / RunFailure."""
     chosen = Precision(precision, param_dtype)   # checks the pair (BadInput)
@@ -58,16 +60,23 @@ def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes
         contention_processes = default_processes(threads) if dev.type == "cpu" else 0
     if contention_processes < 0 or contention_processes == 1:
         raise BadInput(f"--contention-processes must be 0 (do not measure) or at least 2, got {contention_processes}")
+    if dev.type == "cpu" and contention_processes > most_processes(threads):
+        most = most_processes(threads)
+        raise BadInput(f"--contention-processes {contention_processes} at --threads {threads} needs "
+                       f"{contention_processes * threads} cores and this host has {usable_cores()}: more processes "
+                       "than it runs at once take turns on its cores, which plans model themselves (docs/planner.md, "
+                       f"\"More ranks than cores\"); use {'at most ' + str(most) if most >= 2 else '0'}")
     request = ProfileRequest(spec=spec, micro_batch_sizes=sizes, device=dev, threads=threads, warmup=warmup,
                              repeats=repeats, seed=seed, measure_link=measure_link, batch_size=batch,
                              contention_processes=contention_processes, recompute=recompute_timing,
                              split_backward=split_backward_timing,
                              precision=chosen, share_figures=not measure_every_layer,
-                             whole_model_check=whole_model_check, layer_by_layer=layer_by_layer)
+                             whole_model_check=whole_model_check, layer_by_layer=layer_by_layer,
+                             fixed_costs=fixed_costs)
 
     err = Console(stderr=True)
     try:
-        with _progress_for(err, quiet) as bar:
+        with phase_lines(enabled=not quiet), _progress_for(err, quiet) as bar:
             doc = profile_model(request, bar)
     except (BadInput, KeyboardInterrupt):
         raise
@@ -77,7 +86,7 @@ def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes
     except Exception as exc:
         raise RunFailure(f"profiling failed: {type(exc).__name__}: {first_line(exc)}") from None
     doc["global_batch_size"] = intended_batch   # what solve and explore plan for by default
-    write_artifact(out, doc, "profile")
+    write_artifact(out, doc, "profile", flag="--out")
     if quiet:
         print(os.fspath(out))
         return
@@ -138,8 +147,9 @@ class PhaseLines:
     apart: a layer (all its sizes, plain and checkpointed, and its optimizer step), the whole
     model, the link, the neighbours; the timing harnesses belong to the layer being measured.
     Each phase is announced once, the first time it runs: a profiler that times the layers in
-    interleaved rounds would otherwise print a line per layer per round. In a long stretch
-    without a new phase, a line every ``heartbeat_s`` says how far the profile is.
+    interleaved rounds would otherwise print a line per layer per round; one that a phase line
+    announced as it began (profiles/phases.py: a layer measured alone) is not said again. In a
+    long stretch without a new phase, a line every ``heartbeat_s`` says how far the profile is.
     """
 
     def __init__(self, stream: Any, heartbeat_s: float = 30.0, clock: Any = time.monotonic) -> None:
@@ -168,15 +178,16 @@ class PhaseLines:
         if phase is not None and phase not in self._seen:
             self._seen.add(phase)
             self._phase = phase
-            self._line(phase)
+            if not announced(phase):     # a phase line said it when it began (profiles/phases.py)
+                self._line(phase)
         elif self._phase is not None and self._clock() - self._last >= self._heartbeat_s:
             self._line(f"still {phase or self._phase}")
 
     def _line(self, what: str) -> None:
         now = self._clock()
         self._last = now
-        share = f"{self._done / self._total:4.0%}" if self._total else "   ?"
-        print(f"profiling [{share}, {now - self._started:5.0f} s] {what}", file=self._stream, flush=True)
+        share = self._done / self._total if self._total else None
+        print(phase_text(what, share, now - self._started), file=self._stream, flush=True)
 
 
 def phase_of(description: str) -> str | None:

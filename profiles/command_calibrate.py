@@ -5,29 +5,33 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
 from ..artifacts import BadInput, file_sha256
+from ..layer_names import LayerNames
+from ..tables import NarrowTable, narrow_table
 from ..schema import PLAN_FORMAT, REPORT_FORMAT, read_artifact, validate, write_artifact
 from .calibrate import calibrate, locate, named_file
 
 
-def calibrate_command(report: str, profile: str | None, out: str | None, speed_correction: bool = False) -> None:
+def calibrate_command(report: str, profile: str | None, out: str | None, speed_correction: bool = False,
+                      force: bool = False) -> None:
     console = Console()
     if profile is None:
         profile = profile_of_report(report)
         console.print(f"calibrating '{profile}', the profile the run's plan was made from", highlight=False)
     else:
         check_profile_of_plan(report, profile)
-    doc = calibrate(profile, report, use_speed_probe=speed_correction)
+    doc = calibrate(profile, report, use_speed_probe=speed_correction, force=force)
     target = out or str(Path(profile).with_suffix("")) + ".calibrated.json"
-    write_artifact(target, doc, "profile")
+    write_artifact(target, doc, "profile", flag="--out")
     last = doc["calibration"][-1]
+    for problem in last.get("forced") or []:
+        console.print(f"[yellow]--force:[/] folded in although {problem}", highlight=False)
     console.print(round_table(last))
     spread = last.get("run_spread")
     if spread:
-        console.print(f"the run's steps spread by {spread:.1%}: each ratio is moved toward 1 by that much noise "
-                      "(applied, with the measured ratio in brackets where they differ)", highlight=False)
+        console.print(f"the run's steps spread by {spread:.1%}: each ratio is moved toward 1 by that much noise",
+                      highlight=False)
     console.print(overhead_line(last["overhead"]), highlight=False)
     drift = last["speed_ratio_divided_out"]
     if drift != 1.0:
@@ -36,16 +40,17 @@ def calibrate_command(report: str, profile: str | None, out: str | None, speed_c
     console.print(f"wrote {target}: solve with it to plan with the measured costs", highlight=False)
 
 
-def round_table(calibration_round: dict) -> Table:
+def round_table(calibration_round: dict) -> NarrowTable:
     """One calibration round: per chunk its forward and backward scales, and its stage's optimizer scale."""
-    table = Table(title="calibration: measured / predicted, per chunk (optimizer: per stage)", title_justify="left")
-    for col in ("chunk", "stage", "layers", "forward", "backward", "optimizer"):
-        table.add_column(col, justify="left" if col == "layers" else "right")
+    table = narrow_table("calibration: x the prediction per chunk (optimizer: per stage) as applied, the "
+                         "measured ratio in brackets where the run's spread moved it",
+                         ("chunk", "stage", "layers", "forward", "backward", "optimizer"), left=("layers",))
     stages = {st["stage"]: st for st in calibration_round["stages"]}
+    naming = LayerNames(name for ch in calibration_round["chunks"] for name in ch["layers"])
     for ch in calibration_round["chunks"]:
-        names = ch["layers"][0] if len(ch["layers"]) == 1 else f"{ch['layers'][0]} .. {ch['layers'][-1]}"
-        table.add_row(str(ch["chunk"]), str(ch["stage"]), names, _scale(ch, "forward"), _scale(ch, "backward"),
-                      _scale(stages.get(ch["stage"], {}), "optimizer"))
+        table.add_row(str(ch["chunk"]), str(ch["stage"]), naming.span(ch["layers"]), _scale(ch, "forward"),
+                      _scale(ch, "backward"), _scale(stages.get(ch["stage"], {}), "optimizer"))
+    table.note = naming.note()
     return table
 
 
@@ -63,14 +68,15 @@ def overhead_line(overhead: dict) -> str:
 
 
 def _scale(stage: dict, kind: str) -> str:
-    """``1.18x``, or ``1.02x (1.05x)`` when the run's spread shrank the measured ratio."""
+    """``1.18``, or ``1.02 (1.05)`` when the run's spread shrank the measured ratio (the table's
+    heading says they are factors: x the prediction)."""
     applied = stage.get(f"{kind}_scale")
     if applied is None:
         return "-"
     measured = stage.get(f"measured_{kind}_ratio")
     if measured is None or round(measured, 2) == round(applied, 2):
-        return f"{applied:.2f}x"
-    return f"{applied:.2f}x ({measured:.2f}x)"
+        return f"{applied:.2f}"
+    return f"{applied:.2f} ({measured:.2f})"
 
 
 PROFILE_HINT = "give --profile PROFILE (the profile the run's plan was made from)"

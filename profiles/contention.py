@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from ..hostload import usable_cores
 from ..models.precision import Precision
 from .spawn import SPAWN, run_workers
 
@@ -50,9 +51,18 @@ from .spawn import SPAWN, run_workers
 NOISE = 1.02
 
 
+def most_processes(threads: int) -> int:
+    """How many processes of ``threads`` each this host runs at once: its usable cores over the
+    threads. More than that do not compute side by side but take turns on the cores, which the
+    planner models itself (planner/timeshare.py): measured here, it would be charged twice."""
+    return usable_cores() // max(1, threads)
+
+
 def default_processes(threads: int) -> int:
-    """As many stage processes as this host runs at ``threads`` each: at least 2, at most 8."""
-    return max(2, min(8, (os.cpu_count() or 2) // max(1, threads)))
+    """As many stage processes as this host runs at ``threads`` each, at most 8; 0 (none
+    measured) where that is fewer than 2: on one core nothing computes beside anything."""
+    most = min(8, most_processes(threads))
+    return most if most >= 2 else 0
 
 
 def measure_contention(spec: dict[str, Any], micro_batch_size: int, threads: int = 1, processes: int = 2,

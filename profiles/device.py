@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import re
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..artifacts import BadInput
+from ..hostload import usable_cores
 
 
 def resolve_device(text: str) -> torch.device:
@@ -34,7 +37,25 @@ def describe(device: torch.device, threads: int) -> dict[str, Any]:
         props = torch.cuda.get_device_properties(device)
         return {"type": "cuda", "name": torch.cuda.get_device_name(device), "index": device.index,
                 "memory_bytes": int(props.total_memory), "threads": threads}
-    return {"type": "cpu", "name": _cpu_name(), "threads": threads}
+    # Version 9: the CPUs this process may run on, which the ranks of a plan share (planner/timeshare.py).
+    device = {"type": "cpu", "name": _cpu_name(), "threads": threads, "cores": usable_cores()}
+    memory = host_memory_bytes()
+    if memory is not None:   # version 9: the memory the plans' ranks share (planner/profile.py)
+        device["memory_bytes"] = memory
+    return device
+
+
+def host_memory_bytes() -> int | None:
+    """This host's memory: its RAM, or the container's limit (cgroup v2 ``memory.max``) if lower."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        limit = "max"
+    return min(total, int(limit)) if limit.isdigit() else total
 
 
 def _cpu_name() -> str:

@@ -87,6 +87,10 @@ class LayerMeasurement:
     backward_input_s: float | None = None
     backward_weight_s: float | None = None
     weight_kept_bytes: int | None = None
+    # CUDA: the CPU's time to issue the forward and backward (profiles/issue.py); forward_s
+    # and backward_s are then the GPU's time behind a backlog.
+    issue_forward_s: float | None = None
+    issue_backward_s: float | None = None
 
 
 @contextmanager

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..artifacts import json_number
-from ..schedules import SPLIT_BACKWARD, chunks_per_stage, problem, stage_actions
+from ..schedules import SCHEDULES, SPLIT_BACKWARD, chunks_per_stage, problem, stage_actions
 
 
 @dataclass(frozen=True)
@@ -101,3 +101,50 @@ def overheads_in_prediction(schedule: str | None, kind: str) -> int:
     if kind == "backward" and schedule in SPLIT_BACKWARD:
         return 2
     return 1
+
+
+@dataclass(frozen=True)
+class FixedInTimes:
+    """What of a chunk's predicted and measured per-micro-batch times is fixed cost, not layers.
+
+    A plan's chunk time includes every fixed cost its actions pay (planner/fixedcosts.py): the
+    cost between actions, its kind's own and its messages'. A run's span of that action times
+    its kind's own and its sends (the executor posts them inside the action) but neither the
+    time between actions nor its receives (those are in the waits). Calibration scales the
+    layers by what is left of both (profiles/calibrate.py), so a fixed cost is never rescaled
+    as if it were a layer's time.
+    """
+
+    schedule: str | None
+    between_s: float                 # charged once per action
+    fixed: Any                       # planner.fixedcosts.FixedCosts
+    messages: tuple[Any, ...]        # planner.fixedcosts.ChunkMessages per chunk
+
+    def of(self, chunk: int, kind: str) -> tuple[float, float]:
+        """(in the prediction, in the measured span) of chunk ``chunk``'s ``forward`` or ``backward``
+        (a split backward's: I and W together, as the report gives it)."""
+        f, split = self.fixed, self.schedule in SPLIT_BACKWARD
+        m = self.messages[chunk] if chunk < len(self.messages) else None
+        if kind == "forward":
+            sends, receives = (m.forward_sends, m.forward_receives) if m else (0, 0)
+            own = f.forward_s
+        else:
+            sends, receives = (m.backward_sends, m.backward_receives) if m else (0, 0)
+            own = (f.backward_weight_s + (f.backward_input_s if chunk > 0 else 0.0)) if split else f.backward_s
+        in_span = own + sends * f.send_s
+        return self.between_s * overheads_in_prediction(self.schedule, kind) + in_span + receives * f.receive_s, in_span
+
+
+def fixed_in_times(profile: dict[str, Any], report: dict[str, Any]) -> FixedInTimes:
+    """The fixed costs the run's plan charged, as the planner charges them from ``profile`` (the
+    profile the plan was made from, before this round) for the report's schedule and stages."""
+    from ..planner.fixedcosts import FixedCosts, between_actions_s, messages
+
+    schedule, stages = report.get("schedule"), report.get("num_stages") or len(report["stages"])
+    v = report.get("virtual_stages") if isinstance(report.get("virtual_stages"), int) else chunks_per_stage(schedule)
+    recorded = profile.get("fixed_costs") if isinstance(profile.get("fixed_costs"), dict) else None
+    calibrated = (profile.get("overhead") or {}).get("per_microbatch_s")
+    between = between_actions_s(calibrated, recorded.get("between_actions_s") if recorded else None, stages)
+    shape_ok = schedule in SCHEDULES and isinstance(stages, int) and stages >= 1 and isinstance(v, int) and v >= 1
+    chunk_messages = messages(schedule, stages, v) if recorded and shape_ok else ()
+    return FixedInTimes(schedule, between, FixedCosts.from_record(recorded), chunk_messages)

@@ -50,11 +50,13 @@ from ..schema import FORMAT_VERSIONS, PROFILE_FORMAT
 from ..speedprobe import speed_probe_s, workload
 from .clock import Clock, clock_for
 from ..cudamemory import outside_allocator_bytes
+from ..hostload import CpuSample, sample as host_sample, window_load
 from .device import describe
 from .measure import (Autocast, LayerMeasurement, Runner, Timing, harness_runner, model_step_runner, optimizer_step_s,
                       peak_transient_bytes, prepare_layer, record_split, recompute_harness_runner,
                       recomputing_runner, has_weights, split_harness_runner, split_runner, time_rounds)
 from .memory import tensor_bytes, unique_bytes
+from .phases import announce, counted
 from .walk import walk_layers
 
 Tensors = tuple[torch.Tensor, ...]
@@ -84,6 +86,9 @@ class ProfileRequest:
     # Also time every layer's backward split into the input and the weight gradient, and
     # weigh what stays alive between the two (what zero-bubble schedules need).
     split_backward: bool = True
+    # Also run a short 2-process pipeline of the model's layers to measure the runtime's fixed
+    # costs per action and message (profiles/fixedcosts.py; the CLI's default, off here).
+    fixed_costs: bool = False
     precision: Precision = field(default_factory=Precision)
     # Warm up for at least this long (None: 1 s on a GPU, whose clock ramps up under load; 0 on a CPU).
     warmup_s: float | None = None
@@ -151,7 +156,8 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
         context_bytes = outside_allocator_bytes(device)
     # Every parameter on meta: a layer is made real while it is walked or measured, then
     # given back (a model that cannot be built so is built whole, and stays real).
-    model = build_model(request.spec, seed=request.seed, materialize=())
+    announce(f"building model '{request.spec.get('name') or request.spec.get('factory')}'")
+    model = build_model(request.spec, seed=request.seed, materialize=(), announce=announce)
     request.precision.cast(model)
     whole = built_whole(model)
     if whole is not None:
@@ -159,12 +165,17 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
     if not _layer_by_layer(request, model):
         return _profile_in_memory(model, request, progress, context_bytes, whole)
     sizes = sorted(request.micro_batch_sizes)
+    announce(f"checking the {counted(len(model.layers), 'layer')} on a micro-batch, one at a time")
     with request.autocast():
         # A bad --input-shape fails here, in one line, one layer real at a time.
         streamed(model, device).check(batch_size=sizes[0], device=device)
+    for note in model.notes:
+        announce(f"note: {note}", key=note)
     batches = [_batch(model, b, request.seed, device) for b in sizes]
+    announce(f"running {len(sizes)} micro-batch sizes through the layers")
     walk = walk_layers(model, [inputs for inputs, _ in batches], device, request.autocast, request.share_figures)
 
+    layers_from = host_sample(children=True)    # what else ran while the layers were timed (_finish)
     probe_before = speed_probe_s(device.type)   # see speedprobe: the speed this profile saw
     rounds = request.warmup + request.repeats
     check_whole = _checks_whole_model(request, model)
@@ -175,7 +186,7 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
     split_units = 6 * len(sizes) * rounds * sum(1 for i in walk.measured if i > 0) if request.split_backward else 0
     progress.begin(len(walk.measured) * (len(sizes) * rounds * units_per_size + 1) + split_units
                    + (len(sizes) * rounds * 2 if check_whole else 0)
-                   + (1 if request.measure_link else 0) + (1 if contention else 0))
+                   + (1 if request.measure_link else 0) + (1 if contention else 0) + (1 if request.fixed_costs else 0))
     clock = clock_for(device, request.threads)
     measured = {i: _measure_layer(model, i, walk.inputs.pop(i), [t for _, t in batches], sizes, request, clock,
                                   progress) for i in walk.measured}
@@ -197,7 +208,7 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
     for entry, rep in zip(doc["layers"], walk.measured_as):
         entry["measured_as"] = None if model.layers[rep][0] == entry["name"] else model.layers[rep][0]
     doc["measurement"]["shared_figures"] = request.share_figures
-    return _finish(doc, request, progress, probes, context_bytes, whole, True, contention)
+    return _finish(doc, request, progress, probes, context_bytes, whole, True, contention, layers_from)
 
 
 def _measure_link(request: ProfileRequest, progress: Progress) -> dict[str, Any] | None:
@@ -211,10 +222,15 @@ def _measure_link(request: ProfileRequest, progress: Progress) -> dict[str, Any]
 
 
 def _finish(doc: dict[str, Any], request: ProfileRequest, progress: Progress, probes: list[float],
-            context_bytes: int | None, whole: str | None, layer_by_layer: bool, contention: bool) -> dict[str, Any]:
-    """What both methods add to the document: how it was measured, contention, the device's figures."""
+            context_bytes: int | None, whole: str | None, layer_by_layer: bool, contention: bool,
+            layers_from: CpuSample) -> dict[str, Any]:
+    """What both methods add to the document: how it was measured, contention, the device's
+    figures, and what else ran on the host meanwhile (``host_load``: from ``layers_from``, the
+    reading taken before the layers were timed)."""
     doc["measurement"]["layer_by_layer"] = layer_by_layer
     doc["measurement"]["built_whole"] = whole
+    loads = _HostLoad()
+    loads.add("layers", layers_from, request.threads)
     if contention:
         from .contention import measure_contention
 
@@ -225,15 +241,53 @@ def _finish(doc: dict[str, Any], request: ProfileRequest, progress: Progress, pr
         middle = len(sizes) // 2
         busiest = max((i for i, layer in enumerate(doc["layers"]) if layer["measured_as"] is None),
                       key=lambda i: doc["layers"][i]["forward_s"][middle] + doc["layers"][i]["backward_s"][middle])
+        started = host_sample(children=True)
         doc["contention"] = measure_contention(request.spec, sizes[middle], request.threads,
                                                request.contention_processes, seed=request.seed,
                                                precision=request.precision, layer=busiest)
+        loads.add("contention", started, request.contention_processes * request.threads)
+    if request.fixed_costs:
+        from .fixedcosts import STAGES
+
+        started = host_sample(children=True)
+        _measure_fixed_costs(doc, request, progress)
+        loads.add("fixed_costs", started, STAGES * request.threads)
+    if loads.phases:
+        doc["host_load"] = {"phases": loads.phases}
     if context_bytes is not None:
         doc["device"]["context_bytes"] = context_bytes
     doc["device"]["speed_probe_s"] = sum(probes) / len(probes)
     doc["device"]["speed_probe_workload"] = list(workload(request.device.type))
     doc["measurement"]["speed_probe_s"] = probes
     return doc
+
+
+class _HostLoad:
+    """The profile's ``host_load``: per phase of the measurement, what other processes used of
+    the host's cores and took from the ones it needed (gpipe_plan/hostload.py), so that a plan
+    made from a profile measured on a busy host can say so (planner/profile.py)."""
+
+    def __init__(self) -> None:
+        self.phases: list[dict[str, Any]] = []
+
+    def add(self, phase: str, started: CpuSample, needed_cores: int) -> None:
+        """The phase that began at ``started`` and ends now, needing ``needed_cores`` (its
+        processes, the profiler's own and its finished helpers, are its own CPU time)."""
+        entry = window_load(started, host_sample(children=True), needed_cores)
+        if entry is not None:
+            self.phases.append({"phase": phase, **entry})
+
+
+def _measure_fixed_costs(doc: dict[str, Any], request: ProfileRequest, progress: Progress) -> None:
+    """The runtime's fixed costs, from a short pipeline of the layers just measured (profiles/fixedcosts.py).
+
+    The phase is announced as it starts (the progress lines print a phase the first time it
+    runs), since the pipeline's processes take seconds to start."""
+    from .fixedcosts import MAX_LAYERS, STAGES, measure_fixed_costs
+
+    progress.step(f"fixed costs: a {STAGES}-process pipeline of at most {MAX_LAYERS} layers at several chunk counts")
+    doc["fixed_costs"] = measure_fixed_costs(request.spec, doc, request.threads, request.seed, request.precision,
+                                             request.device)
 
 
 def _layer_by_layer(request: ProfileRequest, model: LayeredModel) -> bool:
@@ -256,16 +310,22 @@ def _profile_in_memory(model: LayeredModel, request: ProfileRequest, progress: P
     materialize_layers(model, range(len(model.layers)), unused=True)
     model.to(device)
     sizes = sorted(request.micro_batch_sizes)
+    announce(f"checking the {counted(len(model.layers), 'layer')} on a micro-batch")
     with request.autocast():
         model.check(batch_size=sizes[0], device=device)  # a bad --input-shape fails here, in one line
+    for note in model.notes:
+        announce(f"note: {note}", key=note)
+    layers_from = host_sample(children=True)    # what else ran while the layers were timed (_finish)
     probe_before = speed_probe_s(device.type)
     rounds = request.warmup + request.repeats
     contention = request.contention_processes > 1 and device.type == "cpu"
     runs_per_round = len(model.layers) + 2 + (len(model.layers) + 1 if request.recompute else 0)
     split_runs_per_round = len(model.layers) if request.split_backward else 0   # the harness, layers 1..
     progress.begin(len(sizes) * rounds * (2 * runs_per_round + 3 * split_runs_per_round) + 1 + (1 if request.measure_link else 0)
-                   + (1 if contention else 0))
+                   + (1 if contention else 0) + (1 if request.fixed_costs else 0))
     # Every size is prepared first and all are timed in the same rounds (see _time_sizes).
+    announce(f"measuring {counted(len(model.layers), 'layer')} at sizes {','.join(map(str, sizes))}: memory, "
+             f"then {rounds} timed round{'s' if rounds != 1 else ''}")
     prepared = [_prepare_size(model, *_batch(model, b, request.seed, device), request, b) for b in sizes]
     _time_sizes(prepared, model, request, progress)
 
@@ -283,7 +343,7 @@ def _profile_in_memory(model: LayeredModel, request: ProfileRequest, progress: P
     for entry in doc["layers"]:
         entry["measured_as"] = None
     doc["measurement"]["shared_figures"] = False
-    return _finish(doc, request, progress, probes, context_bytes, whole, False, contention)
+    return _finish(doc, request, progress, probes, context_bytes, whole, False, contention, layers_from)
 
 
 @dataclass
@@ -383,8 +443,19 @@ def _time_sizes(prepared: list[_Size], model: LayeredModel, request: ProfileRequ
             for weighed, runner, (_, layer) in zip(p.figures, p.splitting[1:], model.layers):
                 record_split(weighed, None if runner is None else next(timings), split_harness, has_weights(layer))
         if request.device.type == "cuda":
+            _time_issue(p.figures, p.runners, request)
             for weighed, runner in zip(p.figures, p.runners[1:]):
                 weighed.peak_transient_bytes = peak_transient_bytes(runner, request.device, weighed)
+
+
+def _time_issue(figures: list[LayerMeasurement], runners: list[Runner], request: ProfileRequest) -> None:
+    """CUDA: each layer's GPU time behind a backlog and the CPU's issue time (profiles/issue.py);
+    ``runners``: the harness, then the layers of ``figures``."""
+    from .issue import backlog_timings, cuda_backlog, record_issue
+
+    harness, *timings = backlog_timings(runners, clock_for(request.device), cuda_backlog(request.device),
+                                        request.warmup, request.repeats)
+    record_issue(figures, timings, harness)
 
 
 def _batch(model: LayeredModel, size: int, seed: int, device: torch.device) -> tuple[Tensors, torch.Tensor]:
@@ -420,6 +491,7 @@ def _measure_layer(model: LayeredModel, i: int, inputs: list[Tensors], targets: 
     """
     name = model.layers[i][0]
     last = i == len(model.layers) - 1
+    announce(f"measuring layer {i + 1} of {len(model.layers)}: {name}", key=name)
     autocast: Autocast = request.autocast
     with layer_materialized(model, i, request.device) as layer:
         figures: list[LayerMeasurement] = []
@@ -461,6 +533,7 @@ def _measure_layer(model: LayeredModel, i: int, inputs: list[Tensors], targets: 
                     split_harnesses.append(split_harness)
                     record_split(weighed, split_timing, split_harness, has_weights(layer))
             if request.device.type == "cuda":
+                _time_issue([weighed], [groups[0][0], runner], request)
                 weighed.peak_transient_bytes = peak_transient_bytes(runner, request.device, weighed)
         del groups, plain, timed
         layer.zero_grad(set_to_none=True)   # gradients of the timing rounds: freed before the next layer
@@ -540,6 +613,9 @@ def _document(model: LayeredModel, request: ProfileRequest, sizes: list[int],
             entry["output_batched"] = batched
         if request.device.type == "cuda":
             entry["peak_transient_bytes"] = [f.peak_transient_bytes for f in at]
+            if all(f.issue_forward_s is not None for f in at):
+                entry["issue_forward_s"] = [f.issue_forward_s for f in at]
+                entry["issue_backward_s"] = [f.issue_backward_s for f in at]
         if request.recompute:
             entry["recompute_forward_s"] = [f.recompute_forward_s for f in at]
             entry["recompute_backward_s"] = [f.recompute_backward_s for f in at]

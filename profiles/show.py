@@ -16,11 +16,13 @@ import math
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from ..artifacts import precision_label, precision_of
+from ..hostload import busy_phases, busy_profile_text
 from ..schema import layers_sharing_figures, recompute_timed, slowdown_of_slowest, split_backward_timed
-from ..units import format_bytes, format_seconds
+from ..layer_names import LayerNames
+from ..tables import NarrowTable, narrow_table
+from ..units import BYTE_UNITS, TIME_UNITS, column_unit, format_bytes, format_figure, format_seconds
 
 
 def render_profile(doc: dict[str, Any], console: Console) -> None:
@@ -29,33 +31,17 @@ def render_profile(doc: dict[str, Any], console: Console) -> None:
     layers = doc["layers"]
     console.print(_header(doc))
     column = len(sizes) - 1  # the largest micro-batch size: where the costs matter most
-    table = Table(title=f"per layer at micro-batch size {sizes[column]}", title_justify="left",
-                  caption="saved: activations kept for backward; output: bytes crossing the cut after the layer",
-                  caption_justify="left")
-    longest = max(len(layer["name"]) for layer in layers)
-    for heading in ("layer", "forward", "backward", "saved", "output", "params"):
-        if heading == "layer":  # names are what the user reads first: never cut them short
-            table.add_column(heading, min_width=min(longest, 40), overflow="fold")
-        else:
-            table.add_column(heading, justify="right", no_wrap=True)
-    total_f = total_b = 0.0
-    total_act = total_params = 0
-    for layer in layers:
-        f = layer["forward_s"][column]
-        b = layer["backward_s"][column]
-        act = layer["activation_bytes"][column]
-        total_f += f
-        total_b += b
-        total_act += act
-        total_params += layer["param_bytes"]
-        table.add_row(layer["name"], format_seconds(f), format_seconds(b), format_bytes(act),
-                      format_bytes(layer["output_bytes"][column]), format_bytes(layer["param_bytes"]))
-    table.add_section()
-    table.add_row("total", format_seconds(total_f), format_seconds(total_b), format_bytes(total_act),
-                  "", format_bytes(total_params))
-    console.print(table)
+    naming = LayerNames(layer["name"] for layer in layers)
+    figures = [[layer["forward_s"][column], layer["backward_s"][column], layer["activation_bytes"][column],
+                layer["output_bytes"][column], layer["param_bytes"]] for layer in layers]
+    totals = [sum(row[i] for row in figures) for i in range(5)]
+    console.print(figure_table(
+        f"per layer at micro-batch size {sizes[column]} (saved: activations kept for backward; output: bytes "
+        "crossing the cut after the layer)",
+        [("forward", "s"), ("backward", "s"), ("saved", "B"), ("output", "B"), ("params", "B")],
+        [naming.short(layer["name"]) for layer in layers], figures, totals[:3] + [None, totals[4]], naming.note()))
     if split_backward_timed(layers):   # I (input gradient) and W (weight gradient)
-        console.print(_split_table(layers, column, sizes[column], longest))
+        console.print(_split_table(layers, column, sizes[column], naming))
         console.print(_split_line(layers, sizes), highlight=False)
     sharing = _sharing_line(layers)
     if sharing:
@@ -66,7 +52,6 @@ def render_profile(doc: dict[str, Any], console: Console) -> None:
     consistency = doc.get("consistency")
     if consistency:
         console.print(_consistency(consistency, sizes))
-        console.print(CONSISTENCY_MEANING, highlight=False)
     contention = doc.get("contention")
     if contention:
         # A pipeline goes at its slowest stage's pace: newer profiles take the slowest process.
@@ -79,6 +64,12 @@ def render_profile(doc: dict[str, Any], console: Console) -> None:
     recompute = _recompute_line(doc, layers, sizes)
     if recompute:
         console.print(recompute, highlight=False)
+    fixed = _fixed_costs_line(doc.get("fixed_costs"))
+    if fixed:
+        console.print(fixed, highlight=False)
+    busy = _host_load_line(doc.get("host_load"))
+    if busy:
+        console.print(busy, highlight=False)
     link = doc.get("link")
     if link:
         console.print(f"link ({link.get('backend', '?')}): latency {format_seconds(link.get('latency_s'))}, "
@@ -87,6 +78,31 @@ def render_profile(doc: dict[str, Any], console: Console) -> None:
             console.print(f"all-reduce over {link['allreduce_processes']} processes (ring): latency "
                           f"{format_seconds(link.get('allreduce_latency_s'))} per step, bus bandwidth "
                           f"{format_rate(link.get('allreduce_bandwidth_bytes_per_s'))}", highlight=False)
+
+
+def _host_load_line(load: Any) -> str | None:
+    """What else ran on the host while the profile measured (version 9), when it took from it."""
+    busy = busy_phases(load if isinstance(load, dict) else None)
+    if not busy:
+        return None
+    return f"[yellow]busy host[/]: {busy_profile_text(busy)}; plans from this profile say so"
+
+
+def _fixed_costs_line(fixed: Any) -> str | None:
+    """The runtime's fixed costs, as plans charge them (profile version 9; docs/planner.md)."""
+    if not isinstance(fixed, dict):
+        return None
+    kinds = ", ".join(f"{name} {format_seconds(fixed.get(key))}" for name, key in (
+        ("F", "forward_s"), ("B", "backward_s"), ("I", "backward_input_s"), ("W", "backward_weight_s")))
+    runs = fixed.get("configurations") or []
+    fit = ", ".join(f"{r['schedule']}{' v=' + str(r['virtual_stages']) if r['schedule'] == 'interleaved' else ''} "
+                    f"{r['measured_step_s'] / r['predicted_step_s']:.2f}"
+                    for r in runs if r.get("predicted_step_s"))
+    return (f"fixed costs per action ({fixed.get('executor', '?')} executor, {fixed.get('backend', '?')}, "
+            f"{format_seconds(fixed.get('seconds'))} to measure): {kinds}, between actions "
+            f"{format_seconds(fixed.get('between_actions_s'))}; per message sent "
+            f"{format_seconds(fixed.get('send_s'))}, received {format_seconds(fixed.get('receive_s'))}; plans charge "
+            f"them on every action" + (f" (measured / fitted step of the runs: {fit})" if fit else ""))
 
 
 def _sharing_line(layers: list[dict[str, Any]]) -> str | None:
@@ -114,23 +130,31 @@ def _recompute_line(doc: dict[str, Any], layers: list[dict[str, Any]], sizes: li
             f"(one checkpoint call: {format_seconds(calls[-1])}); plans that recompute charge it")
 
 
-def _split_table(layers: list[dict[str, Any]], column: int, size: int, longest: int) -> Table:
+def _split_table(layers: list[dict[str, Any]], column: int, size: int, naming: LayerNames) -> NarrowTable:
     """Per layer, the backward as zero-bubble schedules split it: I, W, and what W keeps alive."""
-    table = Table(title=f"backward split in two at micro-batch size {size}", title_justify="left",
-                  caption="I: input gradient (what the previous stage waits for); W: weight gradient; "
-                          "kept: bytes alive from I until W", caption_justify="left")
-    table.add_column("layer", min_width=min(longest, 40), overflow="fold")
-    for heading in ("backward", "I", "W", "saved", "kept"):
-        table.add_column(heading, justify="right", no_wrap=True)
-    totals = [0.0, 0.0, 0.0, 0, 0]
-    for layer in layers:
-        values = [layer[key][column] for key in ("backward_s", "backward_input_s", "backward_weight_s",
-                                                 "activation_bytes", "weight_kept_bytes")]
-        totals = [t + v for t, v in zip(totals, values)]
-        table.add_row(layer["name"], *(format_seconds(v) for v in values[:3]),
-                      *(format_bytes(v) for v in values[3:]))
+    keys = ("backward_s", "backward_input_s", "backward_weight_s", "activation_bytes", "weight_kept_bytes")
+    figures = [[layer[key][column] for key in keys] for layer in layers]
+    return figure_table(
+        f"backward split in two at micro-batch size {size} (I: input gradient, what the previous stage waits "
+        "for; W: weight gradient; kept: bytes alive from I until W)",
+        [("backward", "s"), ("I", "s"), ("W", "s"), ("saved", "B"), ("kept", "B")],
+        [naming.short(layer["name"]) for layer in layers], figures,
+        [sum(row[i] for row in figures) for i in range(len(keys))], naming.note())
+
+
+def figure_table(title: str, columns: list[tuple[str, str]], names: list[str], rows: list[list[float]],
+                 totals: list[float | None], note: str | None) -> NarrowTable:
+    """A row of figures per layer and their total: each column a time (``"s"``) or a size
+    (``"B"``), printed in the unit of its largest figure, named in its heading."""
+    units = [column_unit([row[i] for row in rows] + [totals[i]], TIME_UNITS if kind == "s" else BYTE_UNITS)
+             for i, (_, kind) in enumerate(columns)]
+    table = narrow_table(title, ("layer", *(f"{name} {unit}" for (name, _), (unit, _) in zip(columns, units))),
+                         left=("layer",))
+    for name, row in zip(names, rows):
+        table.add_row(name, *(format_figure(v, unit_size) for v, (_, unit_size) in zip(row, units)))
     table.add_section()
-    table.add_row("total", *(format_seconds(v) for v in totals[:3]), *(format_bytes(v) for v in totals[3:]))
+    table.add_row("total", *("" if v is None else format_figure(v, unit_size) for v, (_, unit_size) in zip(totals, units)))
+    table.note = note
     return table
 
 
@@ -177,19 +201,21 @@ CONSISTENCY_MEANING = ("ratio: the sum of the per-layer times over the whole mod
                        "per-layer figures add up, and plans from them hold")
 
 
-def _consistency(consistency: dict[str, Any], sizes: list[int]) -> Table:
-    table = Table(title="consistency: sum of layers vs the whole model's step", title_justify="left")
-    for heading in ("micro-batch", "sum of layers", "whole model", "ratio"):
-        table.add_column(heading, justify="right")
+def _consistency(consistency: dict[str, Any], sizes: list[int]) -> NarrowTable:
     sums = consistency.get("layer_sum_s") or []
     steps = consistency.get("model_step_s") or []
     ratios = consistency.get("ratio") or []
-    for i, size in enumerate(sizes):
+    unit, size = column_unit([_at(sums, i) for i in range(len(sizes))] + [_at(steps, i) for i in range(len(sizes))],
+                             TIME_UNITS)
+    table = narrow_table("consistency: sum of layers vs the whole model's step",
+                         ("micro-batch", f"sum of layers {unit}", f"whole model {unit}", "ratio"))
+    for i, micro_batch in enumerate(sizes):
         ratio = _at(ratios, i)
         shown = "-" if ratio is None else f"{ratio:.3f}"
         if ratio is not None and abs(ratio - 1) > 0.15:
             shown = f"[yellow]{shown}[/]"  # plans from this profile will be off by about as much
-        table.add_row(str(size), format_seconds(_at(sums, i)), format_seconds(_at(steps, i)), shown)
+        table.add_row(str(micro_batch), format_figure(_at(sums, i), size), format_figure(_at(steps, i), size), shown)
+    table.note = CONSISTENCY_MEANING
     return table
 
 

@@ -8,7 +8,9 @@ rank under ``torchrun``. Each rank (:mod:`.train`):
 2. runs its stage's list of the schedule's actions every step (``gpipe_plan.schedules``,
    :mod:`.executor`), sending activations forward and gradients back to the stages holding
    the neighbouring chunks (:mod:`.p2p`);
-3. steps its optimizer, saves checkpoints (:mod:`.checkpoint`), records spans (:mod:`.timing`);
+3. steps its optimizer, saves checkpoints (:mod:`.checkpoint`; the folder, whose run each step
+   belongs to and who may write it: :mod:`.checkpoint_dir`), records spans (:mod:`.timing`),
+   and stops with one line if it makes no progress for ``--timeout`` (:mod:`.watchdog`);
 4. at the end, sends what it measured to rank 0, which writes the report (:mod:`.report`),
    the trace (:mod:`.trace`) and the saved model.
 

@@ -42,6 +42,10 @@ tensors (DCP's save returns on all ranks only after rank 0 wrote ``.metadata``),
 folder that exists is complete; a step some rank never finished stays ``.partial`` and is never
 resumed. Rank 0 picks the newest complete step and every rank must see it: resharding means any
 rank may read any rank's file, so on several machines the folder must be on a shared file system.
+A save that fails (a full disk) removes its ``.partial`` folder and stops every rank in one line.
+
+Whose steps they are, which a run may prune, and the one run that may write the folder at a
+time: :mod:`.checkpoint_dir` (no torch there, so the launcher checks the folder first).
 
 A checkpoint is data: DCP reads its tensors with ``torch.load(weights_only=True)`` and its
 ``.metadata`` with a plain ``pickle.load``, which could run code, so :func:`safe_reader` reads
@@ -56,12 +60,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import errno
 import hashlib
 import importlib
 import json
 import os
 import pickle
-import re
 import shutil
 from pathlib import Path, PosixPath, PurePosixPath
 from typing import Any
@@ -69,7 +73,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..artifacts import BadInput, named_first_line, write_json_atomic
+from ..artifacts import BadInput, fsync_folder, named_first_line, write_json_atomic
+from ..units import format_bytes
+from .checkpoint_dir import META_FILE, complete_steps, partial_folder, prune, step_folder  # noqa: F401 (prune: train's)
+from . import watchdog
 from .loss_scale import LossScaler
 from .objects import all_gather_objects
 from .stage import StageChunks
@@ -77,33 +84,29 @@ from .stage import StageChunks
 FORMAT = "gpipe-plan.checkpoint"
 # Version 2: one DCP checkpoint per step, keyed like the unsplit model (resumable under any
 # plan). Version 1 wrote one torch.save file per stage (step-N/stage-k-of-K.pt); it is refused.
+# ``run`` (the run the step belongs to: runtime/checkpoint_dir.py) was added within version 2;
+# a step without it belongs to the run that resumes it.
 VERSION = 2
-META_FILE = "checkpoint.json"
-PARTIAL = ".partial"
-_STEP_DIR = re.compile(r"step-(\d{8})")
-_V1_FILE = re.compile(r"stage-\d+-of-\d+\.pt")
-
-
-def step_folder(folder: Path, step: int) -> Path:
-    return folder / f"step-{step:08d}"
-
-
-def partial_folder(folder: Path, step: int) -> Path:
-    return folder / f"step-{step:08d}{PARTIAL}"
 
 
 # ---------------------------------------------------------------------- saving
 def save(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Optimizer, identity: dict[str, Any],
          saved_by: dict[str, Any], scaler: LossScaler | None = None, device: torch.device | None = None,
-         group: dist.ProcessGroup | None = None) -> Path:
+         group: dist.ProcessGroup | None = None, run: dict[str, Any] | None = None) -> Path:
     """Save the state after ``step`` completed steps; every rank calls this, together.
 
-    Returns the complete step folder once every rank has written (on every rank).
+    ``run``: the record of the run this step belongs to (:func:`.checkpoint_dir.new_run`).
+    Returns the complete step folder once every rank has written (on every rank). A save that
+    fails (a full disk) leaves no ``.partial`` folder and raises :class:`BadInput` on every rank,
+    in one line that names the folder and, for a full disk, the lack of space.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     rank = _rank(group)
     partial, final = partial_folder(folder, step), step_folder(folder, step)
+    together = f"saving checkpoint '{final}' with the other ranks"
+    watchdog.doing(together, waiting=True)
     if rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # what a killed run left at this step
@@ -111,14 +114,62 @@ def save(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Opt
     tensors = {f"model/{key}": tensor.detach() for key, tensor in stage.state_dict().items()}
     tensors |= _optimizer_tensors(stage, optimizer)
     tensors |= _rng_tensors(rank, device)
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(partial), process_group=group, no_dist=not _distributed())
-    if rank == 0:
-        write_json_atomic(partial / META_FILE, {
-            "format": FORMAT, "version": VERSION, "step": step, "identity": identity, "saved_by": saved_by,
-            "loss_scale": scaler.state_dict() if scaler is not None and scaler.enabled else None})
-        _replace_folder(partial, final)
+
+    class Writer(dcp.FileSystemWriter):
+        """DCP's writer, telling the watchdog when this rank writes and when it waits for the others."""
+
+        def write_data(self, *args: Any, **kwargs: Any) -> Any:
+            watchdog.doing(f"writing its tensors into '{partial}'")
+            try:
+                return super().write_data(*args, **kwargs)
+            finally:
+                watchdog.doing(together, waiting=True)
+
+    try:
+        # DCP gathers every rank's failure and raises it on all of them (CheckpointException is a
+        # BaseException: an `except Exception` would let it through as a 50-line traceback).
+        dcp.save(tensors, storage_writer=Writer(partial), process_group=group, no_dist=not _distributed())
+        if rank == 0:
+            write_json_atomic(partial / META_FILE, {
+                "format": FORMAT, "version": VERSION, "step": step, "identity": identity, "saved_by": saved_by,
+                "run": run, "loss_scale": scaler.state_dict() if scaler is not None and scaler.enabled else None})
+            _replace_folder(partial, final)
+    except (Exception, CheckpointException) as exc:
+        failure = _save_failure(exc, partial, sum(_nbytes(t) for t in tensors.values()))   # the space still taken
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise failure from None
     _barrier(group)  # every rank returns knowing the step is complete
     return final
+
+
+def _save_failure(exc: BaseException, partial: Path, nbytes: int) -> BadInput:
+    """One line for a failed save: no space (torch says only ``unexpected pos 704 vs 598``), or
+    the first rank's error."""
+    if isinstance(exc, BadInput):   # rank 0's checkpoint.json (artifacts.cannot_write said why)
+        return BadInput(f"{exc}; removed the unfinished '{partial}'")
+    inner = [error for _, error in _failures(exc)] or [exc]
+    free = shutil.disk_usage(partial.parent).free if partial.parent.exists() else None
+    if any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in inner) or \
+            (free is not None and free < nbytes):
+        return BadInput(f"cannot save checkpoint '{partial.parent}': no space left on its device "
+                        f"({format_bytes(free)} free, this rank's tensors alone take {format_bytes(nbytes)}); "
+                        f"removed the unfinished '{partial.name}'; free some space or choose another "
+                        f"--checkpoint-dir, then --resume")
+    return BadInput(f"cannot save checkpoint '{partial}': {named_first_line(inner[0])}; removed the unfinished "
+                    f"folder")
+
+
+def _failures(exc: BaseException) -> list[tuple[int, BaseException]]:
+    """The per-rank errors inside DCP's ``CheckpointException`` (rank order); [] for any other error."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict):
+        return []
+    return [(rank, pair[0] if isinstance(pair, tuple) else pair) for rank, pair in sorted(failures.items())]
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _optimizer_tensors(stage: StageChunks, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -151,52 +202,10 @@ def _replace_folder(partial: Path, final: Path) -> None:
         shutil.rmtree(aside, ignore_errors=True)
     else:
         os.rename(partial, final)
-    _fsync_folder(final.parent)
-
-
-def _fsync_folder(folder: Path) -> None:
-    """Make the rename durable (a crash after it must not bring the old name back)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def prune(folder: Path, keep: int) -> None:
-    """Rank 0: delete complete steps but the newest ``keep``, and ``.partial`` folders older than them."""
-    complete = sorted(step for step, version in complete_steps(folder).items() if version == VERSION)
-    for step in complete[:-keep]:
-        shutil.rmtree(step_folder(folder, step), ignore_errors=True)
-    if complete:
-        for child in folder.iterdir():
-            match = _STEP_DIR.fullmatch(child.name.removesuffix(PARTIAL))
-            if child.name.endswith(PARTIAL) and match and int(match.group(1)) < complete[-1]:
-                shutil.rmtree(child, ignore_errors=True)
+    fsync_folder(final.parent)
 
 
 # ---------------------------------------------------------------------- finding
-def complete_steps(folder: Path) -> dict[int, int]:
-    """Complete step folders, ``{step: format version}``: 2 has ``checkpoint.json``, 1 stage files."""
-    if not folder.is_dir():
-        return {}
-    found: dict[int, int] = {}
-    for child in folder.iterdir():
-        match = _STEP_DIR.fullmatch(child.name)
-        if not match or not child.is_dir():
-            continue
-        if (child / META_FILE).is_file():
-            found[int(match.group(1))] = VERSION
-        elif any(_V1_FILE.fullmatch(f.name) for f in child.iterdir()):
-            found[int(match.group(1))] = 1
-    return found
-
-
 def newest_complete_step(folder: Path, group: dist.ProcessGroup | None = None) -> int | None:
     """The step to resume from: rank 0's newest complete one, which every rank must see."""
     mine = complete_steps(folder)
@@ -235,6 +244,7 @@ def load(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Opt
             raise BadInput(f"checkpoint '{path}' was made with {key} = {saved!r}, this run has {value!r}: resume "
                            f"with the same {key}, or use a new --checkpoint-dir")
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     reader = safe_reader(path)
@@ -280,8 +290,8 @@ def load(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Opt
 
     try:
         dcp.load(wanted, storage_reader=reader, process_group=group, no_dist=not _distributed())
-    except Exception as exc:  # noqa: BLE001 - a damaged file: one line, whatever DCP raised
-        raise BadInput(f"cannot read checkpoint '{path}': {named_first_line(exc)}") from None
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - a damaged file: one line, whatever DCP raised
+        raise _damaged(folder, step, exc) from None
 
     # torch's own loader puts each state where its parameter is, in its dtype (``step`` stays put).
     optimizer.load_state_dict({"state": optim_state, "param_groups": optimizer.state_dict()["param_groups"]})
@@ -296,6 +306,17 @@ def load(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Opt
         reseed(seed, step, rank)
         meta["rng"] = "reseeded"
     return meta
+
+
+def _damaged(folder: Path, step: int, exc: BaseException) -> BadInput:
+    """One line for a step whose tensors cannot be read: which file, what DCP said, and the way on."""
+    failures = _failures(exc)
+    detail = (f"rank {failures[0][0]}: {named_first_line(failures[0][1])}" if failures
+              else named_first_line(exc))
+    older = sorted(s for s in complete_steps(folder) if s < step)
+    way = (f"move '{step_folder(folder, step).name}' out of the folder to resume from step {older[-1]}, the newest "
+           f"complete step before it" if older else "start over in an empty --checkpoint-dir")
+    return BadInput(f"cannot read checkpoint '{step_folder(folder, step)}' (damaged?): {detail}; {way}")
 
 
 def _state_like(param: torch.Tensor, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
+from .checkpoint_dir import claim
 from .conditions import threads_per_rank
 from .options import RunOptions, check_options
 from .plan import check_precision_matches, load_plan
+from .trust import imports_note
 
 
 def run_command(plan: str, **options: Any) -> None:
@@ -17,18 +20,30 @@ def run_command(plan: str, **options: Any) -> None:
     opts = check_options(RunOptions(plan=plan, **options))
     run_plan = load_plan(opts.plan)  # a bad plan fails here, before any process starts
     check_precision_matches(run_plan, opts.precision, opts.param_dtype)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        # Started by torchrun: this process is one rank. Say failures ourselves and exit at
-        # once (a rank whose peers are gone must not wait for them at shutdown).
-        from .worker import run_rank
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    note = imports_note(run_plan.model, opts.data)
+    if note and (not under_torchrun or os.environ["RANK"] == "0"):
+        print(note, file=sys.stderr, flush=True)   # before any rank imports it (runtime/trust.py)
+    # The one run writing the checkpoint folder, until this process ends (runtime/checkpoint_dir.py):
+    # the launcher, or rank 0 under torchrun.
+    held = claim(Path(opts.checkpoint_dir), resume=opts.resume) \
+        if opts.checkpoint_dir is not None and (not under_torchrun or os.environ["RANK"] == "0") else None
+    try:
+        if under_torchrun:
+            # Started by torchrun: this process is one rank. Say failures ourselves and exit at
+            # once (a rank whose peers are gone must not wait for them at shutdown).
+            from .worker import run_rank
 
-        warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-        status = run_rank(opts)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
-    from .launch import launch_local
+            warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+            status = run_rank(opts)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+        from .launch import launch_local
 
-    # One process per stage of each replica: K·d ranks on this machine, the cores shared among them.
-    threads = threads_per_rank(opts.threads, run_plan, run_plan.world_size)
-    launch_local(opts, run_plan.world_size, threads)
+        # One process per stage of each replica: K·d ranks on this machine, the cores shared among them.
+        threads = threads_per_rank(opts.threads, run_plan, run_plan.world_size)
+        launch_local(opts, run_plan.world_size, threads)
+    finally:
+        if held is not None:
+            held.release()

@@ -116,7 +116,11 @@ def batch_source(model: LayeredModel, data: str | None, batch_size: int, seed: i
     if spec.get("source") == "builtin" and spec.get("name") == "gpt":
         vocab_size, seq_len = spec["options"]["vocab_size"], spec["options"]["seq_len"]
     elif spec.get("source") == "import" and spec.get("loss") == "lm":
-        vocab_size, seq_len = spec["vocab_size"], spec["input_shape"][0]
+        vocab_size, seq_len = spec.get("vocab_size"), model.input_shapes[0][0]
+        if vocab_size is None:   # profiled on its own data factory, which said no vocabulary
+            raise BadInput(f"--data FILE.txt is byte-level (256 symbols), and the plan's model '{name}' was profiled "
+                           f"on its data factory without --vocab-size: profile it with --vocab-size (its logits' "
+                           f"last dimension) to train it on text")
     else:
         raise BadInput(f"--data FILE.txt trains a language model on bytes (the built-in gpt, or your model "
                        f"with --loss lm); the plan's model '{name}' is not one")

@@ -133,10 +133,17 @@ def choose_device(requested: str, plan: RunPlan, local_rank: int) -> torch.devic
     return torch.device("cpu")
 
 
+COLLECTIVE_MARGIN_S = 5.0
+
+
 def init(world: World, device: torch.device, timeout_s: float) -> dist.ProcessGroup:
     """Join the process group; return the (gloo) group for Python objects."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=max(timeout_s, 30.0))
+    # The group's own timeout bounds the collectives of the set-up (the ranks start at different
+    # speeds: at least 30 s). During the steps the watchdog (runtime/watchdog.py) stops a rank at
+    # --timeout, in one line; the group's timeout is later, so that gloo's own error (a traceback
+    # naming neither rank nor checkpoint) does not come first.
+    timeout = datetime.timedelta(seconds=max(timeout_s, 30.0) + COLLECTIVE_MARGIN_S)
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, rank=world.rank, world_size=world.world_size, timeout=timeout, **kwargs)
     if backend == "gloo":

@@ -50,6 +50,7 @@ from .memory import ActivationMeter, element_bytes
 from .p2p import ACTIVATION, GRADIENT, Neighbours, PendingReceive
 from .stage import Chunk, TensorMeta
 from .timing import SpanRecorder
+from .watchdog import doing
 
 Tensors = tuple[torch.Tensor, ...]
 LossFn = Callable[[Tensors, torch.Tensor], torch.Tensor]
@@ -192,6 +193,7 @@ class NativeExecutor:
     # ------------------------------------------------------------------ actions
     def _forward(self, chunk: Chunk, m: int, xs: Tensors, target: torch.Tensor | None,
                  meter: ActivationMeter | None, handed: dict[tuple[int, int, int], Tensors]) -> _Saved:
+        doing(f"computing the forward of micro-batch {m} on chunk {chunk.index}")
         start = self.recorder.mark()
         if not chunk.is_first:
             # The received activations are leaves of this chunk's graph: ask for their
@@ -229,6 +231,7 @@ class NativeExecutor:
 
     def _backward(self, chunk: Chunk, m: int, saved: _Saved, grads: Tensors | None,
                   handed: dict[tuple[int, int, int], Tensors]) -> None:
+        doing(f"computing the backward of micro-batch {m} on chunk {chunk.index}")
         start = self.recorder.mark()
         roots, root_grads = self._roots(chunk, saved, grads)
         if roots:
@@ -240,6 +243,7 @@ class NativeExecutor:
 
     def _backward_input(self, chunk: Chunk, m: int, saved: _Saved, grads: Tensors | None,
                         handed: dict[tuple[int, int, int], Tensors]) -> None:
+        doing(f"computing the input gradient of micro-batch {m} on chunk {chunk.index}")
         start = self.recorder.mark()
         roots, root_grads = self._roots(chunk, saved, grads)
         if chunk.is_first:
@@ -257,6 +261,7 @@ class NativeExecutor:
         self.recorder.add("backward_input", m, start, self.recorder.mark(), chunk=chunk.index)
 
     def _backward_weight(self, chunk: Chunk, m: int, saved: _Saved) -> None:
+        doing(f"computing the weight gradient of micro-batch {m} on chunk {chunk.index}")
         start = self.recorder.mark()
         if chunk.is_first:
             roots = list(saved.outputs)

@@ -23,6 +23,9 @@ LR_SCHEDULES = ("constant", "cosine")
 EXECUTORS = ("auto", "native", "torch")
 DEVICES = ("auto", "cpu", "cuda")
 ENV = "GPIPE_PLAN_RUN_OPTIONS"
+# The longest --timeout: the process group's timeout is a timedelta, and a stuck rank must be
+# found some day (inf would overflow it after the whole set-up, not at the command line).
+MAX_TIMEOUT_S = 1e6
 
 
 @dataclass(frozen=True)
@@ -101,8 +104,9 @@ def check_options(options: RunOptions) -> RunOptions:
         raise BadInput(f"--device '{options.device}' is not one of {', '.join(DEVICES)}")
     if options.threads is not None and options.threads < 1:
         raise BadInput(f"--threads must be at least 1, got {options.threads}")
-    if not options.timeout > 0:
-        raise BadInput(f"--timeout must be positive, got {options.timeout}")
+    if not 0 < options.timeout <= MAX_TIMEOUT_S:   # NaN and inf fail this too
+        raise BadInput(f"--timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:g} (11 days), "
+                       f"got {options.timeout}")
     if options.log_every < 1:
         raise BadInput(f"--log-every must be at least 1, got {options.log_every}")
     if options.data is not None and not is_data_factory(options.data):

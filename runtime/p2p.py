@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..artifacts import RunFailure
+from . import watchdog
 from .stage import TensorMeta
 
 ACTIVATION, GRADIENT = 0, 1
@@ -121,15 +122,21 @@ class Neighbours:
         self.sends.clear()
 
     def _wait(self, work: dist.Work, doing: str) -> None:
+        watchdog.doing(doing, waiting=True)
         try:
             work.wait(self.timeout)
         except RuntimeError as exc:
             text = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             if "Timed out" in text or "timeout" in text.lower():
-                raise RunFailure(f"rank {self.rank} timed out after {self.timeout.total_seconds():g} s "
-                                 f"{doing} (is a rank stuck? raise --timeout for slow steps)") from None
+                raise TimedOut(f"rank {self.rank} timed out after {self.timeout.total_seconds():g} s "
+                               f"{doing} (is a rank stuck? raise --timeout for slow steps)") from None
             raise PeerLost(f"rank {self.rank} lost its neighbour while {doing}: {text}") from None
 
 
 class PeerLost(RunFailure):
     """A neighbour's connection broke: usually because that rank failed first."""
+
+
+class TimedOut(RunFailure):
+    """A wait for another rank outlasted ``--timeout``: what followed a stuck rank, rarely the cause
+    (the launcher prefers the stuck rank's own report: runtime/watchdog.py)."""

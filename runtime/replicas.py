@@ -27,7 +27,7 @@ Two ways, the plan's ``gradient_sync``:
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ from .stage import StageChunks
 # turns many small messages (a bias, a norm's weight) into a few large ones, each paying the
 # ring's latency once; 25 MB is DistributedDataParallel's default bucket size.
 BUCKET_BYTES = 25 * 1024 * 1024
+T = TypeVar("T", bound=torch.Tensor)
 
 
 class GradientSync(Protocol):
@@ -107,8 +108,9 @@ class DdpSync(NoSync):
     buckets of about :data:`BUCKET_BYTES`, all-reduces (sums) each over the stage's ``dp``
     group, divides by d and copies them back: every replica then holds the mean of the d
     replicas' gradients, each of which is the mean over its own 1/d of the batch, so the
-    result is the gradient of the whole batch, as one process would compute it. The same
-    optimizer step from the same state keeps the replicas equal without sending parameters.
+    result is the gradient of the whole batch, as one process would compute it. The replicas
+    start equal (:func:`broadcast_from_replica_zero`), and the same optimizer step from the same
+    state keeps them equal without sending parameters again.
     From :class:`NoSync` it keeps doing nothing in :meth:`gather` (every replica keeps whole
     parameters) and :meth:`after_optimizer`, and returning the stage's own tensors.
     """
@@ -140,21 +142,53 @@ class DdpSync(NoSync):
 
     def buckets(self) -> list[list[nn.Parameter]]:
         """The parameters in buckets of about ``bucket_bytes``, in order, one dtype per bucket."""
-        buckets: list[list[nn.Parameter]] = []
-        size = 0
-        for p in self.parameters:
-            nbytes = p.numel() * p.element_size()
-            if not buckets or size + nbytes > self.bucket_bytes or buckets[-1][0].dtype != p.dtype:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(p)
-            size += nbytes
-        return buckets
+        return buckets_of(self.parameters, self.bucket_bytes)
 
     def squared_norm_share(self, parameters: list[nn.Parameter]) -> float:
         """Replica 0's squared norm, 0 elsewhere: after :meth:`finish` every replica holds the
         same gradients, so one of them counts the stage once (exactly, no division)."""
         return squared_grad_norm(parameters) if self.replica == 0 else 0.0
+
+
+def buckets_of(tensors: list[T], bucket_bytes: int) -> list[list[T]]:
+    """``tensors`` in buckets of about ``bucket_bytes``, in order, one dtype and device per bucket
+    (each bucket travels as one flat tensor)."""
+    buckets: list[list[T]] = []
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if not buckets or size + nbytes > bucket_bytes or buckets[-1][0].dtype != tensor.dtype \
+                or buckets[-1][0].device != tensor.device:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(tensor)
+        size += nbytes
+    return buckets
+
+
+def broadcast_from_replica_zero(stage: StageChunks, group: dist.ProcessGroup | None, src: int,
+                                bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Give every replica of the stage replica 0's parameters and buffers, as DDP does when it is built.
+
+    The ranks build their stages from the seed, which gives every replica the same values only
+    when the model's initialisation draws from torch's seeded generator; a factory that draws
+    from Python's ``random``, NumPy or the clock gives each replica its own weights, and the
+    replicas would train apart while ``--save`` kept replica 0's. So, once at the start (before
+    fsdp shards them, and before ``--init-from`` or a checkpoint, which load alike everywhere),
+    every tensor of the stage is broadcast from ``src`` (the global rank of the stage's replica 0)
+    over its ``dp`` group, in flat buckets of one dtype (a few messages, not one per tensor).
+    """
+    tensors: dict[int, torch.Tensor] = {}
+    for tensor in [*stage.module.parameters(), *stage.module.buffers(), *stage.state_dict().values()]:
+        tensors.setdefault(id(tensor), tensor)
+    with torch.no_grad():
+        for bucket in buckets_of(list(tensors.values()), bucket_bytes):
+            flat = torch.cat([t.detach().reshape(-1) for t in bucket])
+            dist.broadcast(flat, src=src, group=group)
+            offset = 0
+            for t in bucket:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
 
 
 def make_gradient_sync(mode: str, replicas: int, group: dist.ProcessGroup | None, mesh: object | None,

@@ -14,7 +14,10 @@ compares them with the plan's predictions (docs/report-format.md):
   the plan's terms (see :mod:`.memory`);
 - the bubble: the share of stage-time spent idle, ``1 - sum(busy) / (K * step)``, the
   planner's own definition, with busy = forwards + backwards (B, or I and W) + the
-  optimizer step.
+  optimizer step;
+- the host's load over the steps (``host_load``, gpipe_plan/hostload.py): what other
+  processes used of each host's cores, the run's own taken out, so that the headline can
+  name a busy host instead of blaming the cost model.
 """
 
 from __future__ import annotations
@@ -25,15 +28,17 @@ import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from ..artifacts import json_number
+from ..layer_names import LayerNames
+from ..tables import narrow_table
 from ..schedules import label as schedule_label
 from ..schema import CHUNK_TIME_KINDS, FORMAT_VERSIONS, REPORT_FORMAT, report_chunks, timing_key
 from ..units import format_percent
-from ..speedprobe import profile_probe_s, speed_ratio
+from ..hostload import CpuSample, busy_hosts, host_load, load_text
+from ..speedprobe import SAME_SPEED, probe_doubt, profile_probe_s, speed_ratio
 from .plan import ChunkPlan, RunPlan
 
 if TYPE_CHECKING:   # timing imports torch; `gpipe-plan show report.json` must start without it
@@ -50,6 +55,8 @@ class RankResult:
     memory: dict[str, Any]
     cpu_s: dict[int, float] = field(default_factory=dict)   # step -> CPU seconds of the process
     speed_probe_s: list[float] = field(default_factory=list)  # before and after training (speedprobe)
+    speed_probe_spread: list[float] = field(default_factory=list)   # each probe's repeats' spread
+    host: tuple[CpuSample, CpuSample] | None = None   # the host before the first step and after the last
     hostname: str = field(default_factory=lambda: os.uname().nodename)
     stage: int | None = None          # the stage it ran (None: a report of before data parallel, = rank)
     replica: int = 0                  # the replica of the pipeline it belonged to (data parallel)
@@ -126,6 +133,7 @@ def build_report(plan: RunPlan, results: list[RankResult], *, losses: dict[int, 
     samples_per_s = B / measured_step if measured_step else None
     loss_steps = sorted(losses)
     speed = _speed(plan, results, measured_step)
+    load = host_load([(r.rank, *r.host) for r in results if r.host is not None], run.get("threads_per_rank") or 1)
     return {
         "format": REPORT_FORMAT,
         "version": FORMAT_VERSIONS[REPORT_FORMAT],
@@ -152,8 +160,9 @@ def build_report(plan: RunPlan, results: list[RankResult], *, losses: dict[int, 
         "step_time_ratio": (measured_step / plan.predicted_step_s)
         if measured_step and plan.predicted_step_s else None,
         "speed": speed,
+        "host_load": load,
         "headline": headline(plan.predicted_step_s, (plan.doc.get("predicted") or {}).get("noise_sources"), speed,
-                             measured_step),
+                             measured_step, load),
         "measured_step_s_per_step": {str(s): results[0].step_s[s] for s in sorted(results[0].step_s)},
         "predicted_bubble_fraction": plan.predicted_bubble_fraction,
         "measured_bubble_fraction": (1 - busy_total / (K * measured_step)) if measured_step else None,
@@ -239,6 +248,7 @@ def _speed(plan: RunPlan, results: list[RankResult], measured_step: float | None
         "profile_probe_s": profile_probe,
         "run_probe_s": run_probe,
         "per_rank_probe_s": {str(r.rank): r.speed_probe_s for r in results},
+        "per_rank_probe_spread": {str(r.rank): r.speed_probe_spread for r in results},
         "ratio": ratio,
         "predicted_step_s_at_run_speed": at_speed,
         "step_time_ratio_at_run_speed": (measured_step / at_speed) if measured_step and at_speed else None,
@@ -246,75 +256,64 @@ def _speed(plan: RunPlan, results: list[RankResult], measured_step: float | None
 
 
 def headline(predicted_step_s: float | None, plan_noise: dict[str, float] | None, speed: dict[str, Any],
-             measured_step_s: float | None) -> dict[str, Any]:
-    """The one prediction a run is judged by, with the band chance alone would explain.
+             measured_step_s: float | None, load: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The run judged against its plan's own prediction, with the band chance alone would
+    explain; beside it the prediction at the machine's speed during the run, where the speed
+    probe held still long enough to tell it; and whether the host was busy.
 
-    The prediction is the plan's scaled to the machine's speed during the run when the speed
-    probe could tell it (``speed.ratio``), else the plan's own; the other stays in the report.
     The band (``noise_fraction``) adds in quadrature, as independent relative errors:
 
     - the plan's noise (``predicted.noise_sources``: the profile's speed drift while it measured,
       the neighbours' spread between cycles; docs/plan-format.md);
     - ``run_speed_drift``: the probes of the run (every rank, before and after) spread by half
-      their range over their mean: the machine's speed moved that much during the run;
-    - ``speed_correction``: half the correction, ``|ratio - 1| / 2``, when it is applied: the
-      generic probe tracks the model's own drift only partly (docs/runtime.md, "Measured against
-      predicted"): dividing it out may move a prediction either way.
+      their range over their mean: the machine's speed moved that much during the run.
+
+    ``at_run_speed`` is the plan's prediction times the probe's speed ratio, when the probe can
+    be trusted (:func:`gpipe_plan.speedprobe.probe_doubt`: its readings steady, each and
+    between before and after) and the ratio is not the profile's speed; its band adds half the
+    correction, ``|ratio - 1| / 2``, since the generic probe tracks the model's own drift only
+    partly (docs/runtime.md, "Measured against predicted"). Otherwise ``speed_left_out`` says why.
+    ``host_busy``: other processes took cores the run needed (gpipe_plan/hostload.py; None: not
+    measured), which makes the step the host's as much as the plan's.
     """
-    ratio = speed.get("ratio")
-    scaled = speed.get("predicted_step_s_at_run_speed")
-    basis = "run_speed" if ratio and scaled else "profile"
-    predicted = scaled if basis == "run_speed" else predicted_step_s
     sources = {k: float(v) for k, v in (plan_noise or {}).items() if isinstance(v, (int, float))}
     probes = [p for pair in (speed.get("per_rank_probe_s") or {}).values() for p in pair if p and p > 0]
     if len(probes) >= 2:
         sources["run_speed_drift"] = (max(probes) - min(probes)) / (max(probes) + min(probes))
-    if basis == "run_speed":
-        sources["speed_correction"] = abs(ratio - 1.0) / 2
     noise = math.sqrt(sum(v * v for v in sources.values())) if sources else None
-    off = measured_step_s / predicted if measured_step_s and predicted else None
+    off = measured_step_s / predicted_step_s if measured_step_s and predicted_step_s else None
+    ratio = speed.get("ratio")
+    doubt = None
+    at_speed = None
+    if ratio and predicted_step_s:
+        spreads = [s for pair in (speed.get("per_rank_probe_spread") or {}).values() for s in pair if s is not None]
+        doubt = probe_doubt(probes, spreads, sources.get("profile_speed_drift"), ratio)
+        if doubt is None and abs(ratio - 1.0) > SAME_SPEED:
+            scaled = predicted_step_s * ratio
+            band = math.hypot(noise or 0.0, abs(ratio - 1.0) / 2)
+            scaled_off = measured_step_s / scaled if measured_step_s else None
+            at_speed = {"predicted_step_s": scaled, "speed_ratio": ratio, "noise_fraction": band,
+                        "step_time_ratio": scaled_off,
+                        "within_noise": abs(scaled_off - 1.0) <= band if scaled_off is not None else None}
     return {
-        "predicted_step_s": predicted,
-        "basis": basis,
+        "predicted_step_s": predicted_step_s,
+        "basis": "profile",
         "noise_fraction": noise,
         "noise_sources": sources,
         "step_time_ratio": off,
         "within_noise": abs(off - 1.0) <= noise if off is not None and noise is not None else None,
+        "at_run_speed": at_speed,
+        "speed_left_out": doubt if ratio else "no speed probe" if not speed.get("profile_probe_s") else None,
+        "host_busy": bool(busy_hosts(load)) if load else None,
     }
 
 
 def print_summary(report: dict[str, Any], console: Console) -> None:
-    """The measured-vs-predicted table, one row per chunk (its stage's memory and idle time on
-    the stage's first row), and the step below it."""
-    chunks = report_chunks(report)
-    split = any(c.get("measured_backward_input_s") is not None for c in chunks)
-    # Units in the headings, plain numbers in the cells: the table fits 80 columns.
-    table = Table(title="measured vs predicted, per chunk and micro-batch (measured / predicted)",
-                  title_justify="left", box=box.SIMPLE_HEAD,
-                  collapse_padding=True, pad_edge=False)
-    columns = ("stage", "chunk", "layers", "forward ms", "I+W ms" if split else "backward ms", "peak MiB", "idle")
-    for column in columns:
-        table.add_column(column, justify="right" if column != "layers" else "left", no_wrap=column != "layers")
-    stages = {st.get("index"): st for st in report["stages"]}
-    shown: set[Any] = set()
-    for chunk in sorted(chunks, key=lambda c: (c.get("stage", 0), c.get("index", 0))):
-        layers = chunk.get("layers") or []
-        names = "-" if not layers else layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]} ({len(layers)})"
-        if chunk.get("recompute"):
-            names += " [recompute]"
-        # A report's keys are checked by gpipe_plan/schema.py; those a run always writes may
-        # still be absent from a hand-made one, and are shown as "-".
-        st = stages.get(chunk.get("stage"), {}) if chunk.get("stage") not in shown else None
-        shown.add(chunk.get("stage"))
-        table.add_row(
-            str(chunk.get("stage", "-")), str(chunk.get("index", "-")), names,
-            _pair(chunk.get("measured_forward_s"), chunk.get("predicted_forward_s"), _ms_number),
-            _pair(chunk.get("measured_backward_s"), chunk.get("predicted_backward_s"), _ms_number),
-            _pair(st.get("measured_peak_memory_bytes"), st.get("predicted_memory_bytes"), _mib_number)
-            if st is not None else "",
-            _pair(st.get("measured_idle_fraction"), st.get("predicted_idle_fraction"), _pct) if st is not None else "",
-        )
-    console.print(table)
+    """What a run measured against what its plan predicted: a table per chunk (its times per
+    micro-batch), one per stage (its memory, idle share and, with replicas, gradient sync),
+    then the step, the bubble and throughput, and the loss."""
+    console.print(chunk_table(report))
+    console.print(stage_table(report))
     console.print(step_line(report), highlight=False)
     line = f"bubble {_pair(report.get('measured_bubble_fraction'), report.get('predicted_bubble_fraction'), _pct)}"
     if report.get("samples_per_s"):
@@ -322,9 +321,6 @@ def print_summary(report: dict[str, Any], console: Console) -> None:
     if report.get("tokens_per_s"):
         line += f"   {report['tokens_per_s']:,.0f} tokens/s"
     console.print(line + "   (measured / predicted)", highlight=False)
-    sync = sync_line(report)
-    if sync:
-        console.print(sync, highlight=False)
     loss = report.get("loss") or {}
     per_step = loss.get("per_step") or {}
     if loss.get("first") is not None and loss.get("last") is not None and per_step:
@@ -333,50 +329,109 @@ def print_summary(report: dict[str, Any], console: Console) -> None:
                       highlight=False)
 
 
-def sync_line(report: dict[str, Any]) -> str | None:
-    """With d replicas: the gradient sync per step of each stage, measured / predicted (None with one)."""
-    d = report.get("data_parallel") or 1
-    if d == 1:
-        return None
-    parts = [f"stage {st.get('index')} "
-             f"{_pair(st.get('measured_gradient_sync_s'), st.get('predicted_gradient_sync_s'), _ms_number)}"
-             for st in report.get("stages") or []]
-    return (f"{d} replicas, gradient sync ({report.get('gradient_sync')}) per step in ms (measured / predicted): "
-            + ", ".join(parts))
+def chunk_table(report: dict[str, Any]) -> Table:
+    """Per chunk, in pipeline order by stage: its layers and one micro-batch's forward and
+    backward (B, or I + W under a split backward), measured / predicted, in ms.
+
+    A report's keys are checked by gpipe_plan/schema.py; those a run always writes may still
+    be absent from a hand-made one, and are shown as "-".
+    """
+    chunks = report_chunks(report)
+    split = any(c.get("measured_backward_input_s") is not None for c in chunks)
+    table = narrow_table("measured vs predicted, per chunk and micro-batch (rc: recomputes)",
+                         ("stage", "chunk", "layers", "forward ms", "I+W ms" if split else "backward ms"),
+                         left=("layers",))
+    naming = LayerNames(name for st in report["stages"] for name in st.get("layers") or [])
+    for chunk in sorted(chunks, key=lambda c: (c.get("stage", 0), c.get("index", 0))):
+        names = naming.span(chunk.get("layers") or [])
+        table.add_row(
+            str(chunk.get("stage", "-")), str(chunk.get("index", "-")),
+            names + (" rc" if chunk.get("recompute") else ""),
+            _pair(chunk.get("measured_forward_s"), chunk.get("predicted_forward_s"), _ms_number),
+            _pair(chunk.get("measured_backward_s"), chunk.get("predicted_backward_s"), _ms_number),
+        )
+    if naming.note():
+        table.note = naming.note()
+    return table
+
+
+def stage_table(report: dict[str, Any]) -> Table:
+    """Per stage (device): its peak memory and idle share, measured / predicted; with replicas
+    also its gradient sync per step (the slowest replica's)."""
+    replicated = (report.get("data_parallel") or 1) > 1
+    columns = ("stage", "peak MiB", "idle") + ((f"{report.get('gradient_sync')} sync ms",) if replicated else ())
+    table = narrow_table("measured vs predicted, per stage", columns)
+    for st in report["stages"]:
+        row = [str(st.get("index", "-")),
+               _pair(st.get("measured_peak_memory_bytes"), st.get("predicted_memory_bytes"), _mib_number),
+               _pair(st.get("measured_idle_fraction"), st.get("predicted_idle_fraction"), _pct)]
+        if replicated:
+            row.append(_pair(st.get("measured_gradient_sync_s"), st.get("predicted_gradient_sync_s"), _ms_number))
+        table.add_row(*row)
+    if replicated:
+        table.note = f"{report.get('data_parallel')} replicas of each stage; the figures are replica 0's"
+    return table
 
 
 def step_line(report: dict[str, Any]) -> str:
-    """The step measured against the one headline prediction, its error and the expected band.
+    """The step measured against the plan's prediction: its error, the expected band and what
+    explains a miss (a busy host, the machine's speed, or the cost model), in one paragraph.
 
-    Reports written before ``headline`` existed get one from their own fields (no plan noise).
+    A report before version 5 has a headline of another shape (its prediction the speed-adjusted
+    one), or none: one is made from its own fields, its plan's noise as it recorded it.
     """
-    head = report.get("headline") or headline(report.get("predicted_step_s"), None, report.get("speed") or {},
-                                              report.get("measured_step_s"))
+    head = report.get("headline") or {}
+    if "at_run_speed" not in head:
+        plan_noise = {k: v for k, v in (head.get("noise_sources") or {}).items() if k not in OLD_RUN_NOISE}
+        head = headline(report.get("predicted_step_s"), plan_noise, report.get("speed") or {},
+                        report.get("measured_step_s"), report.get("host_load"))
     measured, predicted = report.get("measured_step_s"), head["predicted_step_s"]
     line = f"step {_ms(measured) if measured is not None else '-'} measured"
     if predicted is None:
         return line + " (the plan predicts none)"
-    at = " at this machine's speed" if head["basis"] == "run_speed" else ""
-    line += f", {_ms(predicted)} predicted{at}"
+    line += f", {_ms(predicted)} predicted"
     off, noise = head["step_time_ratio"], head["noise_fraction"]
     if off is None:
         return line
     error = format_percent(off - 1.0, sign=True)
+    band = f"±{format_percent(noise)}" if noise is not None else None
+    at_speed = head.get("at_run_speed")
+    busy = busy_hosts(report.get("host_load"))
+    if busy:
+        # The host, not the plan: say what it did and what to do, and judge nothing else.
+        several = len((report.get("host_load") or {}).get("hosts") or []) > 1
+        return (f"{line} ({error}{f', expected {band}' if band else ''}): "
+                + "; ".join(load_text(h, named=several) for h in busy)
+                + ": the step measures that load as much as the plan; rerun on a quiet machine to judge the prediction")
     if noise is None:
         line += f" ({error})"
     elif head["within_noise"]:
-        line += f" ({error}, within the expected ±{format_percent(noise)})"
+        line += f" ({error}, within the expected {band})"
+    elif at_speed and at_speed.get("within_noise"):
+        line += f" ({error}, beyond the expected {band})"
     else:
-        line += (f" ({error}, beyond the expected ±{format_percent(noise)}: the cost model misses something here; "
+        line += (f" ({error}, beyond the expected {band}: the cost model misses something here; "
                  "`gpipe-plan calibrate` folds this run into the profile)")
-    ratio = (report.get("speed") or {}).get("ratio")
-    if head["basis"] == "run_speed" and ratio:
-        # The unscaled prediction stays in the report (predicted_step_s): one number is printed.
-        line += (f"; the machine ran {format_percent(abs(ratio - 1.0))} {'slower' if ratio > 1 else 'faster'} "
-                 "than at profiling (speed probe)")
-    elif head["basis"] == "profile":
+    if at_speed:
+        ratio = at_speed["speed_ratio"]
+        line += (f"; at this machine's speed ({format_percent(abs(ratio - 1.0))} {'slower' if ratio > 1 else 'faster'} "
+                 f"than at profiling, by the speed probe) {_ms(at_speed['predicted_step_s'])} predicted "
+                 f"({format_percent(at_speed['step_time_ratio'] - 1.0, sign=True)}, "
+                 f"{'within' if at_speed['within_noise'] else 'beyond'} ±{format_percent(at_speed['noise_fraction'])})")
+        if at_speed["within_noise"] and not head["within_noise"]:
+            line += ": the machine's speed explains the miss, not the cost model"
+    elif not head.get("speed_left_out") and (report.get("speed") or {}).get("ratio"):
+        line += "; the machine ran at the profile's speed (speed probe)"
+    elif head.get("speed_left_out") == "no speed probe":
         line += "; no speed probe: the machine's drift since profiling is not known"
+    elif head.get("speed_left_out"):
+        line += f"; the speed-adjusted prediction is left out: the speed probe cannot be trusted ({head['speed_left_out']})"
     return line
+
+
+# The noise sources a headline before version 5 added from the run itself (made again from the
+# report's speed); the others are its plan's.
+OLD_RUN_NOISE = ("run_speed_drift", "speed_correction")
 
 
 def _pair(measured: float | None, predicted: float | None, fmt: Any) -> str:

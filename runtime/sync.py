@@ -25,8 +25,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..artifacts import RunFailure
-from .p2p import PeerLost
+from .p2p import PeerLost, TimedOut
 
 LOSS_TAG = 1 << 30  # far above the tags of activations and gradients (see p2p.tag)
 
@@ -72,7 +71,7 @@ class StepSync:
             self.pending.wait(self.timeout)
         except RuntimeError as exc:
             text = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            kind = RunFailure if "Timed out" in text else PeerLost
+            kind = TimedOut if "Timed out" in text else PeerLost
             raise kind(f"rank {self.rank} did not receive the step's loss from rank {self.last}: {text}") from None
         self.pending = None
         return float(self.buffer[0]), 0.0

@@ -55,6 +55,7 @@ from .executor import LossFn, Tensors
 from .memory import ActivationMeter, element_bytes
 from .stage import Chunk
 from .timing import SpanRecorder
+from .watchdog import doing
 
 # The runtime that executes a given per-rank action list: private in torch, so looked up
 # rather than imported (an older torch lacks it; pipelining_features says so).
@@ -69,27 +70,44 @@ class _TimedChunk(PipelineStage):
     measured_transient_for: ActivationMeter | None = None
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):  # type: ignore[override]
+        what = self._computing("forward", fwd_chunk_id)
         start = self.recorder.mark()
         with self._metering(fwd_chunk_id, args):
             out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
         self.recorder.add("forward", fwd_chunk_id, start, self.recorder.mark(), chunk=self.stage_index)
+        self._done(what)
         return out
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):  # type: ignore[override]
+        what = self._computing("backward" if full_backward else "input gradient", bwd_chunk_id)
         start = self.recorder.mark()
         super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
         if full_backward and self.meter is not None:
             self.meter.release((self.stage_index, bwd_chunk_id))
         kind = "backward" if full_backward else "backward_input"
         self.recorder.add(kind, bwd_chunk_id, start, self.recorder.mark(), chunk=self.stage_index)
+        self._done(what)
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):  # type: ignore[override]
+        what = self._computing("weight gradient", bwd_chunk_id)
         start = self.recorder.mark()
         super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
         # The graph the input half leaves for the weight half holds the activations until now.
         if self.meter is not None:
             self.meter.release((self.stage_index, bwd_chunk_id))
         self.recorder.add("backward_weight", bwd_chunk_id, start, self.recorder.mark(), chunk=self.stage_index)
+        self._done(what)
+
+    def _computing(self, kind: str, micro_batch: int) -> str:
+        """Tell the watchdog (runtime/watchdog.py) what this rank computes now; return that."""
+        what = f"the {kind} of micro-batch {micro_batch} on chunk {self.stage_index}"
+        doing(f"computing {what}")
+        return what
+
+    @staticmethod
+    def _done(what: str) -> None:
+        # Until the next computation, torch's schedule sends and waits for the neighbours' messages.
+        doing(f"in torch's schedule after {what}: sending or waiting for a neighbour", waiting=True)
 
     def perform_reduce_grad(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
         # Under fsdp torch reduce-scatters here after the chunk's last backward: the step's sync.

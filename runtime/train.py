@@ -18,7 +18,7 @@ import gc
 import io
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +26,14 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from ..artifacts import BadInput, RunFailure, precision_label, write_bytes_atomic, write_json_atomic
+from ..artifacts import BadInput, Outputs, RunFailure, dumps, precision_label
 from ..cudamemory import outside_allocator_bytes
 from ..models import LayeredModel, Precision, build_model, built_whole
 from ..schema import write_artifact
-from ..speedprobe import profile_probe_s, speed_probe_s, speed_ratio
-from . import checkpoint, faults
+from .. import hostload
+from ..speedprobe import profile_probe_s, speed_probe, speed_ratio
+from . import checkpoint, faults, watchdog
+from .checkpoint_dir import TRAINING_OPTIONS, new_run
 from .conditions import condition_warnings, cpu_cores, threads_per_rank
 from .data import BatchSource, batch_source
 from .distributed import Replicas, World, check_world, choose_device, init, replicas_of
@@ -42,11 +44,11 @@ from .objects import gather_objects
 from .loss_scale import LossScaler
 from .memory import ActivationMeter, cuda_memory, peak_rss_bytes, static_bytes
 from .optim import clip_gradients, learning_rate, make_optimizer, set_learning_rate
-from .options import RunOptions
+from .options import RunOptions, is_data_factory
 from .p2p import Neighbours
 from .plan import RunPlan, check_precision_matches, load_plan
 from .progress import TrainingProgress
-from .replicas import GradientSync, make_gradient_sync
+from .replicas import GradientSync, broadcast_from_replica_zero, make_gradient_sync
 from .report import RankResult, build_report, print_summary
 from .stage import StageChunks, build_stage_chunks
 from .sync import StepSync
@@ -74,7 +76,7 @@ class _Training:
     joined_here: bool          # this run joined the ranks (and leaves them at the end)
     reporter: bool             # rank 0 prints, gathers and writes the outputs
     warnings: list[str]
-    probes: list[float]        # speed probe before the steps (and after, once done)
+    probes: list[tuple[float, float]]   # speed probe (median, spread) before the steps (and after, once done)
     model: LayeredModel
     stage: StageChunks         # this rank's chunks
     replicas: Replicas         # this rank's stage and replica, its pipeline and sync groups
@@ -93,6 +95,8 @@ class _Training:
     identity: dict[str, Any]
     folder: Path | None        # --checkpoint-dir
     start: int                 # the first step to run (after a resume, the checkpoint's)
+    run_record: dict[str, Any]  # the run its checkpoints belong to (checkpoint_dir.new_run, or the resumed one's)
+    adopted: bool              # resumed from a step that named no run: such steps are this run's to prune
     start_notes: list[str] = field(default_factory=list)   # printed before the first step (rank 0)
 
 
@@ -104,6 +108,7 @@ class _History:
     step_s: dict[int, float] = field(default_factory=dict)
     cpu_s: dict[int, float] = field(default_factory=dict)   # all the process's threads
     memory: dict[str, Any] = field(default_factory=dict)
+    host: tuple[hostload.CpuSample, hostload.CpuSample] | None = None   # the host before the first step, after the last
 
 
 def train(options: RunOptions, world: World) -> None:
@@ -139,12 +144,13 @@ def _set_up(options: RunOptions, world: World) -> _Training:
     # not the ranks slowing each other (that belongs to the run, and calibration keeps it).
     probes = [_probe_in_turn(world, device, objects)]
     profile_probe = profile_probe_s(plan.profile_device)
-    ratio = speed_ratio(probes[0], profile_probe)
+    ratio = speed_ratio(probes[0][0], profile_probe)
     if reporter and ratio and not 1 / SPEED_TOLERANCE <= ratio <= SPEED_TOLERANCE:
         err.print(f"[yellow]warning:[/] this machine runs {abs(ratio - 1):.0%} {'slower' if ratio > 1 else 'faster'} "
-                  f"than when the profile was measured (a fixed reference workload takes {probes[0] * 1e3:.1f} ms now, "
-                  f"{profile_probe * 1e3:.1f} ms then): expect the prediction to be off by about that much; "
-                  f"re-profile here; the prediction printed at the end is adjusted for this speed", highlight=False)
+                  f"than when the profile was measured (a fixed reference workload takes {probes[0][0] * 1e3:.1f} ms "
+                  f"now, {profile_probe * 1e3:.1f} ms then): expect the prediction to be off by about that much, "
+                  f"or re-profile here; the end of the run also compares with the prediction at this speed where "
+                  f"the probe held steady", highlight=False)
 
     # ------------------------------------------------------------------ model, data, optimizer
     # Every rank builds the model on the meta device (no memory for its parameters) and makes
@@ -152,6 +158,8 @@ def _set_up(options: RunOptions, world: World) -> _Training:
     # (models/materialize.py): the unsplit model's initial values, no weights sent, a rank's
     # memory its stage's share. Parameters are kept in the plan's dtype; forwards and the loss
     # run in the plan's precision (models.precision).
+    factory = plan.model.get("factory") if plan.model.get("source") == "import" else None
+    watchdog.phase("building the model" + (f" (calling the plan's model factory '{factory}')" if factory else ""))
     model = build_model(plan.model, seed=options.seed, materialize=())
     precision.cast(model)
     whole = built_whole(model)
@@ -165,6 +173,8 @@ def _set_up(options: RunOptions, world: World) -> _Training:
     # A parameter two chunks of this stage use is one object here: one .grad, one optimizer entry.
     stage = build_stage_chunks(model, plan, replicas.stage, precision, device.type)
     stage.module.to(device)
+    if plan.data_parallel > 1:   # the replicas start equal, whatever the model's initialisation drew from
+        broadcast_from_replica_zero(stage, replicas.dp_group, replicas.dp_ranks[0])
     # --resume looks for its checkpoint before any weights are read: an existing one wins over --init-from.
     folder = Path(options.checkpoint_dir) if options.checkpoint_dir else None
     resume_step = checkpoint.newest_complete_step(folder, objects) if options.resume and folder is not None else None
@@ -172,7 +182,10 @@ def _set_up(options: RunOptions, world: World) -> _Training:
         load_initial_weights(options.init_from, stage, model.module)
     loss_fn = precision.with_autocast(model.loss, device.type)
     scaler = LossScaler(enabled=precision.loss_scaling)
+    data_factory = options.data if options.data and is_data_factory(options.data) else plan.model.get("data")
+    watchdog.phase("making its data source" + (f" (calling the data factory '{data_factory}')" if data_factory else ""))
     data = batch_source(model, options.data, plan.global_batch_size, options.seed)
+    watchdog.phase("setting up")
     optimizer_name = options.optimizer_name(plan.optimizer)
     recorder = SpanRecorder(stage.index, device)
     # Before the optimizer is made: fsdp shards the parameters (they become other objects).
@@ -200,18 +213,21 @@ def _set_up(options: RunOptions, world: World) -> _Training:
     identity = _identity(plan, options, precision, optimizer_name)
     start = 0
     resumed: dict[str, Any] | None = None
+    # The run the checkpoints belong to: this one, or the one it continues (runtime/checkpoint_dir.py).
+    run_record, adopted = new_run(plan.sha256, options), False
     if resume_step is not None:
         assert folder is not None
         resumed = checkpoint.load(folder, resume_step, stage, optimizer, identity, options.seed, scaler, device,
                                   objects, layout=(plan.num_stages, plan.data_parallel))
         start = resume_step
+        run_record, adopted = (resumed["run"], False) if isinstance(resumed.get("run"), dict) else (run_record, True)
     if start >= options.steps:
         raise BadInput(f"the checkpoint in '{folder}' is at step {start}: --steps {options.steps} leaves nothing to do")
     run = _Training(options, world, plan, precision, threads, device, context_bytes, executor_name, objects,
                     joined_here, reporter, warnings, probes, model, stage, replicas, gradient_sync, scaler, data,
-                    _tokens_per_sample(plan),
+                    _tokens_per_sample(model),
                     optimizer_name, optimizer, options.learning_rate(optimizer_name), recorder, executor, needs_norm,
-                    sync, tied, identity, folder, start)
+                    sync, tied, identity, folder, start, run_record, adopted)
     run.start_notes = _start_notes(run, resumed)
     return run
 
@@ -224,7 +240,7 @@ def _start_notes(run: _Training, resumed: dict[str, Any] | None) -> list[str]:
     if options.resume and run.start == 0:
         notes.append(f"no complete checkpoint in '{run.folder}' yet: starting from step 0")
     if resumed is not None:
-        note = _resume_note(resumed, run.plan, run.world)
+        note = _resume_note(resumed, run.plan, run.world, asdict(options))
         if options.init_from:
             note = "; ".join(filter(None, [note, "--init-from ignored: the checkpoint wins"]))
         if note:
@@ -252,33 +268,41 @@ def _run_steps(run: _Training) -> _History:
     gc.freeze()
     dist.barrier(group=run.objects)
     recorder.start_clock()  # all ranks leave the barrier together: a common time origin
+    before = hostload.sample()   # what the host's other processes use over the steps (gpipe_plan.hostload)
+    watchdog.phase("training")
     try:
-        for step in range(run.start, options.steps):
-            recorder.step = step
-            t0, c0 = recorder.now(), time.process_time()
-            loss = _one_step(run, step, meter if step == run.start else None)
-            t1 = recorder.now()
-            recorder.end_step()
-            history.step_s[step] = t1 - t0
-            history.cpu_s[step] = time.process_time() - c0
-            history.losses[step] = loss
-            progress.update(step, loss, t1 - t0)
+        # From here on a rank that makes no progress for --timeout stops the run (runtime/watchdog.py).
+        with watchdog.watching(run.world.rank, options.timeout):
+            for step in range(run.start, options.steps):
+                recorder.step = step
+                watchdog.at_step(step + 1)
+                t0, c0 = recorder.now(), time.process_time()
+                loss = _one_step(run, step, meter if step == run.start else None)
+                t1 = recorder.now()
+                recorder.end_step()
+                history.step_s[step] = t1 - t0
+                history.cpu_s[step] = time.process_time() - c0
+                history.losses[step] = loss
+                progress.update(step, loss, t1 - t0)
 
-            if run.folder is not None and ((step + 1) % options.checkpoint_every == 0 or step + 1 == options.steps):
-                # All ranks save together; when save returns, step+1 is complete and older ones may go.
-                checkpoint.save(run.folder, step + 1, stage, run.optimizer, run.identity, _saved_by(run.plan, run.world),
-                                run.scaler, run.device, run.objects)
-                if run.reporter:
-                    checkpoint.prune(run.folder, options.keep_checkpoints)
-            # After the optimizer step and the step's checkpoint (which reads the sharded state):
-            # fsdp starts gathering the next step's parameters. Not after the last step.
-            if step + 1 < options.steps:
-                run.gradient_sync.after_optimizer()
-        run.sync.close()
-        # After the last step: the optimizer's state exists (the first step creates it) and
-        # CUDA's peak is over every step, not only the first.
-        history.memory = _memory(stage, run.optimizer, meter if run.executor.meters_activations else None, run.device,
-                                 run.context_bytes, sharded=run.gradient_sync.mode == "fsdp")
+                if run.folder is not None and ((step + 1) % options.checkpoint_every == 0
+                                               or step + 1 == options.steps):
+                    # All ranks save together; when save returns, step+1 is complete and older ones may go.
+                    checkpoint.save(run.folder, step + 1, stage, run.optimizer, run.identity,
+                                    _saved_by(run.plan, run.world), run.scaler, run.device, run.objects,
+                                    run=run.run_record)
+                    if run.reporter:   # this run's own older steps only
+                        checkpoint.prune(run.folder, options.keep_checkpoints, run.run_record["id"], run.adopted)
+                # After the optimizer step and the step's checkpoint (which reads the sharded state):
+                # fsdp starts gathering the next step's parameters. Not after the last step.
+                if step + 1 < options.steps:
+                    run.gradient_sync.after_optimizer()
+            run.sync.close()
+            history.host = (before, hostload.sample())
+            # After the last step: the optimizer's state exists (the first step creates it) and
+            # CUDA's peak is over every step, not only the first.
+            history.memory = _memory(stage, run.optimizer, meter if run.executor.meters_activations else None,
+                                     run.device, run.context_bytes, sharded=run.gradient_sync.mode == "fsdp")
     finally:
         progress.close()
     return history
@@ -296,6 +320,7 @@ def _one_step(run: _Training, step: int, meter: ActivationMeter | None) -> float
     # others neither. Replica r takes its rows of it (:func:`replica_rows`).
     inputs = targets = None
     if stage.holds_first or stage.holds_last:
+        watchdog.doing(f"reading the step's batch ({run.data.samples_text()})")
         t_data = recorder.mark()
         batch_inputs, batch_targets = replica_rows(run.data.batch(step), run.replicas.replica, plan.data_parallel)
         inputs = tuple(x.to(run.device) for x in batch_inputs) if stage.holds_first else None
@@ -304,6 +329,7 @@ def _one_step(run: _Training, step: int, meter: ActivationMeter | None) -> float
 
     # fsdp: the step's parameters whole before the first action (timed as the step's sync).
     if plan.data_parallel > 1:
+        watchdog.doing("gathering the stage's parameters from its replicas", waiting=True)
         t_gather = recorder.mark()
         run.gradient_sync.gather()
         recorder.add("gradient_sync", -1, t_gather, recorder.mark())
@@ -313,12 +339,14 @@ def _one_step(run: _Training, step: int, meter: ActivationMeter | None) -> float
     micro_losses = run.executor.step(inputs, targets, meter)
     # The stage's last action is done: average its gradients over the replicas.
     if plan.data_parallel > 1:
+        watchdog.doing("averaging the gradients with the stage's other replicas", waiting=True)
         t_grad = recorder.mark()
         run.gradient_sync.finish()
         recorder.add("gradient_sync", -1, t_grad, recorder.mark())
     # Then sum tied copies inside the replica: sums and averages commute, and under fsdp each
     # copy's gradient is now its shard, sharded alike on every stage that holds one.
     if run.tied.mine:
+        watchdog.doing("summing the tied weights' gradients with the other stages holding them", waiting=True)
         t_tied = recorder.mark()
         run.tied.all_reduce()
         recorder.add("tied", -1, t_tied, recorder.mark())
@@ -326,6 +354,7 @@ def _one_step(run: _Training, step: int, meter: ActivationMeter | None) -> float
     # Every rank learns the loss (the stage holding the last chunk has it) and, for clipping or fp16, the global
     # gradient norm; so every rank stops here, together, when the loss is NaN.
     local_loss = float(sum(float(v) for v in micro_losses) / plan.micro_batches) if stage.holds_last else 0.0
+    watchdog.doing("learning the step's loss from the other ranks", waiting=True)
     t_sync = recorder.mark()
     loss, grad_norm = run.sync.finish_step(local_loss, run.gradient_sync.squared_norm_share(
         run.tied.counted(stage.parameters())) if run.needs_norm else 0.0)
@@ -340,6 +369,7 @@ def _one_step(run: _Training, step: int, meter: ActivationMeter | None) -> float
         if options.grad_clip:
             clip_gradients(stage.parameters(), grad_norm / scale, options.grad_clip)
 
+    watchdog.doing("stepping the optimizer")
     t_opt = recorder.mark()
     if take_step:
         run.optimizer.step()
@@ -351,9 +381,12 @@ def _one_step(run: _Training, step: int, meter: ActivationMeter | None) -> float
 def _write_outputs(run: _Training, history: _History) -> None:
     """Gather every rank's figures on rank 0, which writes the model, report and trace; leave."""
     options, world, plan = run.options, run.world, run.plan
+    watchdog.phase("gathering and writing the outputs")
     run.probes.append(_probe_in_turn(world, run.device, run.objects))
     result = RankResult(world.rank, run.recorder.spans, history.step_s, history.memory, history.cpu_s,
-                        speed_probe_s=run.probes, stage=run.replicas.stage, replica=run.replicas.replica)
+                        speed_probe_s=[median for median, _ in run.probes],
+                        speed_probe_spread=[spread for _, spread in run.probes], host=history.host,
+                        stage=run.replicas.stage, replica=run.replicas.replica)
     results = _gather(result, world, run.objects)
     # Every replica of a stage holds the same tensors after the step: replica 0's go into the
     # file, copied to the CPU here, once. (fsdp: gathering them whole is collective over the
@@ -365,8 +398,6 @@ def _write_outputs(run: _Training, history: _History) -> None:
     pieces = _gather(mine, world, run.objects)
     if run.reporter:
         assert results is not None and pieces is not None
-        if options.save:
-            _save_model(options.save, run.model.module.state_dict().keys(), pieces)
         facts = _run_facts(options, run.optimizer_name, run.base_lr, run.threads, run.device, run.executor_name,
                            run.data.samples_text(), world)
         facts["data_parallel"], facts["gradient_sync"] = plan.data_parallel, run.gradient_sync.mode
@@ -375,18 +406,22 @@ def _write_outputs(run: _Training, history: _History) -> None:
             facts["loss_scale"] = run.scaler.state_dict()
         facts["warnings"] = run.warnings
         report = build_report(plan, results, losses=history.losses, run=facts, tokens_per_sample=run.tokens_per_sample)
-        if options.trace:
-            ordered = sorted(results, key=lambda r: r.rank)
-            names = [f"stage {r.stage}, replica {r.replica} (rank {r.rank})" for r in ordered] \
-                if plan.data_parallel > 1 else None
-            write_json_atomic(options.trace, chrome_trace([r.spans for r in ordered], {
-                "plan": plan.path, "schedule": plan.schedule, "micro_batches": plan.micro_batches,
-                "data_parallel": plan.data_parallel}, names))
         if not options.quiet:
             print_summary(report, Console())
-        # Last: a report its schema refuses (our bug) must not cost the trace or the summary.
-        if options.report:
-            write_artifact(options.report, report, "report")
+        # Every output is written to its temporary file first, then all are renamed together:
+        # a full disk (or a report its schema refuses, our bug) replaces none of the old files.
+        with Outputs() as outputs:
+            if options.report:
+                write_artifact(options.report, report, "report", outputs, "--report")
+            if options.trace:
+                ordered = sorted(results, key=lambda r: r.rank)
+                names = [f"stage {r.stage}, replica {r.replica} (rank {r.rank})" for r in ordered] \
+                    if plan.data_parallel > 1 else None
+                outputs.add(options.trace, dumps(chrome_trace([r.spans for r in ordered], {
+                    "plan": plan.path, "schedule": plan.schedule, "micro_batches": plan.micro_batches,
+                    "data_parallel": plan.data_parallel}, names)), "--trace")
+            if options.save:
+                outputs.add(options.save, _model_file(run.model.module.state_dict().keys(), pieces), "--save")
         if not options.quiet:
             written = [f"{what} {path}" for what, path in (("model", options.save), ("report", options.report),
                                                           ("trace", options.trace)) if path]
@@ -398,12 +433,12 @@ def _write_outputs(run: _Training, history: _History) -> None:
 
 
 # ---------------------------------------------------------------------- helpers
-def _probe_in_turn(world: World, device: torch.device, objects: Any) -> float:
-    """This rank's speed probe, run while the other ranks wait: one at a time."""
-    probe = 0.0
+def _probe_in_turn(world: World, device: torch.device, objects: Any) -> tuple[float, float]:
+    """This rank's speed probe (median, spread), run while the other ranks wait: one at a time."""
+    probe = (0.0, 0.0)
     for rank in range(world.world_size):
         if rank == world.rank:
-            probe = speed_probe_s(device.type)
+            probe = speed_probe(device.type)
         if world.world_size > 1:
             dist.barrier(group=objects)
     return probe
@@ -497,8 +532,9 @@ def _gather(obj: Any, world: World, group: Any) -> list[Any] | None:
     return gather_objects(obj, group)
 
 
-def _save_model(path: str, keys: Any, pieces: list[dict[str, torch.Tensor]]) -> None:
-    """The whole model's ``state_dict``, keys and order as the unsplit model's, from every stage's part."""
+def _model_file(keys: Any, pieces: list[dict[str, torch.Tensor]]) -> bytes:
+    """The whole model's ``state_dict``, keys and order as the unsplit model's, from every stage's
+    part, as the bytes of a ``torch.save`` file."""
     merged: dict[str, torch.Tensor] = {}
     for piece in pieces:
         merged.update(piece or {})
@@ -508,16 +544,18 @@ def _save_model(path: str, keys: Any, pieces: list[dict[str, torch.Tensor]]) -> 
     ordered = {k: merged[k] for k in keys}
     buffer = io.BytesIO()
     torch.save(ordered, buffer)
-    write_bytes_atomic(path, buffer.getvalue())
+    return buffer.getvalue()
 
 
-def _tokens_per_sample(plan: RunPlan) -> int | None:
-    """Tokens in one sample of a language model (for tokens/s), None for other models."""
-    spec = plan.model
-    if spec.get("source") == "builtin" and spec.get("name") == "gpt":
-        return int(spec["options"]["seq_len"])
-    if spec.get("source") == "import" and spec.get("loss") == "lm":
-        return int(spec["input_shape"][0])
+def _tokens_per_sample(model: LayeredModel) -> int | None:
+    """Tokens in one sample of a language model (for tokens/s), None for other models.
+
+    A language model (the built-in gpt, or one's own under ``--loss lm``, on synthetic ids or a
+    data factory's) reads one input of ``seq_len`` token ids per sample."""
+    spec = model.spec
+    if (spec.get("source") == "builtin" and spec.get("name") == "gpt") or \
+            (spec.get("source") == "import" and spec.get("loss") == "lm"):
+        return int(model.input_shapes[0][0])
     return None
 
 
@@ -538,8 +576,9 @@ def _saved_by(plan: RunPlan, world: World) -> dict[str, Any]:
             "ranks": world.world_size, "data_parallel": plan.data_parallel, "gradient_sync": plan.gradient_sync}
 
 
-def _resume_note(meta: dict[str, Any], plan: RunPlan, world: World) -> str | None:
-    """How the checkpoint was made, when not under this very split, and what became of the RNG."""
+def _resume_note(meta: dict[str, Any], plan: RunPlan, world: World, now: dict[str, Any]) -> str | None:
+    """How the checkpoint was made, when not under this very split, what became of the RNG, and
+    the training options (``now``: this run's) that differ from those the run started with."""
     saved = meta.get("saved_by", {})
     ours = _saved_by(plan, world)
     notes = []
@@ -552,6 +591,11 @@ def _resume_note(meta: dict[str, Any], plan: RunPlan, world: World) -> str | Non
     if meta.get("rng") == "reseeded":
         notes.append(f"{saved.get('ranks')} rank(s) saved it, {world.world_size} resume it: random generators "
                      f"reseeded from (seed, step, rank)")
+    started = (meta.get("run") or {}).get("options") or {}
+    changed = [f"--{key.replace('_', '-')} {started[key]} then, {now[key]} now" for key in TRAINING_OPTIONS
+               if key in started and started[key] != now.get(key) and key != "steps"]
+    if changed:
+        notes.append("the run started with other options: " + ", ".join(changed))
     return "; ".join(notes) or None
 
 

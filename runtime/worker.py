@@ -22,6 +22,7 @@ from typing import NoReturn
 
 from ..artifacts import BadInput
 from ..lifeline import die_with_parent
+from . import watchdog
 from .options import ENV, RunOptions
 
 ERROR_DIR_ENV = "GPIPE_PLAN_ERROR_DIR"
@@ -29,12 +30,15 @@ PARENT_ENV = "GPIPE_PLAN_PARENT_PID"
 
 
 def error_kind(exc: BaseException) -> str:
-    from .p2p import PeerLost
+    from .p2p import PeerLost, TimedOut
+    from .watchdog import WAITING
 
     if isinstance(exc, BadInput):
         return "bad_input"
     if isinstance(exc, PeerLost) or _looks_like_lost_peer(exc):
         return "peer_lost"
+    if isinstance(exc, TimedOut) or "Timed out" in str(exc):   # ours, or a collective's own timeout (gloo)
+        return WAITING
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted"
     return "error"
@@ -64,23 +68,26 @@ def run_rank(options: RunOptions) -> int:
     world = world_from_env()
     if world is None:
         raise BadInput("not started as a rank (RANK and WORLD_SIZE are unset)")
+    error_dir = os.environ.get(ERROR_DIR_ENV)
+    if error_dir:   # a stuck rank (runtime/watchdog.py) leaves its record where the launcher reads it
+        watchdog.set_reporter(lambda kind, message: _write_record(error_dir, world.rank, kind, message))
+        watchdog.set_phase_file(os.path.join(error_dir, f"rank-{world.rank}.phase"))
     try:
         train(options, world)
         return 0
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, then we exit
         kind = error_kind(exc)
-        error_dir = os.environ.get(ERROR_DIR_ENV)
         if error_dir:
-            _write_error(error_dir, world.rank, exc, kind)
+            _write_record(error_dir, world.rank, kind, describe(exc), "".join(traceback.format_exception(exc)))
         else:  # under torchrun: say it ourselves, with the rank
-            tb = "".join(traceback.format_exception(exc)) if kind not in ("bad_input",) else ""
+            tb = "".join(traceback.format_exception(exc)) if kind == "error" else ""
             sys.stderr.write(f"{tb}error: rank {world.rank}: {describe(exc)}\n")
         return 2 if kind == "bad_input" else 130 if kind == "interrupted" else 1
 
 
-def _write_error(folder: str, rank: int, exc: BaseException, kind: str) -> None:
-    record = {"rank": rank, "time": time.time(), "kind": kind, "message": describe(exc),
-              "traceback": "".join(traceback.format_exception(exc))}
+def _write_record(folder: str, rank: int, kind: str, message: str, traceback_text: str = "") -> None:
+    """The rank's failure, for the launcher: its kind (``error``, ``bad_input``, ...), one line, the traceback."""
+    record = {"rank": rank, "time": time.time(), "kind": kind, "message": message, "traceback": traceback_text}
     path = os.path.join(folder, f"rank-{rank}.json")
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         json.dump(record, f)

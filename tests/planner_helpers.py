@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -17,6 +18,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from gpipe_plan.planner.costmodel import Setting
+from gpipe_plan.planner.fixedcosts import FixedCosts
 from gpipe_plan.planner.profile import LayerFigures
 from gpipe_plan.schema import PROFILE_FORMAT, check_built
 
@@ -49,6 +51,7 @@ def make_figures(
     recompute_backward: Sequence[float] | None = None,
     recompute_call: float = 0.0,
     tied: Sequence[tuple[Sequence[int], float]] = (),
+    issue: tuple[Sequence[float], Sequence[float]] | None = None,
 ) -> LayerFigures:
     L = len(forward)
     zeros = (0.0,) * L
@@ -67,6 +70,8 @@ def make_figures(
         recompute_backward_s=tuple(map(float, recompute_backward)) if recompute_backward is not None else None,
         recompute_call_s=float(recompute_call),
         tied=tuple((tuple(layers), float(size)) for layers, size in tied),
+        issue_forward_s=tuple(map(float, issue[0])) if issue is not None else None,
+        issue_backward_s=tuple(map(float, issue[1])) if issue is not None else None,
     )
 
 
@@ -78,12 +83,14 @@ _bytes = st.integers(0, 1000).map(float)
 
 @st.composite
 def instances(draw, schedule: str | None = None, max_layers: int = 8, max_stages: int = 4,
-              max_micro_batches: int = 8, features: bool = True, tied: bool = False):
+              max_micro_batches: int = 8, features: bool = True, tied: bool = False,
+              fixed: bool | None = None):
     """(LayerFigures, Setting) of a small random planning problem.
 
     Each feature (memory limit, communication, overhead, optimizer time, transient memory)
     is switched on or off by its own draw, so that the solvers' special cases (no comm, no
-    optimizer time, a fixed recompute choice) and their general cases are all exercised.
+    optimizer time, a fixed recompute choice) and their general cases are all exercised;
+    ``fixed``: fixed costs per action and message always (True), never (False) or drawn (None).
     """
     L = draw(st.sampled_from([1] + 4 * list(range(2, max_layers + 1))))
     # K = 1 (and L = 1) are edge cases, not the point: give K >= 2 most of the draws.
@@ -111,9 +118,13 @@ def instances(draw, schedule: str | None = None, max_layers: int = 8, max_stages
         for _ in range(draw(st.integers(1, 2))):
             layers = draw(st.lists(st.integers(0, L - 1), min_size=2, max_size=3, unique=True))
             ties.append((sorted(layers), float(draw(st.integers(1, 2000)))))
+    # The CPU-issue bound (CUDA profiles): each layer's issue time, below or above its GPU time.
+    issue = None
+    if use():
+        issue = (draw(st.lists(_time, min_size=L, max_size=L)), draw(st.lists(_time, min_size=L, max_size=L)))
     fig = make_figures(fwd, bwd, act, out, par, transient=transient, buffers=buffers,
                        optimizer=optimizer, input_bytes=input_bytes,
-                       recompute_backward=recompute_backward, recompute_call=recompute_call, tied=ties)
+                       recompute_backward=recompute_backward, recompute_call=recompute_call, tied=ties, issue=issue)
     sched = schedule or draw(st.sampled_from(["gpipe", "1f1b"]))
     recompute = draw(st.sampled_from(["never", "always", "auto"]))
     opt_name = draw(st.sampled_from(["adam", "momentum", "sgd"]))
@@ -129,19 +140,22 @@ def instances(draw, schedule: str | None = None, max_layers: int = 8, max_stages
         bandwidth = draw(st.sampled_from([2e4, 1e5, 5e5, 3e6]))
         latency = draw(st.sampled_from([0.0, 1e-4, 1e-3]))
     overhead = draw(st.sampled_from([1e-4, 1e-3])) if use() else 0.0
+    fixed = draw(fixed_costs()) if (use() if fixed is None else fixed) else FixedCosts()
     setting = Setting(stages=K, micro_batches=M, schedule=sched, recompute=recompute,
                       memory_limit_bytes=limit, link_bandwidth_bytes_per_s=bandwidth,
-                      link_latency_s=latency, optimizer=opt_name, overhead_s=overhead)
+                      link_latency_s=latency, optimizer=opt_name, overhead_s=overhead, fixed_costs=fixed)
     return fig, setting
 
 
 def schedule_case(rng, schedule: str, v: int, *, stages: Sequence[int] = (2, 2, 3), max_extra_layers: int = 4,
-                  every_feature: bool = True) -> tuple[LayerFigures, Setting]:
+                  every_feature: bool = True, issue: bool = False) -> tuple[LayerFigures, Setting]:
     """A small instance of any schedule: L <= 9 layers (at most ``max_extra_layers`` more than its
     chunks), K from ``stages``, M one the schedule can run; times on a coarse grid (ties, zeros) or
     arbitrary; a memory limit, a finite link, optimizer time, measured recomputation and a fixed
     cost per action now and then. ``every_feature`` adds, each drawn on or off, the link's latency,
-    transient memory, the checkpoint call's cost, a tied weight, and two replicas with a gradient sync."""
+    transient memory, the checkpoint call's cost, a tied weight, and two replicas with a gradient sync.
+    Fixed costs per action kind and message half the time (planner/fixedcosts.py); ``issue``: the
+    CPU-issue bound now and then."""
     from gpipe_plan.schedules import problem
 
     K = rng.choice(list(stages))
@@ -158,7 +172,9 @@ def schedule_case(rng, schedule: str, v: int, *, stages: Sequence[int] = (2, 2, 
                        input_bytes=rng.randint(0, 200),
                        recompute_backward=[rng.uniform(1e-3, 4e-3) for _ in range(L)] if rng.random() < 0.5 else None,
                        recompute_call=rng.choice([0.0, 2e-4]) if every_feature else 0.0,
-                       tied=[((0, L - 1), 500.0)] if every_feature and rng.random() < 0.3 else ())
+                       tied=[((0, L - 1), 500.0)] if every_feature and rng.random() < 0.3 else (),
+                       # the CPU-issue bound now and then (CUDA profiles): issue times about the GPU's
+                       issue=([t() for _ in range(L)], [t() for _ in range(L)]) if issue and rng.random() < 0.3 else None)
     extra = {}
     if every_feature:
         extra = dict(link_latency_s=rng.choice([0.0, 1e-4]), data_parallel=rng.choice([1, 1, 2]),
@@ -167,8 +183,30 @@ def schedule_case(rng, schedule: str, v: int, *, stages: Sequence[int] = (2, 2, 
                       memory_limit_bytes=rng.choice([None, None, 3000, 5000]),
                       link_bandwidth_bytes_per_s=rng.choice([math.inf, 2e5]),
                       overhead_s=rng.choice([0.0, 1e-4, 1e-4] if every_feature else [0.0, 1e-4]), virtual_stages=v,
+                      fixed_costs=random_fixed_costs(rng),
                       **extra)
     return fig, setting
+
+
+def random_fixed_costs(rng) -> FixedCosts:
+    """None half the time; else each kind's and each message's own (a send and a receive that
+    differ, so that a chunk's place in the pipeline changes what it pays)."""
+    if rng.random() < 0.5:
+        return FixedCosts()
+    one = lambda: rng.choice([0.0, 1e-4, 5e-4, 1e-3])      # noqa: E731
+    return FixedCosts(forward_s=one(), backward_s=one(), backward_input_s=one(), backward_weight_s=one(),
+                      send_s=rng.choice([2e-4, 6e-4]), receive_s=rng.choice([0.0, 3e-4, 9e-4]))
+
+
+@st.composite
+def fixed_costs(draw):
+    """Fixed costs per action kind and per message (planner/fixedcosts.py): each kind its own,
+    a send and a receive that differ, so that the first, middle and last stages all differ."""
+    def one():
+        return draw(st.sampled_from([0.0, 1e-4, 4e-4, 1e-3]))
+
+    return FixedCosts(forward_s=one(), backward_s=one(), backward_input_s=one(), backward_weight_s=one(),
+                      send_s=draw(st.sampled_from([0.0, 2e-4, 7e-4])), receive_s=draw(st.sampled_from([0.0, 3e-4, 1e-3])))
 
 
 def _memory_range(fig: LayerFigures, K: int, M: int, schedule: str, recompute: str,
@@ -201,14 +239,28 @@ def ref_stage(fig: LayerFigures, setting: Setting, bounds: Sequence[int], k: int
     L, K, M = fig.num_layers, setting.stages, setting.micro_batches
     s, e = bounds[k], bounds[k + 1]
     fwd = math.fsum(fig.forward_s[s:e])
-    f = fwd + setting.overhead_s
+    # Fixed costs (docs/planner.md): each action its kind's and the overhead between actions, and
+    # each message to or from another stage: a forward sends on unless last and receives unless
+    # first; a backward the other way round.
+    fixed = setting.fixed_costs
+    sends_on, receives = (k < K - 1), (k > 0)
+    f = fwd + setting.overhead_s + fixed.forward_s + fixed.send_s * sends_on + fixed.receive_s * receives
+    b_fixed = setting.overhead_s + fixed.backward_s + fixed.send_s * receives + fixed.receive_s * sends_on
     if not recompute:
-        b = math.fsum(fig.backward_s[s:e]) + setting.overhead_s
+        gpu_b, extra = math.fsum(fig.backward_s[s:e]), 0.0
     elif fig.recompute_backward_s is None:      # the textbook figure: one more forward
-        b = math.fsum(fig.backward_s[s:e]) + setting.overhead_s + fwd
+        gpu_b, extra = math.fsum(fig.backward_s[s:e]) + fwd, 0.0
     else:                                       # measured, never below the plain backward
-        b = (math.fsum(max(r, g) for r, g in zip(fig.recompute_backward_s[s:e], fig.backward_s[s:e]))
-             + setting.overhead_s + fig.recompute_call_s)
+        gpu_b = math.fsum(max(r, g) for r, g in zip(fig.recompute_backward_s[s:e], fig.backward_s[s:e]))
+        extra = fig.recompute_call_s
+    b = gpu_b + b_fixed + extra
+    if fig.issue_forward_s is not None:
+        # The CPU-issue bound: each pass the larger of its GPU sum and its issue sum (a
+        # recomputing backward issues the forward again), then its fixed part.
+        issue_f = math.fsum(fig.issue_forward_s[s:e])
+        issue_b = math.fsum(fig.issue_backward_s[s:e]) + (issue_f if recompute else 0.0)
+        f = max(fwd, issue_f) + (f - fwd)
+        b = max(gpu_b, issue_b) + b_fixed + extra
     comm_on = math.isfinite(setting.link_bandwidth_bytes_per_s)
     c = setting.link_latency_s + fig.output_bytes[e - 1] / setting.link_bandwidth_bytes_per_s \
         if (comm_on and e < L) else 0.0
@@ -395,3 +447,18 @@ def cli(*args: str):
     from gpipe_plan.cli import main
 
     return CliRunner().invoke(main, list(args), catch_exceptions=True)
+
+
+def table_rows(text: str, heading: str) -> list[list[str]]:
+    """The cells of the rows of the table whose heading line starts with ``heading`` (a regular
+    expression, matched at the line's start): the lines
+    below its rule up to the first that is blank or prose (its columns are two or more spaces
+    apart: gpipe_plan/tables.py; prose has single spaces)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if re.match(heading, line)) + 2   # below the rule
+    rows = []
+    for line in lines[start:]:
+        if not re.search(r"\S\s{2,}\S", line):
+            break
+        rows.append(re.split(r"\s{2,}", line.strip()))
+    return rows

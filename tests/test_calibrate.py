@@ -109,10 +109,77 @@ def test_calibrate_refuses_a_report_of_another_model_or_a_broken_run(files):
     assert result.exit_code == 2 and "another model" in result.output
     report.write_text(json.dumps(report_doc(plan, [40.0, 1.0], [1.0, 1.0], None)))
     result = CliRunner().invoke(main, ["calibrate", str(report), "--profile", str(profile)])
-    assert result.exit_code == 2 and "looks broken" in result.output
+    assert result.exit_code == 2 and "40.00x the prediction" in result.output and "--force" in result.output
     assert not (tmp / "profile.calibrated.json").exists()
+    # a run of another model is refused even with --force: no run can make it this profile's
+    report.write_text(json.dumps(other))
+    result = CliRunner().invoke(main, ["calibrate", str(report), "--profile", str(profile), "--force"])
+    assert result.exit_code == 2 and "another model" in result.output
     result = CliRunner().invoke(main, ["calibrate", str(tmp / "absent.json"), "--profile", str(profile)])
     assert result.exit_code == 2 and "does not exist" in result.output
+
+
+def busy(other_cores: float, cores: int = 2, needed: int = 2) -> dict:
+    """A report's ``host_load`` (version 5) of one host whose other processes used ``other_cores``."""
+    host = {"host": "vm", "cores": cores, "ranks": [0, 1], "needed_cores": needed, "run_cores": 1.0,
+            "other_cores": other_cores, "steal_cores": 0.0, "window_s": 30.0,
+            "contended_cores": max(0.0, min(other_cores, other_cores + needed - cores))}
+    return {"window_s": 30.0, "other_cores": other_cores, "contended_cores": host["contended_cores"], "hosts": [host]}
+
+
+def test_a_slow_run_on_a_busy_host_is_refused_with_the_measured_load_and_force_folds_it_in(files):
+    """Issue 31, item 1: "stage 0 measured its optimizer 6.74x the prediction: that run looks broken"."""
+    tmp, profile, plan = files
+    report = tmp / "report.json"
+    doc = report_doc(plan, [1.5, 1.4], [1.6, 1.3], None)
+    doc["stages"][0]["measured_optimizer_s"] *= 6.74
+    doc["host_load"] = busy(1.6)
+    report.write_text(json.dumps(doc))
+    result = CliRunner().invoke(main, ["calibrate", str(report), "--profile", str(profile)])
+    assert result.exit_code == 2, result.output
+    line = result.output.strip().splitlines()[-1]
+    assert "other processes used 1.60 of the 2 cores during the run (the run needed 2)" in line
+    assert "up to 6.74x the prediction, stage 0's optimizer" in line and "is that load, not the model's cost" in line
+    assert "rerun on a quiet machine, or pass --force" in line and "broken" not in line
+    assert not (tmp / "profile.calibrated.json").exists()
+    result = CliRunner().invoke(main, ["calibrate", str(report), "--profile", str(profile), "--force"])
+    assert result.exit_code == 0, result.output
+    assert "--force: folded in although other processes used 1.60" in result.output
+    round_ = json.loads((tmp / "profile.calibrated.json").read_text())["calibration"][-1]
+    busy_note, outside_note = round_["forced"]       # the load, and the 6.74x beyond 0.2-5x it explains
+    assert busy_note.startswith("other processes used 1.60")
+    assert outside_note.startswith("stage 0 measured its optimizer 6.74x") and "the busy host's load explains" in outside_note
+    assert round_["stages"][0]["measured_optimizer_ratio"] == pytest.approx(6.74)
+    # let through without --force: a busy host that did not slow the run, a quiet one, and one
+    # of 64 cores with room beside the run for the others' 10
+    for load, factor in ((busy(1.6), 1.02), (busy(0.1), 1.5), (busy(10.0, cores=64), 1.5)):
+        doc = report_doc(plan, [factor, factor], [factor, factor], None)
+        doc["host_load"] = load
+        report.write_text(json.dumps(doc))
+        result = CliRunner().invoke(main, ["calibrate", str(report), "--profile", str(profile)])
+        assert result.exit_code == 0, (load, result.output)
+        assert "forced" not in json.loads((tmp / "profile.calibrated.json").read_text())["calibration"][-1]
+
+
+@pytest.mark.parametrize("speed, load, said", [
+    (None, None, "neither the host (the report, from before report version 5, does not record the host's load) "
+                 "nor the machine's speed (no speed probe) explains it"),
+    (None, "quiet", "neither the host (other processes used 0.05 cores) nor the machine's speed"),
+    (8.0, "quiet", "as the machine ran at 8.00x the profile's time (speed probe): profile again on this machine"),
+])
+def test_an_implausible_ratio_is_refused_with_what_explains_it(files, speed, load, said):
+    tmp, profile, plan = files
+    report = tmp / "report.json"
+    doc = report_doc(plan, [40.0, 1.0], [1.0, 1.0], None)
+    doc["speed"] = {"ratio": speed}
+    if load:
+        doc["host_load"] = busy(0.05)
+    report.write_text(json.dumps(doc))
+    result = CliRunner().invoke(main, ["calibrate", str(report), "--profile", str(profile)])
+    assert result.exit_code == 2 and said in result.output, result.output
+    assert "stage 0 measured its forward 40.00x the prediction, beyond the 0.2-5x" in result.output
+    result = CliRunner().invoke(main, ["calibrate", str(report), "--profile", str(profile), "--force"])
+    assert result.exit_code == 0 and "--force: folded in although stage 0 measured" in result.output
 
 
 def test_calibrate_never_writes_over_the_profile_it_reads(files):

@@ -78,7 +78,9 @@ def test_every_export_lists_every_layer_once_in_order(user_dir: Path, which: str
     # DeepSpeed holds one chunk per stage: an interleaved plan is refused (below).
     texts = exports(plan, TARGETS if schedule == "1f1b" else TARGETS[:3])
 
-    # torch: CHUNKS holds every layer, in order, chunk c on the schedule's rank
+    # torch: CHUNKS holds every layer, in order, chunk c on the schedule's rank; its top says what it imports
+    assert ("gpipe-plan imports 'hf_models' from the current directory or PYTHONPATH" in texts["torch"]) == \
+        (which == "llama")
     namespace: dict[str, Any] = {}
     exec(compile(texts["torch"].split("def build_layers")[0], "script", "exec"), namespace)
     assert [n for chunk in namespace["CHUNKS"] for n in chunk["layers"]] == names
@@ -212,6 +214,76 @@ def test_the_torch_script_trains_as_gpipe_plan_run_does(user_dir: Path) -> None:
     by_script, by_run = torch.load("script.pt"), torch.load("run.pt")
     assert_same_parameters(by_script, by_run, atol=1e-6)
     assert_same_parameters(by_script, unsplit_training(GPT, 8, steps=3), atol=1e-5)
+
+
+# Three functions of one's own for the script, torch alone: layers of the plan's names and shapes
+# (GPT's: embed, block0..3, head; width 32, 8 tokens, 64 symbols), batches, and the loss.
+OWN_FUNCTIONS = '''
+def build_layers(seed):
+    torch.manual_seed(seed)
+
+    class Layer(nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *xs):
+            return (self.module(xs[0]),)
+
+    layers = [("embed", Layer(nn.Embedding(64, 32)))]
+    layers += [(f"block{i}", Layer(nn.Sequential(nn.Linear(32, 32), nn.Tanh()))) for i in range(4)]
+    layers += [("head", Layer(nn.Linear(32, 64)))]
+
+    class Model:
+        module = nn.ModuleDict(dict(layers))
+
+    return layers, Model()
+
+
+def batches(model, seed):
+    class Text:
+        def batch(self, step):
+            ids = torch.randint(0, 64, (BATCH_SIZE, 9), generator=torch.Generator().manual_seed(seed * 1000 + step))
+            return (ids[:, :-1],), ids[:, 1:]
+
+    return Text()
+
+
+def loss_fn(model):
+    return lambda outputs, targets: torch.nn.functional.cross_entropy(outputs[0].reshape(-1, 64), targets.reshape(-1))
+
+
+'''
+
+
+@pytest.mark.slow
+def test_the_torch_script_needs_gpipe_plan_in_its_three_functions_only(user_dir: Path) -> None:
+    """Where only torch imports (``python -S``: no site, so no editable gpipe-plan; torch's own
+    folder on PYTHONPATH), the script as exported stops at once in one line, and with its three
+    functions replaced by torch-only ones it trains."""
+    plan = write(user_dir / "plan.json", hand_plan(GPT, [3, 3], micro_batches=2, micro_batch_size=2))
+    assert cli("export", plan, "--to", "torch", "--out", "train.py").exit_code == 0
+    text = Path("train.py").read_text()
+    start, end = text.index("def build_layers("), text.index("def gpipe_plan(")
+    Path("own.py").write_text(text[:start] + OWN_FUNCTIONS + text[end:])
+    site = str(Path(torch.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": site, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    bare = [sys.executable, "-S"]
+    probe = subprocess.run([*bare, "-c", "import torch, importlib.util as u; print(u.find_spec('gpipe_plan'))"],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert probe.stdout.strip() == "None", probe.stdout + probe.stderr       # torch imports, gpipe_plan does not
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python",
+                *bare]
+    as_exported = subprocess.run([*torchrun, "train.py", "--steps", "2"], env=env, capture_output=True, text=True,
+                                 timeout=300)
+    assert as_exported.returncode != 0
+    assert "error: this script builds the plan's model, data and loss with gpipe-plan, which this Python cannot " \
+           "import (No module named 'gpipe_plan')" in as_exported.stderr, as_exported.stderr[-3000:]
+    ranks_said = as_exported.stderr.split("failed (exitcode")[0]        # before torchrun's own report
+    assert ranks_said.count("error: this script") == 2 and "Traceback" not in ranks_said, ranks_said
+    own = subprocess.run([*torchrun, "own.py", "--steps", "2"], env=env, capture_output=True, text=True, timeout=300)
+    assert own.returncode == 0, own.stderr[-3000:]
+    assert re.search(r"step 2: loss \d+\.\d+", own.stdout), own.stdout
 
 
 @pytest.mark.parametrize("replicas", [[], ["--devices", "4", "--data-parallel", "2", "--link-bandwidth", "1"]])

@@ -127,7 +127,7 @@ def test_profile_solve_run_a_hugging_face_model_from_the_command_line(tmp_path: 
     (tmp_path / "hf_models.py").write_text((Path(__file__).parent / "hf_models.py").read_text())
     profile = gpipe_plan("profile", "hf_models:make_gpt2", "--input-shape", str(SEQ), "--vocab-size", str(VOCAB),
                          "--loss", "lm", "--micro-batch-sizes", "1,2", "--warmup", "1", "--repeats", "2",
-                         "--contention-processes", "0", "--no-recompute-timing", "-o", "profile.json", "-q",
+                         "--contention-processes", "0", "--no-recompute-timing", "--no-fixed-costs", "-o", "profile.json", "-q",
                          cwd=tmp_path)
     assert profile.returncode == 0, profile.stderr
     doc = json.loads((tmp_path / "profile.json").read_text())

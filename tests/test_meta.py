@@ -206,7 +206,7 @@ def test_kinds_tell_apart_what_costs_differently() -> None:
 def test_measure_every_layer_gives_the_same_layers(user_dir: Path) -> None:
     args = ["profile", "gpt", "--layer-by-layer", "--layers", "3", "--width", "16", "--heads", "2", "--seq-len", "8",
             "--vocab-size", "32", "--micro-batch-sizes", "1,2", "--warmup", "0", "--repeats", "1",
-            "--contention-processes", "0", "--no-recompute-timing"]
+            "--contention-processes", "0", "--no-recompute-timing", "--no-fixed-costs"]
     shared = CliRunner().invoke(main, [*args, "--out", "shared.json"])
     every = CliRunner().invoke(main, [*args, "--measure-every-layer", "--out", "every.json"])
     assert shared.exit_code == 0 and every.exit_code == 0, shared.output + every.output
@@ -260,7 +260,7 @@ def test_a_model_built_whole_says_so_and_still_profiles(user_module: Callable[[s
     """)
     result = CliRunner().invoke(main, ["profile", f"{name}:make", "--input-shape", "6", "--num-classes", "3",
                                        "--micro-batch-sizes", "1", "--warmup", "0", "--repeats", "1",
-                                       "--contention-processes", "0", "--out", "p.json"])
+                                       "--contention-processes", "0", "--no-fixed-costs", "--out", "p.json"])
     assert result.exit_code == 0, result.output
     assert "built whole" in result.output
     assert "reset_parameters" in json.loads(Path("p.json").read_text())["measurement"]["built_whole"]

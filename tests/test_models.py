@@ -37,7 +37,10 @@ def test_spec_fills_defaults_and_keeps_given_options() -> None:
     ("gpt", {"blocks": "1,2"}, "--blocks does not apply"),
     ("gpt", {"width": 30, "heads": 4}, "not divisible"),
     ("resnet", {"blocks": "2,x"}, "--blocks"),
-    ("nosuchpackage_zz.models:make", {"input_shape": "8", "num_classes": 3}, "cannot import"),
+    ("nosuchpackage_zz.models:make", {"input_shape": "8", "num_classes": 3},
+     "No module named 'nosuchpackage_zz': run from the folder that holds the package nosuchpackage_zz/, or add "
+     "that folder to PYTHONPATH"),
+    ("nosuchmodule_zz:make", {"input_shape": "8", "num_classes": 3}, "holds nosuchmodule_zz.py, or add that folder"),
     ("os:path", {"num_classes": 3}, "needs --input-shape"),
     ("os:getcwd", {"input_shape": "8", "num_classes": 3, "layers": 2}, "applies to the built-ins only"),
     ("os:getcwd", {"input_shape": "8", "num_classes": 3, "input_dtype": "int64"}, "needs --vocab-size"),
@@ -48,6 +51,13 @@ def test_bad_specs_are_one_line(model: str, options: dict, words: str) -> None:
         model_spec(model, **options)
     assert words in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_a_module_that_imports_a_missing_package_says_to_install_it(user_module) -> None:
+    name = user_module("import nosuchdependency_zz\n")
+    with pytest.raises(BadInput, match=f"'{name}' imports 'nosuchdependency_zz', which this Python does not have: "
+                                       f"install it"):
+        model_spec(f"{name}:make", input_shape="8", num_classes=3)
 
 
 # --------------------------------------------------------------------------- built-ins

@@ -15,6 +15,7 @@ from gpipe_plan.cli import main
 from gpipe_plan.planner.brute import brute_force, partitions
 from gpipe_plan.planner.chunked import ChunkedSolver
 from gpipe_plan.planner.costmodel import CostModel, Setting
+from gpipe_plan.planner.fixedcosts import FixedCosts
 from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.profile import Profile
 from gpipe_plan.planner.search import SolveOptions, search
@@ -26,7 +27,7 @@ CHUNKED = [("interleaved", 2), ("zb-h1", 1), ("zb-v", 1)]
 
 def random_case(rng: random.Random, schedule: str, v: int):
     """A small random instance: L <= 8 layers, K = 2, a memory limit now and then."""
-    return schedule_case(rng, schedule, v, stages=(2,), max_extra_layers=6, every_feature=False)
+    return schedule_case(rng, schedule, v, stages=(2,), max_extra_layers=6, every_feature=False, issue=True)
 
 
 @pytest.mark.parametrize("schedule,v", CHUNKED)

@@ -95,6 +95,45 @@ def test_pass_terms_are_the_cost_models_chunk_times(schedule, v):
                     assert time_of("B") == chunk.backward_s
 
 
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 1)])
+@pytest.mark.parametrize("seed", range(4))
+def test_on_shared_cores_the_milp_bounds_and_proves_only_what_it_reaches(schedule, v, seed):
+    """More ranks than cores (planner/timeshare.py): the programme optimises the dedicated step,
+    a bound on every time-shared plan, never above the time-shared optimum; a plan it returns is
+    called proven only where its time-shared step meets that bound."""
+    from dataclasses import replace
+
+    fig, setting = random_case(random.Random(f"shared-{schedule}-{v}-{seed}"), schedule, v)
+    cm = CostModel(fig, replace(setting, concurrent_ranks=1.0))
+    assert cm.setting.time_shared
+    want = brute_force(cm)
+    got = solve_cost_model(cm, "ilp", 60, work_budget_s=60)
+    if want is None:
+        assert got is None
+        return
+    assert got.evaluation.step_s >= want.step_s * (1 - 1e-12)
+    assert got.lower_bound_s <= want.step_s * (1 + 1e-9) + 1e-15
+    if got.proven:
+        assert got.evaluation.step_s == pytest.approx(want.step_s, rel=1e-9, abs=1e-15)
+
+
+def test_under_the_cpu_issue_bound_the_branch_and_bound_plans_alone():
+    """A pass under the CPU-issue bound is the larger of two sums, not linear in the cuts: the
+    programme declines it and ``--solver ilp`` plans such a chunked setting exactly without it."""
+    for seed in range(40):
+        fig, setting = schedule_case(random.Random(f"issue-{seed}"), "interleaved", 2, issue=True)
+        cm = CostModel(fig, setting)
+        if cm.issue is not None:
+            break
+    assert not milp.applicable(cm)
+    want = brute_force(cm)
+    got = solve_cost_model(cm, "ilp", 60, work_budget_s=60)
+    assert (got is None) == (want is None)
+    if want is not None:
+        assert got.proven and got.evaluation.step_s == pytest.approx(want.step_s, rel=1e-9, abs=1e-15)
+        assert "MILP" not in got.method
+
+
 def _gnmt() -> Profile:
     from gpipe_plan.planner.pipedream import import_pipedream
 

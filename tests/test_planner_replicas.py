@@ -24,7 +24,7 @@ from gpipe_plan.planner.costmodel import CostModel, Setting
 from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.profile import Profile
 from gpipe_plan.collectives import ring_allreduce_s
-from gpipe_plan.planner.replicas import (DATA_INNER, PIPELINE_INNER, Topology, factorisations, placements,
+from gpipe_plan.planner.replicas import (DATA_INNER, DATA_ONLY, PIPELINE_INNER, Topology, factorisations, placements,
                                          search_devices)
 from gpipe_plan.planner.search import ReplicaSync, SolveOptions, search, settings_for, solve_setting
 from gpipe_plan.schedules import problem
@@ -331,6 +331,34 @@ def test_one_pipeline_plan_has_one_replica_and_the_trivial_placement(profile_pat
     assert plan["placement"]["ranks"] == [[0], [1], [2]] and plan["placement"]["order"] == PIPELINE_INNER
     assert plan["predicted"]["gradient_sync_s"] == 0.0
     assert all(s["gradient_sync_s"] == 0.0 for s in plan["stages"])
+
+
+def test_one_stage_of_replicas_is_data_only_in_the_plan_show_and_the_export(user_dir: Path):
+    """K = 1 has no pipeline: its placement is data-only (format 7), and no export warns about
+    pipeline sends, not even for a format-6 plan that called it pipeline-inner."""
+    doc = profile_doc(L=6, batch_size=8, link={"bandwidth_bytes_per_s": 1e6})
+    for layer in doc["layers"]:
+        layer["module"] = layer["name"]                # names torchtitan can list
+    write_json(user_dir / "profile.json", doc)
+    topology = Topology(nodes=2, devices_per_node=4, link_bandwidth_bytes_per_s=1e9, network_bandwidth_bytes_per_s=1e6)
+    (only,) = placements(1, 8, topology)
+    assert only.order == DATA_ONLY and only.ranks == (tuple(range(8)),)
+    result = cli("solve", "profile.json", "--devices", "8", "--data-parallel", "8", "--nodes", "2",
+                 "--network-bandwidth", "1", "--out", "plan.json", "--time-budget", "5")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(Path("plan.json").read_text())
+    validate(plan, "solved plan", "plan")
+    assert plan["placement"]["order"] == DATA_ONLY and plan["factorisations"][0]["order"] == DATA_ONLY
+    assert plan["placement"]["reason"].startswith("data-only on 2 nodes of 4: no pipeline sends, gradient syncs")
+    shown = cli("show", "plan.json")
+    assert shown.exit_code == 0 and "data-only" in shown.output and "pipeline-inner" not in shown.output, shown.output
+    plan["version"], plan["placement"]["order"] = 6, PIPELINE_INNER      # what format 6 wrote
+    plan["factorisations"][0]["order"] = PIPELINE_INNER
+    write_json(Path("v6.json"), plan)
+    for path in ("plan.json", "v6.json"):
+        exported = cli("export", path, "--to", "torchtitan", "--out", f"{path}.toml")
+        assert exported.exit_code == 0, exported.output
+        assert "orders ranks" not in exported.output and "exact: the target runs" in exported.output, exported.output
 
 
 def test_an_old_version_5_plan_still_reads(profile_path: Path):

@@ -155,6 +155,6 @@ def test_no_recompute_timing_flag(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["profile", "gpt", "--layers", "1", "--width", "16", "--heads", "2",
                                        "--seq-len", "8", "--vocab-size", "32", "--micro-batch-sizes", "1",
                                        "--warmup", "0", "--repeats", "1", "--contention-processes", "0",
-                                       "--no-recompute-timing", "-q", "--out", str(out)])
+                                       "--no-recompute-timing", "--no-fixed-costs", "-q", "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert "recompute_call_s" not in json.loads(out.read_text())

@@ -178,7 +178,7 @@ def test_two_stages_train_exactly_like_the_unsplit_model(group_runs: dict[str, A
 def test_report_compares_measured_with_predicted(group_runs: dict[str, Any]) -> None:
     jobs = group_runs["jobs"]
     gpipe, one_f_one_b = (json.loads(Path(jobs[i]["report"]).read_text()) for i in (0, 1))
-    assert gpipe["format"] == REPORT_FORMAT and gpipe["version"] == 4
+    assert gpipe["format"] == REPORT_FORMAT and gpipe["version"] == 5
     assert gpipe["steps_measured"] == STEPS - 1 and gpipe["measured_step_s"] > 0
     assert [(c["index"], c["stage"]) for c in gpipe["chunks"]] == [(0, 0), (1, 1)]
     for chunk in gpipe["chunks"]:
@@ -189,6 +189,11 @@ def test_report_compares_measured_with_predicted(group_runs: dict[str, Any]) -> 
         for key in ("measured_peak_memory_bytes", "measured_idle_fraction"):
             assert stage[key] > 0, key
     assert 0 <= gpipe["measured_bubble_fraction"] < 1
+    # version 5: the host's load over the steps, one host with both ranks (its figures: tests/test_hostload.py)
+    [host] = gpipe["host_load"]["hosts"]
+    assert host["ranks"] == [0, 1] and host["needed_cores"] >= 2 and host["run_cores"] > 0
+    assert gpipe["headline"]["host_busy"] in (True, False)
+    assert all(len(spreads) == 2 for spreads in gpipe["speed"]["per_rank_probe_spread"].values())
     # 1F1B keeps fewer micro-batches in flight on stage 0 (2 instead of 4): less activation memory.
     assert (one_f_one_b["stages"][0]["measured_memory"]["activations_bytes"]
             < gpipe["stages"][0]["measured_memory"]["activations_bytes"])

@@ -161,7 +161,7 @@ def test_profile_carries_the_split_for_every_layer(spec: dict, layer_by_layer: b
     doc = profile_model(ProfileRequest(spec=spec, micro_batch_sizes=[1, 2], warmup=0, repeats=1,
                                        layer_by_layer=layer_by_layer), Steps())
     assert len(steps) == Steps.total   # the progress bar ends full
-    assert doc["version"] == FORMAT_VERSIONS[PROFILE_FORMAT] == 8
+    assert doc["version"] == FORMAT_VERSIONS[PROFILE_FORMAT] == 9
     validate(doc, "profile", "profile")
     first, *rest = doc["layers"]
     for layer in doc["layers"]:
@@ -188,7 +188,7 @@ def test_no_split_backward_timing_leaves_the_keys_out(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["profile", "gpt", "--layers", "1", "--width", "16", "--heads", "2",
                                        "--seq-len", "8", "--vocab-size", "32", "--micro-batch-sizes", "1",
                                        "--warmup", "0", "--repeats", "1", "--contention-processes", "0",
-                                       "--no-recompute-timing", "--no-split-backward-timing", "--quiet",
+                                       "--no-recompute-timing", "--no-split-backward-timing", "--no-fixed-costs", "--quiet",
                                        "--out", str(out)])
     assert result.exit_code == 0, result.output
     doc = json.loads(out.read_text())

@@ -86,14 +86,17 @@ def test_profile_command_records_the_global_batch_and_reports_phases_without_a_t
     """A real (tiny) profile: the key is written, and stderr, not a terminal, gets one line per phase."""
     result = cli("profile", "gpt", "--layers", "1", "--width", "16", "--heads", "2", "--seq-len", "8",
                  "--micro-batch-sizes", "1,2", "--repeats", "1", "--warmup", "0", "--contention-processes", "0",
-                 "--no-recompute-timing", "--global-batch-size", "6", "--out", "tiny.json")
+                 "--no-recompute-timing", "--no-fixed-costs", "--global-batch-size", "6", "--out", "tiny.json")
     assert result.exit_code == 0, result.output
     assert json.loads(Path("tiny.json").read_text())["global_batch_size"] == 6
     lines = result.stderr.splitlines()
     phases = [re.sub(r"^profiling \[[ \d?%]+, +\d+ s\] ", "", line) for line in lines]
     assert all(line.startswith("profiling [") for line in lines), lines
-    # each phase once, in the order it began (how the profiler orders its rounds is its own affair)
-    assert phases[:3] == ["embed", "block0", "head"] and "whole model" in phases and phases[-1] == "done", lines
+    # each phase once, in the order it began (how the profiler orders its rounds is its own affair):
+    # the phase lines before any unit of work (profiles/phases.py), then the units'
+    assert phases[0] == "building model 'gpt'" and phases[1] == "checking the 3 layers on a micro-batch", lines
+    assert phases[2] == "measuring 3 layers at sizes 1,2: memory, then 1 timed round", lines
+    assert phases[3:6] == ["embed", "block0", "head"] and "whole model" in phases and phases[-1] == "done", lines
     assert len(set(phases)) == len(phases), lines
     assert "global batch    6" in result.stdout
 
@@ -194,19 +197,42 @@ def test_plan_noise_band_comes_from_the_profiles_own_spread(user_dir: Path) -> N
     assert one["noise_sources"] == pytest.approx({"profile_speed_drift": drift})
 
 
-def test_headline_is_the_speed_adjusted_prediction_with_its_band() -> None:
-    speed = {"ratio": 1.2, "predicted_step_s_at_run_speed": 0.024, "per_rank_probe_s": {"0": [0.012, 0.013]}}
+def test_headline_judges_the_plans_prediction_with_the_speed_adjusted_one_beside_it() -> None:
+    speed = {"ratio": 1.2, "predicted_step_s_at_run_speed": 0.024, "per_rank_probe_s": {"0": [0.012, 0.0125]},
+             "per_rank_probe_spread": {"0": [0.02, 0.03]}}
     head = headline(0.020, {"profile_speed_drift": 0.03}, speed, measured_step_s=0.025)
-    assert head["basis"] == "run_speed" and head["predicted_step_s"] == 0.024
-    run_drift = (0.013 - 0.012) / (0.013 + 0.012)
-    assert head["noise_sources"] == pytest.approx({"profile_speed_drift": 0.03, "run_speed_drift": run_drift,
-                                                   "speed_correction": 0.1})
-    assert head["noise_fraction"] == pytest.approx(math.sqrt(0.03 ** 2 + run_drift ** 2 + 0.1 ** 2))
-    assert head["step_time_ratio"] == pytest.approx(0.025 / 0.024) and head["within_noise"] is True
-    # without a speed probe: the plan's own prediction, and no correction in the band
+    assert head["basis"] == "profile" and head["predicted_step_s"] == 0.020
+    run_drift = (0.0125 - 0.012) / (0.0125 + 0.012)
+    assert head["noise_sources"] == pytest.approx({"profile_speed_drift": 0.03, "run_speed_drift": run_drift})
+    assert head["noise_fraction"] == pytest.approx(math.hypot(0.03, run_drift))
+    assert head["step_time_ratio"] == pytest.approx(1.25) and head["within_noise"] is False
+    # the probe held steady: the prediction at the run's speed beside it, its band with half the correction
+    at = head["at_run_speed"]
+    assert at["predicted_step_s"] == pytest.approx(0.024) and at["speed_ratio"] == 1.2
+    assert at["noise_fraction"] == pytest.approx(math.hypot(math.hypot(0.03, run_drift), 0.1))
+    assert at["step_time_ratio"] == pytest.approx(0.025 / 0.024) and at["within_noise"] is True
+    assert head["speed_left_out"] is None and head["host_busy"] is None      # no host_load: not measured
+    # without a speed probe: the plan's own prediction, and it says so
     raw = headline(0.020, {"profile_speed_drift": 0.03}, {"ratio": None}, measured_step_s=0.025)
-    assert raw["basis"] == "profile" and raw["predicted_step_s"] == 0.020
+    assert raw["basis"] == "profile" and raw["predicted_step_s"] == 0.020 and raw["at_run_speed"] is None
     assert raw["noise_sources"] == {"profile_speed_drift": 0.03} and raw["within_noise"] is False
+    assert raw["speed_left_out"] == "no speed probe"
+
+
+def test_an_unsteady_probe_does_not_turn_a_good_prediction_into_a_miss() -> None:
+    """Issue 26: the probe read 0.26x (a disturbed reading) and turned a raw 0.83x into "+221%"."""
+    speed = {"ratio": 0.26, "profile_probe_s": 0.010, "per_rank_probe_s": {"0": [0.0021, 0.0031], "1": [0.0024, 0.0029]},
+             "per_rank_probe_spread": {"0": [0.3, 0.05], "1": [0.04, 0.06]}}
+    head = headline(0.100, {"profile_speed_drift": 0.02}, speed, measured_step_s=0.083)
+    assert head["predicted_step_s"] == 0.100 and head["step_time_ratio"] == pytest.approx(0.83)
+    assert head["at_run_speed"] is None and "before and after training differ by ±19%" in head["speed_left_out"]
+    steady = dict(speed, per_rank_probe_s={"0": [0.0026, 0.0026]}, per_rank_probe_spread={"0": [0.3, 0.02]})
+    assert "repeats spread by 30%" in headline(0.1, None, steady, 0.083)["speed_left_out"]
+    still = dict(steady, per_rank_probe_spread={"0": [0.02, 0.02]})      # steady, but 0.26x: not one machine's drift
+    assert "more than one machine drifts" in headline(0.1, None, still, 0.083)["speed_left_out"]
+    same = dict(still, ratio=1.02)                                       # the profile's speed: nothing to adjust
+    assert headline(0.1, None, same, 0.083)["at_run_speed"] is None and headline(0.1, None, same, 0.083)[
+        "speed_left_out"] is None
 
 
 def report_doc(plan: dict, factor: float = 1.0, step_times: list[float] | None = None,
@@ -215,7 +241,7 @@ def report_doc(plan: dict, factor: float = 1.0, step_times: list[float] | None =
     predicted = plan["predicted"]["step_s"]
     times = step_times or [predicted * factor] * 8
     measured = statistics.median(times[1:])
-    speed = {"ratio": speed_ratio, "per_rank_probe_s": {"0": [0.01, 0.01]},
+    speed = {"ratio": speed_ratio, "per_rank_probe_s": {"0": [0.01, 0.01]}, "per_rank_probe_spread": {"0": [0.01, 0.01]},
              "predicted_step_s_at_run_speed": predicted * speed_ratio if speed_ratio else None}
     chunks = [{"index": c["index"], "stage": c["stage"], "layers": c["layers"], "recompute": c["recompute"],
                "predicted_forward_s": c["forward_s"], "measured_forward_s": c["forward_s"] * factor,
@@ -241,20 +267,35 @@ def report_doc(plan: dict, factor: float = 1.0, step_times: list[float] | None =
     return report
 
 
-def test_run_prints_one_headline_prediction(user_dir: Path) -> None:
+def test_run_prints_the_plans_prediction_and_beside_it_the_one_at_the_runs_speed(user_dir: Path) -> None:
     write_json(user_dir / "profile.json", balanced())
     plan = solve_file("profile.json", "plan.json", stages=2, micro_batches=4)
     report = report_doc(plan, factor=1.5, speed_ratio=1.25)
-    console = Console(file=io.StringIO(), width=200)
+    console = Console(file=io.StringIO(), width=400)
     print_summary(report, console)
     out = console.file.getvalue()
     at_speed = plan["predicted"]["step_s"] * 1.25
     raw = plan["predicted"]["step_s"]
-    assert f"{at_speed * 1e3:.2f} ms predicted at this machine's speed" in out
-    assert f"{raw * 1e3:.2f} ms" not in out                 # the raw prediction is in the report only
-    assert "+20%, beyond the expected" in out               # 1.5 / 1.25
+    assert f"{raw * 1e3:.2f} ms predicted (+50%, beyond the expected" in out
+    assert f"at this machine's speed (25% slower than at profiling, by the speed probe) {at_speed * 1e3:.2f} ms " \
+           "predicted (+20%, beyond" in out                  # 1.5 / 1.25
+    assert "the cost model misses something here" in out
     assert "loss 5.5000 at step 1 -> 2.5000 at step 8" in out
     assert "-0%" not in out and "bubble 20% / " in out
+
+
+def test_a_busy_host_is_named_and_not_blamed_on_the_cost_model(user_dir: Path) -> None:
+    write_json(user_dir / "profile.json", balanced())
+    plan = solve_file("profile.json", "plan.json", stages=2, micro_batches=4)
+    report = report_doc(plan, factor=1.6)
+    report["host_load"] = {"window_s": 20.0, "other_cores": 1.6, "contended_cores": 1.6, "hosts": [
+        {"host": "vm", "cores": 2, "ranks": [0, 1], "needed_cores": 2, "run_cores": 1.1, "other_cores": 1.6,
+         "steal_cores": 0.0, "contended_cores": 1.6, "window_s": 20.0}]}
+    console = Console(file=io.StringIO(), width=300)
+    print_summary(report, console)
+    out = console.file.getvalue()
+    assert "other processes used 1.60 of the 2 cores during the run (the run needed 2)" in out
+    assert "rerun on a quiet machine" in out and "cost model" not in out
 
 
 # --------------------------------------------------------------------------- calibration
@@ -397,8 +438,9 @@ def test_timeline_last_axis_label_has_room(user_dir: Path) -> None:
     root = ET.fromstring(svg)
     ns = "{http://www.w3.org/2000/svg}"
     labels = [t for t in root.iter(f"{ns}text") if t.get("text-anchor") == "middle" and t.text
-              and re.fullmatch(r"[\d.]+ (s|ms|µs)", t.text)]
+              and re.fullmatch(r"0|[\d.]+ (s|ms|µs)", t.text)]
     assert len(labels) == 6
+    assert labels[0].text == "0"                  # the step's start, in no unit (issue 31: not "0 µs")
     for label in labels:   # 11 px sans-serif: at most ~7 px a character
         assert float(label.get("x")) + 7 * len(label.text) / 2 <= WIDTH, label.text
 

@@ -24,10 +24,11 @@ output that cannot be written) is one line and no file.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...artifacts import BadInput, check_output_paths, write_text_atomic
+from ...artifacts import BadInput, Outputs, check_output_paths
 from .schedule_csv import ExportedSchedule, describe, export_schedule_csv
 
 TARGETS = ("torch", "torchtitan", "megatron", "deepspeed")
@@ -56,8 +57,9 @@ def default_out(plan_path: str, target: str) -> str:
     return str(path.with_name(f"{path.stem}.{target}{DEFAULT_SUFFIX[target]}"))
 
 
-def export_plan(plan_path: str, target: str, out: str | None = None) -> Exported:
-    """Export the plan for ``target`` and write its files (atomically, all or none)."""
+def export_plan(plan_path: str, target: str, out: str | None = None, outputs: Outputs | None = None) -> Exported:
+    """Export the plan for ``target`` and write its files (atomically, all or none); ``outputs``:
+    the set of the command's files they join (written with them)."""
     if target not in TARGETS:
         raise BadInput(f"unknown export target '{target}': choose one of {', '.join(TARGETS)}")
     out = out or default_out(plan_path, target)
@@ -81,8 +83,9 @@ def export_plan(plan_path: str, target: str, out: str | None = None) -> Exported
     for path in exported.files:
         if path != out:
             check_output_paths({"--out (its companion file)": path}, inputs=(plan_path,))
-    for path, text in exported.files.items():
-        write_text_atomic(path, text)
+    with (contextlib.nullcontext(outputs) if outputs is not None else Outputs()) as written:
+        for path, text in exported.files.items():
+            written.add(path, text, "--out")
     return exported
 
 

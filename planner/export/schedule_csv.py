@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...artifacts import check_output_paths, write_text_atomic
+from ...artifacts import Outputs, check_output_paths, write_text_atomic
 from ...schedules import label as schedule_label
 from ...schedules import to_csv
 from .view import read_plan
@@ -35,13 +35,17 @@ class ExportedSchedule:
     kinds: tuple[str, ...]          # the kinds of action the file holds, F B or F I W
 
 
-def export_schedule_csv(plan_path: str, csv_path: str) -> ExportedSchedule:
+def export_schedule_csv(plan_path: str, csv_path: str, outputs: Outputs | None = None) -> ExportedSchedule:
     """Write the plan's schedule as torch's compute-only CSV, atomically; raise
-    :class:`~gpipe_plan.artifacts.BadInput` (nothing written) when the plan is not one to export."""
+    :class:`~gpipe_plan.artifacts.BadInput` (nothing written) when the plan is not one to export.
+    ``outputs``: the set of the command's files it joins (written with them)."""
     check_output_paths({"--schedule-csv": csv_path}, inputs=(plan_path,))
     view = read_plan(plan_path)
     actions = view.actions()
-    write_text_atomic(csv_path, to_csv(actions))
+    if outputs is None:
+        write_text_atomic(csv_path, to_csv(actions))
+    else:
+        outputs.add(csv_path, to_csv(actions), "--schedule-csv")
     kinds = {a.kind for row in actions for a in row}
     return ExportedSchedule(
         path=csv_path, schedule=view.schedule, virtual_stages=view.virtual_stages, stages=len(actions),

@@ -1,7 +1,8 @@
 """The cost model's setting of a plan, rebuilt from what the plan recorded of it.
 
 A plan's ``options`` keep every figure the solver charged (the link, the per-micro-batch
-overhead, the neighbours' compute scale, the memory limit, the optimizer) and its
+overhead and the fixed costs per action and message, the neighbours' compute scale, the ranks
+the host ran at once, the memory limit, the optimizer) and its
 ``placement`` what the gradient syncs of its replicas were charged: with the profile's layers
 they give back the very cost model that chose the plan, to price another split.
 """
@@ -13,6 +14,7 @@ from typing import Any
 
 from ...artifacts import json_number
 from ..costmodel import Setting
+from ..fixedcosts import FixedCosts
 from .view import PlanView
 
 
@@ -33,12 +35,14 @@ def plan_setting(view: PlanView) -> Setting:
         link_latency_s=float(charged.get("pipeline_latency_s") or 0.0),
         optimizer=str(options.get("optimizer") or "adam"),
         overhead_s=float(options.get("per_microbatch_overhead_s") or 0.0),
+        fixed_costs=FixedCosts.from_record(options.get("fixed_costs")),
         compute_scale=float(options.get("compute_scale") or 1.0),
         virtual_stages=view.virtual_stages,
         data_parallel=view.data_parallel,
         sync_bandwidth_bytes_per_s=_bandwidth(placement.get("sync_bandwidth_bytes_per_s")),
         sync_latency_s=float(placement.get("sync_latency_s") or 0.0),
         gradient_sync=view.gradient_sync,
+        concurrent_ranks=json_number(options.get("concurrent_ranks")) or math.inf,
     )
 
 

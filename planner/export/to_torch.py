@@ -13,11 +13,18 @@ For a user who trains in their own loop. The script holds the plan's split twice
 and the schedule both ways: ``SCHEDULE_CSV``, the plan's very action lists, which
 ``_PipelineScheduleRuntime._load_csv`` runs (what the script uses: exactly what the planner
 simulated), and ``SCHEDULE_CLASS``, torch's class for the schedule where one exists, with
-``N_MICROBATCHES``. The model, its data and its loss come from gpipe-plan's model spec
-(``build_model``, ``batch_source``, ``model.loss``): the three functions a user replaces with
-their own. It trains with Adam (or the plan's optimizer) at a constant learning rate, runs one
-replica of the pipeline (``data_parallel`` 1: the world size must be K), and with ``--save``
-writes the unsplit model's ``state_dict``, as ``gpipe-plan run --save`` does.
+``N_MICROBATCHES``. It trains with Adam (or the plan's optimizer) at a constant learning rate,
+runs one replica of the pipeline (``data_parallel`` 1: the world size must be K), and with
+``--save`` writes the unsplit model's ``state_dict``, as ``gpipe-plan run --save`` does.
+
+**What it imports.** All of it is torch but three functions, ``build_layers()``, ``batches()``
+and ``loss_fn()``, which import gpipe-plan: the model cut into the plan's layers (for a captured
+model, by gpipe-plan's cut of the ``torch.export`` graph), at the initial parameters ``run``
+starts from, its data and its loss, all from the plan's model spec; so the script trains as
+``run`` does, first loss and all. Writing them out instead would make a second home for the
+cut, the per-layer initialisation and the data. The script's docstring says so, and which of
+the user's modules the spec imports through them; without gpipe-plan it stops at once in one
+line; replace the three and it needs torch alone (tests/test_export_targets.py runs both ways).
 """
 
 from __future__ import annotations
@@ -74,7 +81,7 @@ def export(view: PlanView, out: str) -> Exported:
                      "CHUNKS says the split")
     schedule_class = TORCH_SCHEDULE_CLASS.get(view.schedule)
     text = TEMPLATE.format(
-        model=model_name(view), plan=view.path, stages=view.stages,
+        model=model_name(view), plan=view.path, stages=view.stages, user_code=_user_code(view.model),
         spec=pprint.pformat(view.model, width=110, sort_dicts=False), chunks=pprint.pformat(chunk_table(view), indent=1, width=110, sort_dicts=False),
         split_spec=pprint.pformat(spec, width=110) if spec is not None else "None",
         schedule=view.schedule, schedule_class=repr(schedule_class), csv=to_csv(view.actions()).strip(),
@@ -86,16 +93,38 @@ def export(view: PlanView, out: str) -> Exported:
                             f"{view.micro_batches}")
 
 
+def _user_code(model: dict[str, object]) -> str:
+    """The sentence of the script's docstring naming the user's own modules the spec imports."""
+    if model.get("source") != "import":
+        return ""
+    named = [f"{what} '{model[key]}'" for key, what in (("factory", "the model"), ("data", "the data"),
+                                                         ("loss", "the loss")) if ":" in str(model.get(key) or "")]
+    modules = sorted({str(model[key]).partition(":")[0] for key in ("factory", "data", "loss")
+                      if ":" in str(model.get(key) or "")})
+    return (f"\n  MODEL names your own code ({', '.join(named)}): gpipe-plan imports "
+            f"{', '.join(repr(m) for m in modules)} from the current directory or PYTHONPATH.")
+
+
 TEMPLATE = '''\
 """Train {model} as the gpipe-plan plan '{plan}' says, with torch.distributed.pipelining.
 
     torchrun --standalone --nproc-per-node {stages} THIS_FILE.py --steps 10 [--lr 1e-3] [--save model.pt]
 
-Written by `gpipe-plan export --to torch`. Bring your own model, data and loss by replacing
-build_layers(), batches() and loss_fn(): the split (CHUNKS) names the model's layers in order.
+Written by `gpipe-plan export --to torch`. What it imports, and why:
+
+- torch: all of the script but the three functions below marked "yours" (a PipelineStage per
+  chunk, the plan's schedule run by _PipelineScheduleRuntime, the optimizer, --save);
+- gpipe_plan (gpipe-plan installed: pip install -e PATH_TO_GPIPE_PLAN), in those three only: build_layers() rebuilds the plan's
+  model from MODEL, cut into the plan's layers at the parameters `gpipe-plan run` starts from;
+  batches() gives its data, loss_fn() its loss. So this script trains as `gpipe-plan run` does.{user_code}
+  Without gpipe_plan the script stops at once, saying so.
+
+Bring your own model, data and loss by replacing the three: CHUNKS names the layers in order,
+and nothing else then needs gpipe-plan.
 """
 
 import argparse
+import importlib
 import os
 import tempfile
 
@@ -127,22 +156,31 @@ OPTIMIZER = {optimizer}
 
 
 def build_layers(seed):
-    """The unsplit model's layers, in order, as (name, module) pairs, and the model (for its loss and data)."""
-    from gpipe_plan.models import build_model
-
-    model = build_model(MODEL, seed=seed)
+    """Yours: the unsplit model's layers, in order, as (name, module) pairs (each module called as
+    layer(*tensors) returns a tuple of tensors), and the model (for batches() and loss_fn())."""
+    model = gpipe_plan("gpipe_plan.models").build_model(MODEL, seed=seed)
     return model.layers, model
 
 
 def batches(model, seed):
-    """Step s's (inputs, targets): the whole batch of the step, the same on every rank."""
-    from gpipe_plan.runtime.data import batch_source
-
-    return batch_source(model, None, BATCH_SIZE, seed)
+    """Yours: an object whose batch(step) gives step's (inputs, targets): the whole batch of the
+    step, a tuple of input tensors and the targets, the same on every rank."""
+    return gpipe_plan("gpipe_plan.runtime.data").batch_source(model, None, BATCH_SIZE, seed)
 
 
 def loss_fn(model):
+    """Yours: loss(outputs, targets), outputs the last chunk's tuple, the mean over the micro-batch."""
     return model.loss
+
+
+def gpipe_plan(module):
+    """gpipe-plan's module, or a one-line exit: what the three functions above need of it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise SystemExit(f"error: this script builds the plan's model, data and loss with gpipe-plan, which this "
+                         f"Python cannot import ({{exc}}): install it (pip install -e PATH_TO_GPIPE_PLAN), or replace "
+                         f"build_layers(), batches() and loss_fn() with your own") from None
 
 
 class ChunkModule(nn.Module):
@@ -187,9 +225,14 @@ def main():
     if world != {stages}:
         raise SystemExit(f"this plan has {stages} stages: start it with torchrun --nproc-per-node {stages}")
     torch.manual_seed(args.seed)
-    layers, model = build_layers(args.seed)
+    try:
+        layers, model = build_layers(args.seed)
+        data = batches(model, args.seed)
+    except Exception as exc:
+        if type(exc).__name__ != "BadInput":   # gpipe-plan's one-line errors: a module it cannot import, ...
+            raise
+        raise SystemExit(f"error: {{exc}}") from None
     by_name = dict(layers)
-    data = batches(model, args.seed)
     loss = loss_fn(model)
     inputs, _ = data.batch(0)
     first_input = tuple(x[:MICRO_BATCH_SIZE] for x in inputs)

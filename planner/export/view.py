@@ -83,8 +83,10 @@ class PlanView:
     def placement_note(self, target: str) -> str | None:
         """What a target that numbers a stage's replicas consecutively (torchtitan's, Megatron's and
         DeepSpeed's default rank order: data-inner) changes of a plan placed otherwise across
-        nodes; None when nothing changes (one node, one replica, or the plan's order is theirs)."""
-        if self.data_parallel == 1 or self.nodes == 1 or self.placement_order == "data-inner":
+        nodes; None when nothing changes (one node, one replica, the plan's order is theirs, or
+        one stage: no pipeline sends to move, whatever order a plan of format 6 named)."""
+        if self.data_parallel == 1 or self.nodes == 1 or self.stages == 1 or \
+                self.placement_order in ("data-inner", "data-only"):
             return None
         return (f"{target} orders ranks data-inner (a stage's replicas on consecutive ranks); the plan placed "
                 f"them {self.placement_order} over {self.nodes} nodes so that the pipeline's sends stay in a node: "

@@ -1,0 +1,322 @@
+"""Fidelity: does what ``solve`` picks run fastest, and does every plan run as predicted?
+
+    python -m bench fidelity                                   # gpt, resnet, llama; K = 2 and 4; 3 rounds
+    python -m bench fidelity --models gpt --stages 2 --rounds 2 --steps 10     # a quick look
+    python -m bench fidelity --from-json docs/benchmarks/data/fidelity.json     # re-render
+
+For each model (the built-in ``gpt`` and ``resnet``, and a Hugging Face Llama from a small
+config, :func:`make_llama`), one profile (``gpipe-plan profile``, fixed costs measured: its
+wall time and what the fixed-cost measurement added are reported) and, for each K, the plans:
+every schedule's best (``solve -k K --schedule S``, M chosen by ``solve``), the default plan
+(``solve -k K``: every schedule and M), and the default the planner picked *without* the
+fixed costs (the same profile less its ``fixed_costs``: the choice before them). Each plan
+runs ``--steps`` steps (``gpipe-plan run``, the median step after the first), all plans once
+per round, the order reversed every other round, so that the host's drift lands on all alike;
+each run records the cores other processes used meanwhile.
+
+Per cell: measured / predicted; per model and K: the default plan's measured step against the
+fastest measured plan's. One profile per model serves every K (its neighbours' slowdown measured
+with as many processes as the host runs at once, ``profile``'s default). With K = 4 the 4 ranks
+share this machine's 2 cores: the plans are predicted on shared cores (planner/timeshare.py,
+docs/planner.md "More ranks than cores"), and the section gives their figures apart from those of
+K = 2, where each rank has a core, as well as together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from gpipe_plan.artifacts import file_sha256
+from gpipe_plan.hostload import busy_phases, busy_profile_text
+from gpipe_plan.schedules import label
+
+from .common import (BENCH_ENV, GPIPE_PLAN, ROOT, Ledger, measured_or_saved, publish, read_json, rng, run_plan,
+                     scatter_svg, table, write_svg)
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+GLOBAL_BATCH = 16
+SIZES = "2,4,8"
+LLAMA_SEQ, LLAMA_VOCAB = 64, 256
+
+
+def make_llama() -> Any:
+    """A small Llama (RMSNorm, rotary positions, SwiGLU, grouped-query attention), no download:
+    4 blocks of width 128, about the built-in gpt's size."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_hidden_layers=4, hidden_size=128, intermediate_size=344, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=LLAMA_VOCAB, max_position_embeddings=LLAMA_SEQ,
+                         use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return LlamaForCausalLM(config)
+
+
+MODELS: dict[str, list[str]] = {
+    "gpt": ["gpt"],
+    "resnet": ["resnet"],
+    "llama": ["bench.fidelity:make_llama", "--input-shape", str(LLAMA_SEQ), "--vocab-size", str(LLAMA_VOCAB),
+              "--loss", "lm"],
+}
+# A user model's factory is imported by name: the ranks and the profiler must find ``bench``.
+ENV = dict(BENCH_ENV, PYTHONPATH=str(ROOT) + os.pathsep + BENCH_ENV.get("PYTHONPATH", ""))
+
+
+def gpipe_plan(*args: object, timeout: float = 1800) -> subprocess.CompletedProcess:
+    cmd = [GPIPE_PLAN, *(str(a) for a in args)]
+    done = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return done
+
+
+def measure(models: list[str], stages: list[int], rounds: int, steps: int, ledger: Ledger,
+            keep: Path | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"global_batch_size": GLOBAL_BATCH, "micro_batch_sizes": SIZES, "rounds": rounds,
+                           "steps": steps, "models": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = keep or Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        for model in models:
+            out["models"][model] = {}
+            profile, profile_s = measure_profile(model, folder)
+            for K in stages:
+                out["models"][model][str(K)] = measure_cell(model, K, rounds, steps, ledger, folder, profile,
+                                                            profile_s if K == stages[0] else None)
+    return out
+
+
+def measure_profile(model: str, folder: Path) -> tuple[Path, float | None]:
+    """The model's one profile, and the seconds it took (None: a --keep folder's, reused)."""
+    profile = folder / f"{model}.profile.json"
+    if profile.exists():
+        return profile, None
+    started = time.monotonic()
+    gpipe_plan("profile", *MODELS[model], "--micro-batch-sizes", SIZES, "--global-batch-size", GLOBAL_BATCH,
+               "--out", profile, "-q")
+    return profile, time.monotonic() - started
+
+
+def measure_cell(model: str, K: int, rounds: int, steps: int, ledger: Ledger, folder: Path, profile: Path,
+                 profile_s: float | None) -> dict[str, Any]:
+    """One model at K stages: its plans from the model's profile, their runs."""
+    doc = read_json(profile)
+    without = folder / f"{model}-k{K}.without-fixed-costs.profile.json"
+    without.write_text(json.dumps({k: v for k, v in doc.items() if k != "fixed_costs"}))
+    plans: dict[str, Path] = {}
+    cannot: dict[str, str] = {}
+    for name, source, extra in ([(s, profile, ["--schedule", s]) for s in SCHEDULES]
+                                + [("default", profile, []), ("default without fixed costs", without, [])]):
+        plan = folder / f"{model}-k{K}-{name.replace(' ', '-')}.plan.json"
+        try:
+            gpipe_plan("solve", source, "-k", K, *extra, "--out", plan, "-q")
+        except RuntimeError as exc:     # a schedule this model cannot run on K stages (too few layers)
+            cannot[name] = str(exc).strip().splitlines()[-1].removeprefix("error: ")
+            continue
+        plans[name] = plan
+    docs = {name: read_json(path) for name, path in plans.items()}
+    # Identical plans (the default is often one schedule's best) run once.
+    unique: dict[str, str] = {}
+    for name, d in docs.items():
+        unique.setdefault(_shape(d), name)
+    runs_of = list(dict.fromkeys(unique.values()))
+    measured: dict[str, list[float]] = {name: [] for name in runs_of}
+    others: list[float] = []
+    for r in range(rounds):
+        for name in (runs_of if r % 2 == 0 else list(reversed(runs_of))):
+            path = folder / f"{model}-k{K}-{name.replace(' ', '-')}.r{r}.report.json"
+            if path.exists() and read_json(path).get("plan", {}).get("sha256") == file_sha256(str(plans[name])):
+                measured[name].append(read_json(path)["measured_step_s"])     # an interrupted run's
+                continue
+            report = run_plan(plans[name], steps, ledger=ledger, env_path=str(ROOT), report=path)
+            measured[name].append(report["measured_step_s"])
+            others.append(report["_others_cores"])
+    fixed = doc.get("fixed_costs") or {}
+    return {
+        "profile_s": profile_s,
+        "fixed_costs": fixed,
+        "contention": (doc.get("contention") or {}).get("slowdown"),
+        "contention_processes": (doc.get("contention") or {}).get("processes"),
+        "cores": (doc.get("device") or {}).get("cores"),
+        "profile_host_load": doc.get("host_load"),
+        "plans": {name: {"schedule": d["schedule"], "virtual_stages": d.get("virtual_stages", 1),
+                         "micro_batches": d["micro_batches"], "balance": d["balance"],
+                         "predicted_step_s": d["predicted"]["step_s"],
+                         "dedicated_step_s": d["predicted"].get("dedicated_step_s"),
+                         "concurrent_ranks": (d.get("options") or {}).get("concurrent_ranks"),
+                         "same_as": unique[_shape(d)]}
+                  for name, d in docs.items()},
+        "measured_step_s": measured,
+        "others_cores": others,
+        "cannot_run": cannot,
+    }
+
+
+def _shape(plan: dict[str, Any]) -> str:
+    """What makes two plans run alike: schedule, chunks per stage, M, balance, recomputation."""
+    return json.dumps([plan["schedule"], plan.get("virtual_stages", 1), plan["micro_batches"], plan["balance"],
+                       [c.get("recompute") for c in plan.get("chunks", [])]])
+
+
+# ---------------------------------------------------------------------------- the section
+def cells(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every (model, K, plan) measured: predicted, measured (median over rounds), their ratio."""
+    out = []
+    for model, by_k in data["models"].items():
+        for K, cell in by_k.items():
+            for name, plan in cell["plans"].items():
+                runs = cell["measured_step_s"][plan["same_as"]]
+                measured = statistics.median(runs)
+                out.append({"model": model, "K": int(K), "plan": name, "schedule": plan["schedule"],
+                            "virtual_stages": plan["virtual_stages"], "M": plan["micro_batches"],
+                            "balance": plan["balance"], "predicted": plan["predicted_step_s"], "measured": measured,
+                            "runs": runs, "ratio": measured / plan["predicted_step_s"], "same_as": plan["same_as"],
+                            "dedicated": plan.get("dedicated_step_s")})
+    return out
+
+
+def summary(data: dict[str, Any], K: int | None = None) -> dict[str, Any]:
+    """The figures the targets are about (of every K, or of one): over the plans (the two
+    defaults counted where they are another cell's plan only once, and the default without fixed
+    costs left out: it is the old model's prediction of its own plan), the median and worst
+    |measured / predicted - 1|; per model and K, the default's measured step against the
+    fastest measured plan's."""
+    rows = [c for c in cells(data) if K is None or c["K"] == K]
+    scored = [c for c in rows if c["plan"] != "default without fixed costs" and c["same_as"] == c["plan"]]
+    errors = [abs(c["ratio"] - 1) for c in scored]
+    defaults = []
+    for model, by_k in data["models"].items():
+        for k, cell in by_k.items():
+            if K is not None and int(k) != K:
+                continue
+            med_of = {name: statistics.median(v) for name, v in cell["measured_step_s"].items()}
+            fastest = min(med_of, key=med_of.get)
+            default = med_of[cell["plans"]["default"]["same_as"]]
+            old = med_of[cell["plans"]["default without fixed costs"]["same_as"]]
+            defaults.append({"model": model, "K": int(k), "fastest": fastest, "fastest_s": med_of[fastest],
+                             "default_s": default, "default_vs_fastest": default / med_of[fastest],
+                             "old_default_s": old, "old_default_vs_fastest": old / med_of[fastest]})
+    ratios = [c["ratio"] for c in scored]
+    return {"median_error": statistics.median(errors) if errors else None,
+            "worst_error": max(errors) if errors else None, "cells": len(scored), "defaults": defaults,
+            "median_ratio": statistics.median(ratios) if ratios else None,
+            "ratio_range": (min(ratios), max(ratios)) if ratios else None,
+            "within": sum(1 for d in defaults if d["default_vs_fastest"] <= 1.05),
+            "old_within": sum(1 for d in defaults if d["old_default_vs_fastest"] <= 1.05)}
+
+
+def _plan_label(c: dict[str, Any]) -> str:
+    return f"{label(c['schedule'], c['virtual_stages'])}, M={c['M']}"
+
+
+def _targets(s: dict[str, Any]) -> str:
+    """One sentence: the targets met or missed by the figures of :func:`summary`."""
+    return (f"median |measured / predicted - 1| = {s['median_error']:.1%} ({'met' if s['median_error'] <= 0.10 else 'missed'}"
+            f"), worst {s['worst_error']:.1%} ({'met' if s['worst_error'] <= 0.20 else 'missed'}) over {s['cells']} "
+            f"plans, measured / predicted {s['median_ratio']:.2f} in the median ({s['ratio_range'][0]:.2f}.."
+            f"{s['ratio_range'][1]:.2f}); the default within 5% of the fastest in {s['within']} of "
+            f"{len(s['defaults'])} (the default without the fixed costs: {s['old_within']})")
+
+
+def _time_shared(data: dict[str, Any], K: int) -> bool:
+    return any(p.get("concurrent_ranks") for ks in data["models"].values() for k, cell in ks.items()
+               if int(k) == K for p in cell["plans"].values())
+
+
+def render(data: dict[str, Any]) -> str:
+    rows = cells(data)
+    s = summary(data)
+    text = [f"{data['machine']}; revision {data['revision']}. {data['ledger']}\n",
+            f"Global batch {data['global_batch_size']}, profiled at micro-batch sizes {data['micro_batch_sizes']}; "
+            f"{data['rounds']} rounds of {data['steps']} steps per plan, the plans interleaved within each round "
+            "(measured: the median over rounds of each run's median step after the first).\n"]
+    if s["median_error"] is not None:
+        text.append("Targets: median |measured / predicted - 1| <= 10%, worst <= 20%, the default within 5% of the "
+                    "fastest measured in every model and K.\n")
+        text.append(f"**All plans: {_targets(s)}.**\n")
+        for K in sorted({c["K"] for c in rows}):
+            shared = _time_shared(data, K)
+            what = (f"{K} ranks on fewer cores, predicted on shared cores (docs/planner.md, \"More ranks than cores\")"
+                    if shared else "each rank predicted as if it had its cores")
+            text.append(f"**K = {K}** ({what}): {_targets(summary(data, K))}.\n")
+        text.append("The neighbours' slowdown each profile measured: " + ", ".join(
+            f"{m} K={K} {cell['contention']:.2f}" + (f" ({cell['contention_processes']} processes)"
+                                                     if cell.get("contention_processes") else "")
+            for m, ks in data["models"].items() for K, cell in ks.items()) + ".\n")
+    if data.get("note"):
+        text.append(f"Note: {data['note']}.\n")
+    text.append(table(["model", "K", "fastest measured", "default plan", "default / fastest",
+                       "default without fixed costs", "its / fastest"],
+                      [[d["model"], d["K"], f"{d['fastest']} ({d['fastest_s'] * 1e3:.1f} ms)",
+                        f"{d['default_s'] * 1e3:.1f} ms", f"{d['default_vs_fastest']:.3f}",
+                        f"{d['old_default_s'] * 1e3:.1f} ms", f"{d['old_default_vs_fastest']:.3f}"]
+                       for d in s["defaults"]]))
+    text.append("")
+    for model, by_k in data["models"].items():
+        for K, cell in by_k.items():
+            fixed = cell["fixed_costs"]
+            text.append(f"\n### {model}, K = {K}\n")
+            if fixed:
+                spread = fixed.get("spread") or {}
+                figures = ", ".join(f"{key.removesuffix('_s').replace('_', ' ')} {fixed[key] * 1e6:.0f} "
+                                    f"± {spread.get(key, 0) * 1e6:.0f} µs"
+                                    for key in ("forward_s", "backward_s", "backward_input_s", "backward_weight_s",
+                                                "send_s", "receive_s", "between_actions_s"))
+                took = f"{cell['profile_s']:.0f} s" if cell.get("profile_s") else "the same profile as above"
+                busy = busy_phases(cell.get("profile_host_load"))
+                text.append(f"Profile: {took}, of which the fixed costs {fixed.get('seconds', 0):.0f} s "
+                            f"({fixed.get('executor')} executor, {fixed.get('backend')}, micro-batch "
+                            f"{fixed.get('micro_batch_size')}); neighbours' slowdown {cell['contention']:.2f}; "
+                            f"{'busy host: ' + busy_profile_text(busy) if busy else 'no busy phase'}. "
+                            f"Fixed costs: {figures}.\n")
+            for name, why in (cell.get("cannot_run") or {}).items():
+                text.append(f"{name}: not run ({why}).\n")
+            mine = [c for c in rows if c["model"] == model and c["K"] == int(K)]
+            shared = any(c.get("dedicated") for c in mine)
+            text.append(table(["plan", "schedule, M", "balance", "predicted ms"]
+                              + (["a core each ms"] if shared else []) + ["measured ms", "rounds",
+                                                                          "measured / predicted"],
+                              [[c["plan"] + ("" if c["same_as"] == c["plan"] else f" (= {c['same_as']})"),
+                                _plan_label(c), " ".join(map(str, c["balance"])), f"{c['predicted'] * 1e3:.1f}"]
+                               + ([f"{c['dedicated'] * 1e3:.1f}" if c.get("dedicated") else "-"] if shared else [])
+                               + [f"{c['measured'] * 1e3:.1f}", rng([r * 1e3 for r in c["runs"]], "{:.1f}"),
+                                  f"{c['ratio']:.3f}"] for c in mine]))
+    text.append("\n![predicted vs measured](benchmarks/fidelity.svg)\n")
+    return "\n".join(text) + "\n"
+
+
+def picture(data: dict[str, Any]) -> str:
+    series: dict[str, list[tuple[float, float]]] = {}
+    for c in cells(data):
+        if c["same_as"] == c["plan"] or c["plan"] == "default without fixed costs":
+            key = f"{c['model']} K={c['K']}" + (" (old default)" if c["plan"] == "default without fixed costs" else "")
+            series.setdefault(key, []).append((c["predicted"], c["measured"]))
+    return scatter_svg("Fidelity: measured against predicted step", series, "predicted step", "measured step")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench fidelity", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="gpt,resnet,llama")
+    parser.add_argument("--stages", default="2,4")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--keep", type=Path, default=None, help="keep profiles, plans and reports in this folder")
+    parser.add_argument("--from-json", type=Path, default=None, help="re-render from a saved fidelity.json")
+    args = parser.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        parser.error(f"unknown model {unknown[0]!r}; choose from {', '.join(MODELS)}")
+    stages = [int(k) for k in args.stages.split(",")]
+    data = measured_or_saved("fidelity", args, lambda ledger: measure(models, stages, args.rounds, args.steps,
+                                                                      ledger, args.keep))
+    write_svg("fidelity.svg", picture(data))
+    publish("fidelity", "## Fidelity: the default plan against the fastest, and every plan against its prediction\n\n"
+            + render(data))
+

@@ -1,0 +1,450 @@
+"""The runtime's fixed costs, measured with a short real pipeline: the profile's ``fixed_costs``.
+
+The planner charges every action a fixed cost of its kind and every message between stages
+one more (planner/fixedcosts.py says what they are and where they are charged). They are the
+runtime's own work, so they are measured by running it: two processes, the backend and the
+executor ``run`` uses (gloo and the native executor on a CPU; NCCL and torch's executor on
+CUDA), the model's own layers, and the very action lists the planner simulates, at several
+chunk counts:
+
+    1f1b and zb-h1 (2 chunks), interleaved v=2 and zb-v (4 chunks), interleaved v=3 (6 chunks)
+
+on K = 2 stages with M = 4 micro-batches, at the profile's middle micro-batch size. With a
+few layers (the whole model when it has at most :data:`MAX_LAYERS`, else the cheapest run of
+that many), these runs differ in how many actions and messages the same work is cut into,
+which is what separates the fixed costs from the layers' own time. The runtime times every
+action as a span (runtime/timing.py: wall time on a CPU, CUDA events on a GPU), here as in a
+run, since what the planner predicts is the run's wall-clock step: a send that makes its
+sender wait for the socket, a wake-up after a receive, land in these figures as they land in a
+run (timed on the thread's CPU time instead, as the profile times the layers, they came out
+near zero on the development VM while a run's spans took 0.5 ms more per block than profiled;
+docs/benchmarks/fidelity.md). The fit (:func:`fit_fixed_costs`) is:
+
+- per action kind and sending, by least squares over every (run, chunk, kind): the span's
+  median less what the profile says its layers take (scaled by the neighbours' slowdown,
+  ``contention``, which is charged on layer times already and so not counted twice):
+  ``span - layers = kind's fixed cost + sends x send_s``, never below 0;
+- between actions: the time a step's spans leave uncovered (the executor's loop, Python's
+  own cost per call) per interval between two actions, the median over steps;
+- per receive: what is left of each run's step, fitted by the planner's own simulator
+  (the planner's cost model on these layers and cuts, with the figures above): the one value
+  that makes the predicted steps of all runs match the measured ones best (least squares in
+  the logarithm of their ratio), since a receive's cost (waiting on a message that has landed,
+  posting the next) shows on the critical path, not in a span of its own.
+
+The spread of each figure is that of the same fit on each measured step alone (its IQR /
+1.349), and each run's measured / predicted step is recorded (``configurations``): how well
+the fitted model explains the very runs it came from.
+
+It takes seconds: the processes start once and run every configuration in turn.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from ..models.precision import Precision
+from ..schedules import all_actions, chunks_per_stage, stage_of_chunk
+from .spawn import run_workers
+
+# What the probe pipeline runs: K = 2 stages, M = 4 micro-batches (interleaved needs M to be a
+# multiple of its rounds of K), at most MAX_LAYERS of the model's layers, these schedules.
+STAGES = 2
+MICRO_BATCHES = 4
+MAX_LAYERS = 6
+CONFIGURATIONS = (("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("zb-v", 1), ("interleaved", 3))
+WARMUP_STEPS = 3
+MEASURED_STEPS = 8
+# The receive figure is searched in [0, this]: far above what a message costs on any machine.
+MAX_RECEIVE_S = 0.05
+IQR_PER_SIGMA = 1.349
+KINDS = ("forward", "backward", "backward_input", "backward_weight")
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One run of the probe pipeline: a schedule and the cut of the window into its chunks."""
+
+    schedule: str
+    virtual_stages: int
+    bounds: tuple[int, ...]        # chunk boundaries within the window: 0 = b0 < ... < bC = layers
+
+    @property
+    def chunks(self) -> int:
+        return len(self.bounds) - 1
+
+
+def probes(layers: int) -> list[Probe]:
+    """The runs for a window of ``layers`` layers: each configuration whose chunks have a layer
+    each, cut into chunks of (nearly) equal layer counts."""
+    out = []
+    for schedule, v in CONFIGURATIONS:
+        C = STAGES * chunks_per_stage(schedule, v)
+        if C <= layers:
+            out.append(Probe(schedule, v, tuple(c * layers // C for c in range(C + 1))))
+    return out
+
+
+def window(doc: dict[str, Any], size_index: int) -> tuple[int, int]:
+    """The layers [first, end) the probe runs: the whole model when it has at most
+    :data:`MAX_LAYERS` layers, else the run of that many whose forward and backward take least
+    (the cheapest: the probe stays short whatever the model; the first layer's inputs are then
+    activations, made by running the layers before it once)."""
+    L = len(doc["layers"])
+    n = min(L, MAX_LAYERS)
+    work = [layer["forward_s"][size_index] + layer["backward_s"][size_index] for layer in doc["layers"]]
+    first = min(range(L - n + 1), key=lambda a: (sum(work[a:a + n]), a))
+    return first, first + n
+
+
+def measure_fixed_costs(spec: dict[str, Any], doc: dict[str, Any], threads: int = 1, seed: int = 0,
+                        precision: Precision | None = None, device: torch.device | None = None,
+                        timeout_s: float = 300.0) -> dict[str, Any]:
+    """The profile's ``fixed_costs``: the probe pipeline run, and :func:`fit_fixed_costs` on it.
+
+    ``doc`` is the profile measured so far (its layers' times, ``contention``, ``link``)."""
+    started = time.perf_counter()
+    device = device or torch.device("cpu")
+    sizes = doc["micro_batch_sizes"]
+    size_index = len(sizes) // 2
+    first, end = window(doc, size_index)
+    runs = probes(end - first)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    executor = "torch" if device.type == "cuda" else "native"
+    returned = run_workers(_worker, STAGES, (_free_port(), spec, seed, precision or Precision(), threads,
+                                             (first, end), sizes[size_index], runs, backend, executor,
+                                             device.index or 0), timeout_s,
+                           "timing the runtime's fixed costs in a 2-process pipeline")
+    if len(returned) != STAGES:
+        raise RuntimeError(f"{STAGES - len(returned)} of the {STAGES} processes timing the fixed costs returned nothing")
+    measured = [ProbeRun.merge(p, [r[1][i] for r in sorted(returned, key=lambda r: r[0])]) for i, p in enumerate(runs)]
+    fixed = fit_fixed_costs(doc, (first, end), size_index, measured)
+    fixed.update(executor=executor, backend=backend, processes=STAGES, threads_per_process=threads,
+                 micro_batch_size=sizes[size_index], layers=[layer["name"] for layer in doc["layers"][first:end]],
+                 seconds=time.perf_counter() - started)
+    return fixed
+
+
+@dataclass
+class ProbeRun:
+    """What one probe run measured: per measured step, each rank's step time and its spans
+    ``(step, kind, chunk, start_s, end_s)``."""
+
+    probe: Probe
+    step_s: list[list[float]]                       # [rank][step]
+    spans: list[list[tuple[int, str, int, float, float]]]   # [rank][...]
+
+    @classmethod
+    def merge(cls, probe: Probe, per_rank: list[dict[str, Any]]) -> "ProbeRun":
+        return cls(probe, [r["step_s"] for r in per_rank], [[tuple(s) for s in r["spans"]] for r in per_rank])
+
+    def steps(self) -> list[int]:
+        return sorted({s[0] for spans in self.spans for s in spans})
+
+    def measured_step_s(self, step: int | None = None) -> float:
+        """The step as the slowest rank saw it (the median over steps, or one step's)."""
+        per_step = [max(times[i] for times in self.step_s) for i in range(len(self.step_s[0]))]
+        return statistics.median(per_step) if step is None else per_step[step]
+
+
+# ---------------------------------------------------------------------------- the fit
+def fit_fixed_costs(doc: dict[str, Any], layers: tuple[int, int], size_index: int,
+                    runs: Sequence[ProbeRun]) -> dict[str, Any]:
+    """The fixed costs that explain ``runs`` (see the module docstring), with their spread."""
+    from ..planner.fixedcosts import FixedCosts
+
+    models = [_ProbeModel(doc, layers, size_index, run.probe) for run in runs]
+    whole = _fit(models, runs, None)
+    per_step = [_fit(models, runs, step) for step in runs[0].steps()]
+    spread = {key: _spread([fit[key] for fit in per_step]) for key in whole}
+    configurations = []
+    charged = FixedCosts(**{k: v for k, v in whole.items() if k != "between_actions_s"})
+    for model, run in zip(models, runs):
+        predicted = model.step_s(charged, whole["between_actions_s"])
+        configurations.append({"schedule": run.probe.schedule, "virtual_stages": run.probe.virtual_stages,
+                               "chunks": run.probe.chunks, "micro_batches": MICRO_BATCHES,
+                               "measured_step_s": run.measured_step_s(), "predicted_step_s": predicted})
+    return {**whole, "spread": spread, "compute_scale": models[0].scale, "configurations": configurations}
+
+
+def _spread(values: list[float]) -> float:
+    if len(values) < 4:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return max(0.0, (q3 - q1) / IQR_PER_SIGMA)
+
+
+def _fit(models: Sequence["_ProbeModel"], runs: Sequence[ProbeRun], step: int | None) -> dict[str, float]:
+    """The figures from every run's spans (of one measured step, or all of them)."""
+    from ..planner.fixedcosts import FixedCosts
+
+    rows: list[tuple[list[float], float, float]] = []      # (regressors, residual, weight)
+    gaps: list[float] = []
+    for model, run in zip(models, runs):
+        for rank, spans in enumerate(run.spans):
+            mine = [s for s in spans if step is None or s[0] == step]
+            gaps.extend(_gaps_per_action(mine))
+            by_action: dict[tuple[str, int], list[float]] = {}
+            for _, kind, chunk, start, end in mine:
+                if kind in KINDS:
+                    by_action.setdefault((kind, chunk), []).append(end - start)
+            for (kind, chunk), durations in by_action.items():
+                if kind == "backward_input" and chunk == 0:
+                    continue           # chunk 0's I does nothing (torch runs none there)
+                regressors = [float(kind == k) for k in KINDS] + [float(model.sends(kind, chunk))]
+                rows.append((regressors, statistics.median(durations) - model.layers_s(kind, chunk), len(durations)))
+    kinds = _nonnegative_least_squares(rows, len(KINDS) + 1)
+    between = statistics.median(gaps) if gaps else 0.0
+    partial = FixedCosts(*kinds)
+
+    def misfit(receive: float) -> float:
+        costs = FixedCosts(*kinds[:5], receive_s=receive)
+        return sum(math.log(model.step_s(costs, between) / run.measured_step_s(step)) ** 2
+                   for model, run in zip(models, runs) if run.measured_step_s(step) > 0)
+
+    receive = _golden_minimum(misfit, 0.0, MAX_RECEIVE_S)
+    return {"forward_s": partial.forward_s, "backward_s": partial.backward_s,
+            "backward_input_s": partial.backward_input_s, "backward_weight_s": partial.backward_weight_s,
+            "send_s": partial.send_s, "receive_s": receive, "between_actions_s": between}
+
+
+def _gaps_per_action(spans: Sequence[tuple[int, str, int, float, float]]) -> list[float]:
+    """Per step: the time between its first and last span that no span covers, per interval
+    between two actions (n actions leave n - 1 of them between the first and the last)."""
+    out = []
+    for step in sorted({s[0] for s in spans}):
+        mine = sorted((s for s in spans if s[0] == step), key=lambda s: s[3])
+        actions = sum(1 for s in mine if s[1] in KINDS)
+        if actions < 2:
+            continue
+        uncovered, reached = 0.0, mine[0][3]
+        for s in mine:
+            if s[3] > reached:
+                uncovered += s[3] - reached
+            reached = max(reached, s[4])
+        out.append(uncovered / (actions - 1))
+    return out
+
+
+def _nonnegative_least_squares(rows: list[tuple[list[float], float, float]], n: int) -> list[float]:
+    """Weighted least squares with every coefficient >= 0 (an unknown the data do not reach is 0):
+    solve, pin the most negative coefficient at 0, solve again, until none is negative."""
+    free = list(range(n))
+    while True:
+        coefficients = [0.0] * n
+        used = [j for j in free if any(r[0][j] for r in rows)]
+        if used:
+            a = torch.tensor([[r[0][j] * math.sqrt(r[2]) for j in used] for r in rows], dtype=torch.float64)
+            b = torch.tensor([[r[1] * math.sqrt(r[2])] for r in rows], dtype=torch.float64)
+            solution = torch.linalg.lstsq(a, b).solution.flatten().tolist()
+            for j, value in zip(used, solution):
+                coefficients[j] = value
+        worst = min(free, key=lambda j: coefficients[j], default=None)
+        if worst is None or coefficients[worst] >= 0:
+            return [max(0.0, c) for c in coefficients]
+        free.remove(worst)
+
+
+def _golden_minimum(f, lo: float, hi: float, iterations: int = 60) -> float:
+    """The argmin of a unimodal ``f`` on [lo, hi], by golden-section search."""
+    ratio = (math.sqrt(5) - 1) / 2
+    a, b = lo, hi
+    c, d = b - ratio * (b - a), a + ratio * (b - a)
+    fc, fd = f(c), f(d)
+    for _ in range(iterations):
+        if fc <= fd:
+            b, d, fd = d, c, fc
+            c = b - ratio * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + ratio * (b - a)
+            fd = f(d)
+    best = min((a, f(a)), (b, f(b)), ((a + b) / 2, f((a + b) / 2)), key=lambda p: p[1])
+    return best[0] if f(lo) > best[1] else lo
+
+
+class _ProbeModel:
+    """The planner's cost model of one probe run: its window's layers as a profile of their own,
+    cut as the run cut them, on K = 2 stages with the profile's neighbour slowdown and link."""
+
+    def __init__(self, doc: dict[str, Any], layers: tuple[int, int], size_index: int, probe: Probe) -> None:
+        from dataclasses import replace
+
+        from ..planner.costmodel import CostModel
+        from ..planner.profile import Profile
+        from ..planner.search import cost_setting
+
+        first, end = layers
+        sub = {key: value for key, value in doc.items()
+               if key not in ("tied_parameters", "overhead", "fixed_costs", "calibration")}
+        sub["layers"] = doc["layers"][first:end]
+        if first > 0:
+            sub["input_bytes"] = doc["layers"][first - 1]["output_bytes"]
+        self.profile = Profile(sub, "the probe's layers")
+        self.probe = probe
+        self.size = doc["micro_batch_sizes"][size_index]
+        link = self.profile.link_bandwidth_bytes_per_s
+        # What a plan of this run would be charged besides its layers (the neighbours' slowdown,
+        # the link, shared cores on a host of one), with the fixed costs being fitted.
+        charged = cost_setting(self.profile, stages=STAGES, micro_batches=MICRO_BATCHES, schedule=probe.schedule,
+                               virtual_stages=probe.virtual_stages, recompute="never", memory_limit_bytes=None,
+                               link_bandwidth_bytes_per_s=link or math.inf,
+                               link_latency_s=self.profile.link_latency_s if link else 0.0, optimizer="adam")
+        self.scale = charged.compute_scale
+        self._setting = lambda fixed, overhead: replace(charged, overhead_s=overhead, fixed_costs=fixed)
+        self._cost_model = CostModel
+        self.bare = CostModel(self.profile.at(self.size), self._setting(_zero(), 0.0))
+        self._layer_times = {c: self.bare.chunk_times(c, probe.bounds[c], probe.bounds[c + 1], False)
+                             for c in range(probe.chunks)}
+
+    def layers_s(self, kind: str, chunk: int) -> float:
+        """What chunk's ``kind`` action takes by the profile's layers (scaled for the neighbour)."""
+        f, b, i, w = self._layer_times[chunk]
+        return {"forward": f, "backward": b, "backward_input": i, "backward_weight": w}[kind]
+
+    def sends(self, kind: str, chunk: int) -> bool:
+        """Whether that action sends a message to another stage."""
+        m = self.bare.messages[chunk]
+        return bool(m.forward_sends if kind == "forward" else m.backward_sends if kind != "backward_weight" else 0)
+
+    def step_s(self, fixed: Any, between_s: float) -> float:
+        """The planner's makespan of this run with these fixed costs (the probe runs no optimizer)."""
+        from ..planner.objective import evaluate
+
+        cm = self._cost_model(self.profile.at(self.size), self._setting(fixed, between_s))
+        return evaluate(cm, self.probe.bounds, [False] * STAGES).makespan_s
+
+
+def _zero():
+    from ..planner.fixedcosts import FixedCosts
+
+    return FixedCosts()
+
+
+# ---------------------------------------------------------------------------- the processes
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, port: int, spec: dict[str, Any], seed: int, precision: Precision, threads: int,
+            layers: tuple[int, int], size: int, runs: list[Probe], backend: str, executor: str, gpu: int,
+            results: Any) -> None:
+    """One stage of the probe pipeline: every run in turn, its spans and step times to ``results``."""
+    import torch.distributed as dist
+
+    from ..models import build_model, forward_streamed, materialize_layers
+    from ..runtime.stage import Chunk, ChunkModule, TensorMeta
+    from ..runtime.timing import SpanRecorder
+
+    torch.set_num_threads(threads)
+    if backend == "gloo" and "lo" in {name for _, name in socket.if_nameindex()}:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")    # this machine: loopback, as `run` talks
+    device = torch.device("cuda", (gpu + rank) % max(1, torch.cuda.device_count())) if backend == "nccl" \
+        else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=STAGES)
+    try:
+        model = build_model(spec, seed=seed, materialize=())
+        precision.cast(model)
+        first, end = layers
+        inputs, targets = model.synthetic_batch(MICRO_BATCHES * size, torch.Generator().manual_seed(seed))
+        with torch.no_grad(), precision.autocast("cpu"):
+            inputs = forward_streamed(model, inputs, range(first))      # the window's inputs: the model's, or
+        materialize_layers(model, range(first, end))                    # activations from the layers before
+        for _, layer in model.layers[first:end]:
+            layer.to(device)
+        inputs = tuple(x.to(device) for x in inputs)
+        targets = targets.to(device)
+        last = end == len(model.layers)
+        metas = _cut_metas(model, (first, end), tuple(x[:size] for x in inputs), precision, device, TensorMeta)
+        loss_fn = model.loss if last else _synthetic_loss
+        out = []
+        for probe in runs:
+            out.append(_run(rank, probe, model, first, metas, inputs, targets, loss_fn, precision, device, executor,
+                            Chunk, ChunkModule, SpanRecorder))
+        results.put((rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+def _synthetic_loss(outputs: tuple[torch.Tensor, ...], targets: torch.Tensor) -> torch.Tensor:
+    """A window that stops before the model's end: the mean of its floating outputs, as a loss."""
+    return sum(o.float().mean() for o in outputs if o.is_floating_point())
+
+
+def _cut_metas(model: Any, layers: tuple[int, int], xs: tuple[torch.Tensor, ...], precision: Precision,
+               device: torch.device, meta_type: Any) -> list[tuple[Any, ...]]:
+    """The tensors entering each layer of the window at one micro-batch (the last: its output)."""
+    first, end = layers
+    metas = []
+    with torch.no_grad(), precision.autocast(device.type):
+        for i in range(first, end):
+            metas.append(tuple(meta_type(tuple(x.shape), x.dtype) for x in xs))
+            xs = model.layers[i][1](*xs)
+    metas.append(tuple(meta_type(tuple(x.shape), x.dtype) for x in xs))
+    return metas
+
+
+def _run(rank: int, probe: Probe, model: Any, first: int, metas: list, inputs: tuple[torch.Tensor, ...],
+         targets: torch.Tensor, loss_fn: Any, precision: Precision, device: torch.device, executor: str,
+         Chunk: Any, ChunkModule: Any, SpanRecorder: Any) -> dict[str, Any]:
+    """One probe run on this rank: warm-up steps, then measured steps, each after a barrier."""
+    import torch.distributed as dist
+
+    C = probe.chunks
+    chunks = []
+    for c in range(C):
+        if stage_of_chunk(probe.schedule, c, STAGES) != rank:
+            continue
+        s, e = probe.bounds[c], probe.bounds[c + 1]
+        layers = [model.layers[first + i] for i in range(s, e)]
+        module = ChunkModule(layers, autocast=lambda: precision.autocast(device.type))
+        chunks.append(Chunk(index=c, num_chunks=C, stage=rank, module=module, input_meta=metas[s],
+                            output_meta=metas[e], global_to_local={}, unowned={}))
+    actions = all_actions(probe.schedule, STAGES, MICRO_BATCHES, probe.virtual_stages)
+    recorder = SpanRecorder(rank, device)
+    run = _executor(executor, chunks, actions, rank, loss_fn, device, recorder)
+    holds_first = any(c.is_first for c in chunks)
+    holds_last = any(c.is_last for c in chunks)
+    step_s: list[float] = []
+    dist.barrier()
+    recorder.start_clock()
+    for step in range(WARMUP_STEPS + MEASURED_STEPS):
+        measured = step - WARMUP_STEPS
+        recorder.step = measured
+        dist.barrier()
+        start = recorder.now()
+        run.step(inputs if holds_first else None, targets if holds_last else None)
+        step_s.append(recorder.now() - start)
+        recorder.end_step()
+        for chunk in chunks:
+            chunk.module.zero_grad(set_to_none=True)
+    spans = [(s.step, s.kind, s.chunk, s.start_s, s.end_s) for s in recorder.spans if s.step >= 0]
+    return {"step_s": step_s[WARMUP_STEPS:], "spans": spans}
+
+
+def _executor(name: str, chunks: list, actions: list, rank: int, loss_fn: Any, device: torch.device,
+              recorder: Any) -> Any:
+    """The executor ``run`` would use here (runtime/train.py: native on gloo, torch's on CUDA)."""
+    if name == "torch":
+        from ..runtime.torch_executor import TorchExecutor
+
+        return TorchExecutor(chunks, actions, rank, MICRO_BATCHES, loss_fn, device, recorder)
+    from ..runtime.executor import NativeExecutor
+    from ..runtime.p2p import Neighbours
+
+    return NativeExecutor(chunks, actions, rank, MICRO_BATCHES, loss_fn, Neighbours(rank, STAGES, device, 120.0),
+                          recorder)
+

@@ -1,0 +1,51 @@
+"""``gpipe-plan demo``'s last line says where its files are: kept in --out-dir, or deleted with
+the temporary folder they were written to, and how to keep them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import gpipe_plan.demo as demo
+from planner_helpers import cli
+
+
+@pytest.fixture
+def quick_demo(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """The demo with its profile, solve and run replaced by writing the files they write."""
+    folders: list[Path] = []
+
+    def write_files(console, folder: Path, steps: int, stages: int) -> None:
+        folders.append(folder)
+        for name in demo.FILES:
+            (folder / name).write_text("{}")
+
+    monkeypatch.setattr(demo, "_demo", write_files)
+    return folders
+
+
+def _last_line(output: str) -> str:
+    """The demo's last line, as one line (the console wraps it at its width)."""
+    return "done in " + " ".join(output.rsplit("done in ", 1)[-1].split())
+
+
+def test_without_out_dir_the_last_line_says_the_files_are_gone_and_how_to_keep_them(user_dir: Path,
+                                                                                  quick_demo: list[Path]) -> None:
+    result = cli("demo")
+    assert result.exit_code == 0, result.output
+    last = _last_line(result.output)
+    assert not quick_demo[0].exists()                         # the temporary folder is gone ...
+    assert str(quick_demo[0]) not in last                      # ... and the line does not send the user there
+    assert re.fullmatch(r"done in \d+ s\. The files \(profile\.json, plan\.json, plan\.svg, report\.json, "
+                        r"trace\.json\) were in a temporary folder, deleted now: keep them with "
+                        r"`gpipe-plan demo --out-dir DIR`", last), last
+
+
+def test_with_out_dir_the_last_line_names_the_folder_that_holds_them(user_dir: Path, quick_demo: list[Path]) -> None:
+    result = cli("demo", "--out-dir", "kept")
+    assert result.exit_code == 0, result.output
+    last = _last_line(result.output)
+    assert last.startswith("done in ") and ". Files in kept: profile.json, plan.json, plan.svg" in last, last
+    assert sorted(p.name for p in (user_dir / "kept").iterdir()) == sorted(demo.FILES)
