@@ -211,8 +211,9 @@ def profile(**options: Any) -> None:
 @click.option("--optimizer", type=click.Choice(["adam", "sgd", "momentum"]), default="adam", show_default=True,
               help="Optimizer whose state the memory model counts (Adam 2x params, momentum 1x).")
 @click.option("--solver", type=click.Choice(["exact", "ilp", "dp"]), default="exact", show_default=True,
-              help="exact: the exact searches (GPipe's dynamic programme, branch and bound for the other "
-                   "schedules; 'dp' is its old name); ilp: an integer linear programme (pulp/CBC).")
+              help="exact: the exact searches (GPipe's dynamic programme; branch and bound for the other "
+                   "schedules, then a MILP on HiGHS where pulp is installed; 'dp' is its old name); ilp: an "
+                   "integer linear programme alone (pulp/CBC for gpipe and 1f1b, the schedule MILP for the others).")
 @click.option("--out", "-o", type=click.Path(dir_okay=False), default="plan.json", show_default=True,
               help="Where to write the plan JSON.")
 @click.option("--timeline", type=click.Path(dir_okay=False), default=None,

@@ -94,7 +94,9 @@ REPORT_FORMAT = "gpipe-plan.report"
 #      placement order ``data-only`` for one stage of d > 1 replicas (no pipeline: version 6
 #      named it ``pipeline-inner``, and reads as it is); ``options.concurrent_ranks`` and
 #      ``predicted.dedicated_step_s`` where the ranks share fewer cores than they are (absent or
-#      null: a core each, as before).
+#      null: a core each, as before); what proved or bounded the plan (``optimality.bound_by``,
+#      ``settings_bound_by``, one of BOUND_METHODS each, and ``milp_solver``); a plan before it
+#      does not say.
 # Report
 #   2  the run's precision and, on CUDA, the allocator's reserved memory and what lies outside it.
 #   3  the per-micro-batch times move into ``chunks`` (with the halves of a split backward); its
@@ -111,6 +113,15 @@ FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 9, PLAN_FORMAT: 7, REPORT_FOR
 READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8, 9),
                                                  PLAN_FORMAT: (1, 2, 3, 4, 5, 6, 7),
                                                  REPORT_FORMAT: (1, 2, 3, 4, 5)}
+
+
+# What can give a searched setting its lower bound, as a plan's ``optimality.bound_by`` names it
+# (version 7): GPipe's threshold search (planner/dp.py), the branch and bound of 1F1B and the
+# chunked schedules (planner/onefoneb.py, planner/chunked.py), the schedule MILP
+# (planner/milp.py), the GPipe/1F1B ILP of ``--solver ilp`` (planner/ilp.py).
+BOUND_METHODS = ("dp", "branch and bound", "milp", "ilp")
+# What the MILP runs on (``optimality.milp_solver``; null: pulp is not installed).
+MILP_SOLVERS = ("HiGHS", "CBC")
 
 
 # What an older profile lacks, and what it is read as: the one place that says so, beside the
@@ -723,9 +734,14 @@ def _plan(solved: bool, chunked: bool) -> Object:
         }, nullable=not solved)),
         "optimality": may(Object({
             "proven": may(Flag(nullable=True)),
+            "method": may(Text(nullable=True)),
             "settings_searched": may(_count(0, nullable=True)),
             "lower_bound_s": may(_seconds(nullable=True)),
             "gap": may(_ratio()),
+            # version 7
+            "bound_by": may(Text(choices=BOUND_METHODS, nullable=True)),
+            "settings_bound_by": may(Table(_count(0), key_pattern="|".join(BOUND_METHODS), nullable=True)),
+            "milp_solver": may(Text(choices=MILP_SOLVERS, nullable=True)),
         })),
         "warnings": may(Items(Text(), nullable=True)),
         "runners_up": may(Items(RUNNER_UP, nullable=True)),

@@ -24,6 +24,8 @@ PARTS = {
     "noise": ("bench.noise", "the speed probe's steadiness and the host's load, quiet and beside busy loops"),
     "quality": ("bench.planner_quality", "plan quality on the 14 PipeDream profiles vs the usual heuristics"),
     "solver": ("bench.planner_speed", "solver speed: 2,000 layers x 64 stages, full search on 500 layers"),
+    "exactness": ("bench.exactness", "share of plans proven optimal, gaps and solve time on the PipeDream "
+                                     "profiles, every schedule, K = 2-8; against an earlier planner's plans"),
     "scaling": ("bench.solver_scaling", "solver time vs layers (100-5,000) and stages (2-128), DP and ILP"),
     "explore": ("bench.explore_grid", "explore grids on two PipeDream profiles; three gpt cells run for real"),
     "handtuning": ("bench.handtuning", "our plan vs a grid of hand-tuned uniform splits x M, measured on this CPU"),
@@ -42,6 +44,7 @@ PARTS = {
 # Options 'all' gives a part instead of its defaults.
 ALL_OPTIONS: dict[str, list[str]] = {
     "quality": ["--micro-batches", "8,64", "--ilp-seconds", "20", "--ilp-max-layers", "200"],
+    "exactness": ["--baseline", "docs/benchmarks/data/exactness-before.jsonl", "--scale"],
     "scaling": ["--ilp-limit", "20"],
     "runtime": ["--rounds", "2"],
 }

@@ -11,8 +11,27 @@ planner.
 """
 
 SOLVE_TIME_BUDGET_S = 30.0
+
+# The branch-and-bound searches are budgeted in work, not in wall time, so that a plan is the
+# same on every run: this many units per second of budget (a bound of a chunked prefix is one
+# unit, a 1F1B stage end scanned 1/16, a simulation one per 64 actions it plays out). It is set
+# well below what a slow machine does in a second, so that the wall-time budget, still checked,
+# rarely binds first and the plan does not depend on the machine's speed or load. (The MILP's
+# own unit is in planner/milp.py.)
+WORK_PER_SECOND = 10000
 EXPLORE_POINT_TIME_BUDGET_S = 0.5
 SOLVER_TIME_BUDGET_S = 10.0
+
+# The wall clock is only a safety net for the work-budgeted searches (planner/solvers.py): a
+# setting may run past its share of the wall time up to this many times its work budget, so that
+# on a loaded or slower machine the search still stops where its work says, later, and gives the
+# same plan (a solve then takes longer than --time-budget, at most about this many times).
+WALL_SAFETY = 3.0
+
+# With the schedule MILP to follow (planner/milp.py), a setting's branch and bound gets this
+# share of the setting's budget first: what it proves quickly (most 1F1B and zb-h1 settings of
+# few stages) it proves, and its best plan warm-starts the MILP, which gets the rest.
+BRANCH_AND_BOUND_SHARE = 0.25
 
 # The least share of a budget that is spent (search.share_of_budget): a search gets at least
 # this, so that it can return some plan, and a solve overruns its budget by little.

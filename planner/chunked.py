@@ -52,17 +52,11 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from ..schedules import all_actions
-from .budgets import SOLVER_TIME_BUDGET_S
+from .budgets import SOLVER_TIME_BUDGET_S, WORK_PER_SECOND
 from .costmodel import CostModel
 from .objective import Incumbent, Solution
 
 INF = math.inf
-# The search is budgeted in work, not in wall time, so that a plan is the same on every run:
-# this many units per second of budget (a bound is one unit, a simulation one per 64 actions
-# it plays out). It is set well below what a slow machine does in a second, so that the
-# wall-time budget, still checked, rarely binds first and the plan does not depend on the
-# machine's speed or load.
-WORK_PER_SECOND = 20000
 _KIND = {"F": 0, "B": 1, "I": 1, "W": 2}    # forward, the backward the previous chunk waits for, W
 
 
@@ -147,6 +141,9 @@ class ChunkedSolver:
         self.heaviest_from = [0.0] * (self.L + 1)
         for i in range(self.L - 1, -1, -1):
             self.heaviest_from[i] = max(self.heaviest_from[i + 1], self.layer_work[i + 1] - self.layer_work[i])
+        # whether any stage can have an optimizer step, gradient sync or tied exchange to wait for
+        self.optimizer_matters = cm.popt[cm.L] > 0 or cm.sync_on or any(
+            cm.tied_exchange_s(t) > 0 for t in range(len(cm.figures.tied)))
         self.simulations = 0
         self.nodes = 0
 
@@ -229,12 +226,30 @@ class ChunkedSolver:
                 idle += max(0.0, drain_after - (total - to_last))
             busy_floor.append(idle + total)
         worst = max(worst, self._water_level(busy_floor, bounds[-1], decided))
-        # stage 0's optimizer: its complete spans' step (tied exchanges only once it is complete)
-        if recompute[0] is not None:
-            opt = cm.stage_optimizer(cm.spans(bounds, 0))
-        else:
-            opt = sum(cm.popt[bounds[c + 1]] - cm.popt[bounds[c]] for c in cm.peaks[0].chunks if c < len(bounds) - 1)
-        return worst + opt
+        # The optimizer tail, max_k (optimizer_k - start of stage k's first action): stage 0's,
+        # and every other stage's whose first action's start is known (micro-batch 0 reaching its
+        # lowest chunk: the chunks below are cut).
+        tail = self._least_optimizer(bounds, recompute, 0)
+        if self.optimizer_matters:
+            for k in range(1, self.K):
+                lowest = self.shapes[k].lowest
+                if lowest < decided:
+                    tail = max(tail, self._least_optimizer(bounds, recompute, k) - fwd[lowest])
+        return worst + tail
+
+    def _least_optimizer(self, bounds: Sequence[int], recompute: Sequence[bool | None], k: int) -> float:
+        """Stage k's optimizer step (CostModel.stage_optimizer) once it is complete; before, what
+        its chunks cut so far already cost, which only grows with the stage: their optimizer time
+        and gradient sync, not the tied exchanges (a later chunk may join a tie's layers). Stage 0
+        holds layer 0 at least."""
+        cm = self.cm
+        decided = len(bounds) - 1
+        spans = [(bounds[c], bounds[c + 1]) for c in cm.peaks[k].chunks if c < decided]
+        if recompute[k] is not None:
+            return cm.stage_optimizer(spans)
+        if k == 0 and not spans:
+            spans = [(0, 1)]
+        return sum(cm.popt[e] - cm.popt[s] for s, e in spans) + cm.gradient_sync_s(spans)
 
     def _water_level(self, floors: list[float], start: int, decided: int) -> float:
         """The least makespan that leaves room for the work not cut yet.

@@ -43,10 +43,11 @@ import math
 import struct
 import time
 from collections import deque
+from typing import Iterable, Sequence
 
 from .budgets import SOLVER_TIME_BUDGET_S
 from .costmodel import CostModel
-from .objective import RELATIVE_SLACK, Evaluation, Solution, evaluate
+from .objective import RELATIVE_SLACK, Evaluation, Solution, evaluate, work_floor
 
 INF = math.inf
 # A bisection over the bits of a float >= 0 ends within 64 halvings (and the jumps after a failed
@@ -78,9 +79,12 @@ class GPipeSolver:
     is not proven and carries the lower bound that the unexplored part still allows.
     """
 
-    def __init__(self, cm: CostModel, time_budget_s: float = SOLVER_TIME_BUDGET_S):
+    def __init__(self, cm: CostModel, time_budget_s: float = SOLVER_TIME_BUDGET_S,
+                 seeds: Iterable[Sequence[int]] = ()):
+        """``seeds``: cuts to evaluate first (planner/seeds.py), kept when the search stops early."""
         self.cm = cm
         self.time_budget_s = time_budget_s
+        self.seeds = [tuple(b) for b in seeds if len(b) == cm.K + 1]
         self.started = time.perf_counter()
         self.L, self.K, self.M = cm.L, cm.K, cm.M
         comm_on = cm.setting.comm_on
@@ -552,6 +556,14 @@ class GPipeSolver:
         except _OutOfTime:
             return self._out_of_time_solution()
 
+    def _consider_seeds(self) -> None:
+        """Evaluate the seeds (each O(K)), keeping the fastest that fits in ``_seen``."""
+        for bounds in self.seeds:
+            ev = evaluate(self.cm, bounds)
+            if ev.fits and (self._seen is None or ev.step_s < self._seen.step_s):
+                self._seen = ev
+        self.seeds = []                  # once per solver: a second solve keeps what they gave
+
     def _check_deadline(self) -> None:
         """Raise _OutOfTime once the budget is spent (called from the loops that grow with L)."""
         if time.perf_counter() > self.deadline:
@@ -564,6 +576,7 @@ class GPipeSolver:
         forwards and backwards one at a time, so the busiest takes at least the average)."""
         cm, L, K, M = self.cm, self.L, self.K, self.M
         self.deadline = INF
+        self._consider_seeds()
         best = self._seen
         if best is None:
             even = evaluate(cm, tuple(k * L // K for k in range(K + 1)))   # O(K): try it first
@@ -571,14 +584,13 @@ class GPipeSolver:
             if bounds is None:
                 return None                               # nothing fits in memory
             best = self._seen = even if even.fits else evaluate(cm, bounds)
-        least_backward = min(cm.pg[L] if False in cm.allowed_recompute else INF,
-                             cm.pgr[L] if True in cm.allowed_recompute else INF)
-        average_work = M * (cm.pf[L] + least_backward + sum(f + b for f, b, _ in self.fixed)) / K
-        lower = min(best.step_s, max(self._floor, average_work))
+        least_backward = cm.pg if False in cm.allowed_recompute else cm.pgr
+        lower = min(best.step_s, max(self._floor, work_floor(cm, least_backward)))
         stats = {"probes": self.probes, "dp_runs": self.dp_runs,
                  "seconds": round(time.perf_counter() - self.started, 3)}
         return Solution(best, lower >= best.step_s, lower,
-                        "gpipe closed form; out of time inside the DP: best plan seen, average-work bound", stats)
+                        "gpipe closed form; out of time inside the DP: best plan seen, work bound", stats,
+                        bound_by="dp")
 
     def _solve(self, cutoff_s: float) -> Solution | None:
         cm, M = self.cm, self.M
@@ -607,6 +619,12 @@ class GPipeSolver:
 
         def incumbent() -> float:
             return min(best.step_s, cutoff_s)
+
+        # Seeds prune like any plan found (they stand for no other plans: no optimizer wait to
+        # settle), and are kept if the search cannot improve on them.
+        self._consider_seeds()
+        if self._seen.step_s < best.step_s:
+            best = self._seen
 
         stair = self.staircase()
         assert stair is not None
@@ -646,7 +664,7 @@ class GPipeSolver:
                 lower = max(lower, min(exact.lower_bound_s, best.step_s))
                 method += " + branch and bound over cuts (optimizer waits)"
         stats["seconds"] = round(time.perf_counter() - self.started, 3)
-        return Solution(best, lower >= best.step_s, lower, "gpipe closed form; " + method, stats)
+        return Solution(best, lower >= best.step_s, lower, "gpipe closed form; " + method, stats, bound_by="dp")
 
     def _first_stage_search(self, least_sum, best_front, consider, incumbent) -> float:
         """No communication: A(P) is a constant plus stage 0's optimizer step, which grows with

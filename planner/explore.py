@@ -17,8 +17,11 @@ user's own profile, with the planner's optimal plan in every cell (not a uniform
   bubble for syncs, and a slow network pushes the best K x d toward the pipeline.
 
 Work shared between cells: per-layer figures are computed once per micro-batch size, GPipe's
-optimal partition seeds the 1F1B search of the same cell, and 1F1B's suffix bounds depend on
-the stages left rather than on K, so one table serves every K.
+optimal partition seeds the other schedules' searches of the same cell (after it, every search
+gets the min-max cut and its neighbours, planner/seeds.py, as ``solve`` does), and 1F1B's suffix
+bounds depend on the stages left rather than on K, so one table serves every K. A cell's search
+is the branch and bound alone, within ``--time-budget`` per cell: too short for the MILP that
+``solve`` follows it with.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from .dp import GPipeSolver
 from .objective import Solution
 from .onefoneb import OneFOneBSolver
 from .profile import LayerFigures, Profile
+from .seeds import seed_cuts
 from .search import (ReplicaSync, SolveOptions, check_micro_batches, cost_setting, micro_batch_counts, pipeline_link,
                      resolve_global_batch, sharded_tie_problem, virtual_stage_choices)
 from ..units import format_bytes
@@ -284,14 +288,14 @@ def _solve_point(grid: _Grid, shape: _Shape, M: int, size: int, schedule: str, r
         if schedule in ("gpipe", "1f1b"):
             cm = CostModel(profile.at(size), grid.setting(shape, M, schedule, recompute, limit))
             if schedule == "gpipe":
-                sol = GPipeSolver(cm, time_budget_s=budget_s).solve()
+                sol = GPipeSolver(cm, time_budget_s=budget_s, seeds=seed_cuts(cm)).solve()
             else:
                 # Tables depend on the layer times and links: share them only alike.
                 st = cm.setting
                 key = (M, size, recompute, limit, st.compute_scale, st.link_bandwidth_bytes_per_s,
                        st.link_latency_s, st.data_parallel, st.sync_bandwidth_bytes_per_s,
                        st.sync_latency_s, st.gradient_sync, st.overhead_s, st.fixed_costs)
-                sol = OneFOneBSolver(cm, seeds=seeds, time_budget_s=budget_s,
+                sol = OneFOneBSolver(cm, seeds=seed_cuts(cm, seeds), time_budget_s=budget_s,
                                      suffix_tables=tables.setdefault(key, {})).solve()
         else:
             sol, v = _chunked(profile.at(size), K, M, schedule, profile.num_layers, budget_s,
@@ -484,7 +488,7 @@ def _chunked(fig: LayerFigures, K: int, M: int, schedule: str, layers: int, time
     best, best_v = None, 1
     for v in _shapes(schedule, K, M, layers):
         cm = CostModel(fig, make_setting(v))
-        sol = ChunkedSolver(cm, seeds=seeds if cm.C == K else [], time_budget_s=time_budget_s).solve()
+        sol = ChunkedSolver(cm, seeds=seed_cuts(cm, seeds), time_budget_s=time_budget_s).solve()
         if sol is not None and (best is None or sol.evaluation.step_s < best.evaluation.step_s):
             best, best_v = sol, v
     return best, best_v

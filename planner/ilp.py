@@ -1,7 +1,8 @@
 """The same problem as an integer linear programme (pulp with its bundled CBC solver).
 
-A second, independent exact method: the tests hold the DP and this ILP to the same optimum,
-and brute force holds both. It is slower than the DP, but it is a direct transcription of the
+A second, independent exact method for GPipe and 1F1B (``--solver ilp`` plans the other
+schedules with the schedule MILP, planner/milp.py): the tests hold the DP and this ILP to the
+same optimum, and brute force holds both. It is slower than the DP, but it is a direct transcription of the
 cost model, which makes it easy to trust.
 
 Variables: ``below[i][k]`` = 1 when layer i sits in stage k or earlier. Contiguity is then
@@ -59,8 +60,8 @@ def _check_supported(cm: CostModel) -> None:
         raise BadInput("--solver ilp needs the pulp package, which is not installed here: pip install pulp, "
                        "or use --solver exact")
     if cm.schedule not in ("gpipe", "1f1b"):
-        raise BadInput(f"--solver ilp plans gpipe and 1f1b only, not {cm.schedule}: use --solver exact "
-                       "(the default), which plans every schedule")
+        raise BadInput(f"this ILP plans gpipe and 1f1b only, not {cm.schedule}: --solver ilp plans the other "
+                       "schedules with the schedule MILP (planner/milp.py)")
 
 
 @dataclass(frozen=True)
@@ -277,7 +278,7 @@ def _read_solution(cm: CostModel, model: _Model, status) -> Solution | None:
         lower = ev.dedicated_step_s
         proven = ev.step_s <= lower
     return Solution(ev, proven, lower, f"integer linear programme (pulp/CBC), {cm.setting.schedule}",
-                    {"variables": len(prob.variables()), "constraints": len(prob.constraints)})
+                    {"variables": len(prob.variables()), "constraints": len(prob.constraints)}, bound_by="ilp")
 
 
 def _tied_exchange(prob, cm: CostModel, member, k: int, time_unit: float):

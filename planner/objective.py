@@ -65,13 +65,16 @@ class Solution:
     """A solver's answer for one setting: the best plan it found, and how sure it is.
 
     ``proven``: no partition of the setting is faster; ``lower_bound_s``: none is faster than
-    this (the gap to ``evaluation.step_s`` when not proven); ``method``: how it was found."""
+    this (the gap to ``evaluation.step_s`` when not proven); ``method``: how it was found, in
+    words; ``bound_by``: which method gave ``lower_bound_s`` (one of schema.BOUND_METHODS)."""
 
     evaluation: Evaluation
     proven: bool
     lower_bound_s: float
     method: str
     stats: dict = field(default_factory=dict)
+    bound_by: str = "branch and bound"
+
 
 
 class Incumbent:
@@ -141,3 +144,22 @@ def gpipe_optimizer_tail(chunks: Sequence[ChunkCost], stages: Sequence[StageCost
         tail = max(tail, stage.optimizer_s - before)
         before += chunk.forward_s + chunk.send_s
     return tail
+
+
+def work_floor(cm: CostModel, backward_prefix: Sequence[float]) -> float:
+    """A lower bound on every plan's step that needs no table (what a search that ran out of time
+    before its bounds keeps): each stage runs its M forwards and backwards one at a time, so the
+    makespan is at least the average stage's work, and at least the heaviest layer's M forwards
+    and backwards on whichever stage holds it; then stage 0 steps its optimizer (its least).
+    ``backward_prefix``: the prefix sums of each layer's least backward. For the one-chunk
+    schedules it serves (GPipe, 1F1B): stage k's fixed part per micro-batch is its forward's
+    and its least backward's (``CostModel.chunk_fixed``, messages included)."""
+    L, K, M = cm.L, cm.K, cm.M
+    pf = cm.pf
+    fixed = [cm.chunk_fixed("F", k) + min(cm.chunk_fixed("B", k, r) for r in cm.allowed_recompute)
+             for k in range(K)]
+    average = M * (pf[L] + backward_prefix[L] + sum(fixed)) / K
+    heaviest = M * (max(pf[i + 1] - pf[i] + backward_prefix[i + 1] - backward_prefix[i] for i in range(L))
+                    + min(fixed))
+    return max(average, heaviest) + cm.least_first_optimizer()
+

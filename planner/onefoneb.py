@@ -28,9 +28,9 @@ import math
 import time
 from typing import Iterable
 
-from .budgets import SOLVER_TIME_BUDGET_S
+from .budgets import SOLVER_TIME_BUDGET_S, WORK_PER_SECOND
 from .costmodel import CostModel
-from .objective import Incumbent, Solution
+from .objective import Incumbent, Solution, work_floor
 
 INF = math.inf
 
@@ -42,10 +42,14 @@ class _OutOfTime(Exception):
 class OneFOneBSolver:
     def __init__(self, cm: CostModel, seeds: Iterable[tuple[int, ...]] = (),
                  time_budget_s: float = SOLVER_TIME_BUDGET_S,
-                 cutoff_s: float = INF, suffix_tables: dict[int, list[float]] | None = None):
+                 cutoff_s: float = INF, suffix_tables: dict[int, list[float]] | None = None,
+                 work_budget_s: float | None = None):
         """``cutoff_s``: a step time already achieved elsewhere (another setting); partitions
         that cannot beat it are not explored, and if none can, the search is skipped.
-        ``suffix_tables``: shared between solvers that differ only in K (see _suffix_tables)."""
+        ``suffix_tables``: shared between solvers that differ only in K (see _suffix_tables).
+        ``time_budget_s``: wall time at most; ``work_budget_s`` (default the same): the seconds
+        of work (budgets.WORK_PER_SECOND) after which the search stops, whatever the clock, so
+        that a search cut short gives the same plan on every run."""
         # GPipe runs all M forwards first, as if its warm-up were M deep: the same bounds hold
         # for it (GPipeSolver falls back on this search when its own cannot settle a case).
         self.gpipe = cm.setting.schedule == "gpipe"
@@ -66,6 +70,9 @@ class OneFOneBSolver:
         self.L, self.K, self.M = cm.L, cm.K, cm.M
         self.seeds = list(seeds)
         self.time_budget_s = time_budget_s
+        self.work_budget = (time_budget_s if work_budget_s is None else work_budget_s) * WORK_PER_SECOND
+        self.work_done = 0.0
+        self.simulation_work = max(1.0, 2 * cm.K * cm.M / 16)   # one unit per 16 actions played out
         self.simulations = 0
         self.nodes = 0
         self.deadline = INF      # set by solve(): when the suffix tables must give up
@@ -151,7 +158,7 @@ class OneFOneBSolver:
             here = [INF] * (L + 1)
             waits = self.fixed_after[k]
             for s in range(0, L - R + 1):
-                if s % 64 == 0 and time.perf_counter() > deadline:
+                if s % 64 == 0 and (time.perf_counter() > deadline or self.work_done >= self.work_budget):
                     raise _OutOfTime     # a table is stored only once complete: nothing half-done stays
                 best = INF
                 first, last = (L, L) if R == 1 else (s + 1, L - (R - 1))
@@ -159,7 +166,9 @@ class OneFOneBSolver:
                 # Which ends fit in memory without / with recomputation (a prefix of ends each).
                 plain_end = cm.max_end(s, k, False) if plain_allowed else s
                 fit_end = max(plain_end, cm.max_end(s, k, True) if recompute_allowed else s)
+                scanned = 0
                 for e in range(first, min(last, fit_end) + 1):
+                    scanned += 1
                     f = forward(s, e)
                     b = backward(s, e, e > plain_end)
                     work = before + M * (f + b)
@@ -178,10 +187,15 @@ class OneFOneBSolver:
                     if value < best:
                         best = value
                 here[s] = best
+                self.work_done += scanned / 48          # (a table's ends are cheaper than the search's)
             tables[key] = here
         return tables
 
     # ----------------------------------------------------------------- search
+    def _spent(self, started: float) -> bool:
+        """Whether the budget is used up: in work, or (a safety net) in wall time."""
+        return self.work_done >= self.work_budget or time.perf_counter() - started > self.time_budget_s
+
     def solve(self) -> Solution | None:
         cm, L, K = self.cm, self.L, self.K
         started = time.perf_counter()
@@ -199,8 +213,9 @@ class OneFOneBSolver:
         def consider(bounds: tuple[int, ...]) -> None:
             found.consider(bounds)
             self.simulations += 1
+            self.work_done += self.simulation_work
 
-        for seed in self.seeds:
+        for seed in self.seeds:      # (every one, whatever the budget: a search is never worse than them)
             if len(seed) == K + 1 and seed[-1] == L:
                 consider(tuple(seed))
         consider(self._least_bound_partition(rest))
@@ -208,39 +223,56 @@ class OneFOneBSolver:
         open_bound = INF        # the least bound among prefixes left unexplored
         incumbent = found.threshold      # bound once: called per node
 
-        def dfs(k: int, s: int, before: float, worst: float, optimizer_s: float, cuts: list[int]) -> None:
+        # The optimizer tail, max_k (optimizer_k - start of stage k's first action), is counted
+        # for every stage cut so far: stage 0's optimizer step, and a later stage's beyond the
+        # fill before it (the forwards and sends of the stages before), where any stage has an
+        # optimizer step, a gradient sync or a tied exchange at all.
+        later_stages = cm.popt[L] > 0 or cm.sync_on or any(cm.tied_exchange_s(t) > 0 for t in range(len(cm.figures.tied)))
+
+        def dfs(k: int, s: int, before: float, fill: float, worst: float, tail: float, cuts: list[int]) -> None:
+            """Stage k starts at layer s; ``before``: the forwards, backwards and sends of the
+            stages before it; ``fill``: their forwards and sends; ``tail``: the optimizer tail
+            of those stages."""
             nonlocal out_of_time, open_bound
             self.nodes += 1
             # Every node: one node scans up to L ends, so with many layers a few nodes are seconds.
-            if out_of_time or time.perf_counter() - started > self.time_budget_s:
+            if out_of_time or self._spent(started):
                 out_of_time = True
-                open_bound = min(open_bound, max(worst, rest[k][s]) + optimizer_s)
+                open_bound = min(open_bound, max(worst, rest[k][s]) + tail)
                 return
             if k == K - 1:
                 consider(tuple(cuts + [L]))
                 return
             candidates = []
             for e in range(s + 1, L - (K - 1 - k) + 1):
+                self.work_done += 1 / 16           # (a node scans up to L ends)
                 r = cm.choose_recompute(s, e, k)
                 if r is None:
                     break
-                stage_opt = cm.optimizer(0, e) if k == 0 else optimizer_s
-                bound = max(worst, self.stage_bound(s, e, k, r, before), rest[k + 1][e]) + stage_opt
+                if k == 0:
+                    stage_tail = cm.optimizer(0, e)
+                elif later_stages:
+                    stage_tail = max(tail, cm.optimizer(s, e) - fill)
+                else:
+                    stage_tail = tail
+                bound = max(worst, self.stage_bound(s, e, k, r, before), rest[k + 1][e]) + stage_tail
                 if bound < incumbent():
-                    candidates.append((bound, e, r, stage_opt))
+                    candidates.append((bound, e, r, stage_tail))
             candidates.sort()
-            for bound, e, r, stage_opt in candidates:
+            for bound, e, r, stage_tail in candidates:
                 if bound >= incumbent():
                     break
                 if out_of_time:
                     open_bound = min(open_bound, bound)
                     continue
                 forward, backward = self.formulas[k]
-                step_before = before + forward(s, e) + backward(s, e, r) + (2 * cm.comm[e] if e < L else 0.0)
-                dfs(k + 1, e, step_before, max(worst, self.stage_bound(s, e, k, r, before)), stage_opt, cuts + [e])
+                send = cm.comm[e] if e < L else 0.0
+                step_before = before + forward(s, e) + backward(s, e, r) + 2 * send
+                dfs(k + 1, e, step_before, fill + forward(s, e) + send,
+                    max(worst, self.stage_bound(s, e, k, r, before)), stage_tail, cuts + [e])
 
         if global_bound < incumbent():
-            dfs(0, 0, 0.0, 0.0, 0.0, [0])
+            dfs(0, 0, 0.0, 0.0, 0.0, 0.0, [0])
         if found.best is None:
             return None
         # What the search did not rule out (time ran out, or it could not beat the cutoff)
@@ -252,7 +284,7 @@ class OneFOneBSolver:
         return Solution(found.best, proven, lower,
                         f"{cm.setting.schedule} {'closed form' if self.gpipe else 'event simulation'}; "
                         "per-stage lower bounds + branch and bound",
-                        {"simulations": self.simulations, "nodes": self.nodes,
+                        {"simulations": self.simulations, "nodes": self.nodes, "work": round(self.work_done),
                          "seconds": round(time.perf_counter() - started, 3)})
 
     def _without_bounds(self, started: float) -> Solution | None:
@@ -261,7 +293,7 @@ class OneFOneBSolver:
         The plan is the best of the seeds (GPipe's partition of the same M, in a search) and
         an even split by layer count; the lower bound is the one that needs no table: every
         stage runs its M forwards and M backwards one at a time, so the step takes at least the
-        busiest stage's work, which is at least the average stage's. The gap is then wide but
+        busiest stage's work (objective.work_floor). The gap is then wide but
         honest, and the solve ends within its budget.
         """
         cm, L, K, M = self.cm, self.L, self.K, self.M
@@ -274,11 +306,10 @@ class OneFOneBSolver:
         best = found.best
         if best is None:
             return None
-        average_work = M * (cm.pf[L] + self.other_backward[L] + self.fixed_total) / K
-        lower = min(best.step_s, average_work)
+        lower = min(best.step_s, work_floor(cm, self.other_backward))
         return Solution(best, lower >= best.step_s, lower,
                         f"{cm.setting.schedule} {'closed form' if self.gpipe else 'event simulation'}; "
-                        "out of time before the per-stage bounds: best seed, average-work bound",
+                        "out of time before the per-stage bounds: best seed, work bound",
                         {"simulations": self.simulations, "nodes": self.nodes,
                          "seconds": round(time.perf_counter() - started, 3)})
 

@@ -15,6 +15,7 @@ from typing import Any
 from ..hostload import busy_phases, busy_profile_text
 from ..schema import FORMAT_VERSIONS, PLAN_FORMAT
 from ..schedules import SPLIT_BACKWARD, chunks_per_stage
+from . import milp
 from .costmodel import CostModel
 from .objective import Evaluation, evaluate
 from .profile import Profile
@@ -218,16 +219,24 @@ def optimality_section(method: str, step_s: float, result: SearchResult,
     # Over every setting searched (each M, schedule) and every (K, d) and placement, not only
     # the chosen one.
     if devices is not None:
-        proven, lower_bound = devices.proven, devices.lower_bound_s
-        settings_searched = sum(len(f.result.candidates) for f in devices.factorisations if f.result is not None)
+        proven, lower_bound, bound_by = devices.proven, devices.lower_bound_s, devices.bound_by
+        searched = [c for f in devices.factorisations if f.result is not None for c in f.result.candidates]
     else:
-        proven, lower_bound, settings_searched = result.proven, result.lower_bound_s, len(result.candidates)
+        proven, lower_bound, bound_by = result.proven, result.lower_bound_s, result.bound_by
+        searched = result.candidates
+    settings_bound_by: dict[str, int] = {}
+    for c in searched:
+        if c.solution is not None:
+            settings_bound_by[c.solution.bound_by] = settings_bound_by.get(c.solution.bound_by, 0) + 1
     return {
         "proven": proven,
         "method": method,
-        "settings_searched": settings_searched,
+        "settings_searched": len(searched),
         "lower_bound_s": lower_bound,
         "gap": (step_s / lower_bound - 1.0) if lower_bound > 0 else None,
+        "bound_by": bound_by,
+        "settings_bound_by": dict(sorted(settings_bound_by.items())),
+        "milp_solver": milp.available(),
     }
 
 

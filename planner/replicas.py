@@ -39,9 +39,11 @@ from ..artifacts import BadInput
 from ..plan_layout import GRADIENT_SYNCS, PLACEMENT_ORDERS
 from ..units import format_bytes
 from .budgets import LEAST_PLACEMENT_S
+from .costmodel import CostModel
 from .objective import proven_optimal
-from .search import (ReplicaSync, SearchResult, SolveOptions, pipeline_link, resolve_global_batch, search,
-                     share_of_budget, too_few_stages, too_many_stages)
+from .search import (ReplicaSync, SearchResult, SolveOptions, first_pass_step, pipeline_link, resolve_global_batch,
+                     search, share_of_budget, too_few_stages, too_many_stages)
+from .solvers import tighten
 
 if TYPE_CHECKING:
     from .profile import Profile
@@ -213,6 +215,7 @@ class Factorisation:
     result: SearchResult | None
     reason: str = ""
     lower_bound_s: float = math.inf     # no plan of this (K, d), on any placement, is faster
+    bound_by: str | None = None         # the method behind lower_bound_s (SearchResult.bound_by)
 
     @property
     def fits(self) -> bool:
@@ -256,6 +259,11 @@ class DevicesResult:
     @property
     def proven(self) -> bool:
         return self.best.fits and proven_optimal(self.best.step_s, self.lower_bound_s)
+
+    @property
+    def bound_by(self) -> str | None:
+        """The method behind :attr:`lower_bound_s` (the factorisation's, first among equals)."""
+        return min(self.factorisations, key=lambda f: f.lower_bound_s).bound_by
 
 
 def topology_for(profile: Profile, options: SolveOptions, devices: int) -> Topology:
@@ -318,6 +326,27 @@ def check_devices(profile: Profile, options: SolveOptions) -> tuple[int, int]:
     return N, batch
 
 
+def _keep_best(entry: Factorisation, searched: list[tuple[tuple[int, int], Placement, SearchResult]]) -> None:
+    """``entry`` (one K x d) from the searches of its placements so far: the best plan's, and the
+    least lower bound of them all (made again after :func:`tighten` raised bounds)."""
+    mine = [(placement, found) for pair, placement, found in searched if pair == (entry.stages, entry.data_parallel)]
+    if not mine:
+        return
+    placement, found = min(mine, key=lambda item: item[1].best.step_s)
+    entry.result, entry.placement, entry.reason = found, placement, ""
+    weakest = min(mine, key=lambda item: item[1].lower_bound_s)[1]
+    entry.lower_bound_s, entry.bound_by = weakest.lower_bound_s, weakest.bound_by
+
+
+def _replica_options(options: SolveOptions, batch: int, K: int, d: int, placement: Placement,
+                     time_budget_s: float) -> SolveOptions:
+    """The options of one replica's pipeline search: K stages, the global batch / d, the
+    placement's pipeline link."""
+    return replace(options, stages=K, global_batch_size=batch // d, data_parallel=d, devices=None,
+                   link_bandwidth_bytes_per_s=placement.pipeline_bandwidth_bytes_per_s,
+                   link_latency_s=placement.pipeline_latency_s, time_budget_s=time_budget_s)
+
+
 def search_devices(profile: Profile, options: SolveOptions, progress: Progress | None = None) -> DevicesResult:
     """The best plan over every (K, d) with K d = N the options allow, and every placement.
 
@@ -334,6 +363,12 @@ def search_devices(profile: Profile, options: SolveOptions, progress: Progress |
     if not pairs:
         raise BadInput(f"no (stages, data parallel) pair multiplies to --devices {devices} with these options")
     jobs = [(K, d, p) for K, d, reason in pairs if not reason for p in placements(K, d, topology)]
+    # Best first, by GPipe's cheap first pass, so that the placements searched later stop as soon
+    # as they are proven unable to beat the best plan found (the cutoff below).
+    if len(jobs) > 1:
+        first = [first_pass_step(profile, _replica_options(options, batch, K, d, p, options.time_budget_s),
+                                 p.replica_sync(d, options.gradient_sync)) for K, d, p in jobs]
+        jobs = [job for _, _, job in sorted(zip(first, range(len(jobs)), jobs), key=lambda item: item[:2])]
     result = DevicesResult(options, batch, devices, topology)
     alone = len(jobs) == 1 and len(pairs) == 1
     started = time.perf_counter()
@@ -341,11 +376,12 @@ def search_devices(profile: Profile, options: SolveOptions, progress: Progress |
     by_pair: dict[tuple[int, int], Factorisation] = {}
     for K, d, reason in pairs:
         by_pair[(K, d)] = Factorisation(K, d, None, None, reason)
+    work_spent = 0.0     # the deterministic work the placements searched so far used (solvers.py)
+    searched: list[tuple[tuple[int, int], Placement, SearchResult]] = []
     for K, d, placement in jobs:
         share = share_of_budget(options.time_budget_s, started, len(jobs) - done, least_s=LEAST_PLACEMENT_S)
-        replica = replace(options, stages=K, global_batch_size=batch // d, data_parallel=d, devices=None,
-                          link_bandwidth_bytes_per_s=placement.pipeline_bandwidth_bytes_per_s,
-                          link_latency_s=placement.pipeline_latency_s, time_budget_s=share)
+        work_share = max(LEAST_PLACEMENT_S, (options.time_budget_s - work_spent) / (len(jobs) - done))
+        replica = _replica_options(options, batch, K, d, placement, share)
         sync = placement.replica_sync(d, options.gradient_sync)
         label = f"{K}x{d} {placement.order}"
 
@@ -354,22 +390,40 @@ def search_devices(profile: Profile, options: SolveOptions, progress: Progress |
                 progress(done, len(jobs), f"{label} {what}")
 
         entry = by_pair[(K, d)]
+        best_step = min((found.best.step_s for _, _, found in searched), default=math.inf)
         if alone:    # the user's one request: its own errors, and why nothing fits, as they are
-            found = search(profile, replica, progress=inner, explain=True, sync=sync)
+            found = search(profile, replica, progress=inner, explain=True, sync=sync, work_budget_s=work_share)
         else:
             try:
-                found = search(profile, replica, progress=inner, explain=False, sync=sync)
+                found = search(profile, replica, progress=inner, explain=False, sync=sync, work_budget_s=work_share,
+                               cutoff_s=best_step)
             except BadInput as error:
                 if entry.result is None and not entry.reason:
                     entry.reason = str(error)
                 found = None
         if found is not None:
-            entry.lower_bound_s = min(entry.lower_bound_s, found.lower_bound_s)
-            if entry.result is None or found.best.step_s < entry.step_s:
-                entry.result, entry.placement, entry.reason = found, placement, ""
+            work_spent += found.work_s
+            searched.append(((K, d), placement, found))
+        _keep_best(entry, searched)
         done += 1
         if progress:
             progress(done, len(jobs), label)
+    if len(searched) > 1 and options.solver != "ilp":
+        # What the placements left of the budget goes where the proof is still open, with the
+        # best plan of all of them as the cutoff (a placement searched early had a weaker one).
+        figures: dict[int, object] = {}
+
+        def cost_model(c):
+            if c.micro_batch_size not in figures:
+                figures[c.micro_batch_size] = profile.at(c.micro_batch_size)
+            return CostModel(figures[c.micro_batch_size], c.setting)
+
+        tighten([c for _, _, found in searched for c in found.candidates], cost_model, math.inf,
+                options.time_budget_s - work_spent, options.time_budget_s - (time.perf_counter() - started))
+        for _, _, found in searched:
+            found.candidates.sort(key=lambda c: c.sort_key())
+        for entry in by_pair.values():
+            _keep_best(entry, searched)
     result.factorisations = sorted(by_pair.values(), key=Factorisation.sort_key)
     if not result.best.fits:
         reasons = "; ".join(f"{f.stages}x{f.data_parallel}: {f.reason}" for f in result.factorisations)

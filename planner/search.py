@@ -21,14 +21,14 @@ from dataclasses import dataclass, field, replace
 from ..artifacts import BadInput
 from ..schedules import SCHEDULES, chunks_per_stage, label, problem
 from .budgets import LEAST_ILP_SETTING_S, LEAST_MEMORY_BUDGET_S, LEAST_SETTING_S, SOLVE_TIME_BUDGET_S
-from .chunked import ChunkedSolver
 from .costmodel import CostModel, Setting, neighbour_scale
 from .timeshare import concurrent_ranks_of
 from .fixedcosts import FixedCosts
 from .dp import GPipeSolver
 from .objective import Solution, proven_optimal
-from .onefoneb import OneFOneBSolver
 from .profile import LayerFigures, Profile, host_share_bytes
+from .seeds import seed_cuts
+from .solvers import solve_cost_model, tighten
 from ..units import format_bytes
 
 
@@ -115,6 +115,18 @@ class SearchResult:
     def proven(self) -> bool:
         """The best plan is optimal over every setting searched, not just its own."""
         return proven_optimal(self.best.step_s, self.lower_bound_s)
+
+    @property
+    def bound_by(self) -> str | None:
+        """The method behind :attr:`lower_bound_s`: that of the setting with the least bound
+        (the first, best first, among equals; None when no setting has a plan)."""
+        solved = [c for c in self.candidates if c.solution is not None]
+        return min(solved, key=lambda c: c.lower_bound_s).solution.bound_by if solved else None
+
+    @property
+    def work_s(self) -> float:
+        """The deterministic work its settings used (planner/solvers.py)."""
+        return sum(c.solution.stats.get("work_s", 0.0) for c in self.candidates if c.solution is not None)
 
 
 def device_memory_limit(profile: Profile, options: SolveOptions, ranks_per_host: int | None = None) -> SolveOptions:
@@ -403,21 +415,11 @@ def no_settings_reason(profile: Profile, options: SolveOptions, batch: int,
 def solve_setting(profile: Profile, setting: Setting, micro_batch_size: int, solver: str,
                   time_budget_s: float, seeds: list[tuple[int, ...]] = (), cutoff_s: float = math.inf,
                   figures: LayerFigures | None = None, work_budget_s: float | None = None) -> Candidate:
-    """The best plan of one setting. ``figures``: ``profile.at(micro_batch_size)`` if already made.
-    ``work_budget_s``: the chunked search's budget in work (chunked.WORK_PER_SECOND), which,
-    unlike the clock, gives the same plan on every run."""
+    """The best plan of one setting (planner/solvers.py). ``figures``: ``profile.at(micro_batch_size)``
+    if already made. ``work_budget_s``: the budget in deterministic work, which, unlike the
+    clock, gives the same plan on every run."""
     cm = CostModel(figures if figures is not None else profile.at(micro_batch_size), setting)
-    if solver == "ilp":
-        from .ilp import solve_ilp  # pulp loads lazily: the DP path never pays for it
-
-        solution = solve_ilp(cm, time_limit_s=time_budget_s)
-    elif setting.schedule == "gpipe":
-        solution = GPipeSolver(cm, time_budget_s=time_budget_s).solve(cutoff_s)
-    elif setting.schedule == "1f1b":
-        solution = OneFOneBSolver(cm, seeds=seeds, time_budget_s=time_budget_s, cutoff_s=cutoff_s).solve()
-    else:
-        solution = ChunkedSolver(cm, seeds=seeds, time_budget_s=time_budget_s, cutoff_s=cutoff_s,
-                                 work_budget_s=work_budget_s).solve()
+    solution = solve_cost_model(cm, solver, time_budget_s, seeds, cutoff_s, work_budget_s)
     return Candidate(setting, micro_batch_size, solution)
 
 
@@ -433,31 +435,38 @@ def share_of_budget(budget_s: float, started: float, settings_left: int, least_s
     return max(least_s, left / max(1, settings_left))
 
 
-@dataclass(frozen=True)
+@dataclass
 class SettingBudgets:
     """How one search shares its time budget among its settings: the one place each share is made.
 
     ``time_s``: the wall time the next setting may search (:func:`share_of_budget`).
-    ``work_s``: the chunked searches' budget in work (chunked.WORK_PER_SECOND), an even share
-    of the whole budget; unlike what the clock leaves, it is the same on every run, so the
-    same request gets the same plan.
+    ``work_s``: its budget in deterministic work (planner/solvers.py): an even share of what the
+    settings before it left (each reports the work it used, :meth:`spend`). Unlike what the clock
+    leaves, that is the same on every run, so the same request gets the same plan.
     """
 
     budget_s: float
     settings: int
     started: float
     least_s: float = LEAST_SETTING_S
+    work_budget_s: float | None = None   # the work to share (default budget_s)
+    spent_s: float = 0.0                 # work the settings solved so far used
 
     def time_s(self, settings_left: int) -> float:
         return share_of_budget(self.budget_s, self.started, settings_left, self.least_s)
 
-    @property
-    def work_s(self) -> float:
-        return self.budget_s / self.settings
+    def work_s(self, settings_left: int) -> float:
+        total = self.budget_s if self.work_budget_s is None else self.work_budget_s
+        return max(self.least_s, (total - self.spent_s) / max(1, settings_left))
+
+    def spend(self, candidate: "Candidate") -> None:
+        if candidate.solution is not None:
+            self.spent_s += candidate.solution.stats.get("work_s", 0.0)
 
 
 def search(profile: Profile, options: SolveOptions, progress=None, explain: bool = True,
-           sync: ReplicaSync = ReplicaSync()) -> SearchResult:
+           sync: ReplicaSync = ReplicaSync(), work_budget_s: float | None = None,
+           cutoff_s: float = math.inf) -> SearchResult:
     """Solve every open setting; the result's candidates are sorted best first.
 
     GPipe settings are solved first (their solver is fast and exact); each one's optimal
@@ -469,7 +478,11 @@ def search(profile: Profile, options: SolveOptions, progress=None, explain: bool
 
     One pipeline: ``options.global_batch_size`` is its batch. As one of d replicas
     (planner/replicas.py calls it so), the options carry the replica's share of the batch and
-    ``sync`` the gradient sync every stage then pays.
+    ``sync`` the gradient sync every stage then pays. ``work_budget_s``: the work its settings
+    share (default ``options.time_budget_s``; replicas.py gives each placement a share of its
+    own, deterministic where the clock left by the placements before would not be).
+    ``cutoff_s``: a step already achieved elsewhere (another placement): a setting that cannot
+    beat it stops once that is proven.
     """
     batch = check_options(profile, options)
     settings = settings_for(profile, options, batch, sync)
@@ -477,7 +490,7 @@ def search(profile: Profile, options: SolveOptions, progress=None, explain: bool
         raise BadInput(no_settings_reason(profile, options, batch, sync))
     result = SearchResult(options, batch)
     budgets = SettingBudgets(options.time_budget_s, len(settings), time.perf_counter(),
-                             LEAST_ILP_SETTING_S if options.solver == "ilp" else LEAST_SETTING_S)
+                             LEAST_ILP_SETTING_S if options.solver == "ilp" else LEAST_SETTING_S, work_budget_s)
     done = 0
     # Each micro-batch size's figures, made once for all its settings (O(L) each: with many
     # layers, making them per setting took longer than the searches).
@@ -490,8 +503,10 @@ def search(profile: Profile, options: SolveOptions, progress=None, explain: bool
 
     def run(setting: Setting, size: int, seeds: list, cutoff: float) -> Candidate:
         nonlocal done
-        candidate = solve_setting(profile, setting, size, options.solver, budgets.time_s(len(settings) - done),
-                                  seeds, cutoff, at(size), work_budget_s=budgets.work_s)
+        left = len(settings) - done
+        candidate = solve_setting(profile, setting, size, options.solver, budgets.time_s(left),
+                                  seeds, cutoff, at(size), work_budget_s=budgets.work_s(left))
+        budgets.spend(candidate)
         done += 1
         if progress:
             progress(done, len(settings), f"M={setting.micro_batches} {schedule_name(setting)}")
@@ -499,17 +514,20 @@ def search(profile: Profile, options: SolveOptions, progress=None, explain: bool
 
     gpipe = [(s, size) for s, size in settings if s.schedule == "gpipe"]
     others = [(s, size) for s, size in settings if s.schedule != "gpipe"]
-    best_so_far = math.inf
+    best_so_far = cutoff_s
     gpipe_best: dict[int, Candidate] = {}
     if options.solver != "ilp":
         # A first, cheap pass (the staircase: a good plan and a lower bound per setting) orders
         # the exact searches best first, so that each can stop at what is already achieved.
-        solvers = {s: GPipeSolver(CostModel(at(size), s)) for s, size in gpipe}
+        solvers = {}
+        for s, size in gpipe:
+            cm = CostModel(at(size), s)
+            solvers[s] = GPipeSolver(cm, seeds=seed_cuts(cm))
         quick: dict[Setting, Candidate] = {}
         for i, (s, size) in enumerate(gpipe):
             solvers[s].time_budget_s = budgets.time_s(len(settings) - i)
             quick[s] = Candidate(s, size, solvers[s].solve(cutoff_s=0.0))
-        best_so_far = min((c.step_s for c in quick.values()), default=math.inf)
+        best_so_far = min([cutoff_s, *(c.step_s for c in quick.values())])
         for setting, size in sorted(gpipe, key=lambda item: quick[item[0]].step_s):
             candidate = quick[setting]
             if candidate.solution is not None and not proven_optimal(best_so_far, candidate.lower_bound_s):
@@ -542,12 +560,33 @@ def search(profile: Profile, options: SolveOptions, progress=None, explain: bool
         result.candidates.append(candidate)
         if candidate.solution and (seed is None or candidate.step_s < seed.step_s):
             found[(setting.micro_batches, chunks)] = candidate
+    if options.solver != "ilp":
+        # What the settings left of the budget goes where the proof is still open.
+        total = options.time_budget_s if work_budget_s is None else work_budget_s
+        tighten(result.candidates, lambda c: CostModel(at(c.micro_batch_size), c.setting), cutoff_s,
+                total - budgets.spent_s, options.time_budget_s - (time.perf_counter() - budgets.started))
     result.candidates.sort(key=Candidate.sort_key)
     if result.best.solution is None:
         # The explanation solves the memory problem again for each option that might help: worth
         # it for the user's request, not for the one-device comparison, which only needs to know.
         raise BadInput(explain_infeasible(profile, options, batch, sync) if explain else "no plan fits in memory")
     return result
+
+
+def first_pass_step(profile: Profile, options: SolveOptions, sync: ReplicaSync = ReplicaSync()) -> float:
+    """The best step GPipe's first, cheap pass (its staircase) finds over the micro-batch counts
+    the options leave open: how replicas.py ranks the placements it searches, best first (inf:
+    nothing fits, or the options cannot run)."""
+    try:
+        batch = check_options(profile, options)
+    except BadInput:
+        return math.inf
+    best = math.inf
+    for setting, size in settings_for(profile, replace(options, schedule="gpipe", virtual_stages="auto"), batch, sync):
+        solution = GPipeSolver(CostModel(profile.at(size), setting), time_budget_s=LEAST_SETTING_S).solve(cutoff_s=0.0)
+        if solution is not None:
+            best = min(best, solution.evaluation.step_s)
+    return best
 
 
 # --------------------------------------------------------------------------- one device

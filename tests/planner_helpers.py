@@ -147,6 +147,57 @@ def instances(draw, schedule: str | None = None, max_layers: int = 8, max_stages
     return fig, setting
 
 
+def schedule_case(rng, schedule: str, v: int, *, stages: Sequence[int] = (2, 2, 3), max_extra_layers: int = 4,
+                  every_feature: bool = True, issue: bool = False) -> tuple[LayerFigures, Setting]:
+    """A small instance of any schedule: L <= 9 layers (at most ``max_extra_layers`` more than its
+    chunks), K from ``stages``, M one the schedule can run; times on a coarse grid (ties, zeros) or
+    arbitrary; a memory limit, a finite link, optimizer time, measured recomputation and a fixed
+    cost per action now and then. ``every_feature`` adds, each drawn on or off, the link's latency,
+    transient memory, the checkpoint call's cost, a tied weight, and two replicas with a gradient sync.
+    Fixed costs per action kind and message half the time (planner/fixedcosts.py); ``issue``: the
+    CPU-issue bound now and then."""
+    from gpipe_plan.schedules import problem
+
+    K = rng.choice(list(stages))
+    C = K * (v if schedule == "interleaved" else 2 if schedule == "zb-v" else 1)
+    L = rng.randint(C, min(C + max_extra_layers, 9))
+    M = rng.choice([m for m in range(1, 7 if every_feature else 9) if not problem(schedule, K, m, v)])
+    t = lambda: rng.choice([0.0, rng.uniform(0, 2e-3), 1e-3])      # noqa: E731 - ties and zeros too
+    fig = make_figures([t() for _ in range(L)], [t() for _ in range(L)],
+                       activation=[rng.randint(0, 200) for _ in range(L)],
+                       output=[rng.randint(0, 200) for _ in range(L)],
+                       params=[rng.randint(0, 200) for _ in range(L)],
+                       transient=[rng.randint(0, 300) for _ in range(L)] if every_feature and rng.random() < 0.3 else None,
+                       optimizer=[rng.uniform(0, 3e-4) for _ in range(L)] if rng.random() < 0.5 else None,
+                       input_bytes=rng.randint(0, 200),
+                       recompute_backward=[rng.uniform(1e-3, 4e-3) for _ in range(L)] if rng.random() < 0.5 else None,
+                       recompute_call=rng.choice([0.0, 2e-4]) if every_feature else 0.0,
+                       tied=[((0, L - 1), 500.0)] if every_feature and rng.random() < 0.3 else (),
+                       # the CPU-issue bound now and then (CUDA profiles): issue times about the GPU's
+                       issue=([t() for _ in range(L)], [t() for _ in range(L)]) if issue and rng.random() < 0.3 else None)
+    extra = {}
+    if every_feature:
+        extra = dict(link_latency_s=rng.choice([0.0, 1e-4]), data_parallel=rng.choice([1, 1, 2]),
+                     sync_bandwidth_bytes_per_s=rng.choice([math.inf, 1e5]), sync_latency_s=rng.choice([0.0, 1e-4]))
+    setting = Setting(stages=K, micro_batches=M, schedule=schedule, recompute=rng.choice(["never", "always", "auto"]),
+                      memory_limit_bytes=rng.choice([None, None, 3000, 5000]),
+                      link_bandwidth_bytes_per_s=rng.choice([math.inf, 2e5]),
+                      overhead_s=rng.choice([0.0, 1e-4, 1e-4] if every_feature else [0.0, 1e-4]), virtual_stages=v,
+                      fixed_costs=random_fixed_costs(rng),
+                      **extra)
+    return fig, setting
+
+
+def random_fixed_costs(rng) -> FixedCosts:
+    """None half the time; else each kind's and each message's own (a send and a receive that
+    differ, so that a chunk's place in the pipeline changes what it pays)."""
+    if rng.random() < 0.5:
+        return FixedCosts()
+    one = lambda: rng.choice([0.0, 1e-4, 5e-4, 1e-3])      # noqa: E731
+    return FixedCosts(forward_s=one(), backward_s=one(), backward_input_s=one(), backward_weight_s=one(),
+                      send_s=rng.choice([2e-4, 6e-4]), receive_s=rng.choice([0.0, 3e-4, 9e-4]))
+
+
 @st.composite
 def fixed_costs(draw):
     """Fixed costs per action kind and per message (planner/fixedcosts.py): each kind its own,

@@ -19,44 +19,15 @@ from gpipe_plan.planner.fixedcosts import FixedCosts
 from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.profile import Profile
 from gpipe_plan.planner.search import SolveOptions, search
-from gpipe_plan.schedules import problem
 
-from planner_helpers import make_figures, profile_doc
+from planner_helpers import make_figures, profile_doc, schedule_case
 
 CHUNKED = [("interleaved", 2), ("zb-h1", 1), ("zb-v", 1)]
 
 
 def random_case(rng: random.Random, schedule: str, v: int):
     """A small random instance: L <= 8 layers, K = 2, a memory limit now and then."""
-    K = 2
-    C = K * (2 if schedule in ("interleaved", "zb-v") else 1)
-    L = rng.randint(C, 8)
-    M = rng.choice([m for m in range(1, 9) if not problem(schedule, K, m, v)])
-    t = lambda: rng.choice([0.0, rng.uniform(0, 2e-3), 1e-3])      # noqa: E731 - ties and zeros too
-    fig = make_figures([t() for _ in range(L)], [t() for _ in range(L)],
-                       activation=[rng.randint(0, 200) for _ in range(L)],
-                       output=[rng.randint(0, 200) for _ in range(L)],
-                       params=[rng.randint(0, 200) for _ in range(L)],
-                       optimizer=[rng.uniform(0, 3e-4) for _ in range(L)] if rng.random() < 0.5 else None,
-                       input_bytes=rng.randint(0, 200),
-                       recompute_backward=[rng.uniform(1e-3, 4e-3) for _ in range(L)] if rng.random() < 0.5 else None,
-                       # the CPU-issue bound now and then (CUDA profiles): issue times about the GPU's
-                       issue=([t() for _ in range(L)], [t() for _ in range(L)]) if rng.random() < 0.3 else None)
-    setting = Setting(stages=K, micro_batches=M, schedule=schedule, recompute=rng.choice(["never", "always", "auto"]),
-                      memory_limit_bytes=rng.choice([None, None, 3000, 5000]),
-                      link_bandwidth_bytes_per_s=rng.choice([float("inf"), 2e5]),
-                      overhead_s=rng.choice([0.0, 1e-4]), virtual_stages=v, fixed_costs=random_fixed_costs(rng))
-    return fig, setting
-
-
-def random_fixed_costs(rng: random.Random) -> FixedCosts:
-    """None half the time; else each kind's and each message's own (a send and a receive that
-    differ, so that a chunk's place in the pipeline changes what it pays)."""
-    if rng.random() < 0.5:
-        return FixedCosts()
-    one = lambda: rng.choice([0.0, 1e-4, 5e-4, 1e-3])      # noqa: E731
-    return FixedCosts(forward_s=one(), backward_s=one(), backward_input_s=one(), backward_weight_s=one(),
-                      send_s=rng.choice([2e-4, 6e-4]), receive_s=rng.choice([0.0, 3e-4, 9e-4]))
+    return schedule_case(rng, schedule, v, stages=(2,), max_extra_layers=6, every_feature=False, issue=True)
 
 
 @pytest.mark.parametrize("schedule,v", CHUNKED)

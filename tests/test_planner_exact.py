@@ -23,7 +23,7 @@ from gpipe_plan.planner.brute import brute_force, partitions
 from gpipe_plan.planner.costmodel import CostModel, Setting
 from gpipe_plan.planner.dp import GPipeSolver
 from gpipe_plan.planner.ilp import solve_ilp
-from gpipe_plan.planner.objective import evaluate
+from gpipe_plan.planner.objective import evaluate, work_floor
 from gpipe_plan.planner.onefoneb import OneFOneBSolver
 from gpipe_plan.planner.profile import Profile, interpolate
 from gpipe_plan.planner.search import SolveOptions, schedule_shapes, search
@@ -84,6 +84,26 @@ def test_onefoneb_branch_and_bound_equals_brute_force(instance):
     fig, setting = instance
     cm = CostModel(fig, setting)
     check_exact(cm, OneFOneBSolver(cm).solve(), 1e-9)
+
+
+@hyp(200)
+@given(instances())
+def test_the_work_floor_is_below_every_plan(instance):
+    """What a search out of time before its bounds reports: the average stage's work, the heaviest
+    layer's M forwards and backwards, and stage 0's least optimizer step, never above the optimum."""
+    fig, setting = instance
+    cm = CostModel(fig, setting)
+    best = brute_force(cm)
+    if best is not None:
+        least = cm.pgr if cm.allowed_recompute == (True,) else cm.pg
+        assert work_floor(cm, least) <= best.step_s * (1 + 1e-12) + 1e-15
+
+
+def test_the_work_floor_counts_the_heaviest_layer():
+    """One layer holding most of the work: no cut can spread it, so the floor is its M passes."""
+    fig = make_figures([1e-3] + [1e-5] * 7, [2e-3] + [1e-5] * 7)
+    cm = CostModel(fig, Setting(stages=4, micro_batches=8, schedule="1f1b"))
+    assert work_floor(cm, cm.pg) >= 8 * 3e-3
 
 
 @hyp(60)

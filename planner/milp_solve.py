@@ -1,0 +1,291 @@
+"""Solving the schedule MILP (planner/milp.py) inside a search: on what, for how long, and what
+its answer means.
+
+HiGHS (``highspy``, handed the programme's arrays directly: pulp's HiGHS interface passes no
+warm start and fails on a node limit's status) solves it on one thread, warm-started from the
+best plan the search has, and stops after a number of branch-and-bound nodes (its work budget,
+:func:`node_cost_s` per node) or once its bound reaches a cutoff: a count, unlike the clock,
+gives the same plan and bound on every run and machine; the wall-clock limit is only a safety
+net. Without highspy the programme goes to pulp's CBC (one thread, the same node limit; CBC
+through pulp reports no bound when it stops early); without either the planner plans with its
+branch and bound alone (:func:`milp.available`).
+
+The answer is read back as a cut and evaluated by the cost model (:func:`objective.evaluate`),
+so a plan's step is the simulator's to the last bit; the lower bound is HiGHS's (the least bound
+of its open nodes, less :data:`RELATIVE_GAP` for its tolerances), and "proven" means HiGHS
+closed the gap to :data:`RELATIVE_GAP`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..artifacts import BadInput
+from .budgets import SOLVER_TIME_BUDGET_S
+from .costmodel import CostModel
+from .milp import _Model, available, build, fixed_cost_s
+from .objective import Evaluation, Solution, evaluate, proven_optimal
+
+# A gap HiGHS may close to call its plan optimal: its own tolerances (feasibility 1e-7 on
+# rows scaled to a layer's time) make a tighter claim meaningless.
+RELATIVE_GAP = 1e-6
+# The budget in work: the solver stops after a number of branch-and-bound nodes, each charged
+# NODE_S_PER_THOUSAND seconds per thousand variables and constraints (node_cost_s), after
+# milp.fixed_cost_s for building the programme and its root. A node took 6-15 ms of CPU per
+# thousand on the 2-core development VM: with the margin, the node limit binds before the wall
+# clock wherever the planner has most of a core, and a plan does not depend on the machine's speed.
+NODE_S_PER_THOUSAND = 0.02
+
+
+@dataclass
+class MilpResult:
+    """What the programme settled: its best cut (None if it found none), a lower bound in
+    seconds, whether it proved its cut optimal, whether no cut fits at all, and its work."""
+
+    bounds: tuple[int, ...] | None
+    lower_bound_s: float
+    proven: bool
+    infeasible: bool                 # no cut fits at all
+    solver: str
+    work_s: float                    # the budget it used, in seconds of work (node_cost_s)
+    stats: dict
+
+
+def solve_milp(cm: CostModel, start: Evaluation | None = None, cutoff_s: float = math.inf,
+               work_budget_s: float = SOLVER_TIME_BUDGET_S, time_limit_s: float | None = None) -> MilpResult:
+    """Solve ``cm``'s programme from the warm start ``start`` within ``work_budget_s`` seconds of
+    work (deterministic: branch-and-bound nodes) and ``time_limit_s`` of wall time (the safety
+    net; default three times the work budget). ``cutoff_s``: a step achieved elsewhere: the
+    search stops once its bound reaches it (no cut of this setting can be better)."""
+    started = time.perf_counter()
+    model = build(cm)
+    built = time.perf_counter() - started
+    solver = available()
+    values = {}
+    if start is not None:
+        values = model.cuts.values(model.cuts.canonical(start.bounds))
+        for r, chosen in zip(model.recompute, start.recompute):
+            if not isinstance(r, bool):
+                values[r] = float(chosen)
+    cutoff = cutoff_s / model.unit if math.isfinite(cutoff_s) else math.inf
+    wall = max(0.05, 3 * work_budget_s if time_limit_s is None else time_limit_s)
+    fixed = fixed_cost_s(cm)
+    per_node = node_cost_s(model)
+    nodes = max(0, int((work_budget_s - fixed) / per_node))
+    if solver == "HiGHS":
+        status, lower, cut, stats = _run_highs(model, values, cutoff, nodes, wall)
+    else:
+        status, lower, cut, stats = _run_cbc(model, values, max(1, nodes), wall)
+    work = fixed + min(nodes, stats["nodes"]) * per_node
+    stats = {**model.stats, **stats, "node_limit": nodes, "build_seconds": round(built, 3),
+             "seconds": round(time.perf_counter() - started, 3)}
+    if status == "infeasible" and not math.isfinite(cutoff):
+        return MilpResult(None, math.inf, True, True, solver, work, stats)
+    lower_s = lower * model.unit
+    if status == "infeasible" or lower >= cutoff:
+        # No cut is faster than the cutoff (none at all, or none within the bound HiGHS was given):
+        # the setting is settled at it, within HiGHS's tolerance as any proof.
+        lower_s = max(lower_s if math.isfinite(lower_s) else 0.0, cutoff_s)
+        stats["reached_cutoff"] = True
+    return MilpResult(cut, lower_s, status == "optimal", False, solver, work, stats)
+
+
+def node_cost_s(model: _Model) -> float:
+    """What one branch-and-bound node is charged, in seconds of work: :data:`NODE_S_PER_THOUSAND`
+    per thousand variables and constraints (a node re-solves the programme's linear relaxation)."""
+    return (model.stats["variables"] + model.stats["constraints"]) / 1000 * NODE_S_PER_THOUSAND
+
+
+_banner_silenced = False
+
+
+def _silence_banner() -> None:
+    """HiGHS prints its banner on stdout when the process makes its first solver, past Python's
+    sys.stdout: make that first one with the descriptor pointed at /dev/null (a plan's output is
+    the planner's own)."""
+    global _banner_silenced
+    if _banner_silenced:
+        return
+    import os
+    import sys
+
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    _banner_silenced = True
+
+
+# HiGHS on one thread, deterministic; no improvement heuristics at the root (RENS, RINS and the
+# feasibility jump took 4x the root's time on the PipeDream programmes, and the search brings its
+# own start) and no symmetry detection (it took three quarters of the root's time, and the
+# searches were no shorter with it); a gap closed to RELATIVE_GAP.
+HIGHS_OPTIONS = {"output_flag": False, "threads": 1, "random_seed": 0, "mip_rel_gap": RELATIVE_GAP,
+                 "mip_abs_gap": 0.0, "mip_heuristic_run_rens": False, "mip_heuristic_run_rins": False,
+                 "mip_heuristic_run_feasibility_jump": False, "mip_detect_symmetry": False}
+
+
+def _run_highs(model: _Model, values: dict, cutoff: float, nodes: int, time_limit_s: float):
+    """HiGHS (highspy), warm-started from ``values``, at most ``nodes`` branch-and-bound nodes;
+    a callback stops it once its bound has reached ``cutoff``. Returns (status, lower bound,
+    cut or None, stats)."""
+    import highspy
+    import numpy as np
+
+    _silence_banner()
+    pr = model.pr
+    h = highspy.Highs()
+    for key, value in {**HIGHS_OPTIONS, "mip_max_nodes": nodes, "time_limit": time_limit_s}.items():
+        h.setOptionValue(key, value)
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = len(pr.names), len(pr.rows)
+    cost = np.zeros(len(pr.names))
+    for var, coef in pr.cost.items():
+        cost[var] = coef
+    lp.col_cost_, lp.col_lower_, lp.col_upper_ = cost, np.array(pr.low), np.array(pr.high)
+    lp.row_lower_ = np.array([row[0] for row in pr.rows])
+    lp.row_upper_ = np.array([row[1] for row in pr.rows])
+    starts = [0]
+    for row in pr.rows:
+        starts.append(starts[-1] + len(row[2]))
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_ = np.array(starts, dtype=np.int32)
+    lp.a_matrix_.index_ = np.array([v for row in pr.rows for v in row[2]], dtype=np.int32)
+    lp.a_matrix_.value_ = np.array([c for row in pr.rows for c in row[3]])
+    kinds = (highspy.HighsVarType.kContinuous, highspy.HighsVarType.kInteger)
+    lp.integrality_ = [kinds[b] for b in pr.binary]
+    h.passModel(lp)
+    if values:
+        h.setSolution(len(values), np.array(list(values), dtype=np.int32), np.array(list(values.values())))
+    if math.isfinite(cutoff):
+        # Nodes whose bound passes the cutoff are pruned as if a plan that fast were known.
+        h.setOptionValue("objective_bound", cutoff * (1 + RELATIVE_GAP))
+
+        def interrupt(kind, message, data_out, data_in, user_data):
+            if data_out.mip_dual_bound >= cutoff:
+                data_in.user_interrupt = True
+
+        h.setCallback(interrupt, None)
+        h.startCallback(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
+    h.run()
+    info, status = h.getInfo(), h.getModelStatus()
+    states = highspy.HighsModelStatus
+    stats = {"nodes": max(0, int(info.mip_node_count)), "iterations": int(info.simplex_iteration_count)}
+    found = info.primal_solution_status == 2
+    cut = model.cuts.read(list(h.getSolution().col_value)) if found else None
+    if status == states.kInfeasible:
+        return "infeasible", math.inf, None, stats
+    if status == states.kOptimal:
+        # (a programme without binaries is a linear one: its optimum is its bound)
+        return "optimal", max(info.mip_dual_bound, info.objective_function_value * (1 - RELATIVE_GAP)), cut, stats
+    lower = info.mip_dual_bound if math.isfinite(info.mip_dual_bound) else 0.0
+    return ("feasible" if found else "none"), lower, cut, stats
+
+
+def _run_cbc(model: _Model, values: dict, nodes: int, time_limit_s: float):
+    """pulp's CBC (one thread, ``nodes`` branch-and-bound nodes at most), warm-started from
+    ``values``. CBC through pulp reports no bound when it stops early: then none (0)."""
+    import pulp
+
+    from .ilp import _var
+
+    pr = model.pr
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        prob = pulp.LpProblem("gpipe_plan_schedule", pulp.LpMinimize)
+        columns = [_var(prob, name, low, cat="Binary" if binary else "Continuous")
+                   for name, low, binary in zip(pr.names, pr.low, pr.binary)]
+        for var, high, binary in zip(columns, pr.high, pr.binary):
+            if not binary and math.isfinite(high):
+                var.upBound = high
+        prob.setObjective(pulp.LpAffineExpression({columns[v]: c for v, c in pr.cost.items()}))
+        for i, (lower, upper, index, coefs) in enumerate(pr.rows):
+            expr = pulp.LpAffineExpression({columns[v]: c for v, c in zip(index, coefs)})
+            if lower == upper:
+                prob.addConstraint(pulp.LpConstraint(expr, pulp.LpConstraintEQ, f"r{i}", lower))
+                continue
+            if math.isfinite(lower):
+                prob.addConstraint(pulp.LpConstraint(expr, pulp.LpConstraintGE, f"r{i}", lower))
+            if math.isfinite(upper):
+                prob.addConstraint(pulp.LpConstraint(expr, pulp.LpConstraintLE, f"s{i}", upper))
+        for var, value in values.items():
+            columns[var].setInitialValue(value)
+        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(time_limit_s)), gapRel=RELATIVE_GAP, gapAbs=0,
+                                   warmStart=bool(values), threads=1, options=[f"maxNodes {nodes}"])
+        status = prob.solve(solver)
+    stats = {"nodes": nodes}
+    name = pulp.LpStatus[status]
+    if name == "Infeasible":
+        return "infeasible", math.inf, None, stats
+    found = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    cut = model.cuts.read([var.value() or 0.0 for var in columns]) if found else None
+    if name == "Optimal" and prob.sol_status == pulp.LpSolutionOptimal:
+        return "optimal", pulp.value(prob.objective), cut, stats
+    return ("feasible" if found else "none"), 0.0, cut, stats
+
+
+# --------------------------------------------------------------------------- in a search
+def refine(cm: CostModel, solution: Solution | None, cutoff_s: float = math.inf,
+           work_budget_s: float = SOLVER_TIME_BUDGET_S, time_limit_s: float | None = None) -> Solution | None:
+    """``solution`` (a branch and bound's, or None when it found no plan) improved by the
+    programme warm-started from it: the better plan, the higher lower bound, and the method
+    that gave it. ``cutoff_s``: as :func:`solve_milp`."""
+    result = solve_milp(cm, solution.evaluation if solution else None, cutoff_s, work_budget_s, time_limit_s)
+    if result.infeasible:
+        # No cut fits (a plan the search found fits only within the programme's tolerance: keep it).
+        return solution
+    best = solution.evaluation if solution else None
+    if result.bounds is not None:
+        ev = evaluate(cm, result.bounds)
+        if ev.fits and (best is None or ev.step_s < best.step_s):
+            best = ev
+    if best is None:
+        return None
+    searched = solution.lower_bound_s if solution else 0.0
+    # Unproven, the programme's bound is its open nodes' least, within its tolerance; proven
+    # unable to beat the cutoff, the cutoff.
+    # On shared cores (planner/timeshare.py) the programme optimises the dedicated step, which
+    # bounds every plan's time-shared step from below: its proven optimum is a bound there, no more.
+    shared = best.dedicated_step_s is not None
+    if result.proven and shared:
+        programme = min(best.step_s, evaluate(cm, result.bounds).dedicated_step_s * (1 - RELATIVE_GAP))
+    elif result.proven:
+        programme = best.step_s
+    elif result.stats.get("reached_cutoff"):
+        programme = min(best.step_s, max(cutoff_s, result.lower_bound_s * (1 - RELATIVE_GAP)))
+    else:
+        programme = result.lower_bound_s * (1 - RELATIVE_GAP)
+    lower = min(best.step_s, max(searched, programme))
+    milp_stats = {"solver": result.solver, "work_s": round(result.work_s, 3), **result.stats}
+    return Solution(best, (result.proven and not shared) or proven_optimal(best.step_s, lower), lower,
+                    (f"{solution.method}; " if solution and solution.method else "")
+                    + f"MILP over the cuts ({result.solver}), warm-started from the best plan found",
+                    {**(solution.stats if solution else {}), "milp": milp_stats},
+                    bound_by="milp" if programme >= searched else solution.bound_by)
+
+
+def solve(cm: CostModel, seeds: Sequence[Sequence[int]] = (), cutoff_s: float = math.inf,
+          work_budget_s: float = SOLVER_TIME_BUDGET_S, time_limit_s: float | None = None) -> Solution | None:
+    """The programme alone (``--solver ilp`` for the chunked schedules), warm-started from the
+    best of ``seeds`` that fits."""
+    if available() is None:
+        raise BadInput("--solver ilp needs the pulp package, which is not installed here: pip install pulp, "
+                       "or use --solver exact")
+    start = None
+    for bounds in seeds:
+        ev = evaluate(cm, bounds)
+        if ev.fits and (start is None or ev.step_s < start.step_s):
+            start = ev
+    seeded = Solution(start, False, 0.0, "", {}, bound_by="milp") if start else None
+    return refine(cm, seeded, cutoff_s, work_budget_s, time_limit_s)

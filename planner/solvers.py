@@ -1,0 +1,133 @@
+"""One setting's search: which exact solvers run, in what order, from which seeds, on what budget.
+
+A setting (M, schedule, v, recomputation) is a cost model; its best cut comes from:
+
+- **GPipe**: the threshold search (planner/dp.py), exact and fast.
+- **1F1B, interleaved, zb-h1, zb-v**: the branch and bound (planner/onefoneb.py, planner/chunked.py)
+  first, on :data:`budgets.BRANCH_AND_BOUND_SHARE` of the budget: it proves the easy settings in
+  moments. If it stops with a gap, the schedule MILP (planner/milp.py), warm-started from its best
+  plan, gets the rest: it proves what the branch and bound cannot (its bound after branching
+  knows where the heavy layers went), or at least lifts the bound. Without pulp (the GPU image)
+  or for a programme too large to build, the branch and bound gets the whole budget.
+- ``--solver ilp``: the CBC ILP (planner/ilp.py) for GPipe and 1F1B, the MILP alone for the
+  chunked schedules.
+
+Every search starts from the same seeds (planner/seeds.py): what the caller found for a related
+setting, then the min-max cut and its neighbours.
+
+Budgets: ``time_budget_s`` is wall time (a safety net, stretched to budgets.WALL_SAFETY times the
+work budget), ``work_budget_s`` the same in deterministic work (budgets.WORK_PER_SECOND, milp_solve.node_cost_s), which is what ends a search
+in practice, so that a plan is the same on every run. The work a search used is in its
+``stats["work_s"]``: what it leaves goes to the settings after it (search.SettingBudgets), and
+what all of them leave to :func:`tighten`, which spends it on the setting that keeps the proof
+open.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Sequence
+
+from . import milp, milp_solve
+from .budgets import BRANCH_AND_BOUND_SHARE, WALL_SAFETY, WORK_PER_SECOND
+from .chunked import ChunkedSolver
+from .costmodel import CostModel
+from .dp import GPipeSolver
+from .objective import Solution, proven_optimal
+from .onefoneb import OneFOneBSolver
+from .seeds import seed_cuts
+
+
+def solve_cost_model(cm: CostModel, solver: str, time_budget_s: float, seeds: Sequence[Sequence[int]] = (),
+                     cutoff_s: float = math.inf, work_budget_s: float | None = None) -> Solution | None:
+    """The best plan of one setting (None: nothing fits), by ``solver`` ("exact" or "ilp")."""
+    started = time.perf_counter()
+    work_s = time_budget_s if work_budget_s is None else work_budget_s
+    seeds = seed_cuts(cm, seeds)
+    if solver == "ilp":
+        if cm.schedule in ("gpipe", "1f1b"):
+            from .ilp import solve_ilp  # pulp loads lazily: the exact path never pays for it
+
+            return _used(solve_ilp(cm, time_limit_s=time_budget_s), 0.0)
+        if milp.applicable(cm):
+            return _used(milp_solve.solve(cm, seeds, cutoff_s, work_s, time_budget_s), None)
+        # (under the CPU-issue bound the programme does not apply: the branch and bound plans it)
+    if cm.schedule == "gpipe":
+        return _used(GPipeSolver(cm, time_budget_s=time_budget_s, seeds=seeds).solve(cutoff_s), 0.0)
+    # For the work-budgeted searches the wall clock is a safety net: past the setting's share only
+    # where the work is far from done (GPipe's search and the ILP keep the clock as their budget).
+    time_budget_s = max(time_budget_s, WALL_SAFETY * work_s)
+    follow = (milp.available() is not None and milp.applicable(cm)
+              and work_s * (1 - BRANCH_AND_BOUND_SHARE) >= 1.5 * milp.fixed_cost_s(cm))
+    share = BRANCH_AND_BOUND_SHARE if follow else 1.0
+    if cm.schedule == "1f1b":
+        search = OneFOneBSolver(cm, seeds=seeds, time_budget_s=time_budget_s * share, cutoff_s=cutoff_s,
+                                work_budget_s=work_s * share)
+    else:
+        search = ChunkedSolver(cm, seeds=seeds, time_budget_s=time_budget_s * share, cutoff_s=cutoff_s,
+                               work_budget_s=work_s * share)
+    solution = search.solve()
+    used = search.work_done / WORK_PER_SECOND
+    if not follow or settled(solution, cutoff_s):
+        return _used(solution, used)
+    wall_left = max(0.05, time_budget_s - (time.perf_counter() - started))
+    refined = milp_solve.refine(cm, solution, cutoff_s, max(0.0, work_s - used), wall_left)
+    return _used(refined, used + (refined.stats["milp"]["work_s"] if refined and "milp" in refined.stats else 0.0))
+
+
+def settled(solution: Solution | None, cutoff_s: float) -> bool:
+    """Whether a search's answer needs no more work: proven optimal, or proven unable to beat
+    ``cutoff_s`` (a plan another setting has). None (nothing fits) is not settled: the branch and
+    bound cannot tell "nothing fits" from "found nothing in time"."""
+    if solution is None:
+        return False
+    bound = solution.lower_bound_s
+    return proven_optimal(solution.evaluation.step_s, bound) or proven_optimal(cutoff_s, bound)
+
+
+def _used(solution: Solution | None, work_s: float | None) -> Solution | None:
+    """``solution`` with the work it used in ``stats["work_s"]`` (None: the MILP's own count)."""
+    if solution is not None:
+        if work_s is None:
+            work_s = solution.stats.get("milp", {}).get("work_s", 0.0)
+        solution.stats["work_s"] = round(work_s, 6)
+    return solution
+
+
+def tighten(candidates: Sequence, cost_model, cutoff_s: float, work_budget_s: float,
+            time_budget_s: float) -> float:
+    """Spend what is left of a budget where it proves most; returns the work it used.
+
+    The plan is proven optimal once every setting is settled (:func:`settled`): proven optimal,
+    or proven unable to beat the best plan found. The least lower bound among the unsettled
+    settings is the one that keeps the proof open, so that setting gets the MILP, warm-started
+    from its best plan, with all the work left; then the next, until all are settled or the work
+    is spent. A setting is tried again only when more than twice the work its MILP last had is
+    left (HiGHS starts over each time). ``candidates``: search.Candidate, updated in place;
+    ``cost_model(candidate)``: its CostModel.
+    """
+    started = time.perf_counter()
+    best = min([cutoff_s, *(c.step_s for c in candidates)])
+    spent = 0.0
+    tried: set[int] = set()
+    while True:
+        left = work_budget_s - spent
+        wall = max(time_budget_s, WALL_SAFETY * work_budget_s) - (time.perf_counter() - started)
+        open_ = [c for c in candidates if c.solution is not None and id(c) not in tried
+                 and not settled(c.solution, best)]
+        if not open_ or left <= 0 or wall <= 0 or milp.available() is None:
+            return spent
+        weakest = min(open_, key=lambda c: c.lower_bound_s)
+        tried.add(id(weakest))
+        cm = cost_model(weakest)
+        before = weakest.solution.stats.get("milp", {}).get("work_s", 0.0)
+        if left < 1.5 * milp.fixed_cost_s(cm) or left <= 2 * before or not milp.applicable(cm):
+            continue
+        refined = milp_solve.refine(cm, weakest.solution, best, left, wall)
+        if refined is None:
+            continue
+        spent += refined.stats["milp"]["work_s"]
+        refined.stats["work_s"] = weakest.solution.stats.get("work_s", 0.0) + refined.stats["milp"]["work_s"]
+        weakest.solution = refined
+        best = min(best, refined.evaluation.step_s)
