@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from ..artifacts import BadInput, RunFailure, check_output_paths, first_line
+from ..allocator import steady_allocator
 from ..hostload import usable_cores
 from ..models import Precision, model_spec
 from ..schema import write_artifact
@@ -42,6 +43,7 @@ def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes
                     global_batch_size: int | None = None, fixed_costs: bool = True,
                     **options: Any) -> None:
     """Profile MODEL and write the profile JSON to ``out``. Raises BadInput / RunFailure."""
+    steady_allocator()       # as run's ranks will allocate (allocator.py), here and in the probes
     chosen = Precision(precision, param_dtype)   # checks the pair (BadInput)
     spec = model_spec(model, **{k: options.get(k) for k in _MODEL_OPTIONS})
     unknown = set(options) - set(_MODEL_OPTIONS)

@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from ..allocator import steady_allocator
 from .checkpoint_dir import claim
 from .conditions import threads_per_rank
 from .options import RunOptions, check_options
@@ -17,6 +18,7 @@ from .trust import imports_note
 
 def run_command(plan: str, **options: Any) -> None:
     """Train with PLAN. Raises BadInput (exit 2) or RunFailure (exit 1)."""
+    steady_allocator()       # as profile allocated (allocator.py), in the ranks it starts too
     opts = check_options(RunOptions(plan=plan, **options))
     run_plan = load_plan(opts.plan)  # a bad plan fails here, before any process starts
     check_precision_matches(run_plan, opts.precision, opts.param_dtype)

@@ -20,6 +20,7 @@ import traceback
 import warnings
 from typing import NoReturn
 
+from ..allocator import steady_allocator
 from ..artifacts import BadInput
 from ..lifeline import die_with_parent
 from . import watchdog
@@ -65,6 +66,7 @@ def run_rank(options: RunOptions) -> int:
     from .distributed import world_from_env
     from .train import train
 
+    steady_allocator()       # a rank torchrun started has not met run_command's (allocator.py)
     world = world_from_env()
     if world is None:
         raise BadInput("not started as a rank (RANK and WORLD_SIZE are unset)")
