@@ -36,9 +36,12 @@ RELATIVE_GAP = 1e-6
 # The budget in work: the solver stops after a number of branch-and-bound nodes, each charged
 # NODE_S_PER_THOUSAND seconds per thousand variables and constraints (node_cost_s), after
 # milp.fixed_cost_s for building the programme and its root. A node took 6-15 ms of CPU per
-# thousand on the 2-core development VM: with the margin, the node limit binds before the wall
-# clock wherever the planner has most of a core, and a plan does not depend on the machine's speed.
-NODE_S_PER_THOUSAND = 0.02
+# thousand on the 2-core development VM. Charged within that range, the node limit binds before
+# the wall clock (a safety net at budgets.WALL_SAFETY times the work) on any machine up to
+# three times slower, so a plan does not depend on the machine's speed; charged at twice the
+# slowest (0.02), searches of the 30 s default used about 10 s of CPU and stopped unproven where
+# more nodes prove (3 of 6 such PipeDream settings tried, docs/benchmarks/exactness.md).
+NODE_S_PER_THOUSAND = 0.01
 
 
 @dataclass
