@@ -120,7 +120,7 @@ READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5,
 # chunked schedules (planner/onefoneb.py, planner/chunked.py), the schedule MILP
 # (planner/milp.py), the GPipe/1F1B ILP of ``--solver ilp`` (planner/ilp.py).
 BOUND_METHODS = ("dp", "branch and bound", "milp", "ilp")
-# What the MILP runs on (``optimality.milp_solver``; null: pulp is not installed).
+# What the MILP runs on (``optimality.milp_solver``; null: neither highspy nor pulp is installed).
 MILP_SOLVERS = ("HiGHS", "CBC")
 
 

@@ -545,7 +545,7 @@ class GPipeSolver:
             # (its dedicated bounds are lower bounds here too: planner/timeshare.py), so it is exact.
             from .onefoneb import OneFOneBSolver
 
-            return OneFOneBSolver(self.cm, time_budget_s=self.time_budget_s, cutoff_s=cutoff_s).solve()
+            return OneFOneBSolver(self.cm, seeds=self.seeds, time_budget_s=self.time_budget_s, cutoff_s=cutoff_s).solve()
         self.started = time.perf_counter()
         self.deadline = self.started + self.time_budget_s
         # (self._seen, the best plan evaluated so far, is kept from an earlier solve of the same

@@ -36,11 +36,11 @@ RELATIVE_GAP = 1e-6
 # The budget in work: the solver stops after a number of branch-and-bound nodes, each charged
 # NODE_S_PER_THOUSAND seconds per thousand variables and constraints (node_cost_s), after
 # milp.fixed_cost_s for building the programme and its root. A node took 6-15 ms of CPU per
-# thousand on the 2-core development VM. Charged within that range, the node limit binds before
-# the wall clock (a safety net at budgets.WALL_SAFETY times the work) on any machine up to
-# three times slower, so a plan does not depend on the machine's speed; charged at twice the
-# slowest (0.02), searches of the 30 s default used about 10 s of CPU and stopped unproven where
-# more nodes prove (3 of 6 such PipeDream settings tried, docs/benchmarks/exactness.md).
+# thousand on the 2-core development VM; charged 10, the node limit binds before the wall clock
+# (a safety net at budgets.WALL_SAFETY times the work) wherever nodes take under 30 ms, so a plan
+# does not depend on the machine's speed. Charged 20 (twice the slowest), searches of the 30 s
+# default used about 10 s of CPU and stopped unproven where more nodes prove (3 of 6 such
+# PipeDream settings tried; docs/benchmarks/exactness.md).
 NODE_S_PER_THOUSAND = 0.01
 
 
@@ -91,9 +91,12 @@ def solve_milp(cm: CostModel, start: Evaluation | None = None, cutoff_s: float =
     lower_s = lower * model.unit
     if status == "infeasible" or lower >= cutoff:
         # No cut is faster than the cutoff (none at all, or none within the bound HiGHS was given):
-        # the setting is settled at it, within HiGHS's tolerance as any proof.
-        lower_s = max(lower_s if math.isfinite(lower_s) else 0.0, cutoff_s)
+        # the setting is settled at it, within HiGHS's tolerance as any proof. That is all it
+        # shows: with nodes pruned at the cutoff, HiGHS calls its warm start "optimal" with that
+        # start's objective as its bound although a cut between the cutoff and it may exist
+        # (minimise x >= 2.5 over the integers from x = 7, cutoff 2: "optimal", x = 7, bound 7).
         stats["reached_cutoff"] = True
+        return MilpResult(cut, cutoff_s, False, False, solver, work, stats)
     return MilpResult(cut, lower_s, status == "optimal", False, solver, work, stats)
 
 
@@ -249,29 +252,30 @@ def refine(cm: CostModel, solution: Solution | None, cutoff_s: float = math.inf,
         # No cut fits (a plan the search found fits only within the programme's tolerance: keep it).
         return solution
     best = solution.evaluation if solution else None
-    if result.bounds is not None:
-        ev = evaluate(cm, result.bounds)
-        if ev.fits and (best is None or ev.step_s < best.step_s):
-            best = ev
+    found = evaluate(cm, result.bounds) if result.bounds is not None else None
+    if found is not None and found.fits and (best is None or found.step_s < best.step_s):
+        best = found
     if best is None:
         return None
     searched = solution.lower_bound_s if solution else 0.0
-    # Unproven, the programme's bound is its open nodes' least, within its tolerance; proven
-    # unable to beat the cutoff, the cutoff.
-    # On shared cores (planner/timeshare.py) the programme optimises the dedicated step, which
-    # bounds every plan's time-shared step from below: its proven optimum is a bound there, no more.
+    # The programme's proof is the plan's only where its own cut is the plan it priced: a cut
+    # that fits (HiGHS lets a row exceed its limit by its tolerance) at the step the programme
+    # found (within its gap) on a core each. On shared cores (planner/timeshare.py) it optimises
+    # the dedicated step, which bounds every plan's time-shared step from below: a bound there.
+    # Unproven, its bound is its open nodes' least, within its tolerance; proven unable to beat
+    # the cutoff, the cutoff.
     shared = best.dedicated_step_s is not None
-    if result.proven and shared:
-        programme = min(best.step_s, evaluate(cm, result.bounds).dedicated_step_s * (1 - RELATIVE_GAP))
-    elif result.proven:
+    exact = (result.proven and not shared and found is not None and found.fits
+             and found.step_s * (1 - 2 * RELATIVE_GAP) <= result.lower_bound_s)
+    if exact:
         programme = best.step_s
     elif result.stats.get("reached_cutoff"):
-        programme = min(best.step_s, max(cutoff_s, result.lower_bound_s * (1 - RELATIVE_GAP)))
+        programme = min(best.step_s, cutoff_s)
     else:
-        programme = result.lower_bound_s * (1 - RELATIVE_GAP)
+        programme = min(best.step_s, result.lower_bound_s * (1 - RELATIVE_GAP))
     lower = min(best.step_s, max(searched, programme))
     milp_stats = {"solver": result.solver, "work_s": round(result.work_s, 3), **result.stats}
-    return Solution(best, (result.proven and not shared) or proven_optimal(best.step_s, lower), lower,
+    return Solution(best, exact or proven_optimal(best.step_s, lower), lower,
                     (f"{solution.method}; " if solution and solution.method else "")
                     + f"MILP over the cuts ({result.solver}), warm-started from the best plan found",
                     {**(solution.stats if solution else {}), "milp": milp_stats},

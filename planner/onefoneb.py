@@ -65,7 +65,6 @@ class OneFOneBSolver:
         fixed = [cm.chunk_fixed("F", k) + cm.chunk_fixed("B", k) for k in range(K)]
         self.fixed_before = [sum(fixed[:k]) for k in range(K)]
         self.fixed_after = [sum(fixed[k + 1:]) for k in range(K)]
-        self.fixed_total = sum(fixed)
         self.cutoff_s = cutoff_s
         self.L, self.K, self.M = cm.L, cm.K, cm.M
         self.seeds = list(seeds)

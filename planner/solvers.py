@@ -53,15 +53,17 @@ def solve_cost_model(cm: CostModel, solver: str, time_budget_s: float, seeds: Se
         if milp.applicable(cm):
             return _used(milp_solve.solve(cm, seeds, cutoff_s, work_s, time_budget_s), None)
         # (under the CPU-issue bound the programme does not apply: the branch and bound plans it)
-    if cm.schedule == "gpipe":
+    if cm.schedule == "gpipe" and not cm.setting.time_shared:
         return _used(GPipeSolver(cm, time_budget_s=time_budget_s, seeds=seeds).solve(cutoff_s), 0.0)
+    # (GPipe on shared cores has no closed form: the 1F1B branch and bound over cuts plays each
+    # plan out, work-budgeted as below, so that its plan is the same on every run.)
     # For the work-budgeted searches the wall clock is a safety net: past the setting's share only
     # where the work is far from done (GPipe's search and the ILP keep the clock as their budget).
     time_budget_s = max(time_budget_s, WALL_SAFETY * work_s)
     follow = (milp.available() is not None and milp.applicable(cm)
               and work_s * (1 - BRANCH_AND_BOUND_SHARE) >= 1.5 * milp.fixed_cost_s(cm))
     share = BRANCH_AND_BOUND_SHARE if follow else 1.0
-    if cm.schedule == "1f1b":
+    if cm.schedule in ("gpipe", "1f1b"):
         search = OneFOneBSolver(cm, seeds=seeds, time_budget_s=time_budget_s * share, cutoff_s=cutoff_s,
                                 work_budget_s=work_s * share)
     else:

@@ -134,6 +134,32 @@ def test_under_the_cpu_issue_bound_the_branch_and_bound_plans_alone():
         assert "MILP" not in got.method
 
 
+@pytest.mark.parametrize("schedule,v", SHAPES)
+@pytest.mark.parametrize("seed", range(4))
+def test_a_cutoff_below_the_optimum_proves_only_the_cutoff(schedule, v, seed):
+    """Given a step another setting achieved, below this one's optimum, and a warm start above it,
+    HiGHS prunes every node and calls its warm start "optimal": the programme then proves only
+    that nothing beats the cutoff, and the refined bound stays at or below the true optimum."""
+    from gpipe_plan.planner.brute import partitions
+    from gpipe_plan.planner.objective import Solution
+
+    fig, setting = random_case(random.Random(f"cutoff-{schedule}-{v}-{seed}"), schedule, v)
+    cm = CostModel(fig, setting)
+    want = brute_force(cm)
+    if want is None:
+        return
+    fitting = [ev for ev in (evaluate(cm, b) for b in partitions(cm.L, cm.C)) if ev.fits]
+    worst = max(fitting, key=lambda ev: ev.step_s)
+    cutoff = want.step_s * 0.9
+    got = milp_solve.solve_milp(cm, worst, cutoff_s=cutoff, work_budget_s=60, time_limit_s=600)
+    assert not got.proven and got.stats.get("reached_cutoff")
+    assert got.lower_bound_s <= want.step_s * (1 + 1e-9)
+    refined = milp_solve.refine(cm, Solution(worst, False, 0.0, "seed", {}), cutoff, 60, 600)
+    assert refined.lower_bound_s <= want.step_s * (1 + 1e-9) + 1e-15
+    if refined.proven:
+        assert refined.evaluation.step_s == pytest.approx(want.step_s, rel=1e-9, abs=1e-15)
+
+
 def _gnmt() -> Profile:
     from gpipe_plan.planner.pipedream import import_pipedream
 
