@@ -90,7 +90,11 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
     out = copy.deepcopy(profile)
     layers = out["layers"]
     measured_any = False
+    # What plans charged between actions before this round: an earlier round's figure, else the
+    # profile's own (fixed_costs.between_actions_s), which a calibrated one replaces.
     previous_overhead = (profile.get("overhead") or {}).get("per_microbatch_s")
+    previous_charged = previous_overhead if previous_overhead is not None else \
+        (profile.get("fixed_costs") or {}).get("between_actions_s")
     # The plan's chunk times include the fixed costs it charged (the per-action overhead and,
     # from a version-9 profile, each kind's and each message's), some of which the run measures
     # in its spans and some between them: the layers' ratio is of what is left of both.
@@ -166,7 +170,7 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
         "run_spread": spread,
         "stages": stage_rounds,
         "chunks": chunk_rounds,
-        "overhead": overhead.record(previous_overhead),
+        "overhead": overhead.record(previous_charged if overhead.per_microbatch_s is not None else previous_overhead),
         **({"forced": forced} if forced else {}),
     })
     out["calibration"] = history

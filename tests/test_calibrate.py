@@ -311,6 +311,25 @@ def test_calibrate_learns_the_per_action_overhead_from_the_steps_gaps(files):
         assert after["backward_s"] == pytest.approx(before["backward_s"] + 0.5e-3)
 
 
+def test_the_overhead_it_replaces_is_the_profiles_cost_between_actions(tmp_path: Path):
+    """A version-9 profile charged its fixed cost between actions (0.020 ms) until calibrated:
+    that is what the round says it was, not "none"."""
+    doc = profile_doc()
+    doc["fixed_costs"] = {"forward_s": 0.0, "backward_s": 0.0, "backward_input_s": 0.0, "backward_weight_s": 0.0,
+                          "send_s": 0.0, "receive_s": 0.0, "between_actions_s": 2e-5}
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(doc))
+    plan = solve_file(str(profile), str(tmp_path / "plan.json"), stages=2, micro_batches=4, schedule="gpipe")
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps(with_gaps(report_doc(plan, [1.0, 1.0], [1.0, 1.0], None), 0.05,
+                                           [0.4e-3, 0.6e-3], actions=8)))
+    result = CliRunner().invoke(main, ["calibrate", str(report), "--profile", str(profile)])
+    assert result.exit_code == 0, result.output
+    assert "per-action overhead: 0.500 ms (was 0.020 ms)" in flat(result.output)
+    record = json.loads((tmp_path / "profile.calibrated.json").read_text())["calibration"][-1]["overhead"]
+    assert record["previous_per_microbatch_s"] == 2e-5
+
+
 def test_a_stage_that_ran_faster_than_its_spans_add_up_counts_as_no_overhead(files):
     tmp, profile, plan = files
     report = tmp / "report.json"
