@@ -305,8 +305,14 @@ def runners_up(candidates: list[Candidate], global_batch_size: int, data_paralle
     stage every schedule runs a micro-batch's forward then its backward, so at M = 1 gpipe and
     1f1b are one plan, and listing it would show the winner again at "+0.0%"."""
     rows = [runner_up(c, global_batch_size, data_parallel) for c in candidates]
-    best = {key: rows[0].get(key) for key in _SHOWN} if rows else None
-    return [row for row in rows[1:] if {key: row.get(key) for key in _SHOWN} != best][:MAX_RUNNERS_UP]
+    best = _shown(rows[0]) if rows else None
+    return [row for row in rows[1:] if _shown(row) != best][:MAX_RUNNERS_UP]
+
+
+def _shown(row: dict[str, Any]) -> dict[str, Any]:
+    """What a user sees of a runner-up, floats to 9 significant digits: GPipe's closed form and
+    1F1B's event simulation give one plan's step in different roundings."""
+    return {key: float(f"{row[key]:.9g}") if isinstance(row.get(key), float) else row.get(key) for key in _SHOWN}
 
 
 def runner_up(c: Candidate, global_batch_size: int, data_parallel: int = 1) -> dict[str, Any]:

@@ -160,6 +160,18 @@ def test_runners_up_do_not_list_the_winner_again(user_dir: Path) -> None:
                for r in plan["runners_up"] if r["fits"])
 
 
+def test_a_runner_up_equal_but_for_the_last_bits_is_the_winner_again() -> None:
+    """GPipe's closed form and 1F1B's event simulation round one plan's step differently
+    (seen: 2 stages x 4 replicas at M = 1 listed gpipe at "+0.0%" under a 1f1b winner)."""
+    from gpipe_plan.planner.plan import _shown
+
+    row = {"micro_batches": 1, "micro_batch_size": 2, "fits": True, "step_s": 0.032727, "bubble_fraction": 0.452,
+           "peak_memory_bytes": 26000000, "balance": [2, 9], "recompute": [False, False]}
+    assert _shown(row) == _shown({**row, "step_s": 0.032727 * (1 + 4e-16), "bubble_fraction": 0.452 * (1 - 4e-16)})
+    assert _shown(row) != _shown({**row, "step_s": 0.032727 * (1 + 1e-6)})
+    assert _shown(row) != _shown({**row, "balance": [3, 8]})
+
+
 def test_one_device_faster_says_by_how_much_and_the_noise() -> None:
     """The issue's case: 1.690 s on one device against 2.256 s on the pipeline, called "as fast"."""
     pred = {"step_s": 2.256, "peak_memory_bytes": 2**30, "one_stage_step_s": 1.690, "one_stage_fits": True,
