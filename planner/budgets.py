@@ -14,11 +14,13 @@ SOLVE_TIME_BUDGET_S = 30.0
 
 # The branch-and-bound searches are budgeted in work, not in wall time, so that a plan is the
 # same on every run: this many units per second of budget (a bound of a chunked prefix is one
-# unit, a 1F1B stage end scanned 1/16, a simulation one per 64 actions it plays out). It is set
-# well below what a slow machine does in a second, so that the wall-time budget, still checked,
-# rarely binds first and the plan does not depend on the machine's speed or load. (The MILP's
-# own unit is in planner/milp.py.)
-WORK_PER_SECOND = 10000
+# unit, a 1F1B stage end scanned 1/16, a simulation one per 64 actions it plays out). The
+# 2-core development VM did 19,500-52,600 units per CPU second (five K = 4 and 8 chunked
+# settings of the PipeDream profiles); charged at about its slowest, the wall-time safety net
+# (WALL_SAFETY) binds first only on a machine three times slower, and the plan does not depend on
+# the machine's speed or load. (At 10,000 the searches used a median 13 s of CPU of a 30 s
+# budget where they stopped unproven. The MILP's own unit is in planner/milp_solve.py.)
+WORK_PER_SECOND = 20000
 EXPLORE_POINT_TIME_BUDGET_S = 0.5
 SOLVER_TIME_BUDGET_S = 10.0
 
