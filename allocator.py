@@ -28,7 +28,6 @@ move a threshold) it does nothing. Pure Python, no torch.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import sys
 
@@ -65,13 +64,14 @@ def steady_allocator() -> dict[str, int]:
 
 
 def _glibc():
-    """glibc's handle, or None where the C library is another (musl has no mallopt)."""
+    """glibc's handle, or None where the C library is another (only glibc has
+    ``gnu_get_libc_version``). The process's own symbols (``CDLL(None)``) hold the C library it
+    runs on, without ``ctypes.util.find_library``, which starts ``ldconfig`` to find it."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        version = libc.gnu_get_libc_version
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version
     except (OSError, AttributeError):
         return None
-    version.restype = ctypes.c_char_p
     libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     libc.mallopt.restype = ctypes.c_int
     return libc
