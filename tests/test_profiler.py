@@ -161,8 +161,13 @@ def test_every_size_is_timed_in_the_same_rounds() -> None:
     assert whole == ["b=1 whole model"] * 2 + ["b=2 whole model"] * 2 + ["b=1 whole model"] * 2 \
         + ["b=2 whole model"] * 2 + ["b=1 whole model"] * 2 + ["b=2 whole model"] * 2
     assert len(steps.names) == steps.total   # the progress bar ends full
-    for layer in doc["layers"]:
-        assert all(t > 0 for t in layer["forward_s"] + layer["recompute_backward_s"])
+    # A layer's time is its timing less the empty harness's, clamped at 0: on a loaded host the
+    # harness's noise can swamp a layer of a few microseconds (CI saw the embedding at 0). So each
+    # figure is >= 0 and each size's model, a few hundred microseconds, is timed above 0.
+    for key in ("forward_s", "recompute_backward_s"):
+        per_size = [layer[key] for layer in doc["layers"]]
+        assert all(len(times) == 2 and all(t >= 0 for t in times) for times in per_size)
+        assert all(sum(times[i] for times in per_size) > 0 for i in range(2))
 
 
 # --------------------------------------------------------------------------- bad input
