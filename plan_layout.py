@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from .artifacts import BadInput
-from .schedules import SCHEDULES, chunks_of_stage, chunks_per_stage, problem, stage_of_chunk
+from .schedules import PLANNABLE_SCHEDULES, chunks_of_stage, chunks_per_stage, problem, stage_of_chunk
 
 # The keys every chunk :func:`plan_chunks` returns has (None where the plan says nothing).
 CHUNK_KEYS = ("index", "stage", "layers", "first_layer", "recompute", "forward_s", "backward_s",
@@ -45,8 +45,8 @@ def plan_chunks(doc: dict[str, Any], where: str) -> list[dict[str, Any]]:
     the schedule cannot run this many stages and micro-batches.
     """
     schedule = doc.get("schedule")
-    if schedule not in SCHEDULES:
-        raise BadInput(f"{where}: schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if schedule not in PLANNABLE_SCHEDULES:
+        raise BadInput(f"{where}: schedule {schedule!r} is not one of {', '.join(PLANNABLE_SCHEDULES)}")
     stages = doc.get("stages")
     if not isinstance(stages, list) or not stages:
         raise BadInput(f"{where} has no stages")

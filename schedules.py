@@ -58,7 +58,13 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+from .weight_versions import ASYNC_SCHEDULES
+from .weight_versions import problem as async_problem
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")   # synchronous: what ``auto`` chooses from
+# The asynchronous ones (gpipe_plan.weight_versions) run 1F1B's order with no flush and one
+# chunk per stage; a plan may name them, ``auto`` never picks them (they change the mathematics).
+PLANNABLE_SCHEDULES = SCHEDULES + ASYNC_SCHEDULES
 SPLIT_BACKWARD = frozenset({"zb-h1", "zb-v"})     # schedules that run I and W instead of B
 KINDS = ("F", "B", "I", "W")
 
@@ -120,8 +126,12 @@ def chunks_of_stage(schedule: str, stage: int, stages: int, virtual_stages: int 
 
 def problem(schedule: str, stages: int, micro_batches: int, virtual_stages: int = 1) -> str | None:
     """Why this combination cannot run, in words; None when it can."""
+    if schedule in ASYNC_SCHEDULES:
+        if virtual_stages != 1:
+            return f"{schedule} does not take --virtual-stages (only interleaved does)"
+        return async_problem(schedule, stages, micro_batches)
     if schedule not in SCHEDULES:
-        return f"unknown schedule {schedule!r}: expected one of {', '.join(SCHEDULES)}"
+        return f"unknown schedule {schedule!r}: expected one of {', '.join(PLANNABLE_SCHEDULES)}"
     if stages < 1 or micro_batches < 1:
         return "a schedule needs at least one stage and one micro-batch"
     if schedule == "interleaved":
@@ -261,6 +271,8 @@ def stage_actions(schedule: str, stage: int, stages: int, micro_batches: int,
         raise ValueError(reason)
     if schedule == "gpipe":
         return gpipe(stage, stages, micro_batches)
+    if schedule in ASYNC_SCHEDULES:
+        return segment_actions(stage, stages, micro_batches, 1)
     if schedule == "1f1b":
         return one_f_one_b(stage, stages, micro_batches)
     if schedule == "interleaved":
@@ -268,6 +280,13 @@ def stage_actions(schedule: str, stage: int, stages: int, micro_batches: int,
     if schedule == "zb-h1":
         return interleaved(stage, stages, micro_batches, 1, zero_bubble=True)
     return zb_v(stage, stages, micro_batches)
+
+
+def segment_actions(stage: int, stages: int, micro_batches: int, steps: int) -> list[Action]:
+    """An asynchronous schedule's order on stage ``stage`` over a segment of ``steps`` steps (no
+    flush inside it): 1F1B over all ``steps * micro_batches`` micro-batches, numbered from the
+    segment's start; one step taken alone is a segment of one (:mod:`gpipe_plan.weight_versions`)."""
+    return one_f_one_b(stage, stages, steps * micro_batches)
 
 
 def all_actions(schedule: str, stages: int, micro_batches: int, virtual_stages: int = 1) -> list[list[Action]]:
