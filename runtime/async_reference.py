@@ -112,3 +112,45 @@ def _apply(stage: nn.Module, optimizer: torch.optim.Optimizer, grads: list[torch
         p.grad = None if g is None else g.detach().clone()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def localsgd_reference(replicas: Sequence[nn.Module], loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+                       batches: Iterable[Batch], sync_every: int,
+                       make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                       lr_of_step: Callable[[int], float] | None = None) -> list[float]:
+    """LocalSGD in one process: train the d ``replicas`` (equal at the start) in place; return each
+    step's loss, the mean over the replicas of their own mean loss.
+
+    Replica r steps its own optimizer on its rows of each batch, ``[r B/d, (r+1) B/d)`` (as
+    ``runtime.train.replica_rows`` cuts them), with no gradient exchange; after steps H, 2H, ...
+    (``sync_every`` = H; counted from 1) the replicas' parameters are replaced by their mean,
+    which is what torch's ``PeriodicModelAverager(period=H)`` does when its ``step`` counts the
+    steps done. With H = 1 and SGD this is synchronous data parallelism: the mean of the d
+    updated weights is the weights updated by the mean gradient.
+    """
+    if sync_every < 1:
+        raise ValueError(f"sync_every must be at least 1, got {sync_every}")
+    d = len(replicas)
+    optimizers = [make_optimizer(list(replica.parameters())) for replica in replicas]
+    losses = []
+    for step, (inputs, targets) in enumerate(batches):
+        rows = targets.shape[0] // d
+        step_losses = []
+        for r, (replica, optimizer) in enumerate(zip(replicas, optimizers)):
+            if lr_of_step is not None:
+                for group in optimizer.param_groups:
+                    group["lr"] = lr_of_step(step)
+            part = slice(r * rows, (r + 1) * rows)
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(replica(*(x[part] for x in inputs)), targets[part])
+            loss.backward()
+            optimizer.step()
+            step_losses.append(float(loss.detach()))
+        if (step + 1) % sync_every == 0:
+            with torch.no_grad():
+                for group in zip(*(replica.parameters() for replica in replicas)):
+                    mean = torch.stack([p for p in group]).mean(dim=0)
+                    for p in group:
+                        p.copy_(mean)
+        losses.append(sum(step_losses) / d)
+    return losses

@@ -147,3 +147,29 @@ def test_the_rules_in_numbers() -> None:
     assert [version_used("pipedream-2bw", 0, 4, 3, i) for i in range(9)] == [0, 0, 0, 0, 0, 0, 1, 1, 1]
     assert problem("pipedream-2bw", 4, 2) is not None and "at least K - 1 = 3" in problem("pipedream-2bw", 4, 2)
     assert problem("pipedream-2bw", 4, 3) is None and problem("pipedream", 8, 1) is None
+
+
+def test_localsgd_with_h_1_and_sgd_is_data_parallel_sgd() -> None:
+    from gpipe_plan.runtime.async_reference import localsgd_reference
+    batches = _batches(steps=3, rows=4)
+    replicas = [nn.Sequential(*_stages(2)) for _ in range(2)]
+    whole = nn.Sequential(*_stages(2))
+    localsgd_reference(replicas, _mse, batches, 1, _sgd())
+    optimizer = torch.optim.SGD(whole.parameters(), lr=0.1)
+    for (x,), y in batches:
+        optimizer.zero_grad()
+        _mse(whole(x), y).backward()
+        optimizer.step()
+    for r in replicas:
+        for p, q in zip(r.parameters(), whole.parameters()):
+            assert torch.allclose(p, q, atol=1e-6)
+
+
+def test_localsgd_replicas_drift_apart_between_averages() -> None:
+    from gpipe_plan.runtime.async_reference import localsgd_reference
+    batches = _batches(steps=3, rows=4)
+    replicas = [nn.Sequential(*_stages(2)) for _ in range(2)]
+    localsgd_reference(replicas, _mse, batches[:1], 2, _sgd())
+    assert not torch.equal(next(replicas[0].parameters()), next(replicas[1].parameters()))
+    localsgd_reference(replicas, _mse, batches[1:], 1, _sgd())
+    assert torch.equal(next(replicas[0].parameters()), next(replicas[1].parameters()))
