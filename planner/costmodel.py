@@ -104,7 +104,9 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Callable, Sequence
 
-from ..schedules import SCHEDULES, SPLIT_BACKWARD, all_actions, chunks_of_stage, chunks_per_stage, problem, stage_of_chunk
+from ..schedules import (PLANNABLE_SCHEDULES, SPLIT_BACKWARD, all_actions, chunks_of_stage, chunks_per_stage, problem,
+                         segment_actions, stage_of_chunk)
+from ..weight_versions import ASYNC_SCHEDULES, stashed_versions
 from .profile import LayerFigures
 from .fixedcosts import FixedCosts, messages
 from ..collectives import ring_allreduce_s
@@ -152,8 +154,14 @@ class Setting:
 
 
 def static_bytes(params_bytes: float, optimizer: str, data_parallel: int = 1,
-                 gradient_sync: str = "ddp") -> tuple[float, float, float]:
+                 gradient_sync: str = "ddp", weight_versions: int = 1) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer state) in bytes, per rank, of a stage of ``params_bytes``.
+
+    ``weight_versions``: the copies of the parameters the stage holds at once, the newest
+    included (:func:`gpipe_plan.weight_versions.stashed_versions` for an asynchronous
+    schedule's weight stashing; 1 otherwise); the gradients and the optimizer state are kept
+    once whatever the versions (an update is applied to the newest weights only). The
+    asynchronous schedules run with ddp only (search.check_options refuses fsdp).
 
     ``ddp`` keeps everything whole on each of the d replicas: P + P + multiplier*P. ``fsdp``
     (FSDP2 ``fully_shard``) keeps a 1/d shard of the parameters and of the optimizer state
@@ -166,7 +174,7 @@ def static_bytes(params_bytes: float, optimizer: str, data_parallel: int = 1,
     multiplier = OPTIMIZER_STATE_MULTIPLIER[optimizer]
     if gradient_sync == "fsdp" and data_parallel > 1:
         return params_bytes * (1 + 1 / data_parallel), params_bytes, params_bytes * multiplier / data_parallel
-    return params_bytes, params_bytes, params_bytes * multiplier
+    return params_bytes * weight_versions, params_bytes, params_bytes * multiplier
 
 
 def neighbour_scale(slowdown: float, processes: int, stages: int) -> float:
@@ -263,7 +271,14 @@ def stage_peaks(schedule: str, stages: int, micro_batches: int, virtual_stages: 
     from ..schedules import in_flight
 
     out = []
-    for k, actions in enumerate(all_actions(schedule, stages, micro_batches, virtual_stages)):
+    if schedule in ASYNC_SCHEDULES:
+        # No flush: in steady state stage k holds K - k micro-batches however few a step has, so
+        # the peak is read from a segment long enough for every stage to reach it.
+        steps = -(-stages // micro_batches) + 1
+        lists = [segment_actions(k, stages, micro_batches, steps) for k in range(stages)]
+    else:
+        lists = all_actions(schedule, stages, micro_batches, virtual_stages)
+    for k, actions in enumerate(lists):
         local = {c: i for i, c in enumerate(chunks_of_stage(schedule, k, stages, virtual_stages))}
         n = len(local)
         h, w = [0] * n, [0] * n
@@ -366,7 +381,7 @@ class CostModel:
     """Per-chunk and per-stage costs for one :class:`Setting`, from prefix sums: any chunk costs O(1)."""
 
     def __init__(self, figures: LayerFigures, setting: Setting):
-        if setting.schedule not in SCHEDULES:
+        if setting.schedule not in PLANNABLE_SCHEDULES:
             raise ValueError(f"unknown schedule {setting.schedule!r}")
         if setting.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"unknown recompute mode {setting.recompute!r}")
@@ -446,9 +461,17 @@ class CostModel:
         self.pp = _prefix(figures.param_bytes)
         self.pbuf = _prefix(figures.buffer_bytes)
         self.popt = _prefix(figures.optimizer_s)
-        # parameters + gradients + optimizer state per parameter byte (2 + multiplier for ddp)
-        self.static_per_param = sum(static_bytes(1.0, setting.optimizer, setting.data_parallel,
-                                                 setting.gradient_sync))
+        # The weight versions each stage holds at once: an asynchronous schedule stashes one per
+        # micro-batch in flight (gpipe_plan.weight_versions), a synchronous one holds one.
+        self.asynchronous = setting.schedule in ASYNC_SCHEDULES
+        self.weight_versions = [stashed_versions(setting.schedule, k, self.K) if self.asynchronous else 1
+                                for k in range(self.K)]
+        # parameters + gradients + optimizer state per parameter byte (2 + multiplier for ddp),
+        # per stage (its weight versions)
+        self.static_per_param_of = [sum(static_bytes(1.0, setting.optimizer, setting.data_parallel,
+                                                     setting.gradient_sync, versions))
+                                    for versions in self.weight_versions]
+        self.static_per_param = self.static_per_param_of[0]
         # The gradient sync over the replicas: on when there are several and it costs something.
         self.sync_on = setting.data_parallel > 1 and (
             math.isfinite(setting.sync_bandwidth_bytes_per_s) or setting.sync_latency_s > 0)
@@ -470,7 +493,8 @@ class CostModel:
         self.stage_of_chunk = [stage_of_chunk(setting.schedule, c, self.K) for c in range(self.C)]
         # Stages whose lists hold micro-batches alike share the cache of max_end (one chunk each).
         forms = {}
-        self._peak_class = [forms.setdefault(p.forms, len(forms)) for p in self.peaks]
+        self._peak_class = [forms.setdefault((p.forms, versions), len(forms))
+                            for p, versions in zip(self.peaks, self.weight_versions)]
 
     # ------------------------------------------------------------------ pieces
     def in_flight(self, k: int) -> int:
@@ -617,8 +641,10 @@ class CostModel:
             return 0.0
         return self.setting.link_latency_s + self.figures.tied[tie][1] / self.setting.link_bandwidth_bytes_per_s
 
-    def static_memory(self, s: int, e: int) -> float:
-        return (self.pp[e] - self.pp[s]) * self.static_per_param + (self.pbuf[e] - self.pbuf[s])
+    def static_memory(self, s: int, e: int, k: int = 0) -> float:
+        """Parameters (each weight version), gradients, optimizer state and buffers of layers
+        [s, e) on stage k."""
+        return (self.pp[e] - self.pp[s]) * self.static_per_param_of[k] + (self.pbuf[e] - self.pbuf[s])
 
     def _held(self, s: int, e: int, recompute: bool) -> tuple[float, float, float]:
         """(held from F to B/I, extra while B/I recomputes, kept from I to W) of layers [s, e)."""
@@ -645,7 +671,7 @@ class CostModel:
         """Memory of stage k holding the layer ranges ``spans`` (its chunks, in pipeline order;
         None as in :meth:`activations`)."""
         known = [span for span in spans if span]
-        mem = sum(self.static_memory(s, e) for s, e in known) + self.activations(k, spans, recompute)
+        mem = sum(self.static_memory(s, e, k) for s, e in known) + self.activations(k, spans, recompute)
         if self.has_transient and known:
             mem += max(self.transient.query(s, e) for s, e in known)
         return mem
@@ -737,7 +763,7 @@ class CostModel:
             params += pp[e] - pp[s]
             buffers += pbuf[e] - pbuf[s]
         held_params, gradients, state = static_bytes(params, self.setting.optimizer, self.setting.data_parallel,
-                                                     self.setting.gradient_sync)
+                                                     self.setting.gradient_sync, self.weight_versions[k])
         return StageCost(
             index=k, chunks=self.peaks[k].chunks, recompute=recompute,
             optimizer_s=self.stage_optimizer(spans),

@@ -31,6 +31,11 @@ class Evaluation:
     fits: bool                       # every stage within the memory limit
     optimizer_wait_s: float = 0.0    # what later stages' optimizer steps add beyond stage 0's
     dedicated_step_s: float | None = None   # time-shared (planner/timeshare.py): the step on a core per rank
+    # The asynchronous schedules (planner/asynchronous.py): the steady state's time per
+    # micro-batch (step_s is M of them), the one-time fill and drain beyond, the updates a step.
+    steady_state_period_s: float | None = None
+    fill_drain_s: float | None = None
+    updates_per_step: int = 1
 
     @property
     def recompute(self) -> tuple[bool, ...]:
@@ -48,13 +53,16 @@ class Evaluation:
 
     def busy_s(self, micro_batches: int) -> list[float]:
         """Each stage's work in one step: its chunks' forwards and backwards, and its optimizer."""
-        busy = [s.optimizer_s for s in self.stages]
+        busy = [self.updates_per_step * s.optimizer_s for s in self.stages]
         for c in self.chunks:
             busy[c.stage] += micro_batches * (c.forward_s + c.backward_s)
         return busy
 
     def bubble_fraction(self, micro_batches: int) -> float:
-        """The share of stage-time left idle: 1 - sum(busy) / (K * step)."""
+        """The share of stage-time left idle: 1 - sum(busy) / (K * step); 0 for an asynchronous
+        schedule, which never flushes (its stages idle only by imbalance: their idle_fraction)."""
+        if self.steady_state_period_s is not None:
+            return 0.0
         K = len(self.stages)
         return 1.0 - sum(self.busy_s(micro_batches)) / (K * self.step_s) if self.step_s > 0 else 0.0
 
@@ -115,6 +123,10 @@ def evaluate(cm: CostModel, bounds: Sequence[int], recompute: Sequence[bool] | N
     When the ranks share fewer cores than they are (``Setting.time_shared``), the makespan is
     the one played out on shared cores (planner/timeshare.py), never below the dedicated one,
     which stays in ``dedicated_step_s``; the optimizer's tail is the dedicated model's."""
+    if cm.asynchronous:
+        from .asynchronous import evaluate_async
+
+        return evaluate_async(cm, bounds, recompute)
     chunks, stages = cm.layout(bounds, recompute)
     fits = cm.limit is None or all(s.memory_bytes <= cm.limit for s in stages)
     if cm.schedule == "gpipe":

@@ -39,7 +39,8 @@ import functools
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..schedules import SPLIT_BACKWARD, all_actions, chunks_per_stage, stage_of_chunk
+from ..schedules import SPLIT_BACKWARD, all_actions, chunks_per_stage, segment_actions, stage_of_chunk
+from ..weight_versions import ASYNC_SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -103,11 +104,17 @@ class Program:
 
 
 @functools.lru_cache(maxsize=32)
-def compiled_program(schedule: str, stages: int, micro_batches: int, virtual_stages: int) -> Program:
+def compiled_program(schedule: str, stages: int, micro_batches: int, virtual_stages: int, steps: int = 1) -> Program:
     """The schedule's action lists with every dependency resolved to an index (made once per
     shape: the solvers simulate thousands of partitions of the same shape; planner/timeshare.py
-    plays the same program out on shared cores)."""
-    K, M = stages, micro_batches
+    plays the same program out on shared cores). ``steps`` > 1: an asynchronous schedule's
+    segment of that many steps without a flush (schedules.segment_actions), its micro-batches
+    numbered over the segment."""
+    if steps != 1 and schedule not in ASYNC_SCHEDULES:
+        raise ValueError(f"{schedule} flushes every step: only an asynchronous schedule plays a segment of steps")
+    lists = ([segment_actions(k, stages, micro_batches, steps) for k in range(stages)] if steps != 1
+             else all_actions(schedule, stages, micro_batches, virtual_stages))
+    K, M = stages, micro_batches * steps
     C = K * chunks_per_stage(schedule, virtual_stages)
     where = [stage_of_chunk(schedule, c, K) for c in range(C)]
     links: dict[tuple[int, int, int], int] = {}
@@ -118,7 +125,7 @@ def compiled_program(schedule: str, stages: int, micro_batches: int, virtual_sta
         return links.setdefault((src, dst, direction), len(links))
 
     program = []
-    for stage_list in all_actions(schedule, K, M, virtual_stages):
+    for stage_list in lists:
         ops = []
         for a in stage_list:
             c, m, kind = a.chunk, a.micro_batch, _KIND_INDEX[a.kind]
@@ -140,15 +147,16 @@ def compiled_program(schedule: str, stages: int, micro_batches: int, virtual_sta
 
 def simulate_plan(schedule: str, stages: int, micro_batches: int, virtual_stages: int,
                   chunks: Sequence[ChunkTimes], optimizer_s: Sequence[float] | None = None,
-                  record: bool = False) -> Timeline:
-    """Play one training step of ``schedule`` out, action by action.
+                  record: bool = False, steps: int = 1) -> Timeline:
+    """Play one training step of ``schedule`` out, action by action (``steps`` > 1: a segment of
+    an asynchronous schedule, :func:`compiled_program`).
 
     ``chunks``: one :class:`ChunkTimes` per chunk in pipeline order (K times chunks-per-stage);
     ``optimizer_s``: one per stage. ``record`` keeps every action, send and optimizer step as
     an :class:`Event` (the timeline picture); without it only the times are computed.
     """
-    prog = compiled_program(schedule, stages, micro_batches, virtual_stages)
-    K, C, M = prog.stages, prog.chunks, micro_batches
+    prog = compiled_program(schedule, stages, micro_batches, virtual_stages, steps)
+    K, C, M = prog.stages, prog.chunks, micro_batches * steps
     if len(chunks) != C:
         raise ValueError(f"{schedule} with {K} stages has {C} chunks; got times for {len(chunks)}")
     opt = [float(x) for x in optimizer_s] if optimizer_s is not None else [0.0] * K

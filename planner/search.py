@@ -19,7 +19,9 @@ import time
 from dataclasses import dataclass, field, replace
 
 from ..artifacts import BadInput
-from ..schedules import SCHEDULES, chunks_per_stage, label, problem
+from ..schedules import PLANNABLE_SCHEDULES, SCHEDULES, chunks_per_stage, label, problem
+from ..weight_versions import ASYNC_SCHEDULES
+from ..weight_versions import problem as async_problem
 from .budgets import LEAST_ILP_SETTING_S, LEAST_MEMORY_BUDGET_S, LEAST_SETTING_S, SOLVE_TIME_BUDGET_S
 from .costmodel import CostModel, Setting, neighbour_scale
 from .timeshare import concurrent_ranks_of
@@ -93,7 +95,8 @@ class Candidate:
     def sort_key(self) -> tuple:
         ev = self.solution.evaluation if self.solution else None
         return (self.step_s, ev.peak_memory_bytes if ev else math.inf,
-                self.setting.micro_batches, SCHEDULES.index(self.setting.schedule), self.setting.virtual_stages)
+                self.setting.micro_batches, PLANNABLE_SCHEDULES.index(self.setting.schedule),
+                self.setting.virtual_stages)
 
 
 @dataclass
@@ -241,8 +244,10 @@ def check_options(profile: Profile, options: SolveOptions) -> int:
     if options.stages > L:
         raise too_many_stages(options.stages, L)
     batch = resolve_global_batch(profile, options)
-    if options.schedule != "auto" and options.schedule not in SCHEDULES:
-        raise BadInput(f"--schedule {options.schedule!r} is not one of {', '.join(SCHEDULES)} or auto")
+    if options.schedule != "auto" and options.schedule not in PLANNABLE_SCHEDULES:
+        raise BadInput(f"--schedule {options.schedule!r} is not one of {', '.join(PLANNABLE_SCHEDULES)} or auto")
+    if options.schedule in ASYNC_SCHEDULES:
+        check_asynchronous(profile, options)
     v = options.virtual_stages
     if v != "auto":
         if not isinstance(v, int) or isinstance(v, bool) or v < 2:
@@ -256,6 +261,20 @@ def check_options(profile: Profile, options: SolveOptions) -> int:
     if options.micro_batches != "auto":
         check_micro_batches(options.micro_batches, batch, whose_batch(options))
     return batch
+
+
+def check_asynchronous(profile: Profile, options: SolveOptions) -> None:
+    """Refuse, in one line, what the asynchronous schedules' model does not cover: FSDP (a stage
+    would gather its shards for every stashed version). More ranks than the host's cores is
+    refused where the setting is made (:func:`settings_for`)."""
+    schedule = options.schedule
+    if options.gradient_sync == "fsdp":
+        raise BadInput(f"{schedule} keeps whole weight versions on every replica: --gradient-sync fsdp does not "
+                       "run it; use --gradient-sync ddp, or a synchronous --schedule")
+    if options.micro_batches != "auto":
+        reason = async_problem(schedule, options.stages, int(options.micro_batches))
+        if reason:
+            raise BadInput(reason)
 
 
 def too_few_stages(stages: object) -> BadInput:
@@ -381,6 +400,10 @@ def settings_for(profile: Profile, options: SolveOptions, batch: int,
                                    memory_limit_bytes=options.memory_limit_bytes,
                                    link_bandwidth_bytes_per_s=bandwidth, link_latency_s=latency,
                                    optimizer=options.optimizer, sync=sync)
+            if setting.time_shared and schedule in ASYNC_SCHEDULES:
+                raise BadInput(f"{schedule} on ranks that share the host's cores (it runs "
+                               f"{setting.concurrent_ranks:g} of the {options.stages} stages at once) is not "
+                               "modelled: use fewer stages or a synchronous --schedule")
             out.append((setting, batch // m))
     return out
 
@@ -548,7 +571,7 @@ def search(profile: Profile, options: SolveOptions, progress=None, explain: bool
     # 1F1B, then the others: seeded with the best partition of the same M and chunk count found
     # so far (GPipe's for 1F1B and ZB-H1), most promising first.
     found: dict[tuple[int, int], Candidate] = {(m, 1): c for m, c in gpipe_best.items()}
-    order = {"1f1b": 0, "zb-h1": 1, "interleaved": 2, "zb-v": 2}
+    order = {"1f1b": 0, "zb-h1": 1, "interleaved": 2, "zb-v": 2, "pipedream": 3, "pipedream-2bw": 3}
     for setting, size in sorted(others, key=lambda item: (order[item[0].schedule],
                                                          gpipe_best[item[0].micro_batches].step_s
                                                          if item[0].micro_batches in gpipe_best else 0.0)):

@@ -9,6 +9,9 @@ A setting (M, schedule, v, recomputation) is a cost model; its best cut comes fr
   plan, gets the rest: it proves what the branch and bound cannot (its bound after branching
   knows where the heavy layers went), or at least lifts the bound. Without pulp (the GPU image)
   or for a programme too large to build, the branch and bound gets the whole budget.
+- **pipedream, pipedream-2bw**: no flush, so the step is M times a steady-state period that
+  is a min-max over the cuts: one exact dynamic programme (planner/asynchronous.py), whatever
+  the solver.
 - ``--solver ilp``: the CBC ILP (planner/ilp.py) for GPipe and 1F1B, the MILP alone for the
   chunked schedules.
 
@@ -45,6 +48,12 @@ def solve_cost_model(cm: CostModel, solver: str, time_budget_s: float, seeds: Se
     started = time.perf_counter()
     work_s = time_budget_s if work_budget_s is None else work_budget_s
     seeds = seed_cuts(cm, seeds)
+    if cm.asynchronous:
+        # Whatever the solver asked: the asynchronous schedules' period is a min-max over the
+        # cuts, which one dynamic programme settles exactly (planner/asynchronous.py).
+        from .asynchronous import AsyncSolver
+
+        return _used(AsyncSolver(cm, seeds).solve(), 0.0)
     if solver == "ilp":
         if cm.schedule in ("gpipe", "1f1b"):
             from .ilp import solve_ilp  # pulp loads lazily: the exact path never pays for it
