@@ -18,7 +18,7 @@ from . import __version__
 from .artifacts import LOSSES, PARAM_DTYPES, PRECISIONS, BadInput, RunFailure
 from .plan_layout import GRADIENT_SYNCS
 from .planner.budgets import EXPLORE_POINT_TIME_BUDGET_S, SOLVE_TIME_BUDGET_S
-from .schedules import SCHEDULES
+from .schedules import PLANNABLE_SCHEDULES
 
 
 class _Group(click.Group):
@@ -194,9 +194,10 @@ def profile(**options: Any) -> None:
               help="Micro-batches per step M (per replica), or 'auto' to search the divisors of its batch.")
 @click.option("--global-batch-size", "-b", type=int, default=None,
               help="Samples per training step over all replicas. Default: the profile's largest micro-batch size.")
-@click.option("--schedule", type=click.Choice([*SCHEDULES, "auto"]),
+@click.option("--schedule", type=click.Choice([*PLANNABLE_SCHEDULES, "auto"]),
               default="auto", show_default=True,
-              help="Pipeline schedule (docs/planner.md, 'Schedules'); 'auto' picks the fastest that fits.")
+              help="Pipeline schedule (docs/planner.md, 'Schedules'); 'auto' picks the fastest synchronous one "
+                   "that fits (never pipedream or pipedream-2bw, which train with stale weights: ask for them).")
 @click.option("--virtual-stages", default="auto", show_default=True, metavar="N|auto",
               help="interleaved: chunks per stage (each stage holds N runs of layers); 'auto' tries 2, 3 and 4.")
 @click.option("--recompute", type=click.Choice(["never", "always", "auto"]), default="auto", show_default=True,
@@ -254,8 +255,8 @@ def solve(**options: Any) -> None:
 @click.option("--memory-limit", default=None, metavar="SIZE",
               help="Memory per device (e.g. 80GB): marks cells that do not fit and enables the capacity table.")
 @click.option("--schedule", default="auto", show_default=True,
-              help="gpipe, 1f1b, interleaved, zb-h1, zb-v, a comma list, or auto (all five; interleaved "
-                   "with its best of 2, 3, 4 chunks per stage).")
+              help="gpipe, 1f1b, interleaved, zb-h1, zb-v, pipedream, pipedream-2bw, a comma list, or auto (the "
+                   "five synchronous ones; interleaved with its best of 2, 3, 4 chunks per stage).")
 @click.option("--recompute", default="never,always", show_default=True,
               help="Comma list of never, always, auto (per stage).")
 @click.option("--link-bandwidth", default=None, metavar="GB/s|inf",

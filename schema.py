@@ -97,6 +97,10 @@ REPORT_FORMAT = "gpipe-plan.report"
 #      null: a core each, as before); what proved or bounded the plan (``optimality.bound_by``,
 #      ``settings_bound_by``, one of BOUND_METHODS each, and ``milp_solver``); a plan before it
 #      does not say.
+#   8  the asynchronous schedules (``pipedream``, ``pipedream-2bw``: gpipe_plan.weight_versions):
+#      ``updates_per_step``; per stage ``staleness_updates`` and ``weight_versions``;
+#      ``predicted.steady_state_period_s`` and ``fill_drain_s`` (null for a synchronous
+#      schedule). A plan before it is synchronous: 1 update a step, staleness 0, one version.
 # Report
 #   2  the run's precision and, on CUDA, the allocator's reserved memory and what lies outside it.
 #   3  the per-micro-batch times move into ``chunks`` (with the halves of a split backward); its
@@ -109,9 +113,9 @@ REPORT_FORMAT = "gpipe-plan.report"
 #      it only where the probe held steady (``at_run_speed``, else ``speed_left_out``) and
 #      ``host_busy``. A version-4 headline (its prediction the speed-adjusted one) is read and
 #      shown as version 5 would make it from the report's own fields.
-FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 9, PLAN_FORMAT: 7, REPORT_FORMAT: 5}
+FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 9, PLAN_FORMAT: 8, REPORT_FORMAT: 5}
 READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8, 9),
-                                                 PLAN_FORMAT: (1, 2, 3, 4, 5, 6, 7),
+                                                 PLAN_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8),
                                                  REPORT_FORMAT: (1, 2, 3, 4, 5)}
 
 
@@ -598,6 +602,10 @@ def _stage_needs(solved: bool) -> dict[str, Any]:
         "in_flight": may(_count(0, nullable=True)),
         "busy_s": may(_seconds(nullable=True)),
         "idle_fraction": may(_ratio()),
+        # Version 8 (absent: synchronous, 0 and 1): gpipe_plan.weight_versions's staleness and
+        # stashed versions of the stage.
+        "staleness_updates": may(_count(0)),
+        "weight_versions": may(_count(1)),
     }
 
 
@@ -715,6 +723,7 @@ def _plan(solved: bool, chunked: bool) -> Object:
         "virtual_stages": may(_count(1)),
         "data_parallel": may(_count(1)),               # version 6 (absent: 1)
         "gradient_sync": may(Text(choices=GRADIENT_SYNCS)),
+        "updates_per_step": may(_count(1)),            # version 8 (absent: 1)
         "placement": may(PLACEMENT),
         "factorisations": may(Items(FACTORISATION, nullable=True)),
         **layout,
@@ -731,6 +740,9 @@ def _plan(solved: bool, chunked: bool) -> Object:
             "noise_sources": may(Table(_ratio(), nullable=True)),
             "gradient_sync_s": may(_seconds(nullable=True)),
             "dedicated_step_s": may(_seconds(nullable=True)),     # version 7: time-shared plans
+            # version 8: asynchronous schedules (null: synchronous)
+            "steady_state_period_s": may(_seconds(nullable=True)),
+            "fill_drain_s": may(_seconds(nullable=True)),
         }, nullable=not solved)),
         "optimality": may(Object({
             "proven": may(Flag(nullable=True)),

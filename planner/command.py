@@ -14,7 +14,7 @@ from rich.text import Text
 
 from ..artifacts import BadInput, Outputs, check_output_paths, dumps, file_sha256, precision_of
 from ..schema import MAX_SECONDS, PLAN_FORMAT, PROFILE_FORMAT, read_artifact, write_artifact
-from ..schedules import SCHEDULES
+from ..schedules import PLANNABLE_SCHEDULES, SCHEDULES
 from .budgets import LEAST_ONE_DEVICE_S, SOLVE_TIME_BUDGET_S
 from .plan import build_plan
 from .profile import Profile
@@ -244,7 +244,8 @@ def explore_command(profile: str, stages: str | None, micro_batches: str, global
     prof = load_profile(profile)
     ks = None if stages is None else _int_list(stages, "--stages")
     ms: list[int] | str = "auto" if micro_batches.strip().lower() == "auto" else _int_list(micro_batches, "--micro-batches")
-    schedules = list(SCHEDULES) if schedule == "auto" else _choices(schedule, SCHEDULES, "--schedule")
+    # auto: the synchronous five; the asynchronous ones only when listed (they train with stale weights).
+    schedules = list(SCHEDULES) if schedule == "auto" else _choices(schedule, PLANNABLE_SCHEDULES, "--schedule")
     recomputes = _choices(recompute, ("never", "always", "auto"), "--recompute")
     limit = parse_size(memory_limit) if memory_limit else prof.usable_memory_bytes   # see device_memory_limit
     bandwidth = parse_bandwidth(link_bandwidth) if link_bandwidth else None

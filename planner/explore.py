@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..artifacts import BadInput
-from ..schedules import SCHEDULES, chunks_per_stage, problem
+from ..schedules import PLANNABLE_SCHEDULES, chunks_per_stage, problem
+from ..weight_versions import ASYNC_SCHEDULES
+from .asynchronous import AsyncSolver
 from .budgets import EXPLORE_POINT_TIME_BUDGET_S
 from .chunked import ChunkedSolver
 from .costmodel import CostModel, Setting, stage_peaks, static_bytes
@@ -269,6 +271,11 @@ def _skip_reason(grid: _Grid, shape: _Shape, M: int, size: int, replica_batch: i
             grid.profile, schedule, 2,     # interleaved's least v: several chunks per stage, as zb-v
             shape.placement.replica_sync(shape.data_parallel, gradient_sync)):
         return f"{gradient_sync} cannot shard a tied weight twice on one stage"
+    if schedule in ASYNC_SCHEDULES and size and not problem(schedule, K, M):
+        if gradient_sync == "fsdp" and shape.data_parallel > 1:
+            return f"{schedule} keeps whole weight versions: fsdp does not run it"
+        if grid.setting(shape, M, schedule, "never", None).time_shared:
+            return f"{schedule} on ranks sharing the host's cores is not modelled"
     return ""
 
 
@@ -297,6 +304,10 @@ def _solve_point(grid: _Grid, shape: _Shape, M: int, size: int, schedule: str, r
                        st.sync_latency_s, st.gradient_sync, st.overhead_s, st.fixed_costs)
                 sol = OneFOneBSolver(cm, seeds=seed_cuts(cm, seeds), time_budget_s=budget_s,
                                      suffix_tables=tables.setdefault(key, {})).solve()
+        elif schedule in ASYNC_SCHEDULES:
+            if not problem(schedule, K, M):
+                cm = CostModel(profile.at(size), grid.setting(shape, M, schedule, recompute, limit))
+                sol = AsyncSolver(cm, seeds=seed_cuts(cm, seeds)).solve()
         else:
             sol, v = _chunked(profile.at(size), K, M, schedule, profile.num_layers, budget_s,
                               lambda vs: grid.setting(shape, M, schedule, recompute, limit, vs), seeds)
@@ -422,7 +433,7 @@ class FactorisationSummary:
 def _rank(c: Cell) -> tuple:
     """Ties broken as the planner's search breaks them (search.Candidate.sort_key): the faster,
     then the one needing less memory, fewer micro-batches, the earlier schedule."""
-    return (c.step_s, c.peak_memory_bytes, c.micro_batches, SCHEDULES.index(c.schedule), c.virtual_stages)
+    return (c.step_s, c.peak_memory_bytes, c.micro_batches, PLANNABLE_SCHEDULES.index(c.schedule), c.virtual_stages)
 
 
 def factorisation_summaries(shapes: Sequence[_Shape], cells: Sequence[Cell]) -> list[FactorisationSummary]:
@@ -472,6 +483,8 @@ def _shapes(schedule: str, K: int, M: int, layers: int) -> list[int]:
 
 
 def _runs(schedule: str, K: int, M: int, layers: int) -> bool:
+    if schedule in ASYNC_SCHEDULES:
+        return not problem(schedule, K, M)
     return schedule in ("gpipe", "1f1b") or bool(_shapes(schedule, K, M, layers))
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from ..hostload import busy_phases, busy_profile_text
 from ..schema import FORMAT_VERSIONS, PLAN_FORMAT
 from ..schedules import SPLIT_BACKWARD, chunks_per_stage
+from ..weight_versions import ASYNC_SCHEDULES, staleness, stashed_versions
 from . import milp
 from .costmodel import CostModel
 from .objective import Evaluation, evaluate
@@ -65,9 +66,11 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
         "virtual_stages": chunks_per_stage(setting.schedule, setting.virtual_stages),
         "data_parallel": replicas,
         "gradient_sync": setting.gradient_sync,
+        # Version 8: each stage's updates a step (asynchronous schedules: gpipe_plan.weight_versions).
+        "updates_per_step": ev.updates_per_step,
         "placement": placement_doc(chosen, len(ev.stages)),
         "chunks": chunk_rows(profile.layers, ev),
-        "stages": stage_rows(ev, setting.micro_batches),
+        "stages": stage_rows(ev, setting.micro_batches, setting.schedule),
         "predicted": predicted_section(profile, best, ev, one_stage, devices, global_batch),
         "optimality": optimality,
         "factorisations": factorisation_rows(devices) if devices is not None else [
@@ -158,9 +161,13 @@ def chunk_rows(layers: list[dict[str, Any]], ev: Evaluation) -> list[dict[str, A
     return rows
 
 
-def stage_rows(ev: Evaluation, micro_batches: int) -> list[dict[str, Any]]:
-    """The plan's ``stages``: each stage's chunks, its predicted memory by part, and how busy it is."""
+def stage_rows(ev: Evaluation, micro_batches: int, schedule: str = "gpipe") -> list[dict[str, Any]]:
+    """The plan's ``stages``: each stage's chunks, its predicted memory by part, how busy it is,
+    and (version 8) how stale its gradients are and how many weight versions it holds: an
+    asynchronous schedule's (gpipe_plan.weight_versions), else 0 and 1."""
     busy = ev.busy_s(micro_batches)
+    K = len(ev.stages)
+    asynchronous = schedule in ASYNC_SCHEDULES
     rows = []
     for k, st in enumerate(ev.stages):
         rows.append({
@@ -180,6 +187,8 @@ def stage_rows(ev: Evaluation, micro_batches: int) -> list[dict[str, Any]]:
             "in_flight": st.in_flight,
             "busy_s": busy[k],
             "idle_fraction": max(0.0, 1.0 - busy[k] / ev.step_s) if ev.step_s > 0 else 0.0,
+            "staleness_updates": staleness(schedule, k, K) if asynchronous else 0,
+            "weight_versions": stashed_versions(schedule, k, K) if asynchronous else 1,
         })
     return rows
 
@@ -209,6 +218,10 @@ def step_predictions(ev: Evaluation, micro_batches: int, global_batch_size: int)
         "optimizer_wait_s": ev.optimizer_wait_s,
         # More ranks than cores: the step with a core per rank, which sharing them lengthens to step_s.
         "dedicated_step_s": ev.dedicated_step_s,
+        # Version 8, asynchronous schedules (null otherwise): step_s is M periods of the steady
+        # state; the fill and drain beyond them are paid once per run (planner/asynchronous.py).
+        "steady_state_period_s": ev.steady_state_period_s,
+        "fill_drain_s": ev.fill_drain_s,
     }
 
 
@@ -285,6 +298,13 @@ def plan_warnings(profile: Profile, best: Candidate, ev: Evaluation, proven: boo
         warnings.append(
             f"the profile was measured on a busy host ({busy_profile_text(busy)}): its times are partly the other "
             "processes', and so is this plan's prediction; profile again on a quiet host")
+    if setting.schedule in ASYNC_SCHEDULES:
+        K = setting.stages
+        stale = sorted({staleness(setting.schedule, k, K) for k in range(K)})
+        warnings.append(
+            f"{setting.schedule} never flushes: its gradients are {'-'.join(map(str, (stale[0], stale[-1]))) if len(stale) > 1 else stale[0]} "
+            "update(s) stale (stages[].staleness_updates), which changes what training computes; compare its loss "
+            "with a synchronous schedule's before relying on it (docs/planner.md, \"Asynchronous pipelines\")")
     if setting.schedule in SPLIT_BACKWARD and not profile.split_measured:
         warnings.append(
             f"{setting.schedule} splits each backward into I and W, which this profile did not measure: "

@@ -17,6 +17,7 @@ from ..artifacts import BadInput, json_number, precision_label
 from ..plan_layout import check_replicas, data_parallel, gradient_sync, plan_chunks, virtual_stages
 from ..schedules import label as schedule_label
 from ..schedules import SPLIT_BACKWARD
+from ..weight_versions import ASYNC_SCHEDULES
 from .schedule import ChunkTimes, Event, Timeline, simulate_plan
 from .timeshare import time_shared_makespan
 from .timeline import timeline_svg
@@ -51,12 +52,23 @@ def chunk_times(chunk: dict[str, Any]) -> ChunkTimes:
     )
 
 
+# An asynchronous plan's timeline: the middle step of a segment of this many steps (no flush).
+STEADY_STATE_STEPS = 3
+
+
 def plan_timeline(plan: dict[str, Any], where: str = "plan") -> Timeline:
     """Re-simulate the plan's schedule from its per-chunk predictions (no profile needed); a
-    plan whose ranks share the host's cores (``options.concurrent_ranks``) on shared cores."""
+    plan whose ranks share the host's cores (``options.concurrent_ranks``) on shared cores. An
+    asynchronous schedule never flushes, so one step alone is not what it runs: its picture is
+    the steady state, the middle step of a :data:`STEADY_STATE_STEPS`-step segment
+    (planner/asynchronous.py, ``steady_window``)."""
     chunks = timed_chunks(plan, where)
     K, M, v = len(plan["stages"]), plan["micro_batches"], virtual_stages(plan)
     times = [chunk_times(c) for c in chunks]
+    if plan["schedule"] in ASYNC_SCHEDULES:
+        from .asynchronous import steady_window
+
+        return steady_window(plan["schedule"], K, M, times, STEADY_STATE_STEPS)
     timeline = simulate_plan(plan["schedule"], K, M, v, times, [st.get("optimizer_s") or 0.0 for st in plan["stages"]],
                              record=True)
     concurrent = json_number((plan.get("options") or {}).get("concurrent_ranks"))
@@ -78,6 +90,9 @@ def plan_timeline_svg(plan: dict[str, Any], where: str = "plan") -> str:
     title = (f"{name}: {len(plan['stages'])} stages, M = {plan['micro_batches']} x {plan['micro_batch_size']}, "
              f"{schedule_label(plan['schedule'], v)}; predicted step {format_seconds(pred['step_s'])}, "
              f"bubble {format_percent(pred['bubble_fraction'], 1)}")
+    if plan["schedule"] in ASYNC_SCHEDULES:
+        title += (f" (steady state: step {STEADY_STATE_STEPS // 2 + 1} of a {STEADY_STATE_STEPS}-step segment "
+                  "without a flush; micro-batches numbered over the segment)")
     chunks = plan_chunks(plan, where)
     labels = []
     for k in range(len(plan["stages"])):
@@ -111,7 +126,8 @@ def render_plan(plan: dict[str, Any], console: Console, where: str = "plan") -> 
     if note:
         console.print(note, highlight=False)
     console.print(chunk_table(chunks, split=plan["schedule"] in SPLIT_BACKWARD))
-    console.print(stage_table(plan["stages"], chunks, limit, sync=d > 1))
+    asynchronous = plan["schedule"] in ASYNC_SCHEDULES
+    console.print(stage_table(plan["stages"], chunks, limit, sync=d > 1, versions=asynchronous))
     for line in replica_lines(plan):
         console.print(line, highlight=False)
     samples = pred.get("samples_per_s")
@@ -132,6 +148,8 @@ def render_plan(plan: dict[str, Any], console: Console, where: str = "plan") -> 
         f"bubble {format_percent(pred['bubble_fraction'], 1)}, "
         + (f"throughput {samples:,.1f} samples/s" if samples else "throughput not defined (a zero step time)"),
         highlight=False)
+    if asynchronous:
+        console.print(asynchronous_line(plan), highlight=False)
     comparison = one_device_line(plan)
     if comparison:
         console.print(comparison, highlight=False)
@@ -250,16 +268,33 @@ def chunk_table(chunks: list[dict[str, Any]], split: bool) -> NarrowTable:
     return table
 
 
+def asynchronous_line(plan: dict[str, Any]) -> str:
+    """What an asynchronous plan's step means: M steady-state periods, the one-time fill and
+    drain beside it, and how often each stage updates."""
+    pred = plan["predicted"]
+    period, fill = pred.get("steady_state_period_s"), pred.get("fill_drain_s")
+    updates = plan.get("updates_per_step") or 1
+    return (f"no flush: the step is {plan['micro_batches']} steady-state periods"
+            + (f" of {format_seconds(period)}" if period is not None else "")
+            + (f", plus {format_seconds(fill)} of fill and drain once per run (and per checkpoint)" if fill is not None
+               else "")
+            + f"; every stage updates {updates} time{'s' if updates != 1 else ''} a step, its gradients "
+            "'stale' updates behind the weights they are applied to")
+
+
 def stage_table(stages: list[dict[str, Any]], chunks: list[dict[str, Any]], limit: float | None,
-                sync: bool = False) -> NarrowTable:
+                sync: bool = False, versions: bool = False) -> NarrowTable:
     """Per stage (device): the chunks it holds, its peak memory (against the limit), the
     micro-batches whose activations it holds at once, and how busy it is in a step;
-    ``sync``: also its gradient sync over the replicas (per rank, each replica alike)."""
+    ``sync``: also its gradient sync over the replicas (per rank, each replica alike);
+    ``versions``: its gradients' staleness in updates and the weight versions it stashes (an
+    asynchronous schedule's)."""
     memory_unit, memory_size = column_unit((st.get("memory_bytes") for st in stages), BYTE_UNITS)
     time_unit, time_size = column_unit((st.get(key) for st in stages for key in ("busy_s", "gradient_sync_s")),
                                        TIME_UNITS)
     columns = ("stage", "chunks", f"memory {memory_unit}", "in flight", f"busy {time_unit}", "idle")
-    table = narrow_table(None, columns + ((f"sync {time_unit}",) if sync else ()), left=("chunks",))
+    table = narrow_table(None, columns + ((f"sync {time_unit}",) if sync else ())
+                         + (("stale", "versions") if versions else ()), left=("chunks",))
     for k, st in enumerate(stages):
         mem = format_figure(st.get("memory_bytes"), memory_size)
         if limit and st.get("memory_bytes") is not None:
@@ -270,7 +305,8 @@ def stage_table(stages: list[dict[str, Any]], chunks: list[dict[str, Any]], limi
         in_flight = st.get("in_flight")
         table.add_row(str(k), held, mem, "-" if in_flight is None else str(in_flight),
                       format_figure(st.get("busy_s"), time_size), format_percent(st.get("idle_fraction") or 0.0, 1),
-                      *((format_figure(st.get("gradient_sync_s") or 0.0, time_size),) if sync else ()))
+                      *((format_figure(st.get("gradient_sync_s") or 0.0, time_size),) if sync else ()),
+                      *((str(st.get("staleness_updates", 0)), str(st.get("weight_versions", 1))) if versions else ()))
     return table
 
 

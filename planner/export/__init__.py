@@ -15,6 +15,9 @@ says the plan in the target's own terms, one module per target, each from the pl
 
 ``--schedule-csv`` (:mod:`.schedule_csv`) writes the schedule alone, as torch's CSV.
 
+An asynchronous plan (``pipedream``, ``pipedream-2bw``) is refused in one line by every target
+and by ``--schedule-csv``: they all flush every step and keep one version of the weights.
+
 A target that cannot express the plan exactly exports the nearest split it can
 (:mod:`.expressible`) and says so, with the planner's prediction for it (:mod:`.cost`). Every
 file is written atomically, and only after every export of the call succeeded; bad input
@@ -64,9 +67,10 @@ def export_plan(plan_path: str, target: str, out: str | None = None, outputs: Ou
         raise BadInput(f"unknown export target '{target}': choose one of {', '.join(TARGETS)}")
     out = out or default_out(plan_path, target)
     check_output_paths({"--out": out}, inputs=(plan_path,))
-    from .view import read_plan
+    from .view import read_plan, refuse_asynchronous
 
     view = read_plan(plan_path)
+    refuse_asynchronous(view, {"torch": "a torchrun script of torch.distributed.pipelining"}.get(target, target))
     module = _target_module(target)
     exported: Exported = module.export(view, out)
     if exported.exported_balance is not None and exported.exported_balance != view.balance:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ...artifacts import Outputs, check_output_paths, write_text_atomic
 from ...schedules import label as schedule_label
 from ...schedules import to_csv
-from .view import read_plan
+from .view import read_plan, refuse_asynchronous
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ def export_schedule_csv(plan_path: str, csv_path: str, outputs: Outputs | None =
     ``outputs``: the set of the command's files it joins (written with them)."""
     check_output_paths({"--schedule-csv": csv_path}, inputs=(plan_path,))
     view = read_plan(plan_path)
+    refuse_asynchronous(view, "torch's schedule CSV (_PipelineScheduleRuntime)")
     actions = view.actions()
     if outputs is None:
         write_text_atomic(csv_path, to_csv(actions))

@@ -25,6 +25,17 @@ from ...artifacts import BadInput
 from ...plan_layout import check_replicas, data_parallel, gradient_sync, plan_chunks, virtual_stages
 from ...schedules import Action, all_actions
 from ...schema import PLAN_FORMAT, read_artifact, validate
+from ...weight_versions import ASYNC_SCHEDULES
+
+
+def refuse_asynchronous(view: "PlanView", target: str) -> None:
+    """Refuse, in one line, to export an asynchronous plan: every target here (torch's
+    pipelining schedules and their CSV, torchtitan, Megatron, DeepSpeed) flushes every step and
+    keeps one version of the weights, so none can run PipeDream's weight stashing."""
+    if view.schedule in ASYNC_SCHEDULES:
+        raise BadInput(f"{target} runs synchronous pipelines only (a flush every step, one version of the "
+                       f"weights): it cannot express the plan's {view.schedule}; train it with gpipe-plan run, or "
+                       "solve again with a synchronous --schedule (e.g. 1f1b) to export")
 
 
 @dataclass(frozen=True)
