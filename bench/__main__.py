@@ -37,6 +37,8 @@ PARTS = {
     "demo": ("bench.demo", "gpipe-plan demo's loss on the text it ships; the text recipe on a 12-layer gpt"),
     "schedules": ("bench.schedules", "gpipe, 1f1b, interleaved, zb-h1, zb-v: measured on gpt (CPU) and planned on PipeDream"),
     "meta_memory": ("bench.meta_memory", "a 0.8 B model: profile and 4-stage run memory per process; shared figures"),
+    "async-plans": ("bench.async_plans", "pipedream and pipedream-2bw against 1F1B on the PipeDream profiles: "
+                                         "predicted step, fill and drain, memory per stage (planner only)"),
     "data-parallel": ("bench.data_parallel", "K stages x d replicas: the planner's choice on PipeDream for 8-64 "
                                              "devices; 4x1, 2x2, 1x4 measured on this CPU"),
 }
