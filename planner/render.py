@@ -91,8 +91,7 @@ def plan_timeline_svg(plan: dict[str, Any], where: str = "plan") -> str:
              f"{schedule_label(plan['schedule'], v)}; predicted step {format_seconds(pred['step_s'])}, "
              f"bubble {format_percent(pred['bubble_fraction'], 1)}")
     if plan["schedule"] in ASYNC_SCHEDULES:
-        title += (f" (steady state: step {STEADY_STATE_STEPS // 2 + 1} of a {STEADY_STATE_STEPS}-step segment "
-                  "without a flush; micro-batches numbered over the segment)")
+        title += f" (steady state: step {STEADY_STATE_STEPS // 2 + 1} of a {STEADY_STATE_STEPS}-step segment, no flush)"
     chunks = plan_chunks(plan, where)
     labels = []
     for k in range(len(plan["stages"])):
@@ -278,8 +277,8 @@ def asynchronous_line(plan: dict[str, Any]) -> str:
             + (f" of {format_seconds(period)}" if period is not None else "")
             + (f", plus {format_seconds(fill)} of fill and drain once per run (and per checkpoint)" if fill is not None
                else "")
-            + f"; every stage updates {updates} time{'s' if updates != 1 else ''} a step, its gradients "
-            "'stale' updates behind the weights they are applied to")
+            + f"; every stage updates {updates} time{'s' if updates != 1 else ''} a step, with gradients "
+            "'stale' updates behind the weights they are applied to (the stage table)")
 
 
 def stage_table(stages: list[dict[str, Any]], chunks: list[dict[str, Any]], limit: float | None,

@@ -278,3 +278,16 @@ def test_a_synchronous_plan_says_staleness_0_and_an_older_plan_still_reads(profi
     result = cli("show", "old.json")
     assert result.exit_code == 0, result.output
     assert "no flush" not in result.output
+
+
+def test_replicas_pay_pipedreams_all_reduce_per_micro_batch_and_2bws_per_step():
+    # Two stages, d = 2 replicas on a ring of 1 byte/s: each stage's all-reduce of its 4 parameter
+    # bytes takes 2 (d-1)/d x 4 / 1 = 4 s. pipedream updates (and all-reduces) after every
+    # micro-batch, 2bw once a step of M = 4: the slowest stage's period is 3 + 4 or 3 + 1.
+    fig = make_figures([1.0, 1.0], [2.0, 1.0], params=[4.0, 4.0])
+    for schedule, period in (("pipedream", 7.0), ("pipedream-2bw", 4.0)):
+        cm = CostModel(fig, Setting(2, 4, schedule, data_parallel=2, sync_bandwidth_bytes_per_s=1.0))
+        ev = evaluate(cm, (0, 1, 2))
+        assert [st.gradient_sync_s for st in ev.stages] == pytest.approx([4.0, 4.0])
+        assert ev.steady_state_period_s == pytest.approx(period)
+        assert ev.busy_s(4)[0] == pytest.approx(4 * 3.0 + updates_per_step(schedule, 4) * 4.0)
