@@ -113,6 +113,8 @@ class AsyncSolver:
         self.formulas = [cm.formula(k) for k in range(cm.K)]
         self.rows: dict[tuple[int, int], list[float]] = {}
         self.probes = 0
+        # No probe asks past the first period probed: a row stops at its first work above it.
+        self.cap = INF
 
     def work(self, k: int, s: int) -> list[float]:
         """Stage k's work per micro-batch from layer s, for each end e > s that fits in memory
@@ -130,6 +132,8 @@ class AsyncSolver:
                 if r is None:
                     break                        # memory only grows with the stage
                 row.append(forward(s, e) + backward(s, e, r) + self.share * cm.optimizer(s, e))
+                if row[-1] > self.cap:
+                    break                        # (work only grows with the stage)
             self.rows[key] = row
         return row
 
@@ -197,6 +201,7 @@ class AsyncSolver:
             consider(found)
         assert best is not None
         lo, hi = 0.0, best.steady_state_period_s
+        self.cap = hi
         while hi - lo > hi * _CLOSE and self.probes < _MAX_PROBES:
             mid = (lo + hi) / 2
             cut = self.feasible(mid)

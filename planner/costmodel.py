@@ -72,6 +72,8 @@ Memory of stage k, in bytes::
 
     parameters + gradients + optimizer state (Adam 2x, momentum 1x, SGD 0x the parameters)
     + buffers                                                (of all its chunks)
+      (the asynchronous schedules hold ``weight_versions.stashed_versions`` copies of the
+      parameters, the gradients and optimizer state once: :func:`static_bytes`)
     + activations: the peak over the stage's action list (schedules.peak_bytes): each
       micro-batch holds a chunk's saved activations from its F to its B (or I); a chunk that
       recomputes holds only its *input* and, while it recomputes, the rest of its activations
@@ -81,7 +83,8 @@ Memory of stage k, in bytes::
 
 With one chunk per stage and a whole B that peak is ``n_k * activations`` (or, recomputing,
 ``(n_k - 1) * input + max(activations, input)``), n_k the most micro-batches in flight on stage
-k (schedules.in_flight: M for GPipe, ``min(M, K - k)`` for 1F1B). The peak is linear in the
+k (schedules.in_flight: M for GPipe, ``min(M, K - k)`` for 1F1B, ``K - k`` for the asynchronous
+schedules, which never flush: their peak is read off a segment of several steps). The peak is linear in the
 per-chunk byte counts, so it is the largest of a few linear forms (:class:`_StagePeaks`), found
 once per schedule shape by replaying the lists: evaluating a stage is then O(chunks).
 
