@@ -706,6 +706,7 @@ def _plan(solved: bool, chunked: bool) -> Object:
             "network_bandwidth_bytes_per_s": may(Number(0.0, MAX_RATE, nullable=True)),
             "network_latency_s": may(_seconds(nullable=True)),
             "gradient_sync": may(Text(choices=GRADIENT_SYNCS, nullable=True)),
+            "sync_every": may(_count(1)),            # localsgd's --sync-every H (absent: not localsgd)
         })),
         "balance": need(Items(_count(1), min_len=1)),
         "micro_batches": need(_count(1)),
@@ -715,6 +716,9 @@ def _plan(solved: bool, chunked: bool) -> Object:
         "virtual_stages": may(_count(1)),
         "data_parallel": may(_count(1)),               # version 6 (absent: 1)
         "gradient_sync": may(Text(choices=GRADIENT_SYNCS)),
+        # localsgd: H, the steps between two averagings of the replicas' parameters (absent: 1;
+        # optional within version 7, which readers before it ignore: plan_layout.sync_every).
+        "sync_every": may(_count(1)),
         "placement": may(PLACEMENT),
         "factorisations": may(Items(FACTORISATION, nullable=True)),
         **layout,

@@ -65,6 +65,8 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
         "virtual_stages": chunks_per_stage(setting.schedule, setting.virtual_stages),
         "data_parallel": replicas,
         "gradient_sync": setting.gradient_sync,
+        # localsgd's H (plan_layout.sync_every); ddp and fsdp plans leave it out: they sync every step.
+        **({"sync_every": setting.sync_every} if setting.gradient_sync == "localsgd" else {}),
         "placement": placement_doc(chosen, len(ev.stages)),
         "chunks": chunk_rows(profile.layers, ev),
         "stages": stage_rows(ev, setting.micro_batches),
@@ -122,6 +124,7 @@ def options_section(profile: Profile, result: SearchResult, devices: DevicesResu
         "network_bandwidth_bytes_per_s": user_options.network_bandwidth_bytes_per_s,
         "network_latency_s": user_options.network_latency_s,
         "gradient_sync": user_options.gradient_sync,
+        **({"sync_every": user_options.sync_every} if user_options.gradient_sync == "localsgd" else {}),
     }
 
 
