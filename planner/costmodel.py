@@ -89,7 +89,8 @@ Replicas (planner/replicas.py): with d copies of the pipeline, stage k averages 
 over its d replicas once a step, a ring all-reduce of its parameter bytes
 (:func:`gpipe_plan.collectives.ring_allreduce_s`), charged after its last backward with the optimizer
 step (:meth:`CostModel.gradient_sync_s`); with FSDP, the parameters and optimizer state are
-sharded 1/d between steps (:func:`static_bytes`).
+sharded 1/d between steps (:func:`static_bytes`); with LocalSGD, no gradient is all-reduced and
+the same all-reduce of the parameters runs once every H steps, charged 1/H of it per step.
 
 Time of a whole step is a property of the schedule, not of one stage: see
 :mod:`planner.schedule` (GPipe closed form and the event simulator).

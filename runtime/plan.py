@@ -195,6 +195,15 @@ def load_plan(path: str | os.PathLike[str]) -> RunPlan:
     )
 
 
+def check_sync_matches(plan: RunPlan, grad_clip: float | None) -> None:
+    """Refuse, in one line, run options the plan's gradient sync cannot honour: ``--grad-clip``
+    under localsgd, which clips by the global gradient norm while each replica steps on its own
+    gradient (one norm over d different gradients would clip none of them by its own)."""
+    if plan.gradient_sync == "localsgd" and plan.data_parallel > 1 and grad_clip is not None:
+        raise BadInput("--grad-clip clips by the global gradient norm, but under the plan's localsgd each replica "
+                       "steps on its own gradient: leave --grad-clip out, or solve with --gradient-sync ddp")
+
+
 def check_precision_matches(plan: RunPlan, precision: str | None, param_dtype: str | None) -> tuple[str, str]:
     """The precision to run with: the plan's, unless asked for another, which is refused.
 

@@ -46,7 +46,7 @@ from .memory import ActivationMeter, cuda_memory, peak_rss_bytes, static_bytes
 from .optim import clip_gradients, learning_rate, make_optimizer, set_learning_rate
 from .options import RunOptions, is_data_factory
 from .p2p import Neighbours
-from .plan import RunPlan, check_precision_matches, load_plan
+from .plan import RunPlan, check_precision_matches, check_sync_matches, load_plan
 from .progress import TrainingProgress
 from .replicas import GradientSync, broadcast_from_replica_zero, make_gradient_sync
 from .report import RankResult, build_report, print_summary
@@ -121,10 +121,7 @@ def train(options: RunOptions, world: World) -> None:
 def _set_up(options: RunOptions, world: World) -> _Training:
     # ------------------------------------------------------------------ where we stand
     plan = load_plan(options.plan)
-    if plan.gradient_sync == "localsgd" and plan.data_parallel > 1 and options.grad_clip is not None:
-        # Clipping by the global norm assumes one gradient; localsgd's replicas each step on their own.
-        raise BadInput("--grad-clip clips by the global gradient norm, but under the plan's localsgd each replica "
-                       "steps on its own gradient: leave --grad-clip out, or solve with --gradient-sync ddp")
+    check_sync_matches(plan, options.grad_clip)
     placement_warnings = check_world(world, plan)
     precision = Precision(*check_precision_matches(plan, options.precision, options.param_dtype))
     threads = threads_per_rank(options.threads, plan, world.local_world_size)

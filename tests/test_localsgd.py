@@ -94,6 +94,12 @@ def test_solve_records_h_and_charges_each_stage_its_averaging_over_h(tmp_path: P
     run_plan = load_plan(tmp_path / "local.json")
     assert (run_plan.gradient_sync, run_plan.sync_every) == ("localsgd", 4)
     assert load_plan(tmp_path / "ddp.json").sync_every == 1
+    # No export target's data parallel says localsgd: refused, not exported as ddp.
+    from gpipe_plan.planner.export import export_plan
+
+    with pytest.raises(BadInput, match="trains with localsgd .* averaged every 4 steps.* cannot say"):
+        export_plan(str(tmp_path / "local.json"), "torchtitan", str(tmp_path / "t.toml"))
+    assert not (tmp_path / "t.toml").exists()
 
 
 def test_with_devices_localsgd_searches_only_factorisations_of_two_replicas_or_more() -> None:
@@ -296,3 +302,12 @@ def test_a_plan_with_localsgd_and_sync_every_passes_the_schema(tmp_path: Path) -
     with pytest.raises(BadInput, match="sync_every"):
         load_plan(write_json(tmp_path / "bad.json", doc))
     assert load_plan(write_json(tmp_path / "ok.json", {**doc, "sync_every": 7})).sync_every == 7
+
+
+def test_run_refuses_grad_clip_under_localsgd_in_one_line(tmp_path: Path) -> None:
+    spec = model_spec("gpt", layers=2, width=16, heads=2, seq_len=8, vocab_size=256)
+    plan = write_json(tmp_path / "p.json", {**data_parallel_plan(spec, [4], 2, 1, 2, gradient_sync="localsgd"),
+                                            "sync_every": 2})
+    result = cli("run", str(plan), "--steps", "1", "--grad-clip", "1.0")
+    assert result.exit_code != 0 and "--grad-clip clips by the global gradient norm" in result.output, result.output
+    assert "Traceback" not in result.output
