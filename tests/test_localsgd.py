@@ -94,6 +94,9 @@ def test_solve_records_h_and_charges_each_stage_its_averaging_over_h(tmp_path: P
     run_plan = load_plan(tmp_path / "local.json")
     assert (run_plan.gradient_sync, run_plan.sync_every) == ("localsgd", 4)
     assert load_plan(tmp_path / "ddp.json").sync_every == 1
+    shown = cli("show", str(tmp_path / "local.json"))
+    assert shown.exit_code == 0 and "gradient sync (localsgd) over 2 replicas: no gradient all-reduce; the " \
+        "parameters averaged every 4 steps, charged 1/4 of it per step" in " ".join(shown.output.split()), shown.output
     # No export target's data parallel says localsgd: refused, not exported as ddp.
     from gpipe_plan.planner.export import export_plan
 
@@ -132,10 +135,17 @@ def test_explore_takes_sync_every_with_devices_and_localsgd_only(tmp_path: Path)
     assert alone.exit_code != 0 and "give --devices too" in alone.output, alone.output
     ddp = cli("explore", str(profile), "--devices", "2", "--sync-every", "2")
     assert ddp.exit_code != 0 and "give --gradient-sync localsgd" in ddp.output, ddp.output
-    out = tmp_path / "cells.json"
-    ok = cli("explore", str(profile), "--devices", "2", "--gradient-sync", "localsgd", "--sync-every", "2",
-             "-m", "1", "--schedule", "gpipe", "--recompute", "never", "--time-budget", "1", "--json", str(out))
-    assert ok.exit_code == 0, ok.output
+    rows = {}
+    for name, extra in (("ddp", ()), ("local", ("--gradient-sync", "localsgd", "--sync-every", "2"))):
+        out = tmp_path / f"{name}.json"
+        ok = cli("explore", str(profile), "--devices", "2", "-m", "1", "--schedule", "gpipe", "--recompute", "never",
+                 "--link-bandwidth", "0.001", "--time-budget", "1", "--json", str(out), *extra)
+        assert ok.exit_code == 0, ok.output
+        rows[name] = {(r["stages"], r["data_parallel"]): r for r in json.loads(out.read_text())["factorisations"]}
+    # one stage of 2 replicas: the same cell, its averaging charged half of ddp's all-reduce
+    one_stage = [rows[name][(1, 2)]["slowest_stage_gradient_sync_s"] for name in ("ddp", "local")]
+    assert one_stage[0] > 0 and one_stage[1] == pytest.approx(one_stage[0] / 2)
+    assert rows["ddp"][(2, 1)]["reason"] == "" and "2 replicas or more" in rows["local"][(2, 1)]["reason"]
 
 
 # ---------------------------------------------------------------------- the runtime
