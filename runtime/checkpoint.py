@@ -92,7 +92,8 @@ FORMAT = "gpipe-plan.checkpoint"
 # Version 2: one DCP checkpoint per step, keyed like the unsplit model (resumable under any
 # plan). Version 1 wrote one torch.save file per stage (step-N/stage-k-of-K.pt); it is refused.
 # ``run`` (the run the step belongs to: runtime/checkpoint_dir.py) was added within version 2;
-# a step without it belongs to the run that resumes it.
+# a step without it belongs to the run that resumes it. So were localsgd's ``replica-<r>/`` keys:
+# a reader that does not ask for them resumes every replica from replica 0's plain keys.
 VERSION = 2
 
 
