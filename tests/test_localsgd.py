@@ -291,17 +291,19 @@ def test_grad_clip_is_refused_under_localsgd(two_rank_runs: dict[str, Any]) -> N
 
 @pytest.mark.slow
 def test_two_stages_of_two_replicas_reach_the_reference(task_dir: Path) -> None:
-    """K = 2, d = 2 on 4 ranks, H = 3, SGD, 4 steps: each stage's replicas average on their own
-    ``dp`` group; the saved model is the reference's mean within 1e-5."""
+    """K = 2, d = 2 on 4 ranks, H = 3, SGD, 4 steps, both executors: each stage's replicas average
+    on their own ``dp`` group; the saved model is the reference's mean within 1e-5."""
     spec = task_spec(task_dir)
     plan = write_json(task_dir / "k2.json", {**data_parallel_plan(spec, [3, 2], 2, 2, 4, schedule="1f1b",
                                                                    gradient_sync="localsgd", order="data-inner"),
                                              "sync_every": 3})
-    job = {"plan": str(plan), "steps": 4, "lr": LR, "optimizer": "sgd", "save": str(task_dir / "k2.pt"),
-           "quiet": True}
-    outcome = run_in_one_group([job], task_dir, world_size=4)
-    assert outcome[job["save"]] == "ok", outcome
-    close_to(torch.load(job["save"]), mean_of(reference(task_dir, 2, 16, 4, 3)))
+    jobs = [{"plan": str(plan), "steps": 4, "lr": LR, "optimizer": "sgd", "save": str(task_dir / f"k2-{executor}.pt"),
+             "executor": executor, "quiet": True} for executor in ("native", "torch")]
+    outcome = run_in_one_group(jobs, task_dir, world_size=4)
+    expected = mean_of(reference(task_dir, 2, 16, 4, 3))
+    for job in jobs:
+        assert outcome[job["save"]] == "ok", outcome
+        close_to(torch.load(job["save"]), expected)
 
 
 def test_a_plan_with_localsgd_and_sync_every_passes_the_schema(tmp_path: Path) -> None:
