@@ -2,7 +2,8 @@
 
 Each of the d replicas is a whole pipeline of K stages that trains on global_batch / d samples
 a step; once a step every stage averages its gradients over its d copies (the *gradient
-sync*; under ``localsgd`` its parameters, once every H steps, docs/planner.md "LocalSGD"). So a factorisation (K, d) is planned as one pipeline of K stages with the replica's
+sync*; under ``localsgd`` its parameters, once every H steps: docs/planner.md, "LocalSGD").
+So a factorisation (K, d) is planned as one pipeline of K stages with the replica's
 batch, plus each stage's sync, which :class:`planner.costmodel.CostModel` charges after the
 stage's last backward next to its optimizer step (docs/planner.md, "Data parallel"). Which
 ranks run which (stage, replica) is the *placement*: it decides which traffic stays on the fast

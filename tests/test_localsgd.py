@@ -87,8 +87,8 @@ def test_solve_records_h_and_charges_each_stage_its_averaging_over_h(tmp_path: P
         [ring_allreduce_s(params, 2, 1e6, 1e-4) / 4])
     assert [st["gradient_sync_s"] for st in ddp["stages"]] == pytest.approx([ring_allreduce_s(params, 2, 1e6, 1e-4)])
     assert local["predicted"]["step_s"] < ddp["predicted"]["step_s"]
-    memory = lambda plan: {k: v for k, v in plan["stages"][0]["memory"].items() if k != "activations_bytes"}  # noqa: E731
-    assert memory(local) == memory(ddp)       # as ddp: whole parameters, gradients and state
+    static = [{k: v for k, v in plan["stages"][0]["memory"].items() if k != "activations_bytes"} for plan in (local, ddp)]
+    assert static[0] == static[1]       # as ddp: whole parameters, gradients and state
     from gpipe_plan.runtime.plan import load_plan
 
     run_plan = load_plan(tmp_path / "local.json")
