@@ -188,8 +188,13 @@ def profile(**options: Any) -> None:
 @click.option("--network-latency", default=0.0, type=float, metavar="SECONDS", show_default=True,
               help="Per-message latency between nodes (each ring step of a gradient sync pays it).")
 @click.option("--gradient-sync", type=click.Choice(GRADIENT_SYNCS), default="ddp", show_default=True,
-              help="How a stage's replicas share gradients: all-reduce, whole copies (ddp), or sharded "
-                   "parameters, gradients and optimizer state (fsdp: less memory, same traffic).")
+              help="How a stage's replicas share what they learn: all-reduce the gradients, whole copies (ddp), "
+                   "or sharded parameters, gradients and optimizer state (fsdp: less memory, same traffic), "
+                   "every step; or each replica steps on its own gradients and the parameters are averaged "
+                   "every --sync-every steps (localsgd: 1/H of the traffic, another algorithm).")
+@click.option("--sync-every", type=int, default=None, metavar="H",
+              help="With --gradient-sync localsgd: average the replicas' parameters after every H steps "
+                   "(H >= 1; recorded in the plan, which run follows). Default: 1.")
 @click.option("--micro-batches", "-m", default="auto", show_default=True,
               help="Micro-batches per step M (per replica), or 'auto' to search the divisors of its batch.")
 @click.option("--global-batch-size", "-b", type=int, default=None,
@@ -248,8 +253,10 @@ def solve(**options: Any) -> None:
               help="With --devices: per-message latency between nodes (each ring step of a gradient sync pays "
                    "it). Default: 0.")
 @click.option("--gradient-sync", type=click.Choice(GRADIENT_SYNCS), default=None,
-              help="With --devices: how a stage's replicas share gradients: all-reduce (ddp, the default) or "
-                   "sharded (fsdp).")
+              help="With --devices: how a stage's replicas share gradients: all-reduce (ddp, the default), "
+                   "sharded (fsdp), or parameters averaged every --sync-every steps (localsgd).")
+@click.option("--sync-every", type=int, default=None, metavar="H",
+              help="With --devices and --gradient-sync localsgd: the steps between two averagings. Default: 1.")
 @click.option("--global-batch-size", "-b", type=int, default=None,
               help="Samples per step. Default: the profile's largest micro-batch size.")
 @click.option("--memory-limit", default=None, metavar="SIZE",

@@ -120,7 +120,10 @@ def _check_outputs(item: dict[str, Any], prefix: str) -> None:
 
 
 # ---------------------------------------------------------------------- replicas (plan format 6)
-GRADIENT_SYNCS = ("ddp", "fsdp")
+# How each stage's d replicas share what they learn (docs/planner.md, "Data parallel", "LocalSGD"):
+# ``ddp`` and ``fsdp`` average the gradients every step; ``localsgd`` lets each replica step on its
+# own gradients and averages the parameters every ``sync_every`` (H) steps.
+GRADIENT_SYNCS = ("ddp", "fsdp", "localsgd")
 # How ranks are laid out: a replica's stages consecutive, a stage's replicas consecutive, or (plan
 # format 7) one stage of d replicas, which has no pipeline to lay out (format 6 called it pipeline-inner).
 PLACEMENT_ORDERS = ("pipeline-inner", "data-inner", "data-only")
@@ -133,9 +136,39 @@ def data_parallel(doc: dict[str, Any]) -> int:
 
 
 def gradient_sync(doc: dict[str, Any]) -> str:
-    """How each stage's replicas share their gradients: ``ddp`` (all-reduce) or ``fsdp`` (sharded)."""
+    """How each stage's replicas share what they learn: ``ddp`` (gradients all-reduced), ``fsdp``
+    (sharded) or ``localsgd`` (parameters averaged every :func:`sync_every` steps)."""
     mode = doc.get("gradient_sync", "ddp")
     return mode if mode in GRADIENT_SYNCS else "ddp"
+
+
+def sync_every(doc: dict[str, Any]) -> int:
+    """H, the steps between two parameter averagings of a ``localsgd`` plan (``sync_every``); 1 for
+    ddp and fsdp, which sync every step, and where the key is absent."""
+    H = doc.get("sync_every", 1)
+    if gradient_sync(doc) != "localsgd" or not isinstance(H, int) or isinstance(H, bool) or H < 1:
+        return 1
+    return H
+
+
+def localsgd_problem(gradient_sync: str, sync_every: int | None, replicas: int | None) -> str:
+    """Why this gradient sync and H cannot be planned ("" if they can), in one line; ``replicas``:
+    d where it is fixed (None: still to be searched).
+
+    H says how often localsgd averages, so it belongs to localsgd alone; it counts steps, so it
+    is at least 1; and one replica has no other to average with.
+    """
+    if sync_every is not None and gradient_sync != "localsgd":
+        return (f"--sync-every sets how often localsgd averages the replicas' parameters; --gradient-sync "
+                f"{gradient_sync} syncs every step: give --gradient-sync localsgd, or leave --sync-every out")
+    if gradient_sync != "localsgd":
+        return ""
+    if sync_every is not None and (not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1):
+        return f"--sync-every must be a whole number of steps, at least 1, got {sync_every!r}"
+    if replicas == 1:
+        return ("--gradient-sync localsgd averages the parameters of d >= 2 replicas, and this plan has one: "
+                "give --data-parallel 2 or more (or --devices N), or use --gradient-sync ddp")
+    return ""
 
 
 def placement_ranks(doc: dict[str, Any], where: str) -> list[list[int]]:

@@ -714,6 +714,7 @@ def _plan(solved: bool, chunked: bool) -> Object:
             "network_bandwidth_bytes_per_s": may(Number(0.0, MAX_RATE, nullable=True)),
             "network_latency_s": may(_seconds(nullable=True)),
             "gradient_sync": may(Text(choices=GRADIENT_SYNCS, nullable=True)),
+            "sync_every": may(_count(1)),            # localsgd's --sync-every H (absent: not localsgd)
         })),
         "balance": need(Items(_count(1), min_len=1)),
         "micro_batches": need(_count(1)),
@@ -724,6 +725,9 @@ def _plan(solved: bool, chunked: bool) -> Object:
         "data_parallel": may(_count(1)),               # version 6 (absent: 1)
         "gradient_sync": may(Text(choices=GRADIENT_SYNCS)),
         "updates_per_step": may(_count(1)),            # version 8 (absent: 1)
+        # localsgd: H, the steps between two averagings of the replicas' parameters (absent: 1;
+        # since version 8: plan_layout.sync_every).
+        "sync_every": may(_count(1)),
         "placement": may(PLACEMENT),
         "factorisations": may(Items(FACTORISATION, nullable=True)),
         **layout,

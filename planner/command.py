@@ -13,6 +13,7 @@ from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Ta
 from rich.text import Text
 
 from ..artifacts import BadInput, Outputs, check_output_paths, dumps, file_sha256, precision_of
+from ..plan_layout import localsgd_problem
 from ..schema import MAX_SECONDS, PLAN_FORMAT, PROFILE_FORMAT, read_artifact, write_artifact
 from ..schedules import PLANNABLE_SCHEDULES, SCHEDULES
 from .budgets import LEAST_ONE_DEVICE_S, SOLVE_TIME_BUDGET_S
@@ -83,8 +84,12 @@ def solve_options(
     network_bandwidth: str | float | None = None,
     network_latency: float = 0.0,
     gradient_sync: str = "ddp",
+    sync_every: int | None = None,
 ) -> SolveOptions:
-    """Options as typed on the command line -> :class:`SolveOptions` (one-line errors)."""
+    """Options as typed on the command line -> :class:`SolveOptions` (one-line errors).
+
+    ``sync_every``: localsgd's H, None where not given (``--sync-every`` belongs to localsgd alone).
+    """
     if not (math.isfinite(time_budget_s) and time_budget_s > 0):
         raise BadInput(f"--time-budget must be a positive number of seconds, got {time_budget_s}")
     if stages is None and devices is None:
@@ -95,6 +100,12 @@ def solve_options(
         raise BadInput(f"--network-latency must be a finite number of seconds >= 0, got {network_latency}")
     if link_latency is not None and not (math.isfinite(link_latency) and link_latency >= 0):
         raise BadInput(f"--link-latency must be a finite number of seconds >= 0, got {link_latency}")
+    replicas = parse_data_parallel(data_parallel, devices)
+    # One replica for certain: d = 1, or K = N (search_devices checks the rest, once d is known).
+    one = 1 if replicas == 1 or (stages is not None and stages == devices) else None
+    reason = localsgd_problem(gradient_sync, sync_every, one)
+    if reason:
+        raise BadInput(reason)
     return SolveOptions(
         stages=stages,
         global_batch_size=global_batch_size,
@@ -111,13 +122,14 @@ def solve_options(
         solver=SOLVER_ALIASES.get(solver, solver),
         time_budget_s=time_budget_s,
         devices=devices,
-        data_parallel=parse_data_parallel(data_parallel, devices),
+        data_parallel=replicas,
         nodes=nodes,
         network_bandwidth_bytes_per_s=None if network_bandwidth is None else (
             float(network_bandwidth) * 1e9 if isinstance(network_bandwidth, (int, float))
             else parse_bandwidth(network_bandwidth, "--network-bandwidth")),
         network_latency_s=network_latency,
         gradient_sync=gradient_sync,
+        sync_every=sync_every if sync_every is not None else 1,
     )
 
 
@@ -171,7 +183,7 @@ def solve_command(profile: str, stages: int | None, micro_batches: str, global_b
                   optimizer: str, solver: str, out: str, timeline: str | None, quiet: bool,
                   time_budget: float = SOLVE_TIME_BUDGET_S, virtual_stages: str = "auto", devices: int | None = None,
                   data_parallel: str | None = None, nodes: int = 1, network_bandwidth: str | None = None,
-                  network_latency: float = 0.0, gradient_sync: str = "ddp") -> None:
+                  network_latency: float = 0.0, gradient_sync: str = "ddp", sync_every: int | None = None) -> None:
     started = time.perf_counter()
     check_output_paths({"--out": out, "--timeline": timeline}, inputs=(profile,))   # both files or neither
     with Outputs() as outputs:   # the plan and its timeline: both or neither
@@ -181,7 +193,7 @@ def solve_command(profile: str, stages: int | None, micro_batches: str, global_b
                           link_bandwidth=link_bandwidth, link_latency=link_latency, optimizer=optimizer, solver=solver,
                           time_budget_s=time_budget, devices=devices, data_parallel=data_parallel, nodes=nodes,
                           network_bandwidth=network_bandwidth, network_latency=network_latency,
-                          gradient_sync=gradient_sync)
+                          gradient_sync=gradient_sync, sync_every=sync_every)
         if timeline:
             outputs.add(timeline, plan_timeline_svg(plan), "--timeline")
     console = Console()
@@ -225,15 +237,19 @@ def explore_command(profile: str, stages: str | None, micro_batches: str, global
                     memory_limit: str | None, schedule: str, recompute: str, link_bandwidth: str | None,
                     optimizer: str, json_out: str | None, chart: str | None, time_budget: float,
                     devices: int | None = None, nodes: int | None = None, network_bandwidth: str | None = None,
-                    network_latency: float | None = None, gradient_sync: str | None = None) -> None:
+                    network_latency: float | None = None, gradient_sync: str | None = None,
+                    sync_every: int | None = None) -> None:
     from .explore import explore
     from .explore_view import exploration_chart, exploration_json, render_exploration
 
     check_output_paths({"--json": json_out, "--chart": chart}, inputs=(profile,))
     if devices is None and (nodes is not None or network_bandwidth is not None or network_latency is not None
-                            or gradient_sync is not None):
-        raise BadInput("--nodes, --network-bandwidth, --network-latency and --gradient-sync describe the devices "
-                       "of --devices N: give --devices too")
+                            or gradient_sync is not None or sync_every is not None):
+        raise BadInput("--nodes, --network-bandwidth, --network-latency, --gradient-sync and --sync-every describe "
+                       "the devices of --devices N: give --devices too")
+    reason = localsgd_problem(gradient_sync or "ddp", sync_every, 1 if devices == 1 else None)
+    if reason:
+        raise BadInput(reason)
     if devices is not None and devices < 1:
         raise BadInput(f"--devices must be at least 1, got {devices}")
     if nodes is not None and (nodes < 1 or devices % nodes):
@@ -257,7 +273,8 @@ def explore_command(profile: str, stages: str | None, micro_batches: str, global
                      progress=lambda done, total, what: bar.update(task, completed=done, total=total,
                                                                    description=f"exploring {what}"),
                      devices=devices, nodes=nodes, network_bandwidth_bytes_per_s=network,
-                     network_latency_s=network_latency, gradient_sync=gradient_sync or "ddp")
+                     network_latency_s=network_latency, gradient_sync=gradient_sync or "ddp",
+                     sync_every=sync_every if sync_every is not None else 1)
     with Outputs() as outputs:   # the table and the chart: both or neither
         if json_out:
             outputs.add(json_out, dumps(exploration_json(ex)), "--json")

@@ -92,7 +92,8 @@ Replicas (planner/replicas.py): with d copies of the pipeline, stage k averages 
 over its d replicas once a step, a ring all-reduce of its parameter bytes
 (:func:`gpipe_plan.collectives.ring_allreduce_s`), charged after its last backward with the optimizer
 step (:meth:`CostModel.gradient_sync_s`); with FSDP, the parameters and optimizer state are
-sharded 1/d between steps (:func:`static_bytes`).
+sharded 1/d between steps (:func:`static_bytes`); with LocalSGD, no gradient is all-reduced and
+the same all-reduce of the parameters runs once every H steps, charged 1/H of it per step.
 
 Time of a whole step is a property of the schedule, not of one stage: see
 :mod:`planner.schedule` (GPipe closed form and the event simulator).
@@ -140,7 +141,8 @@ class Setting:
     data_parallel: int = 1
     sync_bandwidth_bytes_per_s: float = math.inf    # inf: the sync is free
     sync_latency_s: float = 0.0                     # per ring step
-    gradient_sync: str = "ddp"                      # "ddp" | "fsdp" (plan_layout.GRADIENT_SYNCS)
+    gradient_sync: str = "ddp"                      # "ddp" | "fsdp" | "localsgd" (plan_layout.GRADIENT_SYNCS)
+    sync_every: int = 1                             # localsgd: H, the steps between two averagings
     # More ranks than cores (planner/timeshare.py): how many of the K ranks the host runs at
     # full speed at once; inf: each has cores of its own (a GPU each, or enough CPU cores).
     concurrent_ranks: float = math.inf
@@ -610,12 +612,20 @@ class CostModel:
         replicas: one ring all-reduce (ddp) or reduce-scatter + all-gather (fsdp, the same time)
         of all its parameter bytes (planner/replicas.py). It runs after the stage's last
         backward, before its optimizer step, so it is charged in the same after-the-backward
-        term, which the schedule hides in the next step's fill when the stage has room."""
+        term, which the schedule hides in the next step's fill when the stage has room.
+
+        ``localsgd`` all-reduces no gradient: it averages the parameters, the same ring
+        all-reduce of the same bytes, once every H steps, right after the optimizer step. A plan
+        is one step repeated, so it is charged amortised, 1/H of the all-reduce every step (docs/planner.md,
+        "LocalSGD"): the mean step, where the steps that average take the whole of it."""
         if not self.sync_on:
             return 0.0
         nbytes = sum(self.pp[e] - self.pp[s] for s, e in spans)
-        return _cost(ring_allreduce_s(nbytes, self.setting.data_parallel, self.setting.sync_bandwidth_bytes_per_s,
-                                      self.setting.sync_latency_s))
+        allreduce_s = ring_allreduce_s(nbytes, self.setting.data_parallel, self.setting.sync_bandwidth_bytes_per_s,
+                                       self.setting.sync_latency_s)
+        if self.setting.gradient_sync == "localsgd":
+            allreduce_s /= self.setting.sync_every
+        return _cost(allreduce_s)
 
     def stage_optimizer(self, spans: Sequence[tuple[int, int]]) -> float:
         """The optimizer step of a stage holding the layer ranges ``spans``, and its tied-gradient

@@ -103,7 +103,7 @@ def explore(profile: Profile, stages: Sequence[int] | None, micro_batches: Seque
             optimizer: str = "adam", capacity: bool = True, time_budget_s: float = EXPLORE_POINT_TIME_BUDGET_S,
             progress=None, devices: int | None = None, nodes: int | None = None,
             network_bandwidth_bytes_per_s: float | None = None, network_latency_s: float | None = None,
-            gradient_sync: str = "ddp") -> Exploration:
+            gradient_sync: str = "ddp", sync_every: int = 1) -> Exploration:
     """Every cell of the grid, each the planner's best plan for its setting.
 
     Without ``devices`` the rows are the pipeline depths ``stages`` (one replica). With
@@ -111,7 +111,8 @@ def explore(profile: Profile, stages: Sequence[int] | None, micro_batches: Seque
     else every divisor of N): d replicas of a K-stage pipeline, each replica taking the global
     batch / d samples a step, placed on ``nodes`` machines as the planner would place them
     (planner/replicas.py), each stage's gradients synchronised over its d replicas.
-    ``time_budget_s`` is each cell's search's, not the whole grid's.
+    ``time_budget_s`` is each cell's search's, not the whole grid's. ``sync_every``: localsgd's H
+    (its averaging charged 1/H per step, as solve charges it).
     """
     # The options the planner's own solve would take: what explore asks beyond them is the grid.
     given = {k: v for k, v in dict(nodes=nodes, network_latency_s=network_latency_s).items() if v is not None}
@@ -119,7 +120,7 @@ def explore(profile: Profile, stages: Sequence[int] | None, micro_batches: Seque
                            data_parallel="auto" if devices is not None else 1,
                            link_bandwidth_bytes_per_s=link_bandwidth_bytes_per_s, link_latency_s=link_latency_s,
                            network_bandwidth_bytes_per_s=network_bandwidth_bytes_per_s, gradient_sync=gradient_sync,
-                           optimizer=optimizer, **given)
+                           sync_every=sync_every, optimizer=optimizer, **given)
     grid = _grid(profile, request, stages, micro_batches, memory_limit_bytes, schedules, recomputes, time_budget_s)
     reference_step_s = _reference_step_s(grid)
     cells = _solve_cells(grid, reference_step_s, progress)
@@ -162,7 +163,7 @@ class _Grid:
             (pipe_bw, pipe_lat), sync = self.link, ReplicaSync()
         else:
             pipe_bw, pipe_lat = placement.pipeline_bandwidth_bytes_per_s, placement.pipeline_latency_s
-            sync = placement.replica_sync(shape.data_parallel, self.request.gradient_sync)
+            sync = placement.replica_sync(shape.data_parallel, self.request.gradient_sync, self.request.sync_every)
         return cost_setting(self.profile, stages=shape.stages, micro_batches=micro_batches, schedule=schedule,
                             virtual_stages=virtual_stages, recompute=recompute, memory_limit_bytes=limit,
                             link_bandwidth_bytes_per_s=pipe_bw, link_latency_s=pipe_lat,
@@ -301,7 +302,7 @@ def _solve_point(grid: _Grid, shape: _Shape, M: int, size: int, schedule: str, r
                 st = cm.setting
                 key = (M, size, recompute, limit, st.compute_scale, st.link_bandwidth_bytes_per_s,
                        st.link_latency_s, st.data_parallel, st.sync_bandwidth_bytes_per_s,
-                       st.sync_latency_s, st.gradient_sync, st.overhead_s, st.fixed_costs)
+                       st.sync_latency_s, st.gradient_sync, st.sync_every, st.overhead_s, st.fixed_costs)
                 sol = OneFOneBSolver(cm, seeds=seed_cuts(cm, seeds), time_budget_s=budget_s,
                                      suffix_tables=tables.setdefault(key, {})).solve()
         elif schedule in ASYNC_SCHEDULES:
@@ -369,7 +370,7 @@ def replica_shapes(profile: Profile, request: SolveOptions, devices: int, stages
     if devices < 1:
         raise BadInput(f"--devices must be at least 1, got {devices}")
     topology = topology_for(profile, request, devices)
-    pairs = factorisations(devices, None, "auto", batch, profile.num_layers)
+    pairs = factorisations(devices, None, "auto", batch, profile.num_layers, request.gradient_sync)
     if stages:
         unknown = [K for K in stages if devices % K]
         if len(unknown) == len(list(stages)):

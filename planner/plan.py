@@ -68,6 +68,8 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
         "gradient_sync": setting.gradient_sync,
         # Version 8: each stage's updates a step (asynchronous schedules: gpipe_plan.weight_versions).
         "updates_per_step": ev.updates_per_step,
+        # localsgd's H (plan_layout.sync_every); ddp and fsdp plans leave it out: they sync every step.
+        **({"sync_every": setting.sync_every} if setting.gradient_sync == "localsgd" else {}),
         "placement": placement_doc(chosen, len(ev.stages)),
         "chunks": chunk_rows(profile.layers, ev),
         "stages": stage_rows(ev, setting.micro_batches, setting.schedule),
@@ -125,6 +127,7 @@ def options_section(profile: Profile, result: SearchResult, devices: DevicesResu
         "network_bandwidth_bytes_per_s": user_options.network_bandwidth_bytes_per_s,
         "network_latency_s": user_options.network_latency_s,
         "gradient_sync": user_options.gradient_sync,
+        **({"sync_every": user_options.sync_every} if user_options.gradient_sync == "localsgd" else {}),
     }
 
 

@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 
 from ..artifacts import BadInput, json_number, precision_label
-from ..plan_layout import check_replicas, data_parallel, gradient_sync, plan_chunks, virtual_stages
+from ..plan_layout import check_replicas, data_parallel, gradient_sync, plan_chunks, sync_every, virtual_stages
 from ..schedules import label as schedule_label
 from ..schedules import SPLIT_BACKWARD
 from ..weight_versions import ASYNC_SCHEDULES
@@ -221,7 +221,14 @@ def replica_lines(plan: dict[str, Any]) -> list[str]:
             lines.append(f"placement: {placement['reason']}")
         exposed = (plan.get("predicted") or {}).get("gradient_sync_s")
         syncs = [st.get("gradient_sync_s") or 0.0 for st in plan["stages"]]
-        if d > 1:
+        if d > 1 and gradient_sync(plan) == "localsgd":
+            H = sync_every(plan)
+            lines.append(f"gradient sync (localsgd) over {d} replicas: no gradient all-reduce; the parameters "
+                         f"averaged every {H} step{'s' if H != 1 else ''}, charged 1/{H} of it per step: up to "
+                         f"{format_seconds(max(syncs), 3)} per stage"
+                         + (f"; adds {format_seconds(exposed, 3)} to the step (the rest hides in the next "
+                            "step's fill)" if exposed is not None else ""))
+        elif d > 1:
             lines.append(f"gradient sync ({gradient_sync(plan)}) over {d} replicas: up to "
                          f"{format_seconds(max(syncs), 3)} per stage, after its last backward"
                          + (f"; adds {format_seconds(exposed, 3)} to the step (the rest hides in the next "

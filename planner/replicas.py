@@ -2,7 +2,8 @@
 
 Each of the d replicas is a whole pipeline of K stages that trains on global_batch / d samples
 a step; once a step every stage averages its gradients over its d copies (the *gradient
-sync*). So a factorisation (K, d) is planned as one pipeline of K stages with the replica's
+sync*; under ``localsgd`` its parameters, once every H steps: docs/planner.md, "LocalSGD").
+So a factorisation (K, d) is planned as one pipeline of K stages with the replica's
 batch, plus each stage's sync, which :class:`planner.costmodel.CostModel` charges after the
 stage's last backward next to its optimizer step (docs/planner.md, "Data parallel"). Which
 ranks run which (stage, replica) is the *placement*: it decides which traffic stays on the fast
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable
 
 from ..artifacts import BadInput
-from ..plan_layout import GRADIENT_SYNCS, PLACEMENT_ORDERS
+from ..plan_layout import GRADIENT_SYNCS, PLACEMENT_ORDERS, localsgd_problem
 from ..units import format_bytes
 from .budgets import LEAST_PLACEMENT_S
 from .costmodel import CostModel
@@ -102,12 +103,13 @@ class Placement:
         return self.nodes == 1 or all(len({r // self.devices_per_node for r in col}) == 1
                                       for col in zip(*self.ranks))
 
-    def replica_sync(self, data_parallel: int, gradient_sync: str) -> "ReplicaSync":
+    def replica_sync(self, data_parallel: int, gradient_sync: str, sync_every: int = 1) -> "ReplicaSync":
         """What each of the ``data_parallel`` pipelines placed so pays for its gradient syncs, and
-        how many processes share a host with it (the search's :class:`ReplicaSync`)."""
+        how many processes share a host with it (the search's :class:`ReplicaSync`);
+        ``sync_every``: localsgd's H."""
 
         return ReplicaSync(data_parallel, gradient_sync, self.sync_bandwidth_bytes_per_s, self.sync_latency_s,
-                           self.devices_per_node)
+                           self.devices_per_node, sync_every)
 
     @property
     def sync_on_link(self) -> bool:
@@ -181,11 +183,11 @@ def placement_reason(placement: Placement, stages: int, data_parallel: int,
 
 
 def factorisations(devices: int, stages: int | None, data_parallel: int | str | None, batch: int,
-                   layers: int) -> list[tuple[int, int, str]]:
+                   layers: int, gradient_sync: str = "ddp") -> list[tuple[int, int, str]]:
     """Every (K, d) with K d = ``devices`` that the options allow (``stages`` / ``data_parallel``
     None or "auto": any), smallest d first, each with
     "" or one line saying why it cannot run (d must divide the batch: every replica takes the
-    same share; a stage needs a layer: K <= layers)."""
+    same share; a stage needs a layer: K <= layers; localsgd averages two replicas or more)."""
     out = []
     for d in range(1, devices + 1):
         if devices % d:
@@ -200,6 +202,8 @@ def factorisations(devices: int, stages: int | None, data_parallel: int | str | 
             reason = f"{K} stages need {K} layers; the profile has {layers}"
         elif batch % d:
             reason = f"{d} replicas do not divide the global batch of {batch}"
+        elif d == 1 and gradient_sync == "localsgd":
+            reason = "localsgd averages the parameters of 2 replicas or more"
         out.append((K, d, reason))
     return out
 
@@ -295,7 +299,7 @@ def check_devices(profile: Profile, options: SolveOptions) -> tuple[int, int]:
 
     d, K, N = options.data_parallel, options.stages, options.devices
     if options.gradient_sync not in GRADIENT_SYNCS:
-        raise BadInput(f"--gradient-sync must be ddp or fsdp, got {options.gradient_sync!r}")
+        raise BadInput(f"--gradient-sync must be one of {', '.join(GRADIENT_SYNCS)}, got {options.gradient_sync!r}")
     if d != "auto" and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
         raise BadInput(f"--data-parallel must be a positive integer or 'auto', got {d!r}")
     if K is not None and (not isinstance(K, int) or K < 1):
@@ -314,6 +318,12 @@ def check_devices(profile: Profile, options: SolveOptions) -> tuple[int, int]:
         raise BadInput(f"--data-parallel {d} does not divide --devices {N}")
     if K is not None and K > profile.num_layers:
         raise too_many_stages(K, profile.num_layers)
+    # localsgd with one replica, however the options fix d at 1 (d itself, or K = N).
+    one = 1 if d == 1 or (K is not None and K == N) else None
+    reason = localsgd_problem(options.gradient_sync,
+                              options.sync_every if options.gradient_sync == "localsgd" else None, one)
+    if reason:
+        raise BadInput(reason)
     batch = resolve_global_batch(profile, options)
     if d != "auto" and batch % d:
         raise BadInput(f"--data-parallel {d} does not divide the global batch of {batch}: every replica takes "
@@ -359,7 +369,8 @@ def search_devices(profile: Profile, options: SolveOptions, progress: Progress |
 
     devices, batch = check_devices(profile, options)
     topology = topology_for(profile, options, devices)
-    pairs = factorisations(devices, options.stages, options.data_parallel, batch, profile.num_layers)
+    pairs = factorisations(devices, options.stages, options.data_parallel, batch, profile.num_layers,
+                           options.gradient_sync)
     if not pairs:
         raise BadInput(f"no (stages, data parallel) pair multiplies to --devices {devices} with these options")
     jobs = [(K, d, p) for K, d, reason in pairs if not reason for p in placements(K, d, topology)]
@@ -367,7 +378,7 @@ def search_devices(profile: Profile, options: SolveOptions, progress: Progress |
     # as they are proven unable to beat the best plan found (the cutoff below).
     if len(jobs) > 1:
         first = [first_pass_step(profile, _replica_options(options, batch, K, d, p, options.time_budget_s),
-                                 p.replica_sync(d, options.gradient_sync)) for K, d, p in jobs]
+                                 p.replica_sync(d, options.gradient_sync, options.sync_every)) for K, d, p in jobs]
         jobs = [job for _, _, job in sorted(zip(first, range(len(jobs)), jobs), key=lambda item: item[:2])]
     result = DevicesResult(options, batch, devices, topology)
     alone = len(jobs) == 1 and len(pairs) == 1
@@ -382,7 +393,7 @@ def search_devices(profile: Profile, options: SolveOptions, progress: Progress |
         share = share_of_budget(options.time_budget_s, started, len(jobs) - done, least_s=LEAST_PLACEMENT_S)
         work_share = max(LEAST_PLACEMENT_S, (options.time_budget_s - work_spent) / (len(jobs) - done))
         replica = _replica_options(options, batch, K, d, placement, share)
-        sync = placement.replica_sync(d, options.gradient_sync)
+        sync = placement.replica_sync(d, options.gradient_sync, options.sync_every)
         label = f"{K}x{d} {placement.order}"
 
         def inner(i: int, n: int, what: str, label: str = label) -> None:
@@ -440,7 +451,8 @@ def traffic_bytes(profile: Profile, f: Factorisation) -> tuple[float, float]:
 
     Pipeline: every cut between two stages sends each micro-batch's activations forward and
     their gradients back, in each of the d replicas. Sync: in a ring all-reduce each of the d
-    ranks sends 2 (d-1)/d of the stage's parameter bytes, so 2 (d-1) B per stage.
+    ranks sends 2 (d-1)/d of the stage's parameter bytes, so 2 (d-1) B per stage; localsgd's
+    averaging moves as much once every H steps, 1/H of it per step.
     """
     assert f.result is not None and f.result.best.solution is not None
     best = f.result.best
@@ -449,5 +461,5 @@ def traffic_bytes(profile: Profile, f: Factorisation) -> tuple[float, float]:
     d = f.data_parallel
     cuts = sum(output_bytes[c.end - 1] for c, after in zip(ev.chunks, ev.chunks[1:]) if c.stage != after.stage)
     pipeline = 2 * best.setting.micro_batches * d * cuts
-    sync = 2 * (d - 1) * sum(s.gradients_bytes for s in ev.stages)
+    sync = 2 * (d - 1) * sum(s.gradients_bytes for s in ev.stages) / best.setting.sync_every
     return float(pipeline), float(sync)

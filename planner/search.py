@@ -57,7 +57,8 @@ class SolveOptions:
     nodes: int = 1                          # machines; devices_per_node = N / nodes
     network_bandwidth_bytes_per_s: float | None = None   # between nodes (required when nodes > 1)
     network_latency_s: float = 0.0
-    gradient_sync: str = "ddp"              # "ddp" | "fsdp"
+    gradient_sync: str = "ddp"              # "ddp" | "fsdp" | "localsgd"
+    sync_every: int = 1                     # localsgd: H, the steps between two parameter averagings
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class ReplicaSync:
     bandwidth_bytes_per_s: float = math.inf
     latency_s: float = 0.0
     devices_per_node: int | None = None     # processes sharing a host (None: all K * d)
+    sync_every: int = 1                     # localsgd: H (its averaging is charged 1/H of it per step)
 
     def neighbours(self, stages: int) -> int:
         """The processes computing on one host (costmodel.neighbour_scale's ``stages``)."""
@@ -368,6 +370,7 @@ def cost_setting(profile: Profile, *, stages: int, micro_batches: int, schedule:
         sync_bandwidth_bytes_per_s=sync.bandwidth_bytes_per_s,
         sync_latency_s=sync.latency_s,
         gradient_sync=sync.gradient_sync,
+        sync_every=sync.sync_every,
         concurrent_ranks=concurrent_ranks_of(profile.host_cores, profile.threads_per_rank, on_host, stages),
     )
 

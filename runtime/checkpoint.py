@@ -33,6 +33,13 @@ shard, which DCP saves and loads shard by shard (a state shaped like its paramet
 into a DTensor laid out like it). Either way the keys are the unsplit model's, so a checkpoint
 resumes under any d, either sync, or any split. RNG states stay per rank.
 
+Under ``localsgd`` the replicas of a stage hold their own weights between two averagings, and a
+resumed run must go on from each replica's own: replica 0 saves under the plain keys (what any
+other run resumes), and replica r > 0 under ``replica-<r>/model/<key>`` and
+``replica-<r>/optim/<key>/<name>`` (its ``prefix``, :meth:`..replicas.GradientSync.checkpoint_prefix`).
+A replica that resumes loads its own keys where the checkpoint has them (a localsgd run of at
+least as many replicas saved it), else replica 0's plain ones.
+
 What is not a tensor sits in ``checkpoint.json``: the number of steps done, the fp16 loss scale
 (the same on every stage), the identity the resuming run must match, and the plan that saved it.
 
@@ -85,17 +92,19 @@ FORMAT = "gpipe-plan.checkpoint"
 # Version 2: one DCP checkpoint per step, keyed like the unsplit model (resumable under any
 # plan). Version 1 wrote one torch.save file per stage (step-N/stage-k-of-K.pt); it is refused.
 # ``run`` (the run the step belongs to: runtime/checkpoint_dir.py) was added within version 2;
-# a step without it belongs to the run that resumes it.
+# a step without it belongs to the run that resumes it. So were localsgd's ``replica-<r>/`` keys:
+# a reader that does not ask for them resumes every replica from replica 0's plain keys.
 VERSION = 2
 
 
 # ---------------------------------------------------------------------- saving
 def save(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Optimizer, identity: dict[str, Any],
          saved_by: dict[str, Any], scaler: LossScaler | None = None, device: torch.device | None = None,
-         group: dist.ProcessGroup | None = None, run: dict[str, Any] | None = None) -> Path:
+         group: dist.ProcessGroup | None = None, run: dict[str, Any] | None = None, prefix: str = "") -> Path:
     """Save the state after ``step`` completed steps; every rank calls this, together.
 
     ``run``: the record of the run this step belongs to (:func:`.checkpoint_dir.new_run`).
+    ``prefix``: before this rank's ``model/`` and ``optim/`` keys ("" but for localsgd's replicas r > 0).
     Returns the complete step folder once every rank has written (on every rank). A save that
     fails (a full disk) leaves no ``.partial`` folder and raises :class:`BadInput` on every rank,
     in one line that names the folder and, for a full disk, the lack of space.
@@ -111,8 +120,8 @@ def save(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Opt
         folder.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # what a killed run left at this step
     _barrier(group)  # nobody writes into the folder before rank 0 has emptied it
-    tensors = {f"model/{key}": tensor.detach() for key, tensor in stage.state_dict().items()}
-    tensors |= _optimizer_tensors(stage, optimizer)
+    tensors = {f"{prefix}model/{key}": tensor.detach() for key, tensor in stage.state_dict().items()}
+    tensors |= {prefix + name: tensor for name, tensor in _optimizer_tensors(stage, optimizer).items()}
     tensors |= _rng_tensors(rank, device)
 
     class Writer(dcp.FileSystemWriter):
@@ -228,8 +237,12 @@ def newest_complete_step(folder: Path, group: dist.ProcessGroup | None = None) -
 # ---------------------------------------------------------------------- loading
 def load(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Optimizer, identity: dict[str, Any],
          seed: int, scaler: LossScaler | None = None, device: torch.device | None = None,
-         group: dist.ProcessGroup | None = None, layout: tuple[int, int] | None = None) -> dict[str, Any]:
+         group: dist.ProcessGroup | None = None, layout: tuple[int, int] | None = None,
+         prefix: str = "") -> dict[str, Any]:
     """Restore this stage's parameters, buffers and optimizer state, the loss scale and the RNG.
+
+    ``prefix``: this rank's own keys (localsgd's replica r > 0), read where the checkpoint has
+    them, else the plain keys (replica 0's).
 
     Every rank calls this, together. Returns the checkpoint's ``checkpoint.json``, and under
     ``"rng"`` whether the generators were ``"restored"`` (the same ranks, each the same stage
@@ -252,7 +265,10 @@ def load(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Opt
     rank, ranks = _rank(group), _world_size(group)
 
     # What this rank asks DCP for: its stage's tensors, under the unsplit model's keys.
-    wanted = {f"model/{key}": tensor for key, tensor in stage.state_dict().items()}
+    state = stage.state_dict()
+    if prefix and not all(f"{prefix}model/{key}" in entries for key in state):
+        prefix = ""    # saved without this replica's own weights: it starts from replica 0's
+    wanted = {f"{prefix}model/{key}": tensor for key, tensor in state.items()}
     for name, tensor in wanted.items():
         saved_entry = entries.get(name)
         if not isinstance(saved_entry, TensorStorageMetadata):
@@ -268,10 +284,11 @@ def load(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Opt
     param_of = dict(stage.named_parameters())
     optim_state: dict[int, dict[str, torch.Tensor]] = {}
     for name, entry in entries.items():
-        if not name.startswith("optim/") or "/" not in name[len("optim/"):] or \
+        root = f"{prefix}optim/"
+        if not name.startswith(root) or "/" not in name[len(root):] or \
                 not isinstance(entry, TensorStorageMetadata):
             continue
-        key, state_name = name[len("optim/"):].rsplit("/", 1)
+        key, state_name = name[len(root):].rsplit("/", 1)
         if key in index_of:
             tensor = _state_like(param_of[key], tuple(entry.size), entry.properties.dtype)
             optim_state.setdefault(index_of[key], {})[state_name] = wanted[name] = tensor

@@ -12,7 +12,7 @@ from ..allocator import steady_allocator
 from .checkpoint_dir import claim
 from .conditions import threads_per_rank
 from .options import RunOptions, check_options
-from .plan import check_precision_matches, load_plan
+from .plan import check_precision_matches, check_sync_matches, load_plan
 from .trust import imports_note
 
 
@@ -22,6 +22,7 @@ def run_command(plan: str, **options: Any) -> None:
     opts = check_options(RunOptions(plan=plan, **options))
     run_plan = load_plan(opts.plan)  # a bad plan fails here, before any process starts
     check_precision_matches(run_plan, opts.precision, opts.param_dtype)
+    check_sync_matches(run_plan, opts.grad_clip)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     note = imports_note(run_plan.model, opts.data)
     if note and (not under_torchrun or os.environ["RANK"] == "0"):

@@ -124,6 +124,17 @@ class FsdpSync:
             for unit in self.units:
                 unit.unshard()
 
+    def start_at(self, steps_done: int) -> None:
+        """Nothing: fsdp syncs every step, whatever step it starts from."""
+
+    def after_update(self) -> bool:
+        """Nothing to average: the gradients were (:meth:`finish`)."""
+        return False
+
+    def checkpoint_prefix(self) -> str:
+        """The plain keys: DCP saves each shard of the replicas' common tensors once."""
+        return ""
+
     def after_optimizer(self) -> None:
         """Start all-gathering the next step's parameters now (asynchronously).
 

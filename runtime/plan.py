@@ -21,7 +21,7 @@ from typing import Any
 
 from ..artifacts import BadInput, file_sha256, json_number, precision_of
 from ..schema import PLAN_FORMAT, read_artifact, validate
-from ..plan_layout import check_replicas, data_parallel, gradient_sync, plan_chunks, virtual_stages
+from ..plan_layout import check_replicas, data_parallel, gradient_sync, plan_chunks, sync_every, virtual_stages
 from ..schedules import SPLIT_BACKWARD, Action, all_actions, chunks_of_stage
 
 
@@ -84,7 +84,8 @@ class RunPlan:
     # Data parallel (plan format 6): d replicas of the pipeline, ranks[k][r] runs stage k of
     # replica r; one replica on ranks 0..K-1 (stage k on rank k) before version 6.
     data_parallel: int = 1
-    gradient_sync: str = "ddp"       # how a stage's replicas share gradients: "ddp" | "fsdp"
+    gradient_sync: str = "ddp"       # how a stage's replicas share gradients: "ddp" | "fsdp" | "localsgd"
+    sync_every: int = 1              # localsgd: H, the steps between two averagings of the parameters
     ranks: tuple[tuple[int, ...], ...] = ()
     devices_per_node: int | None = None   # the placement's, when the plan says (format 6)
 
@@ -188,9 +189,19 @@ def load_plan(path: str | os.PathLike[str]) -> RunPlan:
         param_dtype=param_dtype,
         data_parallel=data_parallel(doc),
         gradient_sync=gradient_sync(doc),
+        sync_every=sync_every(doc),
         ranks=ranks,
         devices_per_node=_int_or_none(_section(doc, "placement").get("devices_per_node")),
     )
+
+
+def check_sync_matches(plan: RunPlan, grad_clip: float | None) -> None:
+    """Refuse, in one line, run options the plan's gradient sync cannot honour: ``--grad-clip``
+    under localsgd, which clips by the global gradient norm while each replica steps on its own
+    gradient (one norm over d different gradients would clip none of them by its own)."""
+    if plan.gradient_sync == "localsgd" and plan.data_parallel > 1 and grad_clip is not None:
+        raise BadInput("--grad-clip clips by the global gradient norm, but under the plan's localsgd each replica "
+                       "steps on its own gradient: leave --grad-clip out, or solve with --gradient-sync ddp")
 
 
 def check_precision_matches(plan: RunPlan, precision: str | None, param_dtype: str | None) -> tuple[str, str]:

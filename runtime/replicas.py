@@ -14,13 +14,21 @@ backward: a reduction there would delay the gradient the previous stage waits fo
 backward of the step only accumulates into the local ``.grad``. The planner charges the same
 thing (docs/planner.md, "Data parallel").
 
-Two ways, the plan's ``gradient_sync``:
+Three ways, the plan's ``gradient_sync``:
 
 - ``ddp``: every replica keeps whole parameters and optimizer state; the gradients are
   all-reduced (averaged) in buckets over the stage's ``dp`` group.
 - ``fsdp``: FSDP2 ``fully_shard`` over the ``dp`` group (:mod:`.fsdp`): each replica keeps 1/d
   of the stage's parameters, gradients and optimizer state between steps, all-gathers the
   parameters for the step and reduce-scatters the gradients.
+- ``localsgd`` (:class:`LocalSgdSync`): another algorithm, not another way to compute the same
+  one. No gradient is exchanged: each replica steps its own optimizer on the gradient of its
+  own rows, so the replicas drift apart, and after every ``sync_every`` = H steps their
+  parameters are replaced by their mean (torch's ``PeriodicModelAverager`` over the ``dp``
+  group). One all-reduce of the parameters every H steps instead of one of the gradients every
+  step: 1/H of the traffic. With H = 1 and plain SGD it is ddp again (the mean of the d updated
+  weights is the weights updated by the mean gradient); with momentum or Adam, or H > 1, it is
+  not. Its one-process reference is :func:`gpipe_plan.runtime.async_reference.localsgd_reference`.
 
 :class:`GradientSync` is the interface ``train`` calls; :func:`make_gradient_sync` picks one.
 """
@@ -46,7 +54,7 @@ T = TypeVar("T", bound=torch.Tensor)
 class GradientSync(Protocol):
     """What a rank's training loop asks of its stage's replicas (one object per rank)."""
 
-    mode: str            # "ddp" | "fsdp" ("none" for one replica)
+    mode: str            # "ddp" | "fsdp" | "localsgd" ("none" for one replica)
     replicas: int        # d
 
     def prepare(self, stage: StageChunks) -> None:
@@ -62,6 +70,20 @@ class GradientSync(Protocol):
 
     def finish(self) -> None:
         """After this stage's last action of the step: average the gradients over the replicas."""
+
+    def start_at(self, steps_done: int) -> None:
+        """Once, before the run's first step: the steps done before it (a resumed run's checkpoint
+        step, else 0). localsgd counts its averaging period from it."""
+
+    def after_update(self) -> bool:
+        """Right after the optimizer step, before the gradients are cleared and before the step's
+        checkpoint: localsgd averages the parameters after every H-th step. True when it did
+        (the training loop times that as the step's gradient sync)."""
+
+    def checkpoint_prefix(self) -> str:
+        """What this rank's tensors are saved under in a checkpoint, before ``model/`` and
+        ``optim/``: "" (the replicas hold the same tensors, the plain keys), except for the
+        replicas after the first under localsgd, whose own weights differ (``replica-<r>/``)."""
 
     def after_optimizer(self) -> None:
         """After the optimizer step: fsdp starts gathering the next step's parameters."""
@@ -90,6 +112,15 @@ class NoSync:
 
     def finish(self) -> None:
         pass
+
+    def start_at(self, steps_done: int) -> None:
+        pass
+
+    def after_update(self) -> bool:
+        return False
+
+    def checkpoint_prefix(self) -> str:
+        return ""
 
     def after_optimizer(self) -> None:
         pass
@@ -150,6 +181,72 @@ class DdpSync(NoSync):
         return squared_grad_norm(parameters) if self.replica == 0 else 0.0
 
 
+class LocalSgdSync(NoSync):
+    """``localsgd``: no gradient exchange; the stage's parameters averaged over its replicas after
+    every H-th step, by torch's :class:`~torch.distributed.algorithms.model_averaging.averagers.PeriodicModelAverager`.
+
+    torch's rule (averagers.py): each call averages when its ``step`` counter is divisible by
+    ``period`` (past ``warmup_steps``), then adds one to the counter. The reference averages after
+    steps H, 2H, ... counted from 1, so the averager is made with period = H, warmup 0, and its
+    counter set to the steps done + 1 before the run's first call (:meth:`start_at`): a run
+    resumed at step s averages after the same steps as one that never stopped, without the
+    counter being saved anywhere. It is called after every optimizer step, before the gradients
+    are cleared (torch averages only the parameters that hold a gradient: here every trainable
+    one, on every replica alike) and before the step's checkpoint, which so holds the weights
+    the next step starts from.
+
+    Everything else is :class:`NoSync`'s, each replica on its own: :meth:`finish` leaves the
+    gradients alone, and :meth:`squared_norm_share` is the rank's own squared norm, whose sum
+    over the world is finite exactly when every replica's is (fp16's overflow check: every
+    replica then skips the step together; clipping by it would mix the replicas' norms, so
+    ``run`` refuses ``--grad-clip`` with localsgd). Checkpoints keep every replica's own
+    weights and optimizer state (:meth:`checkpoint_prefix`); ``--save`` writes the mean of the
+    replicas' parameters (:meth:`full_state_dict`), the model LocalSGD trains; buffers (a
+    norm's running statistics) are not averaged, by torch or here: replica 0's are saved.
+    """
+
+    mode = "localsgd"
+
+    def __init__(self, replicas: int, group: dist.ProcessGroup | None, replica: int, sync_every: int) -> None:
+        import warnings
+
+        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+        self.replicas, self.group, self.replica, self.sync_every = replicas, group, replica, sync_every
+        with warnings.catch_warnings():   # H = 1 is ddp's traffic, which torch warns of; the plan chose it
+            warnings.simplefilter("ignore")
+            self.averager = PeriodicModelAverager(period=sync_every, warmup_steps=0, process_group=group)
+        self.parameters: list[nn.Parameter] = []
+        self.stage: StageChunks | None = None
+
+    def prepare(self, stage: StageChunks) -> None:
+        self.stage, self.parameters = stage, list(stage.parameters())
+
+    def start_at(self, steps_done: int) -> None:
+        self.averager.step = steps_done + 1
+
+    def after_update(self) -> bool:
+        averages = self.averager.step % self.sync_every == 0   # torch's test, asked before it runs
+        self.averager.average_parameters(self.parameters)
+        return averages
+
+    def checkpoint_prefix(self) -> str:
+        return f"replica-{self.replica}/" if self.replica > 0 else ""
+
+    def full_state_dict(self, stage: StageChunks) -> dict[str, torch.Tensor]:
+        """The stage's tensors with every parameter the mean over the replicas (torch's
+        ``average_parameters`` on copies: the replicas' own weights stay as they are), buffers
+        this replica's own. Collective over ``dp``: every replica calls it."""
+        from torch.distributed.algorithms.model_averaging.utils import average_parameters
+
+        whole = dict(stage.state_dict())
+        keys = [key for key, _ in stage.named_parameters()]
+        copies = [whole[key].detach().clone() for key in keys]
+        average_parameters(iter(copies), self.group)
+        whole.update(zip(keys, copies))
+        return whole
+
+
 def buckets_of(tensors: list[T], bucket_bytes: int) -> list[list[T]]:
     """``tensors`` in buckets of about ``bucket_bytes``, in order, one dtype and device per bucket
     (each bucket travels as one flat tensor)."""
@@ -192,19 +289,22 @@ def broadcast_from_replica_zero(stage: StageChunks, group: dist.ProcessGroup | N
 
 
 def make_gradient_sync(mode: str, replicas: int, group: dist.ProcessGroup | None, mesh: object | None,
-                       replica: int = 0) -> GradientSync:
+                       replica: int = 0, sync_every: int = 1) -> GradientSync:
     """The plan's ``gradient_sync`` for this rank's stage; ``group``/``mesh``: its ``dp`` group and 1-D mesh.
 
     One replica needs no sync (:class:`NoSync`), whatever the mode. ``replica``: this rank's
-    replica index (ddp: replica 0 counts the stage in the global norm). The training loop
-    records each :meth:`GradientSync.finish` as a span of kind ``gradient_sync``.
+    replica index (ddp: replica 0 counts the stage in the global norm). ``sync_every``:
+    localsgd's H. The training loop records each :meth:`GradientSync.finish`, and each
+    averaging :meth:`GradientSync.after_update` did, as a span of kind ``gradient_sync``.
     """
     if replicas == 1:
         return NoSync()
     if mode == "ddp":
         return DdpSync(replicas, group, replica)
+    if mode == "localsgd":
+        return LocalSgdSync(replicas, group, replica, sync_every)
     if mode == "fsdp":
         from .fsdp import FsdpSync  # the fsdp engineer's module; only fsdp runs need it
 
         return FsdpSync(replicas, mesh)
-    raise ValueError(f"gradient_sync {mode!r} is not one of ddp, fsdp")
+    raise ValueError(f"gradient_sync {mode!r} is not one of ddp, fsdp, localsgd")

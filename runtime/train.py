@@ -46,7 +46,7 @@ from .memory import ActivationMeter, cuda_memory, peak_rss_bytes, static_bytes
 from .optim import clip_gradients, learning_rate, make_optimizer, set_learning_rate
 from .options import RunOptions, is_data_factory
 from .p2p import Neighbours
-from .plan import RunPlan, check_precision_matches, load_plan
+from .plan import RunPlan, check_precision_matches, check_sync_matches, load_plan
 from .progress import TrainingProgress
 from .replicas import GradientSync, broadcast_from_replica_zero, make_gradient_sync
 from .report import RankResult, build_report, print_summary
@@ -121,6 +121,7 @@ def train(options: RunOptions, world: World) -> None:
 def _set_up(options: RunOptions, world: World) -> _Training:
     # ------------------------------------------------------------------ where we stand
     plan = load_plan(options.plan)
+    check_sync_matches(plan, options.grad_clip)
     placement_warnings = check_world(world, plan)
     precision = Precision(*check_precision_matches(plan, options.precision, options.param_dtype))
     threads = threads_per_rank(options.threads, plan, world.local_world_size)
@@ -190,7 +191,7 @@ def _set_up(options: RunOptions, world: World) -> _Training:
     recorder = SpanRecorder(stage.index, device)
     # Before the optimizer is made: fsdp shards the parameters (they become other objects).
     gradient_sync = make_gradient_sync(plan.gradient_sync, plan.data_parallel, replicas.dp_group, replicas.dp_mesh(),
-                                       replicas.replica)
+                                       replicas.replica, plan.sync_every)
     places = _parameter_places(stage)   # fsdp replaces the Parameter objects: find them again by name
     gradient_sync.prepare(stage)
     optimizer = make_optimizer(stage.parameters(), optimizer_name, options)
@@ -218,11 +219,13 @@ def _set_up(options: RunOptions, world: World) -> _Training:
     if resume_step is not None:
         assert folder is not None
         resumed = checkpoint.load(folder, resume_step, stage, optimizer, identity, options.seed, scaler, device,
-                                  objects, layout=(plan.num_stages, plan.data_parallel))
+                                  objects, layout=(plan.num_stages, plan.data_parallel),
+                                  prefix=gradient_sync.checkpoint_prefix())
         start = resume_step
         run_record, adopted = (resumed["run"], False) if isinstance(resumed.get("run"), dict) else (run_record, True)
     if start >= options.steps:
         raise BadInput(f"the checkpoint in '{folder}' is at step {start}: --steps {options.steps} leaves nothing to do")
+    gradient_sync.start_at(start)   # localsgd counts its averaging period from the steps done
     run = _Training(options, world, plan, precision, threads, device, context_bytes, executor_name, objects,
                     joined_here, reporter, warnings, probes, model, stage, replicas, gradient_sync, scaler, data,
                     _tokens_per_sample(model),
@@ -290,7 +293,7 @@ def _run_steps(run: _Training) -> _History:
                     # All ranks save together; when save returns, step+1 is complete and older ones may go.
                     checkpoint.save(run.folder, step + 1, stage, run.optimizer, run.identity,
                                     _saved_by(run.plan, run.world), run.scaler, run.device, run.objects,
-                                    run=run.run_record)
+                                    run=run.run_record, prefix=run.gradient_sync.checkpoint_prefix())
                     if run.reporter:   # this run's own older steps only
                         checkpoint.prune(run.folder, options.keep_checkpoints, run.run_record["id"], run.adopted)
                 # After the optimizer step and the step's checkpoint (which reads the sharded state):
@@ -373,8 +376,16 @@ def _one_step(run: _Training, step: int, meter: ActivationMeter | None) -> float
     t_opt = recorder.mark()
     if take_step:
         run.optimizer.step()
-    run.optimizer.zero_grad(set_to_none=True)
     recorder.add("optimizer", -1, t_opt, recorder.mark())
+    # localsgd: after every H-th step the replicas' parameters are averaged, here, before the
+    # gradients are cleared (torch averages the parameters holding one) and before the step's
+    # checkpoint (which then holds the weights the next step starts from).
+    if plan.data_parallel > 1:
+        watchdog.doing("averaging the parameters with the stage's other replicas", waiting=True)
+        t_average = recorder.mark()
+        if run.gradient_sync.after_update():
+            recorder.add("gradient_sync", -1, t_average, recorder.mark())
+    run.optimizer.zero_grad(set_to_none=True)
     return loss
 
 
@@ -390,7 +401,8 @@ def _write_outputs(run: _Training, history: _History) -> None:
     results = _gather(result, world, run.objects)
     # Every replica of a stage holds the same tensors after the step: replica 0's go into the
     # file, copied to the CPU here, once. (fsdp: gathering them whole is collective over the
-    # stage's replicas, so all call it.)
+    # stage's replicas, so all call it; localsgd: so is the mean of the replicas' parameters,
+    # which the file holds.)
     whole = run.gradient_sync.full_state_dict(run.stage) if options.save else None
     mine = None
     if whole is not None and run.replicas.replica == 0:
@@ -573,7 +585,8 @@ def _saved_by(plan: RunPlan, world: World) -> dict[str, Any]:
     """The plan a checkpoint was saved under (``ranks`` decides whether RNG states are restored)."""
     return {"plan": plan.path, "stages": plan.num_stages, "balance": [len(cp.layers) for cp in plan.chunks],
             "global_batch_size": plan.global_batch_size, "micro_batches": plan.micro_batches,
-            "ranks": world.world_size, "data_parallel": plan.data_parallel, "gradient_sync": plan.gradient_sync}
+            "ranks": world.world_size, "data_parallel": plan.data_parallel, "gradient_sync": plan.gradient_sync,
+            "sync_every": plan.sync_every}
 
 
 def _resume_note(meta: dict[str, Any], plan: RunPlan, world: World, now: dict[str, Any]) -> str | None:
@@ -617,8 +630,10 @@ def _banner(plan: RunPlan, options: RunOptions, optimizer: str, lr: float, threa
         where += f", {precision_label(plan.precision, plan.param_dtype)}"
     schedule = plan.schedule if plan.num_chunks == plan.num_stages else \
         f"{plan.schedule} over {plan.num_chunks} chunks"
+    sync = plan.gradient_sync + (f", averaged every {plan.sync_every} step(s)" if plan.gradient_sync == "localsgd"
+                                 else "")
     stages = f"{plan.num_stages} stage(s)" if plan.data_parallel == 1 else \
-        f"{plan.num_stages} stage(s) x {plan.data_parallel} replicas ({plan.gradient_sync})"
+        f"{plan.num_stages} stage(s) x {plan.data_parallel} replicas ({sync})"
     per_step = f"{plan.micro_batches} x {plan.micro_batch_size} samples per step" if plan.data_parallel == 1 else \
         f"{plan.data_parallel} x {plan.micro_batches} x {plan.micro_batch_size} samples per step"
     text = (f"training {name} on {stages} ({where}), {schedule}, "
