@@ -190,6 +190,8 @@ class AsyncExecutor(NativeExecutor):
             assert not seg.in_flight
             self.links.finish_sends()
             self.segment = None
+        else:
+            self.links.forget_completed_sends()
         return losses
 
     def _micro_batch(self, seg: _Segment, i: int) -> tuple[Tensors, torch.Tensor | None]:
