@@ -94,10 +94,11 @@ class _Segment:
 class AsyncExecutor(NativeExecutor):
     """Runs ``pipedream`` / ``pipedream-2bw`` on one chunk per stage, one segment at a time.
 
-    ``batch_of(step)`` draws a step's batch (this replica's rows, on the device);
-    ``apply_update()`` (both set by the train loop before the first step) applies the gradient now in the live parameters' ``.grad`` to them (the
-    replicas' gradient sync, the optimizer step, zeroing): the train loop's, called when the
-    rules say (after each backward under ``pipedream``, after the step's last under 2bw).
+    Two functions of the train loop, which sets them before the first step: ``batch_of(step)``
+    draws a step's batch (this replica's rows, on the device), and ``apply_update()`` applies
+    the gradient in the live parameters' ``.grad`` to them (the replicas' gradient sync, the
+    optimizer step, zeroing), called when the rules say: after each backward under
+    ``pipedream``, after the step's last under ``pipedream-2bw``.
     """
 
     def __init__(self, chunks: list[Chunk], schedule: str, stage: int, stages: int, micro_batches: int,
@@ -153,7 +154,7 @@ class AsyncExecutor(NativeExecutor):
         return self.update_every_micro_batch or micro_batch % self.micro_batches == self.micro_batches - 1
 
     # ------------------------------------------------------------------ one step
-    def step(self, inputs: Tensors | None, targets: torch.Tensor | None,   # type: ignore[override]
+    def step(self, inputs: Tensors | None, targets: torch.Tensor | None,
              meter: ActivationMeter | None = None, *, step: int = 0) -> list[torch.Tensor]:
         """Run the segment's actions through this stage's backward of step ``step``'s last
         micro-batch; return step ``step``'s micro-batch losses (on the last stage).

@@ -32,7 +32,9 @@ Two executors share this interface: :class:`NativeExecutor` below (gloo, receive
 ahead, see :mod:`.p2p`) and :class:`.torch_executor.TorchExecutor`, which runs the same
 action lists with ``torch.distributed.pipelining``. The native one is the default on CPU,
 where it is the faster (docs/runtime.md: "Executors" says why, "Speed" has the figures); torch's on CUDA, whose
-NCCL needs torch's ordering of the sends and receives.
+NCCL needs torch's ordering of the sends and receives. The asynchronous schedules
+(``pipedream``, ``pipedream-2bw``) run on :class:`.async_executor.AsyncExecutor`, the native
+one's subclass, whose steps do not flush and whose backwards use stashed weights.
 """
 
 from __future__ import annotations
@@ -221,7 +223,8 @@ class NativeExecutor:
     def _roots(self, chunk: Chunk, saved: _Saved,
                grads: Tensors | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Where the chunk's backward starts: its outputs that carry a gradient and those gradients
-        (on the last chunk, the loss scaled by ``loss_weight``, 1/M, times the fp16 loss scale, and a gradient of one)."""
+        (on the last chunk, the loss times ``loss_weight``, 1/M, times the fp16 loss scale, and a
+        gradient of one)."""
         if chunk.is_last:
             assert isinstance(saved.outputs, torch.Tensor)
             # d(mean over the batch)/d(loss of micro-batch m) = 1/M (times the fp16 loss scale).

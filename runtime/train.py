@@ -9,7 +9,11 @@ like a single-process training script because it nearly is one, in three parts:
 resume), :func:`_run_steps` (for each step, :func:`_one_step`:
 draw the batch, run our stage's actions of the pipeline schedule, learn the loss, step the
 optimizer), and :func:`_write_outputs`. Everything pipeline-specific hides in the executor
-(:mod:`.executor`), which runs the schedule's action list (``gpipe_plan.schedules``).
+(:mod:`.executor`), which runs the schedule's action list (``gpipe_plan.schedules``). Under
+the asynchronous schedules (``pipedream``, ``pipedream-2bw``) the executor
+(:mod:`.async_executor`) runs segments of steps without a flush and calls the loop's
+:func:`_apply_update` when ``gpipe_plan.weight_versions``' rules say; a segment drains before
+each checkpoint and at the end.
 """
 
 from __future__ import annotations
@@ -102,9 +106,10 @@ class _Training:
     start_notes: list[str] = field(default_factory=list)   # printed before the first step (rank 0)
 
     @property
-    def asynchronous(self) -> bool:
-        """``pipedream`` or ``pipedream-2bw``: no flush; the executor applies the updates (.async_executor)."""
-        return isinstance(self.executor, AsyncExecutor)
+    def async_executor(self) -> AsyncExecutor | None:
+        """Under ``pipedream`` or ``pipedream-2bw`` the executor, which runs segments without a
+        flush and applies the updates itself (.async_executor); None under the synchronous schedules."""
+        return self.executor if isinstance(self.executor, AsyncExecutor) else None
 
 
 @dataclass
@@ -295,8 +300,9 @@ def _run_steps(run: _Training) -> _History:
                 recorder.step = step
                 watchdog.at_step(step + 1)
                 t0, c0 = recorder.now(), time.process_time()
-                if run.asynchronous and run.executor.segment is None:   # type: ignore[attr-defined]
-                    run.executor.begin_segment(step, _segment_end(run, step) - step)   # type: ignore[attr-defined]
+                pipeline = run.async_executor
+                if pipeline is not None and pipeline.segment is None:   # a segment starts: the steps to its drain
+                    pipeline.begin_segment(step, _segment_end(run, step) - step)
                 loss = _one_step(run, step, meter if step == run.start else None)
                 t1 = recorder.now()
                 recorder.end_step()
@@ -382,10 +388,11 @@ def _one_step(run: _Training, step: int, meter: ActivationMeter | None) -> float
     lr = learning_rate(step, run.base_lr, options)
     set_learning_rate(run.optimizer, lr)   # asynchronous: every update this step applies is the step's
     run.sync.begin_step()
-    if run.asynchronous:
+    pipeline = run.async_executor
+    if pipeline is not None:
         # The segment's actions through this stage's last backward of the step, its updates
         # included (.async_executor); then only the step's loss is left to learn.
-        micro_losses = run.executor.step(None, None, meter, step=step)   # type: ignore[call-arg]
+        micro_losses = pipeline.step(None, None, meter, step=step)
         local_loss = float(sum(float(v) for v in micro_losses) / plan.micro_batches) if stage.holds_last else 0.0
         watchdog.doing("learning the step's loss from the other ranks", waiting=True)
         t_sync = recorder.mark()

@@ -258,6 +258,18 @@ def test_async_problem_names_each_unsupported_combination(plan_change: dict[str,
     assert (said is None) if message is None else said.startswith(message)
 
 
+def test_an_async_plan_on_cuda_is_refused_whatever_the_executor() -> None:
+    """On CUDA ``auto`` would pick torch's executor, which is synchronous, and the native one is
+    gloo's: the run is refused in one line rather than run as another schedule."""
+    from gpipe_plan.artifacts import BadInput
+    from gpipe_plan.runtime.train import _executor_name
+
+    for requested in ("auto", "native"):
+        with pytest.raises(BadInput, match="^pipedream runs on the native executor, which is CPU"):
+            _executor_name(requested, torch.device("cuda"), "pipedream")
+    assert _executor_name("auto", torch.device("cuda"), "1f1b") == "torch"
+
+
 def test_the_command_refuses_the_torch_executor_before_starting_ranks(workdir: Path) -> None:
     plan = async_plan(workdir, "cli", "pipedream-2bw", [2, 2])
     result = subprocess.run([str(BIN / "gpipe-plan"), "run", plan, "--executor", "torch", "--steps", "1"],
