@@ -54,7 +54,7 @@ import torch
 
 from ..schedules import Action, segment_actions
 from ..weight_versions import updates_per_step, version_used
-from .executor import LossFn, NativeExecutor, ReceiveQueue, Tensors
+from .executor import LossFn, NativeExecutor, ReceiveQueue, Tensors, _Saved
 from .memory import ActivationMeter
 from .p2p import ACTIVATION, GRADIENT, MAX_MICRO_BATCHES, Neighbours
 from .stage import Chunk
@@ -66,12 +66,11 @@ StepBatch = tuple[Tensors | None, torch.Tensor | None]
 
 
 @dataclass
-class _InFlight:
-    """One micro-batch between its forward and its backward on this stage."""
+class _InFlight(_Saved):
+    """One micro-batch between its forward and its backward on this stage: what the synchronous
+    executor keeps (its inputs, its outputs or loss), and the weights it met."""
 
-    inputs: Tensors
-    outputs: Tensors | torch.Tensor        # the loss, on the last stage
-    weights: list[torch.Tensor]            # the tensors the forward used: the backward's too
+    weights: list[torch.Tensor] = field(default_factory=list)   # the forward's tensors: the backward's too
 
 
 @dataclass
@@ -255,10 +254,10 @@ class AsyncExecutor(NativeExecutor):
                 outputs = torch.func.functional_call(chunk.module, dict(zip(self.names, weights)), xs, strict=False)
         if chunk.is_last:
             assert target is not None
-            flight = _InFlight(xs, self.loss_fn(outputs, target), weights)
+            flight = _InFlight(xs, self.loss_fn(outputs, target), weights=weights)
         else:
             self.links.send(ACTIVATION, chunk.index, self.message_index(i), outputs, self.stage_of[chunk.index + 1])
-            flight = _InFlight(xs, outputs, weights)
+            flight = _InFlight(xs, outputs, weights=weights)
         self.recorder.add("forward", i, start, self.recorder.mark(), chunk=chunk.index)
         return flight
 
@@ -268,7 +267,7 @@ class AsyncExecutor(NativeExecutor):
         chunk = self.chunk
         doing(f"computing the backward of micro-batch {i} of the segment on chunk {chunk.index}")
         start = self.recorder.mark()
-        roots, root_grads = self._roots(chunk, flight, grads)   # type: ignore[arg-type]
+        roots, root_grads = self._roots(chunk, flight, grads)
         wants_input = [x for x, g in zip(flight.inputs, self.grad_inputs[chunk.index]) if g] if not chunk.is_first \
             else []
         weights = [w for w in flight.weights if w.requires_grad]
