@@ -28,6 +28,7 @@ from gpipe_plan.artifacts import write_json_atomic
 from gpipe_plan.models import build_model, model_spec
 from gpipe_plan.runtime.async_reference import reference_run
 from gpipe_plan.runtime.data import batch_source
+from gpipe_plan.runtime.optim import learning_rate
 from gpipe_plan.runtime.options import RunOptions, async_problem
 from handplan import hand_plan
 from test_runtime_multiproc import BIN, assert_same_parameters, run_in_one_group
@@ -114,8 +115,10 @@ class _Layers(nn.Module):
 
 
 def reference(workdir: Path, schedule: str, balance: list[int], steps: int = STEPS, replicas: int = 1,
-              drain_every: int | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """The parameters and losses ``reference_run`` gives for the run's stages, data and SGD.
+              drain_every: int | None = None, options: RunOptions | None = None
+              ) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The parameters and losses ``reference_run`` gives for the run's stages, data and SGD
+    (at each step the learning rate ``options`` give it, when given).
 
     With d replicas (ddp) each update's gradient is the mean over the replicas of their
     micro-batch's: the gradient of micro-batch m of every replica's rows at once, so the
@@ -138,8 +141,9 @@ def reference(workdir: Path, schedule: str, balance: list[int], steps: int = STE
         return torch.cat([parts[r][m] for m in range(M) for r in range(replicas)])
 
     ordered = [(tuple(interleave(x) for x in inputs), interleave(targets)) for inputs, targets in batches]
+    lr_of_step = (lambda step: learning_rate(step, LR, options)) if options is not None else None
     losses = reference_run(stages, model.loss, ordered, schedule, M, lambda ps: torch.optim.SGD(ps, lr=LR),
-                           drain_every=drain_every)
+                           lr_of_step=lr_of_step, drain_every=drain_every)
     return model.module.state_dict(), losses
 
 
@@ -204,7 +208,14 @@ def two_ranks(workdir: Path) -> dict[str, Any]:
 
 
 def test_pipedream_on_two_stages_computes_the_reference(workdir: Path, two_ranks: dict[str, Any]) -> None:
-    check_run(two_ranks["outcome"], two_ranks["jobs"]["pd2"], reference(workdir, "pipedream", [2, 2]))
+    run = two_ranks["jobs"]["pd2"]
+    check_run(two_ranks["outcome"], run, reference(workdir, "pipedream", [2, 2]))
+    # The report times the steps and every chunk's forwards and backwards, flush or not.
+    report = json.loads(Path(run["report"]).read_text())
+    assert report["schedule"] == "pipedream" and report["measured_step_s"] > 0
+    assert len(report["measured_step_s_per_step"]) == STEPS
+    for chunk in report["chunks"]:
+        assert chunk["measured_forward_s"] > 0 and chunk["measured_backward_s"] > 0
 
 
 def test_pipedream_on_one_stage_is_sgd_per_micro_batch_and_replicas_average_each_update(
@@ -281,16 +292,21 @@ def test_the_command_refuses_the_torch_executor_before_starting_ranks(workdir: P
 
 # ---------------------------------------------------------------------- three and four ranks
 def test_three_stages_compute_the_reference_under_both_schedules(workdir: Path) -> None:
-    jobs = {s: job(workdir, f"{s}-k3", async_plan(workdir, f"{s}-k3", s, [2, 1, 1]))
+    """Under a learning-rate schedule (warm-up, then cosine): every update of step s, the M of
+    pipedream's as 2bw's one, is at step s's rate, though a stage's step also runs forwards of the next."""
+    schedule_lr = {"lr_schedule": "cosine", "warmup_steps": 2}
+    jobs = {s: job(workdir, f"{s}-k3", async_plan(workdir, f"{s}-k3", s, [2, 1, 1]), **schedule_lr)
             for s in ("pipedream", "pipedream-2bw")}
     outcome = run_in_one_group(list(jobs.values()), workdir, world_size=3)
-    expected = {s: reference(workdir, s, [2, 1, 1]) for s in jobs}
+    options = RunOptions(plan="p.json", steps=STEPS, **schedule_lr)
+    expected = {s: reference(workdir, s, [2, 1, 1], options=options) for s in jobs}
     for schedule, run in jobs.items():
         check_run(outcome, run, expected[schedule])
     # The two rules lead to other weights, and pipedream's staleness to others than plain SGD's:
     # a run that ignored the versions would miss by far more than the tolerance.
     plain = sgd_per_micro_batch(workdir, replicas=1)
-    for other in (expected["pipedream-2bw"][0], plain):
+    constant_lr = reference(workdir, "pipedream", [2, 1, 1])[0]
+    for other in (expected["pipedream-2bw"][0], plain, constant_lr):
         assert max(float((expected["pipedream"][0][k] - other[k]).abs().max()) for k in plain) > 1e-4
 
 
