@@ -273,6 +273,12 @@ def check_asynchronous(profile: Profile, options: SolveOptions) -> None:
     if options.gradient_sync == "fsdp":
         raise BadInput(f"{schedule} keeps whole weight versions on every replica: --gradient-sync fsdp does not "
                        "run it; use --gradient-sync ddp, or a synchronous --schedule")
+    if options.gradient_sync == "localsgd":
+        # Two asynchronies at once (stale gradients inside a replica, drifting replicas) that no
+        # reference defines (weight_versions.py, runtime/async_reference.py): refused, not guessed.
+        raise BadInput(f"{schedule} with --gradient-sync localsgd is not defined (each update is stale inside the "
+                       "pipeline and the replicas drift between averagings): use --gradient-sync ddp with "
+                       f"{schedule}, or localsgd with a synchronous --schedule")
     if options.micro_batches != "auto":
         reason = async_problem(schedule, options.stages, int(options.micro_batches))
         if reason:

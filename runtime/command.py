@@ -11,7 +11,8 @@ from typing import Any
 from ..allocator import steady_allocator
 from .checkpoint_dir import claim
 from .conditions import threads_per_rank
-from .options import RunOptions, check_options
+from ..artifacts import BadInput
+from .options import RunOptions, async_problem, check_options
 from .plan import check_precision_matches, check_sync_matches, load_plan
 from .trust import imports_note
 
@@ -21,8 +22,12 @@ def run_command(plan: str, **options: Any) -> None:
     steady_allocator()       # as profile allocated (allocator.py), in the ranks it starts too
     opts = check_options(RunOptions(plan=plan, **options))
     run_plan = load_plan(opts.plan)  # a bad plan fails here, before any process starts
-    check_precision_matches(run_plan, opts.precision, opts.param_dtype)
+    compute, _ = check_precision_matches(run_plan, opts.precision, opts.param_dtype)
     check_sync_matches(run_plan, opts.grad_clip)
+    reason = async_problem(opts, run_plan.schedule, compute, run_plan.gradient_sync,
+                           any(chunk.recompute for chunk in run_plan.chunks))
+    if reason:
+        raise BadInput(reason)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     note = imports_note(run_plan.model, opts.data)
     if note and (not under_torchrun or os.environ["RANK"] == "0"):

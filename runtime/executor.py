@@ -32,7 +32,9 @@ Two executors share this interface: :class:`NativeExecutor` below (gloo, receive
 ahead, see :mod:`.p2p`) and :class:`.torch_executor.TorchExecutor`, which runs the same
 action lists with ``torch.distributed.pipelining``. The native one is the default on CPU,
 where it is the faster (docs/runtime.md: "Executors" says why, "Speed" has the figures); torch's on CUDA, whose
-NCCL needs torch's ordering of the sends and receives.
+NCCL needs torch's ordering of the sends and receives. The asynchronous schedules
+(``pipedream``, ``pipedream-2bw``) run on :class:`.async_executor.AsyncExecutor`, the native
+one's subclass, whose steps do not flush and whose backwards use stashed weights.
 """
 
 from __future__ import annotations
@@ -98,6 +100,9 @@ class NativeExecutor:
         self.grad_outputs = {c: [m.carries_grad for m in chunk.output_meta] for c, chunk in self.chunks.items()}
         self.grad_output_meta = {c: tuple(m for m in chunk.output_meta if m.carries_grad)
                                  for c, chunk in self.chunks.items()}
+        # d(what the step's gradient is of)/d(a micro-batch's mean loss): 1/M, the gradient of the
+        # batch's mean (pipedream, whose every micro-batch is its own update, sets 1: .async_executor).
+        self.loss_weight = 1.0 / micro_batches
 
     def local(self, a: int, b: int) -> bool:
         """Whether chunks ``a`` and ``b`` run on the same stage (tensors pass without a message)."""
@@ -148,14 +153,19 @@ class NativeExecutor:
         queues: dict[tuple[int, int], ReceiveQueue] = {}
         for c, chunk in self.chunks.items():
             if not chunk.is_first and not self.local(c - 1, c):
-                order = [a.micro_batch for a in self.actions if a.chunk == c and a.kind == "F"]
+                order = [self.message_index(a.micro_batch) for a in self.actions if a.chunk == c and a.kind == "F"]
                 queues[(ACTIVATION, c)] = ReceiveQueue(self.links, ACTIVATION, c - 1, self.stage_of[c - 1],
                                                        chunk.input_meta, order, self.activation_lookahead(c))
             if not chunk.is_last and not self.local(c, c + 1):
-                order = [a.micro_batch for a in self.actions if a.chunk == c and a.kind in ("B", "I")]
+                order = [self.message_index(a.micro_batch) for a in self.actions
+                         if a.chunk == c and a.kind in ("B", "I")]
                 queues[(GRADIENT, c)] = ReceiveQueue(self.links, GRADIENT, c, self.stage_of[c + 1],
                                                      self.grad_output_meta[c], order, self.gradient_lookahead)
         return queues
+
+    def message_index(self, micro_batch: int) -> int:
+        """The micro-batch number a message's tag carries (:func:`.p2p.tag`): the micro-batch's own."""
+        return micro_batch
 
     def activation_lookahead(self, chunk: int) -> int:
         """Activation receives in flight for ``chunk``: one more than the micro-batches whose
@@ -213,11 +223,12 @@ class NativeExecutor:
     def _roots(self, chunk: Chunk, saved: _Saved,
                grads: Tensors | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Where the chunk's backward starts: its outputs that carry a gradient and those gradients
-        (on the last chunk, the loss scaled by 1/M, times the fp16 loss scale, and a gradient of one)."""
+        (on the last chunk, the loss times ``loss_weight``, 1/M, times the fp16 loss scale, and a
+        gradient of one)."""
         if chunk.is_last:
             assert isinstance(saved.outputs, torch.Tensor)
             # d(mean over the batch)/d(loss of micro-batch m) = 1/M (times the fp16 loss scale).
-            loss = saved.outputs * (self.loss_scale / self.micro_batches)
+            loss = saved.outputs * (self.loss_scale * self.loss_weight)
             return [loss], [torch.ones_like(loss)]
         assert grads is not None and isinstance(saved.outputs, tuple)
         carrying = [o for o, g in zip(saved.outputs, self.grad_outputs[chunk.index]) if g]

@@ -130,6 +130,40 @@ def check_options(options: RunOptions) -> RunOptions:
     return dataclasses.replace(options, **absolute)
 
 
+def async_problem(options: RunOptions, schedule: str, precision: str, gradient_sync: str,
+                  recompute: bool) -> str | None:
+    """Why a plan of an asynchronous schedule (``pipedream``, ``pipedream-2bw``) cannot run with
+    these options, in one line naming what to use instead; None when it can (or the plan is synchronous).
+
+    weight_versions.py defines each stage's updates on its own weights; what needs one step's
+    gradient over the whole pipeline (a global norm to clip by or to see an fp16 overflow), a
+    sharded optimizer step, or weights shared by two stages is not defined there.
+    """
+    from ..weight_versions import ASYNC_SCHEDULES
+
+    if schedule not in ASYNC_SCHEDULES:
+        return None
+    if options.executor == "torch":
+        return (f"--executor torch runs torch.distributed.pipelining, whose schedules are synchronous: "
+                f"run the {schedule} plan with --executor native (or auto)")
+    if options.grad_clip is not None:
+        return (f"--grad-clip is not defined for {schedule} (each stage updates on its own, with no global gradient "
+                f"norm of a step): leave it out, or solve for a synchronous schedule such as 1f1b")
+    if precision == "fp16":
+        return (f"fp16 loss scaling is not defined for {schedule} (an overflow must skip one step on every stage "
+                f"at once): profile and solve with --precision bf16 (or fp32)")
+    if gradient_sync == "fsdp":
+        return (f"--gradient-sync fsdp is not supported with {schedule} (its stashed weight versions would be "
+                f"whole copies of sharded parameters): solve with --gradient-sync ddp")
+    if gradient_sync == "localsgd":
+        return (f"--gradient-sync localsgd is not defined with {schedule} (stale updates inside the pipeline and "
+                f"replicas drifting between averagings): solve with --gradient-sync ddp, or a synchronous schedule")
+    if recompute:
+        return (f"recomputation is not supported with {schedule} (the rerun would meet the newest weights, not the "
+                f"stashed ones): solve with --recompute never")
+    return None
+
+
 def is_data_factory(data: str) -> bool:
     """``--data`` names a factory (``pkg.module:factory``), not a text file."""
     return ":" in data and not Path(data).exists()

@@ -17,7 +17,9 @@ receives for one more micro-batch than the chunk holds at its peak (``schedules.
 of the stage's actions, at most M), and two gradient receives. This module only posts and waits.
 
 Sends are asynchronous: a stage posts the send and goes on computing. The tensor must stay
-alive until the send completes, so the sends are kept, and waited on at the end of the step.
+alive until the send completes, so the sends are kept, and waited on at the end of the step
+(an asynchronous pipeline's at the end of its segment, letting go of the completed ones
+each step: .async_executor).
 
 Tags keep the messages apart: activations and gradients of each boundary, each micro-batch
 and each tensor of the tuple have their own tag, so a message can never be mistaken for
@@ -114,6 +116,11 @@ class Neighbours:
             work = dist.isend(t, dst=peer, group=self.group, tag=tag(kind, boundary, micro_batch, i))
             if work is not None:
                 self.sends.append((work, t))
+
+    def forget_completed_sends(self) -> None:
+        """Let go of the sends already completed (their buffers may be freed), waiting for none:
+        a pipeline that does not flush (.async_executor) waits for the rest only when it drains."""
+        self.sends = [(work, t) for work, t in self.sends if not work.is_completed()]
 
     def finish_sends(self) -> None:
         """Wait until every posted send has completed (its buffer may then be freed)."""

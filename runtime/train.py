@@ -9,7 +9,11 @@ like a single-process training script because it nearly is one, in three parts:
 resume), :func:`_run_steps` (for each step, :func:`_one_step`:
 draw the batch, run our stage's actions of the pipeline schedule, learn the loss, step the
 optimizer), and :func:`_write_outputs`. Everything pipeline-specific hides in the executor
-(:mod:`.executor`), which runs the schedule's action list (``gpipe_plan.schedules``).
+(:mod:`.executor`), which runs the schedule's action list (``gpipe_plan.schedules``). Under
+the asynchronous schedules (``pipedream``, ``pipedream-2bw``) the executor
+(:mod:`.async_executor`) runs segments of steps without a flush and calls the loop's
+:func:`_apply_update` when ``gpipe_plan.weight_versions``' rules say; a segment drains before
+each checkpoint and at the end.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from ..artifacts import BadInput, Outputs, RunFailure, dumps, precision_label
 from ..cudamemory import outside_allocator_bytes
 from ..models import LayeredModel, Precision, build_model, built_whole
 from ..schema import write_artifact
+from ..weight_versions import ASYNC_SCHEDULES
 from .. import hostload
 from ..speedprobe import profile_probe_s, speed_probe, speed_ratio
 from . import checkpoint, faults, watchdog
@@ -37,6 +42,7 @@ from .checkpoint_dir import TRAINING_OPTIONS, new_run
 from .conditions import condition_warnings, cpu_cores, threads_per_rank
 from .data import BatchSource, batch_source
 from .distributed import Replicas, World, check_world, choose_device, init, replicas_of
+from .async_executor import AsyncExecutor
 from .executor import Executor, NativeExecutor
 from .init_from import load_initial_weights
 from .tied import TiedGradients, find_ties
@@ -44,7 +50,7 @@ from .objects import gather_objects
 from .loss_scale import LossScaler
 from .memory import ActivationMeter, cuda_memory, peak_rss_bytes, static_bytes
 from .optim import clip_gradients, learning_rate, make_optimizer, set_learning_rate
-from .options import RunOptions, is_data_factory
+from .options import RunOptions, async_problem, is_data_factory
 from .p2p import Neighbours
 from .plan import RunPlan, check_precision_matches, check_sync_matches, load_plan
 from .progress import TrainingProgress
@@ -99,6 +105,12 @@ class _Training:
     adopted: bool              # resumed from a step that named no run: such steps are this run's to prune
     start_notes: list[str] = field(default_factory=list)   # printed before the first step (rank 0)
 
+    @property
+    def async_executor(self) -> AsyncExecutor | None:
+        """Under ``pipedream`` or ``pipedream-2bw`` the executor, which runs segments without a
+        flush and applies the updates itself (.async_executor); None under the synchronous schedules."""
+        return self.executor if isinstance(self.executor, AsyncExecutor) else None
+
 
 @dataclass
 class _History:
@@ -129,7 +141,11 @@ def _set_up(options: RunOptions, world: World) -> _Training:
     device = choose_device(options.device, plan, world.local_rank)
     # On CUDA: what the context takes before we allocate or start NCCL (the report's baseline).
     context_bytes = outside_allocator_bytes(device) if device.type == "cuda" else None
-    executor_name = _executor_name(options.executor, device)
+    executor_name = _executor_name(options.executor, device, plan.schedule)
+    reason = async_problem(options, plan.schedule, precision.compute, plan.gradient_sync,
+                           any(chunk.recompute for chunk in plan.chunks))
+    if reason:
+        raise BadInput(reason)
     # Join the ranks, unless the caller already did (tests run several trainings in one group).
     joined_here = not dist.is_initialized()
     objects = init(world, device, options.timeout) if joined_here else _objects_group(device)
@@ -168,6 +184,10 @@ def _set_up(options: RunOptions, world: World) -> _Training:
         err.print(f"[yellow]note:[/] every rank builds the whole model before keeping its stage ({whole})",
                   highlight=False)
     ties = find_ties(model, plan)  # a parameter several stages use: one copy each (runtime.tied)
+    if ties and plan.schedule in ASYNC_SCHEDULES:
+        raise BadInput(f"{plan.schedule} does not define weights tied across stages (each stage's copy would be "
+                       f"updated at its own version; here {ties[0].key!r}): cut so that the tied layers share a "
+                       f"stage, or solve for a synchronous schedule such as 1f1b")
     # Which stage of which replica this rank runs; with d > 1 the device mesh and its groups
     # (collective: every rank builds every group).
     replicas = replicas_of(plan, world.rank, device)
@@ -232,6 +252,9 @@ def _set_up(options: RunOptions, world: World) -> _Training:
                     optimizer_name, optimizer, options.learning_rate(optimizer_name), recorder, executor, needs_norm,
                     sync, tied, identity, folder, start, run_record, adopted)
     run.start_notes = _start_notes(run, resumed)
+    if isinstance(executor, AsyncExecutor):   # the loop's own data and update, called when the rules say
+        executor.batch_of = lambda step: _read_batch(run, step)
+        executor.apply_update = lambda: _apply_update(run)
     return run
 
 
@@ -280,6 +303,9 @@ def _run_steps(run: _Training) -> _History:
                 recorder.step = step
                 watchdog.at_step(step + 1)
                 t0, c0 = recorder.now(), time.process_time()
+                pipeline = run.async_executor
+                if pipeline is not None and pipeline.segment is None:   # a segment starts: the steps to its drain
+                    pipeline.begin_segment(step, _segment_end(run, step) - step)
                 loss = _one_step(run, step, meter if step == run.start else None)
                 t1 = recorder.now()
                 recorder.end_step()
@@ -288,8 +314,7 @@ def _run_steps(run: _Training) -> _History:
                 history.losses[step] = loss
                 progress.update(step, loss, t1 - t0)
 
-                if run.folder is not None and ((step + 1) % options.checkpoint_every == 0
-                                               or step + 1 == options.steps):
+                if run.folder is not None and _saves_after(run, step):
                     # All ranks save together; when save returns, step+1 is complete and older ones may go.
                     checkpoint.save(run.folder, step + 1, stage, run.optimizer, run.identity,
                                     _saved_by(run.plan, run.world), run.scaler, run.device, run.objects,
@@ -311,24 +336,75 @@ def _run_steps(run: _Training) -> _History:
     return history
 
 
+def _saves_after(run: _Training, step: int) -> bool:
+    """Whether a checkpoint is saved after ``step`` (with --checkpoint-dir): every
+    --checkpoint-every steps, and after the last."""
+    return (step + 1) % run.options.checkpoint_every == 0 or step + 1 == run.options.steps
+
+
+def _segment_end(run: _Training, step: int) -> int:
+    """Where the asynchronous segment starting at ``step`` drains: the step after the next
+    checkpoint (a checkpoint holds only the newest weights), or the run's end."""
+    end = step + 1
+    while end < run.options.steps and not (run.folder is not None and _saves_after(run, end - 1)):
+        end += 1
+    return end
+
+
+def _read_batch(run: _Training, step: int) -> tuple[tuple[torch.Tensor, ...] | None, torch.Tensor | None]:
+    """Step ``step``'s inputs (on the stage holding chunk 0) and targets (on the one holding the
+    last chunk), this replica's rows, on the device; None where the stage needs them not."""
+    # The whole batch is a function of (seed, step); the stage holding chunk 0 needs its
+    # inputs, the one holding the last chunk its targets (under zb-v both are stage 0), the
+    # others neither. Replica r takes its rows of it (:func:`replica_rows`).
+    stage, recorder = run.stage, run.recorder
+    if not (stage.holds_first or stage.holds_last):
+        return None, None
+    watchdog.doing(f"reading the step's batch ({run.data.samples_text()})")
+    t_data = recorder.mark()
+    batch_inputs, batch_targets = replica_rows(run.data.batch(step), run.replicas.replica, run.plan.data_parallel)
+    inputs = tuple(x.to(run.device) for x in batch_inputs) if stage.holds_first else None
+    targets = batch_targets.to(run.device) if stage.holds_last else None
+    recorder.add("data", -1, t_data, recorder.mark())
+    return inputs, targets
+
+
+def _apply_update(run: _Training) -> None:
+    """An asynchronous stage's update, when weight_versions' rules say: the gradient in ``.grad``
+    averaged over the stage's replicas (ddp), then the optimizer step on the newest weights."""
+    recorder = run.recorder
+    if run.plan.data_parallel > 1:
+        watchdog.doing("averaging an update's gradients with the stage's other replicas", waiting=True)
+        t_grad = recorder.mark()
+        run.gradient_sync.finish()
+        recorder.add("gradient_sync", -1, t_grad, recorder.mark())
+    watchdog.doing("stepping the optimizer")
+    t_opt = recorder.mark()
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    recorder.add("optimizer", -1, t_opt, recorder.mark())
+
+
 def _one_step(run: _Training, step: int, meter: ActivationMeter | None) -> float:
     """One training step of this rank; returns the step's loss (every rank learns it)."""
     options, stage, recorder, plan = run.options, run.stage, run.recorder, run.plan
     lr = learning_rate(step, run.base_lr, options)
-    set_learning_rate(run.optimizer, lr)
+    set_learning_rate(run.optimizer, lr)   # asynchronous: every update this step applies is the step's
     run.sync.begin_step()
-
-    # The whole batch is a function of (seed, step); the stage holding chunk 0 needs its
-    # inputs, the one holding the last chunk its targets (under zb-v both are stage 0), the
-    # others neither. Replica r takes its rows of it (:func:`replica_rows`).
-    inputs = targets = None
-    if stage.holds_first or stage.holds_last:
-        watchdog.doing(f"reading the step's batch ({run.data.samples_text()})")
-        t_data = recorder.mark()
-        batch_inputs, batch_targets = replica_rows(run.data.batch(step), run.replicas.replica, plan.data_parallel)
-        inputs = tuple(x.to(run.device) for x in batch_inputs) if stage.holds_first else None
-        targets = batch_targets.to(run.device) if stage.holds_last else None
-        recorder.add("data", -1, t_data, recorder.mark())
+    pipeline = run.async_executor
+    if pipeline is not None:
+        # The segment's actions through this stage's last backward of the step, its updates
+        # included (.async_executor); then only the step's loss is left to learn.
+        micro_losses = pipeline.step(None, None, meter, step=step)
+        local_loss = float(sum(float(v) for v in micro_losses) / plan.micro_batches) if stage.holds_last else 0.0
+        watchdog.doing("learning the step's loss from the other ranks", waiting=True)
+        t_sync = recorder.mark()
+        loss, _ = run.sync.finish_step(local_loss, 0.0)
+        recorder.add("sync", -1, t_sync, recorder.mark())
+        if not math.isfinite(loss):
+            raise RunFailure(f"the loss is {loss} at step {step + 1}: training diverged; lower --lr (it is {lr:g})")
+        return loss
+    inputs, targets = _read_batch(run, step)
 
     # fsdp: the step's parameters whole before the first action (timed as the step's sync).
     if plan.data_parallel > 1:
@@ -461,7 +537,10 @@ def _objects_group(device: torch.device) -> Any:
     return dist.group.WORLD if device.type == "cpu" else dist.new_group(backend="gloo")
 
 
-def _executor_name(requested: str, device: torch.device) -> str:
+def _executor_name(requested: str, device: torch.device, schedule: str) -> str:
+    if schedule in ASYNC_SCHEDULES and device.type == "cuda":
+        # torch's executor is synchronous (torch.distributed.pipelining), the native one gloo's.
+        raise BadInput(f"{schedule} runs on the native executor, which is CPU (gloo) only: run with --device cpu")
     if requested == "auto":
         return "torch" if device.type == "cuda" else "native"
     if requested == "native" and device.type == "cuda":
@@ -485,6 +564,9 @@ def _make_executor(name: str, stage: StageChunks, plan: RunPlan, loss_fn: Any, d
         return TorchExecutor(stage.chunks, actions, replicas.stage, plan.micro_batches, loss_fn, device, recorder,
                              group=group, group_ranks=group_ranks)
     neighbours = Neighbours(world.rank, world.world_size, device, options.timeout, stage_ranks=replicas.pp_ranks)
+    if plan.schedule in ASYNC_SCHEDULES:
+        return AsyncExecutor(stage.chunks, plan.schedule, replicas.stage, plan.num_stages, plan.micro_batches,
+                             loss_fn, neighbours, recorder)
     return NativeExecutor(stage.chunks, actions, replicas.stage, plan.micro_batches, loss_fn, neighbours, recorder)
 
 

@@ -201,6 +201,8 @@ def test_explore_shows_them_only_when_asked(profile_path):
     (["--stages", "4", "--schedule", "pipedream-2bw", "--micro-batches", "2"], "at least K - 1 = 3 micro-batches"),
     (["--devices", "4", "--stages", "2", "--schedule", "pipedream", "--gradient-sync", "fsdp"], "--gradient-sync ddp"),
     (["--stages", "2", "--schedule", "pipedream", "--virtual-stages", "2"], "--virtual-stages"),
+    (["--devices", "4", "--stages", "2", "--schedule", "pipedream", "--gradient-sync", "localsgd",
+      "--sync-every", "2"], "localsgd with a synchronous --schedule"),
 ])
 def test_the_refusals_are_one_line(profile_path, args, message):
     result = cli("solve", "profile.json", "--out", "plan.json", *args)
