@@ -25,14 +25,21 @@ def test_quick_run_writes_every_method_and_the_synchronous_loss_falls(part, tmp_
     doc = json.loads((tmp_path / "data" / "async.json").read_text())
     task = doc["tasks"]["quadratic"]
     assert set(task["runs"]) == {"1f1b@0", "localsgd@0", "pipedream-2bw@0", "pipedream@2", "pipedream@4"}
-    for run in task["runs"].values():
-        assert len(run["losses"]) == task["steps"] == part.QUICK_STEPS
-        assert run["best_lr"] in task["lr_grid"]
-        assert run["final"] == min(run["grid_final"].values())
+    for key, run in task["runs"].items():
+        assert set(run["curves"]) == {repr(lr) for lr in task["lr_grid"]}
+        assert all(len(c) == run["steps_run"] >= task["steps"] == part.QUICK_STEPS for c in run["curves"].values())
+        best = part.per_step(task, key)
+        assert best["best_lr"] in task["lr_grid"] and best["final"] == min(best["grid_final"].values())
     for method in part.METHODS:
         assert set(task["step_s"][method]) == {"2", "4"}
         assert all(v > 0 for v in task["step_s"][method].values())
-    sync = task["runs"]["1f1b@0"]["losses"]
+        for S in (2, 4):
+            # The fixed-time comparison: as many steps as fit in the budget (within the stretch cap).
+            run = task["runs"][part.run_key(method, S)]
+            within = part.fixed_time(task, part.run_key(method, S), S)
+            assert within["steps"] * task["step_s"][method][str(S)] <= task["budget_s"] * (1 + 1e-9) or within["steps"] == 1
+            assert within["steps"] == run["steps_run"] or (within["steps"] + 1) * within["step_s"] > task["budget_s"]
+    sync = part.per_step(task, "1f1b@0")["losses"]
     assert sync[-1] < 0.5 * sync[0] and all(math.isfinite(v) for v in sync)
     text = (tmp_path / "async.md").read_text()
     assert "| quadratic | pipedream | 4 |" in text and "Does the ordering match" in text
