@@ -629,8 +629,8 @@ def render(doc: dict[str, Any], args: argparse.Namespace) -> str:
         "",
         "Time axis: the predicted seconds per step of each configuration, from the stages' measured forward, "
         "backward and optimizer times on this CPU (one thread; the LM's from gpipe-plan's profiler, the block "
-        "stages' timed by this part, the fastest of repeated timings): 1F1B through the planner's event simulator, pipedream and 2bw "
-        "in steady state (M x the slowest stage's F + B, its optimizer steps added, no bubble), LocalSGD one "
+        "stages' timed by this part, the fastest of repeated timings): 1F1B through the planner's event "
+        "simulator, pipedream and 2bw in steady state (M x the slowest stage's F + B, its optimizer steps added, no bubble), LocalSGD one "
         "worker's single-device step (its averaging not priced). bench/async_pipelines.predicted_step_s is the "
         "one place that will switch to `solve --schedule pipedream|pipedream-2bw` and `--gradient-sync "
         "localsgd` once those land. Pipelines use S devices, LocalSGD 8: equal at S = 8. The stage times were "
