@@ -779,6 +779,10 @@ def main(argv: list[str] | None = None) -> None:
     bad = [t for t in args.tasks if t not in TASKS]
     if bad:
         parser.error(f"unknown task {bad[0]!r}: choose from {', '.join(TASKS)}")
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
+    if args.from_json is not None and not args.from_json.is_file():
+        parser.error(f"--from-json {args.from_json}: no such file (a full run writes docs/benchmarks/data/async.json)")
     if any(S < 1 or S > max(STAGES) or max(STAGES) % S for S in args.stages):
         parser.error(f"--stages must divide {max(STAGES)} (the layers every task has)")
     if args.quick and args.out is None:
