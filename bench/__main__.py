@@ -41,6 +41,8 @@ PARTS = {
                                          "predicted step, fill and drain, memory per stage (planner only)"),
     "data-parallel": ("bench.data_parallel", "K stages x d replicas: the planner's choice on PipeDream for 8-64 "
                                              "devices; 4x1, 2x2, 1x4 measured on this CPU"),
+    "async": ("bench.async_pipelines", "pipedream, pipedream-2bw, 1F1B and LocalSGD: loss per update and per "
+                                       "predicted second, quadratic, logistic regression, gpt, S = 2, 4, 8"),
 }
 
 # Options 'all' gives a part instead of its defaults.
