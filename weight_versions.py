@@ -73,3 +73,14 @@ def staleness(schedule: str, stage: int, stages: int) -> int:
 def stashed_versions(schedule: str, stage: int, stages: int) -> int:
     """The most weight versions stage ``stage`` holds at once, the newest included."""
     return stages - stage if schedule == "pipedream" else 2
+
+
+def weight_copies(schedule: str, stage: int, stages: int) -> int:
+    """The most copies of its parameters stage ``stage`` holds at once when run, what its memory
+    is charged: the live (newest) weights, which the optimizer updates in place, and a stashed
+    copy of each version a micro-batch in flight meets, taken when a forward first needs it
+    (the autograd graph must keep the forward's own tensors while the live ones change). So one
+    more than :func:`stashed_versions` on every stage but the last, where an update separates a
+    forward from its backward; the last stage runs each forward right before its backward, on
+    the live weights (``pipedream``: 1) or on its one older version (``pipedream-2bw``: 2)."""
+    return stashed_versions(schedule, stage, stages) + (1 if stage < stages - 1 else 0)

@@ -32,12 +32,12 @@ The exact cut. The period is a min-max over contiguous cuts: for a trial period 
 meets it when every link is within P and every window of stages has
 ``sum (P - w_i) - 2 sum C_i >= 0``; a dynamic programme over the stages left to right keeps,
 for each stage and first layer, the largest reserve the cuts before leave (:meth:`AsyncSolver.
-feasible`), with each stage's recomputation chosen as 1F1B's search chooses it (only where the
+feasible`), with no stage recomputing (the rerun would meet the newest weights: CostModel allows none here; the
 stage would not fit in memory otherwise: recomputing only adds time). Bisection on P between a
 proven infeasible value and the best cut found closes to :data:`~.objective.RELATIVE_SLACK`:
 the plan is proven optimal, with that lower bound.
 
-Memory: stage k holds ``stashed_versions`` copies of its parameters (the gradients and the
+Memory: stage k holds ``weight_copies`` copies of its parameters (the gradients and the
 optimizer state once) and 1F1B's ``K - k`` micro-batches of activations
 (:class:`~.costmodel.CostModel`).
 """
@@ -111,6 +111,11 @@ class AsyncSolver:
         self.seeds = [tuple(b) for b in seeds if len(b) == cm.K + 1]
         self.share = update_share(cm)
         self.formulas = [cm.formula(k) for k in range(cm.K)]
+        # Weights tied across stages have no rule here (each stage updates its own weights on its
+        # own clock; runtime/train.py refuses them): a cut at c between layers c-1 and c splits a
+        # tie whose layers lie on both sides of it, so no stage may end there.
+        self.split_ties = frozenset(c for layers, _ in cm.figures.tied
+                                    for c in range(min(layers) + 1, max(layers) + 1))
         self.rows: dict[tuple[int, int], list[float]] = {}
         self.probes = 0
         # No probe asks past the first period probed: a row stops at its first work above it.
@@ -128,6 +133,9 @@ class AsyncSolver:
             first = cm.L if k == cm.K - 1 else s + 1
             row = [INF] * (first - s - 1)       # the last stage ends at L
             for e in range(first, last + 1):
+                if e in self.split_ties:
+                    row.append(INF)              # no stage ends inside a tie
+                    continue
                 r = cm.choose_recompute(s, e, k)
                 if r is None:
                     break                        # memory only grows with the stage
@@ -187,6 +195,8 @@ class AsyncSolver:
 
         def consider(bounds: Sequence[int]) -> None:
             nonlocal best
+            if self.split_ties.intersection(bounds):
+                return                           # a seed that cuts a tie cannot run
             ev = evaluate_async(cm, bounds)
             if ev.fits and (best is None or ev.step_s < best.step_s):
                 best = ev

@@ -72,7 +72,7 @@ Memory of stage k, in bytes::
 
     parameters + gradients + optimizer state (Adam 2x, momentum 1x, SGD 0x the parameters)
     + buffers                                                (of all its chunks)
-      (the asynchronous schedules hold ``weight_versions.stashed_versions`` copies of the
+      (the asynchronous schedules hold ``weight_versions.weight_copies`` copies of the
       parameters, the gradients and optimizer state once: :func:`static_bytes`)
     + activations: the peak over the stage's action list (schedules.peak_bytes): each
       micro-batch holds a chunk's saved activations from its F to its B (or I); a chunk that
@@ -110,7 +110,7 @@ from typing import Callable, Sequence
 
 from ..schedules import (PLANNABLE_SCHEDULES, SPLIT_BACKWARD, all_actions, chunks_of_stage, chunks_per_stage, problem,
                          segment_actions, stage_of_chunk)
-from ..weight_versions import ASYNC_SCHEDULES, stashed_versions
+from ..weight_versions import ASYNC_SCHEDULES, weight_copies
 from .profile import LayerFigures
 from .fixedcosts import FixedCosts, messages
 from ..collectives import ring_allreduce_s
@@ -162,8 +162,8 @@ def static_bytes(params_bytes: float, optimizer: str, data_parallel: int = 1,
                  gradient_sync: str = "ddp", weight_versions: int = 1) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer state) in bytes, per rank, of a stage of ``params_bytes``.
 
-    ``weight_versions``: the copies of the parameters the stage holds at once, the newest
-    included (:func:`gpipe_plan.weight_versions.stashed_versions` for an asynchronous
+    ``weight_versions``: the copies of the parameters the stage holds at once, the live ones
+    included (:func:`gpipe_plan.weight_versions.weight_copies` for an asynchronous
     schedule's weight stashing; 1 otherwise); the gradients and the optimizer state are kept
     once whatever the versions (an update is applied to the newest weights only). The
     asynchronous schedules run with ddp only (search.check_options refuses fsdp).
@@ -466,10 +466,11 @@ class CostModel:
         self.pp = _prefix(figures.param_bytes)
         self.pbuf = _prefix(figures.buffer_bytes)
         self.popt = _prefix(figures.optimizer_s)
-        # The weight versions each stage holds at once: an asynchronous schedule stashes one per
-        # micro-batch in flight (gpipe_plan.weight_versions), a synchronous one holds one.
+        # The copies of its weights each stage holds at once: an asynchronous schedule stashes one
+        # per version in flight beside the live ones (gpipe_plan.weight_versions.weight_copies),
+        # a synchronous one holds one.
         self.asynchronous = setting.schedule in ASYNC_SCHEDULES
-        self.weight_versions = [stashed_versions(setting.schedule, k, self.K) if self.asynchronous else 1
+        self.weight_versions = [weight_copies(setting.schedule, k, self.K) if self.asynchronous else 1
                                 for k in range(self.K)]
         # parameters + gradients + optimizer state per parameter byte (2 + multiplier for ddp),
         # per stage (its weight versions)
@@ -494,6 +495,10 @@ class CostModel:
         self._max_end: dict[tuple[int, int, bool], int] = {}
         self.allowed_recompute: tuple[bool, ...] = {
             "never": (False,), "always": (True,), "auto": (False, True)}[setting.recompute]
+        if self.asynchronous:
+            # The runtime recomputes no asynchronous stage: the rerun would meet the newest weights,
+            # not the stashed ones (runtime/options.async_problem); solve refuses "always".
+            self.allowed_recompute = (False,)
         self.peaks = stage_peaks(setting.schedule, self.K, self.M, setting.virtual_stages)
         self.stage_of_chunk = [stage_of_chunk(setting.schedule, c, self.K) for c in range(self.C)]
         # Stages whose lists hold micro-batches alike share the cache of max_end (one chunk each).

@@ -240,7 +240,7 @@ def _solve_cells(grid: _Grid, reference_step_s: float, progress) -> list[Cell]:
             for recompute in grid.recomputes:
                 gpipe_partition = None
                 for schedule in sorted(grid.schedules, key=lambda s: s != "gpipe"):
-                    skipped = _skip_reason(grid, shape, M, size, replica_batch, schedule)
+                    skipped = _skip_reason(grid, shape, M, size, replica_batch, schedule, recompute)
                     if skipped:   # a cell that cannot run is noted
                         cells.append(_note(K, M, size, schedule, recompute, skipped, d, shape.order))
                         advance(shape, M, schedule, recompute)
@@ -258,7 +258,8 @@ def _solve_cells(grid: _Grid, reference_step_s: float, progress) -> list[Cell]:
     return _in_grid_order(grid, _merge(cells))
 
 
-def _skip_reason(grid: _Grid, shape: _Shape, M: int, size: int, replica_batch: int, schedule: str) -> str:
+def _skip_reason(grid: _Grid, shape: _Shape, M: int, size: int, replica_batch: int, schedule: str,
+                 recompute: str) -> str:
     """Why a cell is not solved at all ("" when it is): its K x d cannot run, M does not divide
     a replica's batch, more stages than layers, or fsdp would shard a tied weight twice."""
     K, layers, gradient_sync = shape.stages, grid.profile.num_layers, grid.request.gradient_sync
@@ -275,6 +276,10 @@ def _skip_reason(grid: _Grid, shape: _Shape, M: int, size: int, replica_batch: i
     if schedule in ASYNC_SCHEDULES and size and not problem(schedule, K, M):
         if gradient_sync == "fsdp" and shape.data_parallel > 1:
             return f"{schedule} keeps whole weight versions: fsdp does not run it"
+        if gradient_sync == "localsgd" and shape.data_parallel > 1:
+            return f"{schedule} with localsgd is not defined"
+        if recompute == "always":
+            return f"{schedule} does not recompute (a rerun would meet the newest weights, not the stashed ones)"
         if grid.setting(shape, M, schedule, "never", None).time_shared:
             return f"{schedule} on ranks sharing the host's cores is not modelled"
     return ""

@@ -279,6 +279,20 @@ def check_asynchronous(profile: Profile, options: SolveOptions) -> None:
         raise BadInput(f"{schedule} with --gradient-sync localsgd is not defined (each update is stale inside the "
                        "pipeline and the replicas drift between averagings): use --gradient-sync ddp with "
                        f"{schedule}, or localsgd with a synchronous --schedule")
+    if options.recompute == "always":
+        raise BadInput(f"{schedule} does not recompute (the rerun would meet the newest weights, not the stashed "
+                       "ones): use --recompute never (or auto, which then never recomputes)")
+    if profile.precision == "fp16":
+        raise BadInput(f"{schedule} is not defined with fp16 loss scaling (an overflow must skip one step on every "
+                       "stage at once): profile with --precision bf16 (or fp32)")
+    if profile.tied and isinstance(options.stages, int) and options.stages > 1:
+        split = {c for layers, _ in profile.tied for c in range(min(layers) + 1, max(layers) + 1)}
+        if profile.num_layers - 1 - len(split) < options.stages - 1:
+            names = ", ".join(" and ".join(profile.names[i] for i in (min(layers), max(layers)))
+                              for layers, _ in profile.tied)
+            raise BadInput(f"{schedule} cannot cut the model into {options.stages} stages without splitting weights "
+                           f"tied between {names}, which it does not define (each stage updates its own weights "
+                           "on its own clock): untie them, use fewer --stages, or a synchronous --schedule")
     if options.micro_batches != "auto":
         reason = async_problem(schedule, options.stages, int(options.micro_batches))
         if reason:

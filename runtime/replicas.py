@@ -227,7 +227,15 @@ class LocalSgdSync(NoSync):
 
     def after_update(self) -> bool:
         averages = self.averager.step % self.sync_every == 0   # torch's test, asked before it runs
-        self.averager.average_parameters(self.parameters)
+        # torch averages the parameters holding a gradient, concatenated: none (a stage of
+        # parameter-free or frozen layers) would fail its torch.cat. Every replica of the stage
+        # has the same none, so skipping alike keeps the group in step; the count still moves.
+        # Averaging rebinds each parameter's .data to a view of one flat buffer: harmless to the
+        # optimizer (it holds the Parameter objects) and to checkpoints (they read .data).
+        if any(p.grad is not None for p in self.parameters):
+            self.averager.average_parameters(self.parameters)
+        else:
+            self.averager.step += 1
         return averages
 
     def checkpoint_prefix(self) -> str:
@@ -242,7 +250,8 @@ class LocalSgdSync(NoSync):
         whole = dict(stage.state_dict())
         keys = [key for key, _ in stage.named_parameters()]
         copies = [whole[key].detach().clone() for key in keys]
-        average_parameters(iter(copies), self.group)
+        if copies:   # torch.cat of nothing fails; a stage without parameters has nothing to average
+            average_parameters(iter(copies), self.group)
         whole.update(zip(keys, copies))
         return whole
 

@@ -23,7 +23,8 @@ from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.schedule import simulate_plan
 from gpipe_plan.schedules import SCHEDULES
 from gpipe_plan.schema import validate
-from gpipe_plan.weight_versions import ASYNC_SCHEDULES, staleness, stashed_versions, updates_per_step
+from gpipe_plan.weight_versions import (ASYNC_SCHEDULES, staleness, stashed_versions, updates_per_step,
+                                        weight_copies)
 
 from planner_helpers import cli, make_figures, profile_doc, write_json
 
@@ -163,7 +164,10 @@ def test_memory_counts_the_stashed_versions_and_k_minus_k_in_flight(schedule):
     sync = evaluate(CostModel(fig, Setting(K, setting.micro_batches, "1f1b", optimizer="adam")), bounds)
     for k, (st, base) in enumerate(zip(ev.stages, sync.stages)):
         p = sum(params[bounds[k]:bounds[k + 1]])
-        versions = stashed_versions(schedule, k, K)
+        # The live weights and a stashed copy per version in flight (the last stage's forward
+        # and backward adjacent): what the executor holds (test_run_async replays it).
+        versions = stashed_versions(schedule, k, K) + (1 if k < K - 1 else 0)
+        assert versions == weight_copies(schedule, k, K)
         assert st.params_bytes == pytest.approx(versions * p)
         assert st.gradients_bytes == pytest.approx(p) and st.optimizer_state_bytes == pytest.approx(2 * p)
         assert st.in_flight == K - k
@@ -192,7 +196,8 @@ def test_explore_shows_them_only_when_asked(profile_path):
     assert schedules() == set(SCHEDULES)
     assert schedules("--schedule", "1f1b,pipedream,pipedream-2bw") == {"1f1b", "pipedream", "pipedream-2bw"}
     rows = json.loads(Path("grid.json").read_text())["rows"]
-    pipedream = [r for r in rows if r["schedule"] == "pipedream" and r["stages"] == 2]
+    pipedream = [r for r in rows if r["schedule"] == "pipedream" and r["stages"] == 2 and r["recompute"] == "never"]
+    assert all("does not recompute" in r["note"] for r in rows if r["schedule"] == "pipedream" and r["recompute"] == "always")
     assert pipedream and all(r["bubble_fraction"] == 0.0 and r["proven"] for r in pipedream)
 
 
@@ -203,6 +208,7 @@ def test_explore_shows_them_only_when_asked(profile_path):
     (["--stages", "2", "--schedule", "pipedream", "--virtual-stages", "2"], "--virtual-stages"),
     (["--devices", "4", "--stages", "2", "--schedule", "pipedream", "--gradient-sync", "localsgd",
       "--sync-every", "2"], "localsgd with a synchronous --schedule"),
+    (["--stages", "2", "--schedule", "pipedream", "--recompute", "always"], "use --recompute never"),
 ])
 def test_the_refusals_are_one_line(profile_path, args, message):
     result = cli("solve", "profile.json", "--out", "plan.json", *args)
@@ -293,3 +299,50 @@ def test_replicas_pay_pipedreams_all_reduce_per_micro_batch_and_2bws_per_step():
         assert [st.gradient_sync_s for st in ev.stages] == pytest.approx([4.0, 4.0])
         assert ev.steady_state_period_s == pytest.approx(period)
         assert ev.busy_s(4)[0] == pytest.approx(4 * 3.0 + updates_per_step(schedule, 4) * 4.0)
+
+
+def test_no_stage_recomputes_even_where_it_would_fit_only_so(profile_path):
+    """The runtime reruns no asynchronous forward (it would meet the newest weights): under a
+    limit that 1F1B meets only by recomputing, the asynchronous plan recomputes nothing."""
+    sync = solve("--stages", "2", "--schedule", "1f1b", "--micro-batches", "4")
+    peak = max(st["memory_bytes"] for st in sync["stages"])
+    for schedule in ASYNC_SCHEDULES:
+        plan = solve("--stages", "2", "--schedule", schedule, "--micro-batches", "4", "--recompute", "auto")
+        assert not any(c["recompute"] for c in plan["chunks"])
+        result = cli("solve", "profile.json", "--out", "tight.json", "--quiet", "--stages", "2", "--schedule", schedule,
+                     "--micro-batches", "4", "--memory-limit", str(int(peak * 0.5)))
+        if result.exit_code == 0:
+            assert not any(c["recompute"] for c in json.loads(Path("tight.json").read_text())["chunks"])
+
+
+def _tied_profile(user_dir: Path, layers: tuple[str, str]) -> None:
+    doc = profile_doc(L=6, sizes=(1, 2, 4), batch_size=8, forward_per_sample=FORWARD, backward_per_sample=BACKWARD)
+    doc["tied_parameters"] = [{"key": "w.weight", "layers": list(layers), "bytes": 4000}]
+    write_json(user_dir / "profile.json", doc)
+
+
+def test_the_cut_keeps_tied_layers_on_one_stage(user_dir):
+    # Untied, the best cut is [3, 3] (the first test); tying layers 2 and 3 forbids it.
+    _tied_profile(user_dir, ("layer2", "layer3"))
+    for schedule in ASYNC_SCHEDULES:
+        plan = solve("--stages", "2", "--schedule", schedule, "--micro-batches", "4", "--link-bandwidth", "inf")
+        assert plan["balance"] in ([4, 2], [2, 4]), plan["balance"]
+
+
+def test_a_tie_no_cut_can_keep_on_one_stage_is_one_line(user_dir):
+    _tied_profile(user_dir, ("layer0", "layer5"))
+    result = cli("solve", "profile.json", "--out", "plan.json", "--stages", "2", "--schedule", "pipedream",
+                 "--micro-batches", "4")
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "layer0 and layer5" in result.output and not Path("plan.json").exists()
+    assert cli("solve", "profile.json", "--out", "plan.json", "--quiet", "--stages", "2", "--schedule", "1f1b",
+               "--micro-batches", "4").exit_code == 0
+
+
+def test_an_fp16_profile_is_one_line(user_dir):
+    doc = profile_doc(L=6, sizes=(1, 2, 4), batch_size=8, precision="fp16")
+    write_json(user_dir / "profile.json", doc)
+    result = cli("solve", "profile.json", "--out", "plan.json", "--stages", "2", "--schedule", "pipedream-2bw",
+                 "--micro-batches", "4")
+    assert result.exit_code == 2 and "--precision bf16" in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1

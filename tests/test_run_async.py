@@ -321,3 +321,40 @@ def test_four_ranks_compute_the_reference(workdir: Path) -> None:
     check_run(outcome, jobs["pd4"], reference(workdir, "pipedream", [1, 1, 1, 1]))
     for s in ("pipedream", "pipedream-2bw"):
         check_run(outcome, jobs[f"{s}-x2"], reference(workdir, s, [2, 2], replicas=2))
+
+
+@pytest.mark.parametrize("schedule, K, M", [("pipedream", 4, 4), ("pipedream", 3, 1), ("pipedream", 1, 2),
+                                            ("pipedream-2bw", 4, 4), ("pipedream-2bw", 3, 8), ("pipedream-2bw", 1, 2)])
+def test_the_stash_meets_the_rules_and_holds_what_the_plan_charges(schedule: str, K: int, M: int) -> None:
+    """The executor's stash bookkeeping replayed on one number per version (its update count):
+    every forward and backward meets weight_versions.version_used's version, and the copies
+    alive at once (live, stashed, in flight) peak at weight_copies, what the planner charges."""
+    from gpipe_plan.runtime.async_executor import AsyncExecutor, _Segment
+    from gpipe_plan.schedules import segment_actions
+    from gpipe_plan.weight_versions import updates_per_step, version_used, weight_copies
+
+    for k in range(K):
+        executor = AsyncExecutor.__new__(AsyncExecutor)   # no chunk, no links: the bookkeeping alone
+        executor.schedule, executor.stage, executor.stages, executor.micro_batches = schedule, k, K, M
+        executor.update_every_micro_batch = updates_per_step(schedule, M) == M
+        live = torch.nn.Parameter(torch.zeros(1))
+        executor.live = [live]
+        executor.apply_update = lambda: live.data.add_(1)
+        steps = max(4, -(-3 * K // M))   # long enough for the steady state (past the warm-up's shared versions)
+        actions = segment_actions(k, K, M, steps)
+        segment = _Segment(0, steps, actions, executor._updates_at_backward(actions), {})
+        peak = 0
+        for a in actions:
+            if a.kind == "F":
+                weights = executor._weights_for(segment, a.micro_batch)
+                segment.in_flight[a.micro_batch] = weights
+                segment.forwards_done += 1
+            else:
+                weights = segment.in_flight.pop(a.micro_batch)
+            assert float(weights[0]) == version_used(schedule, k, K, M, a.micro_batch), (k, str(a))
+            if a.kind == "B" and executor._updates_after(a.micro_batch):
+                executor._update(segment)
+            held = ({id(live)} | {id(w[0]) for w in segment.versions.values()}
+                    | {id(w[0]) for w in segment.in_flight.values()})
+            peak = max(peak, len(held))
+        assert peak == weight_copies(schedule, k, K), (k, peak)
