@@ -39,6 +39,8 @@ PARTS = {
     "meta_memory": ("bench.meta_memory", "a 0.8 B model: profile and 4-stage run memory per process; shared figures"),
     "async-plans": ("bench.async_plans", "pipedream and pipedream-2bw against 1F1B on the PipeDream profiles: "
                                          "predicted step, fill and drain, memory per stage (planner only)"),
+    "async-run": ("bench.async_run", "1f1b, zb-v, pipedream, pipedream-2bw run on this CPU: gpt at K = 2, "
+                                     "measured against predicted and against 1F1B"),
     "data-parallel": ("bench.data_parallel", "K stages x d replicas: the planner's choice on PipeDream for 8-64 "
                                              "devices; 4x1, 2x2, 1x4 measured on this CPU"),
     "async": ("bench.async_pipelines", "pipedream, pipedream-2bw, 1F1B and LocalSGD: loss per update and per "

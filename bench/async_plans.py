@@ -89,8 +89,9 @@ def render(data: dict[str, Any]) -> str:
                      "peak memory vs 1F1B", "2bw speed-up", "fill+drain (steps)", "peak memory vs 1F1B"], rows)
             + f"\n\nSettings not proven optimal: {unproven} of {len(cells) * len(SCHEDULES)}. The profiles time no "
               "optimizer step, so pipedream's update after every micro-batch costs nothing here and its step is "
-              "2bw's; what tells them apart is the memory of the weight versions (pipedream K - k on stage k, 2bw "
-              "2). Each schedule's memory is that of its own fastest cut, which is not the cut of least memory "
+              "2bw's; what tells them apart is the memory of the weight copies (weight_versions.weight_copies: "
+              "the live weights and one per version in flight, pipedream K - k + 1 on stage k, 2bw 3, one fewer on "
+              "the last stage). Each schedule's memory is that of its own fastest cut, which is not the cut of least memory "
               "(below 1.00x: the asynchronous cut happens to load the heaviest stage less).\n")
     example = [c for c in cells if (c["profile"], c["stages"], c["micro_batches"]) == EXAMPLE]
     if example:

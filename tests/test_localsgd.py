@@ -28,6 +28,7 @@ from gpipe_plan.planner.replicas import factorisations
 from planner_helpers import cli, make_figures, profile_doc, write_json
 from test_runtime_multiproc import run_in_one_group
 from test_runtime_replicas import data_parallel_plan
+from user_models import TEACHER_DATA_AND_LOSS
 
 LR = 0.05
 # The user's model, data and loss (--data, --loss): 4 classes of a fixed random linear map of x.
@@ -39,15 +40,7 @@ TASK = """
     def make():
         return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
 
-    def data(batch_size):
-        teacher = torch.randn(8, 4)
-        while True:
-            x = torch.randn(batch_size, 8)
-            yield x, (x @ teacher).argmax(dim=1)
-
-    def loss(outputs, targets):
-        return F.cross_entropy(outputs, targets, label_smoothing=0.05)
-"""
+""" + TEACHER_DATA_AND_LOSS
 
 
 # ---------------------------------------------------------------------- the planner
@@ -152,7 +145,9 @@ def test_explore_takes_sync_every_with_devices_and_localsgd_only(tmp_path: Path)
 @pytest.fixture(scope="module")
 def task_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("localsgd")
-    (folder / "task.py").write_text(textwrap.dedent(TASK))
+    # A module name no other test file uses: the pytest process keeps imported modules by name,
+    # and test_hooks.py's own "task" (no `loss`) would answer this file's "task:loss".
+    (folder / "localsgd_task.py").write_text(textwrap.dedent(TASK))
     return folder
 
 
@@ -162,7 +157,7 @@ def task_spec(task_dir: Path) -> dict[str, Any]:
     old = os.getcwd()
     os.chdir(task_dir)
     try:
-        return model_spec("task:make", data="task:data", loss="task:loss")
+        return model_spec("localsgd_task:make", data="localsgd_task:data", loss="localsgd_task:loss")
     finally:
         os.chdir(old)
 
@@ -181,7 +176,7 @@ def reference(task_dir: Path, replicas: int, global_batch: int, steps: int, H: i
     try:
         torch.set_num_threads(1)
         model = build_model(task_spec(task_dir), seed=0)
-        stream = DataStream(find_factory("task:data"), "task:data", global_batch, seed=0)
+        stream = DataStream(find_factory("localsgd_task:data"), "localsgd_task:data", global_batch, seed=0)
         batches = [stream.next() for _ in range(steps)]
         copies = [copy.deepcopy(model.module) for _ in range(replicas)]
         kind = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[optimizer]

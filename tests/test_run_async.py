@@ -33,20 +33,10 @@ from gpipe_plan.runtime.options import RunOptions, async_problem
 from handplan import hand_plan
 from test_runtime_multiproc import BIN, assert_same_parameters, run_in_one_group
 from test_runtime_replicas import data_parallel_plan
-from user_models import SKIP_NET, SKIP_NET_INPUTS
+from user_models import SKIP_NET, SKIP_NET_INPUTS, TEACHER_DATA_AND_LOSS
 
 # The skip net with its own data (a fixed teacher's classes) and loss, as --data and --loss name them.
-TASK = SKIP_NET + """
-    import torch.nn.functional as F
-
-    def data(batch_size):
-        teacher = torch.randn(8, 4)
-        while True:
-            x = torch.randn(batch_size, 8)
-            yield x, (x @ teacher).argmax(dim=1)
-
-    def loss(outputs, targets):
-        return F.cross_entropy(outputs, targets, label_smoothing=0.1)
+TASK = SKIP_NET + TEACHER_DATA_AND_LOSS + """
 
     # An embedding tied to the output projection: split [1, 2], two stages hold it.
     class Tied(nn.Module):

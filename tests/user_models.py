@@ -28,3 +28,20 @@ SKIP_NET = """
 """
 SKIP_NET_INPUTS = 8
 SKIP_NET_CLASSES = 4
+
+
+# A user's --data and --loss for the models above: 4 classes of a fixed random linear map of 8
+# inputs (the teacher drawn from torch's seeded generator, so every rank draws the same one).
+TEACHER_DATA_AND_LOSS = """
+    import torch
+    import torch.nn.functional as F
+
+    def data(batch_size):
+        teacher = torch.randn(8, 4)
+        while True:
+            x = torch.randn(batch_size, 8)
+            yield x, (x @ teacher).argmax(dim=1)
+
+    def loss(outputs, targets):
+        return F.cross_entropy(outputs, targets, label_smoothing=0.1)
+"""
