@@ -1,6 +1,6 @@
 """FSDP2 gradient sync: each replica of a stage keeps 1/d of its parameters between steps.
 
-With ``gradient_sync: "fsdp"`` the d replicas of a stage (its ``dp`` group, :mod:`.replicas`)
+With ``gradient_sync: "fsdp"`` the d replicas of a stage (its ``dp`` group, :mod:`.gradient_sync`)
 shard every parameter of the stage along its first dimension with FSDP2's ``fully_shard``:
 between steps a rank holds 1/d of the parameters, of their gradients and of the optimizer
 state (Adam's two moments), so the optimizer steps only its own shard. Within a step:
@@ -62,7 +62,7 @@ from .stage import StageChunks
 
 
 class FsdpSync:
-    """The ``GradientSync`` of :mod:`.replicas` for ``gradient_sync: "fsdp"`` (one per rank)."""
+    """The ``GradientSync`` of :mod:`.gradient_sync` for ``gradient_sync: "fsdp"`` (one per rank)."""
 
     mode = "fsdp"
 

@@ -3,7 +3,7 @@
 Every rank runs :func:`train`; rank k runs stage k, which holds one chunk of layers or
 several (``interleaved``, ``zb-v``); with ``data_parallel`` = d replicas of the pipeline, rank
 ``placement.ranks[k][r]`` runs stage k of replica r, on its 1/d of each step's batch, and the
-d replicas of each stage average their gradients once a step (:mod:`.replicas`). It reads
+d replicas of each stage average their gradients once a step (:mod:`.gradient_sync`). It reads
 like a single-process training script because it nearly is one, in three parts:
 :func:`_set_up` (build the model, keep our stage's chunks, one optimizer over all of them,
 resume), :func:`_run_steps` (for each step, :func:`_one_step`:
@@ -44,9 +44,11 @@ from .data import BatchSource, batch_source
 from .distributed import Replicas, World, check_world, choose_device, init, replicas_of
 from .async_executor import AsyncExecutor
 from .executor import Executor, NativeExecutor
+from .gradient_sync import GradientSync, broadcast_from_replica_zero, make_gradient_sync
 from .init_from import load_initial_weights
 from .tied import TiedGradients, find_ties
 from .objects import gather_objects
+from .loss_exchange import LossExchange
 from .loss_scale import LossScaler
 from .memory import ActivationMeter, cuda_memory, peak_rss_bytes, static_bytes
 from .optim import clip_gradients, learning_rate, make_optimizer, set_learning_rate
@@ -54,10 +56,8 @@ from .options import RunOptions, async_problem, is_data_factory
 from .p2p import Neighbours
 from .plan import RunPlan, check_precision_matches, check_sync_matches, load_plan
 from .progress import TrainingProgress
-from .replicas import GradientSync, broadcast_from_replica_zero, make_gradient_sync
 from .report import RankResult, build_report, print_summary
 from .stage import StageChunks, build_stage_chunks
-from .sync import StepSync
 from .timing import SpanRecorder
 from .trace import chrome_trace
 
@@ -96,7 +96,7 @@ class _Training:
     recorder: SpanRecorder
     executor: Executor
     needs_norm: bool
-    sync: StepSync
+    loss_exchange: LossExchange
     tied: TiedGradients
     identity: dict[str, Any]
     folder: Path | None        # --checkpoint-dir
@@ -222,8 +222,8 @@ def _set_up(options: RunOptions, world: World) -> _Training:
     executor = _make_executor(executor_name, stage, plan, loss_fn, device, recorder, options, world, replicas)
     # The global gradient norm is needed to clip by it, and under fp16 to see an overflow.
     needs_norm = options.grad_clip is not None or scaler.enabled
-    sync = StepSync(world.rank, world.world_size, device, clip=needs_norm, timeout_s=options.timeout,
-                    loss_ranks=tuple(plan.stage_ranks(plan.chunks[-1].stage)))
+    loss_exchange = LossExchange(world.rank, world.world_size, device, clip=needs_norm, timeout_s=options.timeout,
+                                 loss_ranks=tuple(plan.stage_ranks(plan.chunks[-1].stage)))
     tied = TiedGradients(ties, stage.index, {old: stage.chunks[c].module.get_parameter(name)
                                              for old, (c, name) in places.items()},
                          pipelines=[plan.replica_ranks(r) for r in range(plan.data_parallel)], replica=replicas.replica)
@@ -250,7 +250,7 @@ def _set_up(options: RunOptions, world: World) -> _Training:
                     joined_here, reporter, warnings, probes, model, stage, replicas, gradient_sync, scaler, data,
                     _tokens_per_sample(model),
                     optimizer_name, optimizer, options.learning_rate(optimizer_name), recorder, executor, needs_norm,
-                    sync, tied, identity, folder, start, run_record, adopted)
+                    loss_exchange, tied, identity, folder, start, run_record, adopted)
     run.start_notes = _start_notes(run, resumed)
     if isinstance(executor, AsyncExecutor):   # the loop's own data and update, called when the rules say
         executor.batch_of = lambda step: _read_batch(run, step)
@@ -325,7 +325,7 @@ def _run_steps(run: _Training) -> _History:
                 # fsdp starts gathering the next step's parameters. Not after the last step.
                 if step + 1 < options.steps:
                     run.gradient_sync.after_optimizer()
-            run.sync.close()
+            run.loss_exchange.close()
             history.host = (before, hostload.sample())
             # After the last step: the optimizer's state exists (the first step creates it) and
             # CUDA's peak is over every step, not only the first.
@@ -390,7 +390,7 @@ def _one_step(run: _Training, step: int, meter: ActivationMeter | None) -> float
     options, stage, recorder, plan = run.options, run.stage, run.recorder, run.plan
     lr = learning_rate(step, run.base_lr, options)
     set_learning_rate(run.optimizer, lr)   # asynchronous: every update this step applies is the step's
-    run.sync.begin_step()
+    run.loss_exchange.begin_step()
     pipeline = run.async_executor
     if pipeline is not None:
         # The segment's actions through this stage's last backward of the step, its updates
@@ -399,7 +399,7 @@ def _one_step(run: _Training, step: int, meter: ActivationMeter | None) -> float
         local_loss = float(sum(float(v) for v in micro_losses) / plan.micro_batches) if stage.holds_last else 0.0
         watchdog.doing("learning the step's loss from the other ranks", waiting=True)
         t_sync = recorder.mark()
-        loss, _ = run.sync.finish_step(local_loss, 0.0)
+        loss, _ = run.loss_exchange.finish_step(local_loss, 0.0)
         recorder.add("sync", -1, t_sync, recorder.mark())
         if not math.isfinite(loss):
             raise RunFailure(f"the loss is {loss} at step {step + 1}: training diverged; lower --lr (it is {lr:g})")
@@ -435,7 +435,7 @@ def _one_step(run: _Training, step: int, meter: ActivationMeter | None) -> float
     local_loss = float(sum(float(v) for v in micro_losses) / plan.micro_batches) if stage.holds_last else 0.0
     watchdog.doing("learning the step's loss from the other ranks", waiting=True)
     t_sync = recorder.mark()
-    loss, grad_norm = run.sync.finish_step(local_loss, run.gradient_sync.squared_norm_share(
+    loss, grad_norm = run.loss_exchange.finish_step(local_loss, run.gradient_sync.squared_norm_share(
         run.tied.counted(stage.parameters())) if run.needs_norm else 0.0)
     recorder.add("sync", -1, t_sync, recorder.mark())
     if not math.isfinite(loss):
