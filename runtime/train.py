@@ -32,7 +32,7 @@ from rich.console import Console
 
 from ..artifacts import BadInput, Outputs, RunFailure, dumps, precision_label
 from ..cudamemory import outside_allocator_bytes
-from ..models import LayeredModel, Precision, build_model, built_whole
+from ..models import LayeredModel, Precision, build_model, built_whole, is_language_model
 from ..schema import write_artifact
 from ..weight_versions import ASYNC_SCHEDULES
 from .. import hostload
@@ -66,7 +66,7 @@ from .trace import chrome_trace
 SPEED_TOLERANCE = 1.15
 
 
-@dataclass
+@dataclass(kw_only=True)   # some thirty fields, several of one type: built by name, never by position
 class _Training:
     """What one rank holds for its run: set up by :func:`_set_up`, used by the steps and the outputs."""
 
@@ -246,11 +246,14 @@ def _set_up(options: RunOptions, world: World) -> _Training:
     if start >= options.steps:
         raise BadInput(f"the checkpoint in '{folder}' is at step {start}: --steps {options.steps} leaves nothing to do")
     gradient_sync.start_at(start)   # localsgd counts its averaging period from the steps done
-    run = _Training(options, world, plan, precision, threads, device, context_bytes, executor_name, objects,
-                    joined_here, reporter, warnings, probes, model, stage, replicas, gradient_sync, scaler, data,
-                    _tokens_per_sample(model),
-                    optimizer_name, optimizer, options.learning_rate(optimizer_name), recorder, executor, needs_norm,
-                    loss_exchange, tied, identity, folder, start, run_record, adopted)
+    run = _Training(options=options, world=world, plan=plan, precision=precision, threads=threads, device=device,
+                    context_bytes=context_bytes, executor_name=executor_name, objects=objects,
+                    joined_here=joined_here, reporter=reporter, warnings=warnings, probes=probes, model=model,
+                    stage=stage, replicas=replicas, gradient_sync=gradient_sync, scaler=scaler, data=data,
+                    tokens_per_sample=_tokens_per_sample(model), optimizer_name=optimizer_name, optimizer=optimizer,
+                    base_lr=options.learning_rate(optimizer_name), recorder=recorder, executor=executor,
+                    needs_norm=needs_norm, loss_exchange=loss_exchange, tied=tied, identity=identity, folder=folder,
+                    start=start, run_record=run_record, adopted=adopted)
     run.start_notes = _start_notes(run, resumed)
     if isinstance(executor, AsyncExecutor):   # the loop's own data and update, called when the rules say
         executor.batch_of = lambda step: _read_batch(run, step)
@@ -588,12 +591,7 @@ def replica_rows(batch: tuple[tuple[torch.Tensor, ...], torch.Tensor], replica: 
 def _memory(stage: StageChunks, optimizer: torch.optim.Optimizer, meter: ActivationMeter | None,
             device: torch.device, context_bytes: int | None, sharded: bool = False) -> dict[str, Any]:
     """The rank's memory by part; ``sharded`` (fsdp): parameters and state counted as FSDP holds them."""
-    if sharded:
-        from .fsdp import static_bytes as sharded_static_bytes
-
-        parts: dict[str, Any] = sharded_static_bytes(stage.module, optimizer)
-    else:
-        parts = static_bytes(stage.module, optimizer)
+    parts: dict[str, Any] = static_bytes(stage.module, optimizer, sharded=sharded)
     parts["activations_bytes"] = meter.total_bytes if meter is not None else None
     parts["peak_rss_bytes"] = peak_rss_bytes()
     if device.type == "cuda":
@@ -646,9 +644,7 @@ def _tokens_per_sample(model: LayeredModel) -> int | None:
 
     A language model (the built-in gpt, or one's own under ``--loss lm``, on synthetic ids or a
     data factory's) reads one input of ``seq_len`` token ids per sample."""
-    spec = model.spec
-    if (spec.get("source") == "builtin" and spec.get("name") == "gpt") or \
-            (spec.get("source") == "import" and spec.get("loss") == "lm"):
+    if is_language_model(model.spec):
         return int(model.input_shapes[0][0])
     return None
 
