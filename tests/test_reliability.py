@@ -28,7 +28,7 @@ from gpipe_plan.planner.search import MAX_MICRO_BATCHES, divisors
 from gpipe_plan.units import format_bytes, parse_size
 
 from planner_helpers import cli, make_figures, profile_doc, write_json
-from test_runtime_multiproc import leftover_processes
+from cli_process import leftover_processes
 
 BIN = Path(sys.executable).parent
 

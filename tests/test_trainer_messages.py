@@ -1,4 +1,4 @@
-"""A trainer's UX (issue 19, items 3, 4, 6, 7, 8): which batch a plan is for, whether pipelining
+"""What a trainer is told (issue 19, items 3, 4, 6, 7, 8): which batch a plan is for, whether pipelining
 pays, one headline prediction and a calibration that does not overfit a noisy run, what the
 terminal shows, and the demo's text."""
 
