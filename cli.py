@@ -86,11 +86,11 @@ def main() -> None:
 # --------------------------------------------------------------------------- profile
 @main.command()
 @click.argument("model")
-@click.option("--batch-size", "-b", type=int, default=None,
+@click.option("--batch-size", type=int, default=None,
               help="Largest micro-batch size to measure. Default: 8, or the largest of --micro-batch-sizes.")
 @click.option("--micro-batch-sizes", default=None, metavar="1,2,4",
               help="Micro-batch sizes to measure. Default: 1, 2, 4, ... doubling up to --batch-size.")
-@click.option("--global-batch-size", type=int, default=None,
+@click.option("--global-batch-size", "-b", type=int, default=None,
               help="Samples per training step you mean to train with, recorded in the profile: solve and explore "
                    "plan for it unless told otherwise. Default: the largest micro-batch size measured.")
 @click.option("--device", default="cpu", show_default=True, metavar="cpu|cuda|cuda:N", help="Device to profile on.")

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from gpipe_plan.planner.costmodel import CostModel, Setting
-from gpipe_plan.planner.schedule import simulate_plan
+from gpipe_plan.planner.simulator import simulate_plan
 from gpipe_plan.planner.profile import Profile
 from gpipe_plan.schema import report_chunks
 

@@ -279,7 +279,7 @@ def predicted_step_s(method: str, stages: list[StageCost], micro_batches: int, w
     """The predicted seconds of one step (one batch of M micro-batches) of ``method``, by the
     planner's own formulas:
 
-    - ``1f1b``: the planner's event simulator (planner/schedule.simulate_plan) over the
+    - ``1f1b``: the planner's event simulator (planner/simulator.simulate_plan) over the
       stages' times, the optimizer steps after the flush;
     - ``pipedream``/``pipedream-2bw``: M times the steady state's period
       (planner/asynchronous.steady_period_s) of each stage's work per micro-batch, its F + B
@@ -292,7 +292,7 @@ def predicted_step_s(method: str, stages: list[StageCost], micro_batches: int, w
     Sends between stages are not priced (the stages would share one host here).
     """
     from gpipe_plan.planner.asynchronous import steady_period_s
-    from gpipe_plan.planner.schedule import ChunkTimes, simulate_plan
+    from gpipe_plan.planner.simulator import ChunkTimes, simulate_plan
     from gpipe_plan.weight_versions import ASYNC_SCHEDULES, updates_per_step
 
     M, K = micro_batches, len(stages)
@@ -371,7 +371,7 @@ def paper_delays(S: int, micro_batches_per_stage: int = 10) -> dict[str, float]:
     backwards finished before stage s's forward of m. Mean and max over the second half of the
     backwards, as the paper's. Also this package's own notion: each stage's gradient is
     ``weight_versions.staleness`` of its own updates old."""
-    from gpipe_plan.planner.schedule import ChunkTimes, simulate_plan
+    from gpipe_plan.planner.simulator import ChunkTimes, simulate_plan
     from gpipe_plan.weight_versions import staleness
 
     M = micro_batches_per_stage * S

@@ -15,7 +15,7 @@ import time
 
 from gpipe_plan.planner import baselines
 from gpipe_plan.planner.costmodel import CostModel, Setting
-from gpipe_plan.planner.dp import GPipeSolver
+from gpipe_plan.planner.gpipe_solver import GPipeSolver
 from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.pipedream import import_pipedream
 from gpipe_plan.planner.profile import Profile

@@ -12,7 +12,7 @@ import math
 import time
 
 from gpipe_plan.planner.costmodel import CostModel, Setting
-from gpipe_plan.planner.dp import GPipeSolver
+from gpipe_plan.planner.gpipe_solver import GPipeSolver
 from gpipe_plan.planner.onefoneb import OneFOneBSolver
 from gpipe_plan.planner.profile import Profile
 

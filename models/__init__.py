@@ -25,12 +25,12 @@ from .layered import AsTuple, LayeredModel, as_tuple
 from .materialize import (build_on_meta, built_whole, forward_streamed, layer_materialized, materialize_layers,
                           release_layers)
 from .precision import Precision
-from .spec import BUILTINS, IMPORT_OPTIONS, model_spec
+from .spec import BUILTINS, IMPORT_OPTIONS, is_language_model, model_spec
 
 __all__ = [
     "BUILTINS", "AsTuple", "Classification", "LayeredModel", "NextToken", "Precision", "SyntheticData",
     "as_tuple", "build_model", "built_whole", "forward_streamed", "layer_materialized", "materialize_layers",
-    "model_spec", "release_layers",
+    "is_language_model", "model_spec", "release_layers",
 ]
 
 _BUILDERS = {"gpt": gpt.build, "resnet": resnet.build}

@@ -52,6 +52,15 @@ def model_spec(model: str, **options: Any) -> dict[str, Any]:
     return _import_spec(model, given)
 
 
+def is_language_model(spec: dict[str, Any]) -> bool:
+    """Whether ``spec`` is a language model: the built-in gpt, or a model of one's own trained with
+    ``--loss lm``. Its one input per sample is ``seq_len`` token ids, so a run counts tokens/s
+    for it and ``run --data FILE.txt`` can feed it bytes as tokens; the one place that says so."""
+    if spec.get("source") == "builtin":
+        return _BUILTIN_LOSS.get(spec.get("name")) == "lm"
+    return spec.get("source") == "import" and spec.get("loss") == "lm"
+
+
 def _builtin_spec(name: str, given: dict[str, Any]) -> dict[str, Any]:
     defaults = BUILTINS[name]
     unknown = [k for k in given if k not in defaults]

@@ -4,11 +4,11 @@ Read it in this order:
 
 - :mod:`.profile`    a profile's per-layer figures at any micro-batch size (interpolation);
 - :mod:`.costmodel`  what one chunk and one stage cost in time and memory;
-- :mod:`.schedule`   how long a step takes: GPipe's closed form, and one event simulator that
+- :mod:`.simulator`  how long a step takes: GPipe's closed form, and one event simulator that
                      plays out any schedule's action lists (gpipe_plan/schedules.py);
 - :mod:`.objective`  what every solver minimises (a partition's step time), and when a plan is
                      proven optimal;
-- :mod:`.dp`         the exact GPipe solver (thresholds, probes, branch and bound);
+- :mod:`.gpipe_solver` the exact GPipe solver (thresholds, probes, branch and bound);
 - :mod:`.onefoneb`   the 1F1B solver (per-stage lower bounds, branch and bound);
 - :mod:`.chunked`    the solver for interleaved, zb-h1 and zb-v (branch and bound over chunk cuts);
 - :mod:`.ilp`        the same problem as an integer linear programme (pulp/CBC);

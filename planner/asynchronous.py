@@ -25,7 +25,7 @@ per micro-batch, the max-plus cycle means of the steady state:
   micro-batches in flight.
 
 So the period is the slowest stage's work per micro-batch unless the links are slow. The
-tests play long segments out in the event simulator (planner/schedule.py) on random
+tests play long segments out in the event simulator (planner/simulator.py) on random
 instances, slow links included, and find the same rate.
 
 The exact cut. The period is a min-max over contiguous cuts: for a trial period P, a cut
@@ -50,7 +50,7 @@ from typing import Iterable, Sequence
 from ..weight_versions import updates_per_step
 from .costmodel import ChunkCost, CostModel, StageCost
 from .objective import RELATIVE_SLACK, Evaluation, Solution, proven_optimal
-from .schedule import ChunkTimes, Event, Timeline, simulate_plan
+from .simulator import ChunkTimes, Event, Timeline, simulate_plan
 
 INF = math.inf
 # The bisection stops once its bracket is this much narrower than the best period found.

@@ -37,7 +37,7 @@ and the bounds that read prefix sums directly keep the GPU's, a lower bound stil
 F and B have one definition, :func:`stage_time_formula`: :class:`CostModel` makes it once per
 setting and chunk (``CostModel.formula(c)``; ``CostModel.forward`` and ``CostModel.whole_backward``
 are the same without messages, from prefix sums: any stage in O(1)), its chunk figures call it,
-and so do the solvers (planner/dp.py, planner/onefoneb.py, planner/chunked.py), binding those
+and so do the solvers (planner/gpipe_solver.py, planner/onefoneb.py, planner/chunked.py), binding those
 two functions to local names in their innermost loops rather than summing the prefixes
 themselves. Where a solver needs "the largest stage within a time", it asks
 :meth:`CostModel.forward_reach` / :meth:`CostModel.backward_reach`, which bisect on the same
@@ -96,7 +96,7 @@ sharded 1/d between steps (:func:`static_bytes`); with LocalSGD, no gradient is 
 the same all-reduce of the parameters runs once every H steps, charged 1/H of it per step.
 
 Time of a whole step is a property of the schedule, not of one stage: see
-:mod:`planner.schedule` (GPipe closed form and the event simulator).
+:mod:`planner.simulator` (GPipe closed form and the event simulator).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ from ..weight_versions import ASYNC_SCHEDULES, weight_copies
 from .profile import LayerFigures
 from .fixedcosts import FixedCosts, messages
 from ..collectives import ring_allreduce_s
-from .schedule import ChunkTimes
+from .simulator import ChunkTimes
 
 OPTIMIZER_STATE_MULTIPLIER = {"adam": 2, "momentum": 1, "sgd": 0}
 RECOMPUTE_MODES = ("never", "always", "auto")

@@ -37,7 +37,7 @@ from .asynchronous import AsyncSolver
 from .budgets import EXPLORE_POINT_TIME_BUDGET_S
 from .chunked import ChunkedSolver
 from .costmodel import CostModel, Setting, stage_peaks, static_bytes
-from .dp import GPipeSolver
+from .gpipe_solver import GPipeSolver
 from .objective import Solution
 from .onefoneb import OneFOneBSolver
 from .profile import LayerFigures, Profile

@@ -1,6 +1,6 @@
 """Every schedule's step as a mixed-integer linear programme (MILP): an exact solver and a bound.
 
-The event simulator (:mod:`planner.schedule`) computes the step of one cut. Written as
+The event simulator (:mod:`planner.simulator`) computes the step of one cut. Written as
 constraints, the same computation becomes an optimisation over every cut at once:
 
 * **Cuts as monotone binaries.** Chunk boundary ``b_j`` (j = 1 .. C-1; ``b_0 = 0``, ``b_C = L``)
@@ -42,7 +42,7 @@ from typing import Any, Sequence
 
 from ..collectives import ring_allreduce_s
 from .costmodel import CostModel
-from .schedule import compiled_program
+from .simulator import compiled_program
 
 
 # Building a programme, HiGHS's presolve and its root node (linear relaxation and cuts) took

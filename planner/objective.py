@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from .costmodel import ChunkCost, CostModel, StageCost
-from .schedule import gpipe_makespan, simulate_plan
+from .simulator import gpipe_makespan, simulate_plan
 from .timeshare import time_shared_makespan
 
 # Bounds and step times are sums of floats, so two equal costs can differ in their last bits:
@@ -148,7 +148,7 @@ def evaluate(cm: CostModel, bounds: Sequence[int], recompute: Sequence[bool] | N
 
 
 def gpipe_optimizer_tail(chunks: Sequence[ChunkCost], stages: Sequence[StageCost]) -> float:
-    """How long after GPipe's last backward the next step can begin (planner.schedule): stage k
+    """How long after GPipe's last backward the next step can begin (planner.simulator): stage k
     is needed again when the next step's first micro-batch reaches it, after the forwards and
     sends of the stages before it. So the wait is max_k (optimizer_k - that)."""
     tail, before = 0.0, 0.0

@@ -1,6 +1,6 @@
 """The solver for 1F1B: a lower bound per stage, and branch and bound over the cuts.
 
-1F1B has no closed form: its step time is what :func:`planner.schedule.simulate_plan` finds by
+1F1B has no closed form: its step time is what :func:`planner.simulator.simulate_plan` finds by
 playing the operations out. What we do have is a lower bound for every stage k that
 depends only on where the stage starts and ends, because stage k runs its operations one at
 a time and some of its waits are forced:

@@ -18,7 +18,7 @@ from ..plan_layout import check_replicas, data_parallel, gradient_sync, plan_chu
 from ..schedules import label as schedule_label
 from ..schedules import SPLIT_BACKWARD
 from ..weight_versions import ASYNC_SCHEDULES
-from .schedule import ChunkTimes, Event, Timeline, simulate_plan
+from .simulator import ChunkTimes, Event, Timeline, simulate_plan
 from .timeshare import time_shared_makespan
 from .timeline import timeline_svg
 from ..layer_names import LayerNames

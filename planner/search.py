@@ -26,7 +26,7 @@ from .budgets import LEAST_ILP_SETTING_S, LEAST_MEMORY_BUDGET_S, LEAST_SETTING_S
 from .costmodel import CostModel, Setting, neighbour_scale
 from .timeshare import concurrent_ranks_of
 from .fixedcosts import FixedCosts
-from .dp import GPipeSolver
+from .gpipe_solver import GPipeSolver
 from .objective import Solution, proven_optimal
 from .profile import LayerFigures, Profile, host_share_bytes
 from .seeds import seed_cuts
@@ -49,7 +49,7 @@ class SolveOptions:
     link_bandwidth_bytes_per_s: float | None = None   # None: the profile's link, else free
     link_latency_s: float | None = None
     optimizer: str = "adam"
-    solver: str = "exact"      # exact (dp.py, onefoneb.py, chunked.py) or ilp
+    solver: str = "exact"      # exact (gpipe_solver.py, onefoneb.py, chunked.py) or ilp
     time_budget_s: float = SOLVE_TIME_BUDGET_S
     # Data parallel (planner/replicas.py): N devices as K stages x d replicas.
     devices: int | None = None              # N; None: K * d (one pipeline when d = 1)

@@ -2,7 +2,7 @@
 
 A setting (M, schedule, v, recomputation) is a cost model; its best cut comes from:
 
-- **GPipe**: the threshold search (planner/dp.py), exact and fast.
+- **GPipe**: the threshold search (planner/gpipe_solver.py), exact and fast.
 - **1F1B, interleaved, zb-h1, zb-v**: the branch and bound (planner/onefoneb.py, planner/chunked.py)
   first, on :data:`budgets.BRANCH_AND_BOUND_SHARE` of the budget: it proves the easy settings in
   moments. If it stops with a gap, the schedule MILP (planner/milp.py), warm-started from its best
@@ -36,7 +36,7 @@ from . import milp, milp_solve
 from .budgets import BRANCH_AND_BOUND_SHARE, WALL_SAFETY, WORK_PER_SECOND
 from .chunked import ChunkedSolver
 from .costmodel import CostModel
-from .dp import GPipeSolver
+from .gpipe_solver import GPipeSolver
 from .objective import Solution, proven_optimal
 from .onefoneb import OneFOneBSolver
 from .seeds import seed_cuts

@@ -1,6 +1,6 @@
 """Draw a schedule as an SVG timeline: one row per stage, time to the right.
 
-The picture is the event simulator's own record of the step (:func:`planner.schedule.simulate_plan`),
+The picture is the event simulator's own record of the step (:func:`planner.simulator.simulate_plan`),
 so what a user sees is exactly what the planner predicted: forwards, backwards (or, in the
 zero-bubble schedules, the input gradient I and the weight gradient W, each its own colour:
 W filling the gaps is the point of those schedules), the recomputed forwards inside
@@ -14,7 +14,7 @@ from __future__ import annotations
 from html import escape
 from typing import Sequence
 
-from .schedule import Event, Timeline
+from .simulator import Event, Timeline
 
 COLOURS = {
     "forward": "#4C78A8",

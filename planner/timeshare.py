@@ -14,7 +14,7 @@ and the host runs ``n`` of them at full speed (its cores over each rank's thread
 progresses at ``min(1, n / r)`` of its speed alone; an action whose duration the cost model
 gives (with its neighbours' slowdown and fixed costs, as for a rank with its own cores) ends
 once it has had that much time at full speed. Dependencies, per-stage orders and links are
-the dedicated simulator's (:func:`planner.schedule.simulate_plan` runs the very same compiled
+the dedicated simulator's (:func:`planner.simulator.simulate_plan` runs the very same compiled
 program), so:
 
 - with ``n >= K`` every rank always runs at full speed and this is that simulator's makespan;
@@ -38,7 +38,7 @@ import heapq
 import math
 from typing import Sequence
 
-from .schedule import ChunkTimes, Event, compiled_program, record_action
+from .simulator import ChunkTimes, Event, compiled_program, record_action
 
 # Two remaining works this close (relative to the longest action) end at the same moment.
 _SAME_MOMENT = 1e-12
@@ -49,7 +49,7 @@ def time_shared_makespan(schedule: str, stages: int, micro_batches: int, virtual
                          record: bool = False) -> tuple[float, list[Event]]:
     """The makespan of one step of ``schedule`` when at most ``concurrent_ranks`` of its
     ``stages`` ranks compute at full speed at once (see the module docstring), and, with
-    ``record``, every action and send as an :class:`~planner.schedule.Event`."""
+    ``record``, every action and send as an :class:`~planner.simulator.Event`."""
     prog = compiled_program(schedule, stages, micro_batches, virtual_stages)
     K, C = prog.stages, prog.chunks
     if len(chunks) != C:

@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from ..artifacts import BadInput
-from ..models import LayeredModel
+from ..models import LayeredModel, is_language_model
 from ..models.hooks import DataStream
 from ..models.user import find_factory
 from .options import is_data_factory
@@ -113,17 +113,17 @@ def batch_source(model: LayeredModel, data: str | None, batch_size: int, seed: i
                            f"own data (gpt: --data FILE.txt)")
         return FactoryBatches(data, batch_size, seed)
     name = spec.get("name") or spec.get("factory")
-    if spec.get("source") == "builtin" and spec.get("name") == "gpt":
+    if not is_language_model(spec):
+        raise BadInput(f"--data FILE.txt trains a language model on bytes (the built-in gpt, or your model "
+                       f"with --loss lm); the plan's model '{name}' is not one")
+    if spec.get("source") == "builtin":   # gpt: its options say its vocabulary and sequence
         vocab_size, seq_len = spec["options"]["vocab_size"], spec["options"]["seq_len"]
-    elif spec.get("source") == "import" and spec.get("loss") == "lm":
+    else:
         vocab_size, seq_len = spec.get("vocab_size"), model.input_shapes[0][0]
         if vocab_size is None:   # profiled on its own data factory, which said no vocabulary
             raise BadInput(f"--data FILE.txt is byte-level (256 symbols), and the plan's model '{name}' was profiled "
                            f"on its data factory without --vocab-size: profile it with --vocab-size (its logits' "
                            f"last dimension) to train it on text")
-    else:
-        raise BadInput(f"--data FILE.txt trains a language model on bytes (the built-in gpt, or your model "
-                       f"with --loss lm); the plan's model '{name}' is not one")
     if vocab_size < 256:
         raise BadInput(f"--data is byte-level (256 symbols) but the plan's model '{name}' has a vocabulary of "
                        f"{vocab_size}: profile it with --vocab-size 256 or more")

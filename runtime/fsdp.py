@@ -1,6 +1,6 @@
 """FSDP2 gradient sync: each replica of a stage keeps 1/d of its parameters between steps.
 
-With ``gradient_sync: "fsdp"`` the d replicas of a stage (its ``dp`` group, :mod:`.replicas`)
+With ``gradient_sync: "fsdp"`` the d replicas of a stage (its ``dp`` group, :mod:`.gradient_sync`)
 shard every parameter of the stage along its first dimension with FSDP2's ``fully_shard``:
 between steps a rank holds 1/d of the parameters, of their gradients and of the optimizer
 state (Adam's two moments), so the optimizer steps only its own shard. Within a step:
@@ -37,9 +37,9 @@ shape, same d): summing the copies' shard gradients across the stages, after
 
 What the training loop does differently with sharded parameters: a parameter, its gradient
 and its optimizer state are DTensors, whose ``numel()`` is the whole tensor's while a rank
-holds only its local shard (``to_local()``, ``memory.local_tensor``). The helpers below count
-what a rank holds (:func:`local_bytes`, :func:`static_bytes`) and make a whole tensor
-(:func:`whole_tensor`); the squared gradient norm sums the local shards
+holds only its local shard (``to_local()``, ``memory.local_tensor``). What a rank holds is
+counted in :mod:`.memory` (``local_bytes``, ``static_bytes(..., sharded=True)``); the helper
+below makes a whole tensor (:func:`whole_tensor`); the squared gradient norm sums the local shards
 (``optim.squared_grad_norm``). In-place arithmetic on the gradients (clipping, fp16
 unscaling) works on DTensors as it is.
 """
@@ -62,7 +62,7 @@ from .stage import StageChunks
 
 
 class FsdpSync:
-    """The ``GradientSync`` of :mod:`.replicas` for ``gradient_sync: "fsdp"`` (one per rank)."""
+    """The ``GradientSync`` of :mod:`.gradient_sync` for ``gradient_sync: "fsdp"`` (one per rank)."""
 
     mode = "fsdp"
 
@@ -205,35 +205,7 @@ def refuse_shared_parameters(stage: StageChunks) -> None:
 
 
 # ---------------------------------------------------------------------- DTensor-aware helpers
-def local_bytes(t: torch.Tensor) -> int:
-    """Bytes this rank holds of ``t`` (a DTensor's ``numel()`` is the whole tensor's: not that)."""
-    local = local_tensor(t)
-    return local.numel() * local.element_size()
-
-
 def whole_tensor(t: torch.Tensor) -> torch.Tensor:
     """``t`` whole on this rank: a DTensor all-gathered (collective over its mesh), else ``t``."""
     return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def static_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """``memory.static_bytes`` for a sharded stage: its peak parameters, gradients, state, buffers.
-
-    In the planner's terms (docs/planner.md, "Data parallel"): during the step a rank holds
-    the whole parameters P (gathered once, kept for all micro-batches) besides its shard P/d,
-    the whole gradients P (accumulated before the reduce-scatter), and optimizer state for its
-    shard only. The shards are the optimizer's parameters (DTensors: ``numel()`` is the whole
-    tensor's, ``to_local()`` the shard's); read at any moment, ``module.parameters()`` would
-    be the shards or the gathered tensors, depending on the phase of the step.
-    """
-    shards = [p for group in optimizer.param_groups for p in group["params"]]
-    whole = sum(p.numel() * p.element_size() for p in shards)
-    state = sum(local_bytes(v) for per_param in optimizer.state.values() for v in per_param.values()
-                if isinstance(v, torch.Tensor) and v.dim() > 0)
-    return {
-        "params_bytes": whole + sum(local_bytes(p) for p in shards),
-        "gradients_bytes": sum(p.numel() * p.element_size() for p in shards if p.requires_grad),
-        "optimizer_state_bytes": state,
-        "buffers_bytes": sum(local_bytes(b) for b in module.buffers()),
-    }
 

@@ -7,7 +7,7 @@ S overflows instead (an inf or a NaN in some gradient): that step is skipped and
 ``growth_interval`` clean steps in a row S doubles again. This is what
 ``torch.amp.GradScaler`` does, with one difference that a pipeline needs: the decision to skip
 must be the same on every stage, or the stages' parameters drift apart. So the overflow test is
-on the *global* gradient norm, which the once-a-step exchange (:mod:`.sync`) already sums over
+on the *global* gradient norm, which the once-a-step exchange (:mod:`.loss_exchange`) already sums over
 all stages, and every rank updates S from the same number in the same way.
 
 bf16 has fp32's exponent range and trains without a scale: the scaler is then disabled and S

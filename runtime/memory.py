@@ -47,6 +47,11 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def local_bytes(t: torch.Tensor) -> int:
+    """Bytes this rank holds of ``t`` (a DTensor's ``numel()`` is the whole tensor's: not that)."""
+    return element_bytes(local_tensor(t))
+
+
 @dataclass
 class ActivationMeter:
     """Live bytes saved for backward, per (chunk, micro-batch) in flight, and their peak."""
@@ -116,8 +121,31 @@ def parameter_storages(module: nn.Module) -> set[int]:
     return out
 
 
-def static_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
-    """Bytes of parameters, their gradients, the optimizer's state and the buffers."""
+def static_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 sharded: bool = False) -> dict[str, int]:
+    """Bytes of parameters, their gradients, the optimizer's state and the buffers, as measured on
+    this rank (the planner's charge for them is ``planner.costmodel.static_bytes``).
+
+    ``sharded`` (fsdp, which needs ``optimizer``): the stage's peak, in the planner's terms
+    (docs/planner.md, "Data parallel"): during the step a rank holds the whole parameters P
+    (gathered once, kept for all micro-batches) besides its shard P/d, the whole gradients P
+    (accumulated before the reduce-scatter), and optimizer state for its shard only. The shards
+    are the optimizer's parameters (DTensors: ``numel()`` is the whole tensor's, ``to_local()``
+    the shard's); read at any moment, ``module.parameters()`` would be the shards or the
+    gathered tensors, depending on the phase of the step.
+    """
+    if sharded:
+        assert optimizer is not None, "a sharded stage's parameters are its optimizer's"
+        shards = [p for group in optimizer.param_groups for p in group["params"]]
+        whole = sum(element_bytes(p) for p in shards)
+        state = sum(local_bytes(v) for per_param in optimizer.state.values() for v in per_param.values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return {
+            "params_bytes": whole + sum(local_bytes(p) for p in shards),
+            "gradients_bytes": sum(element_bytes(p) for p in shards if p.requires_grad),
+            "optimizer_state_bytes": state,
+            "buffers_bytes": sum(local_bytes(b) for b in module.buffers()),
+        }
     params = list(module.parameters())
     state = 0
     if optimizer is not None:

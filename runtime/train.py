@@ -3,7 +3,7 @@
 Every rank runs :func:`train`; rank k runs stage k, which holds one chunk of layers or
 several (``interleaved``, ``zb-v``); with ``data_parallel`` = d replicas of the pipeline, rank
 ``placement.ranks[k][r]`` runs stage k of replica r, on its 1/d of each step's batch, and the
-d replicas of each stage average their gradients once a step (:mod:`.replicas`). It reads
+d replicas of each stage average their gradients once a step (:mod:`.gradient_sync`). It reads
 like a single-process training script because it nearly is one, in three parts:
 :func:`_set_up` (build the model, keep our stage's chunks, one optimizer over all of them,
 resume), :func:`_run_steps` (for each step, :func:`_one_step`:
@@ -32,7 +32,7 @@ from rich.console import Console
 
 from ..artifacts import BadInput, Outputs, RunFailure, dumps, precision_label
 from ..cudamemory import outside_allocator_bytes
-from ..models import LayeredModel, Precision, build_model, built_whole
+from ..models import LayeredModel, Precision, build_model, built_whole, is_language_model
 from ..schema import write_artifact
 from ..weight_versions import ASYNC_SCHEDULES
 from .. import hostload
@@ -44,9 +44,11 @@ from .data import BatchSource, batch_source
 from .distributed import Replicas, World, check_world, choose_device, init, replicas_of
 from .async_executor import AsyncExecutor
 from .executor import Executor, NativeExecutor
+from .gradient_sync import GradientSync, broadcast_from_replica_zero, make_gradient_sync
 from .init_from import load_initial_weights
 from .tied import TiedGradients, find_ties
 from .objects import gather_objects
+from .loss_exchange import LossExchange
 from .loss_scale import LossScaler
 from .memory import ActivationMeter, cuda_memory, peak_rss_bytes, static_bytes
 from .optim import clip_gradients, learning_rate, make_optimizer, set_learning_rate
@@ -54,10 +56,8 @@ from .options import RunOptions, async_problem, is_data_factory
 from .p2p import Neighbours
 from .plan import RunPlan, check_precision_matches, check_sync_matches, load_plan
 from .progress import TrainingProgress
-from .replicas import GradientSync, broadcast_from_replica_zero, make_gradient_sync
 from .report import RankResult, build_report, print_summary
 from .stage import StageChunks, build_stage_chunks
-from .sync import StepSync
 from .timing import SpanRecorder
 from .trace import chrome_trace
 
@@ -66,7 +66,7 @@ from .trace import chrome_trace
 SPEED_TOLERANCE = 1.15
 
 
-@dataclass
+@dataclass(kw_only=True)   # some thirty fields, several of one type: built by name, never by position
 class _Training:
     """What one rank holds for its run: set up by :func:`_set_up`, used by the steps and the outputs."""
 
@@ -96,7 +96,7 @@ class _Training:
     recorder: SpanRecorder
     executor: Executor
     needs_norm: bool
-    sync: StepSync
+    loss_exchange: LossExchange
     tied: TiedGradients
     identity: dict[str, Any]
     folder: Path | None        # --checkpoint-dir
@@ -222,8 +222,8 @@ def _set_up(options: RunOptions, world: World) -> _Training:
     executor = _make_executor(executor_name, stage, plan, loss_fn, device, recorder, options, world, replicas)
     # The global gradient norm is needed to clip by it, and under fp16 to see an overflow.
     needs_norm = options.grad_clip is not None or scaler.enabled
-    sync = StepSync(world.rank, world.world_size, device, clip=needs_norm, timeout_s=options.timeout,
-                    loss_ranks=tuple(plan.stage_ranks(plan.chunks[-1].stage)))
+    loss_exchange = LossExchange(world.rank, world.world_size, device, clip=needs_norm, timeout_s=options.timeout,
+                                 loss_ranks=tuple(plan.stage_ranks(plan.chunks[-1].stage)))
     tied = TiedGradients(ties, stage.index, {old: stage.chunks[c].module.get_parameter(name)
                                              for old, (c, name) in places.items()},
                          pipelines=[plan.replica_ranks(r) for r in range(plan.data_parallel)], replica=replicas.replica)
@@ -246,11 +246,14 @@ def _set_up(options: RunOptions, world: World) -> _Training:
     if start >= options.steps:
         raise BadInput(f"the checkpoint in '{folder}' is at step {start}: --steps {options.steps} leaves nothing to do")
     gradient_sync.start_at(start)   # localsgd counts its averaging period from the steps done
-    run = _Training(options, world, plan, precision, threads, device, context_bytes, executor_name, objects,
-                    joined_here, reporter, warnings, probes, model, stage, replicas, gradient_sync, scaler, data,
-                    _tokens_per_sample(model),
-                    optimizer_name, optimizer, options.learning_rate(optimizer_name), recorder, executor, needs_norm,
-                    sync, tied, identity, folder, start, run_record, adopted)
+    run = _Training(options=options, world=world, plan=plan, precision=precision, threads=threads, device=device,
+                    context_bytes=context_bytes, executor_name=executor_name, objects=objects,
+                    joined_here=joined_here, reporter=reporter, warnings=warnings, probes=probes, model=model,
+                    stage=stage, replicas=replicas, gradient_sync=gradient_sync, scaler=scaler, data=data,
+                    tokens_per_sample=_tokens_per_sample(model), optimizer_name=optimizer_name, optimizer=optimizer,
+                    base_lr=options.learning_rate(optimizer_name), recorder=recorder, executor=executor,
+                    needs_norm=needs_norm, loss_exchange=loss_exchange, tied=tied, identity=identity, folder=folder,
+                    start=start, run_record=run_record, adopted=adopted)
     run.start_notes = _start_notes(run, resumed)
     if isinstance(executor, AsyncExecutor):   # the loop's own data and update, called when the rules say
         executor.batch_of = lambda step: _read_batch(run, step)
@@ -325,7 +328,7 @@ def _run_steps(run: _Training) -> _History:
                 # fsdp starts gathering the next step's parameters. Not after the last step.
                 if step + 1 < options.steps:
                     run.gradient_sync.after_optimizer()
-            run.sync.close()
+            run.loss_exchange.close()
             history.host = (before, hostload.sample())
             # After the last step: the optimizer's state exists (the first step creates it) and
             # CUDA's peak is over every step, not only the first.
@@ -390,7 +393,7 @@ def _one_step(run: _Training, step: int, meter: ActivationMeter | None) -> float
     options, stage, recorder, plan = run.options, run.stage, run.recorder, run.plan
     lr = learning_rate(step, run.base_lr, options)
     set_learning_rate(run.optimizer, lr)   # asynchronous: every update this step applies is the step's
-    run.sync.begin_step()
+    run.loss_exchange.begin_step()
     pipeline = run.async_executor
     if pipeline is not None:
         # The segment's actions through this stage's last backward of the step, its updates
@@ -399,7 +402,7 @@ def _one_step(run: _Training, step: int, meter: ActivationMeter | None) -> float
         local_loss = float(sum(float(v) for v in micro_losses) / plan.micro_batches) if stage.holds_last else 0.0
         watchdog.doing("learning the step's loss from the other ranks", waiting=True)
         t_sync = recorder.mark()
-        loss, _ = run.sync.finish_step(local_loss, 0.0)
+        loss, _ = run.loss_exchange.finish_step(local_loss, 0.0)
         recorder.add("sync", -1, t_sync, recorder.mark())
         if not math.isfinite(loss):
             raise RunFailure(f"the loss is {loss} at step {step + 1}: training diverged; lower --lr (it is {lr:g})")
@@ -435,7 +438,7 @@ def _one_step(run: _Training, step: int, meter: ActivationMeter | None) -> float
     local_loss = float(sum(float(v) for v in micro_losses) / plan.micro_batches) if stage.holds_last else 0.0
     watchdog.doing("learning the step's loss from the other ranks", waiting=True)
     t_sync = recorder.mark()
-    loss, grad_norm = run.sync.finish_step(local_loss, run.gradient_sync.squared_norm_share(
+    loss, grad_norm = run.loss_exchange.finish_step(local_loss, run.gradient_sync.squared_norm_share(
         run.tied.counted(stage.parameters())) if run.needs_norm else 0.0)
     recorder.add("sync", -1, t_sync, recorder.mark())
     if not math.isfinite(loss):
@@ -588,12 +591,7 @@ def replica_rows(batch: tuple[tuple[torch.Tensor, ...], torch.Tensor], replica: 
 def _memory(stage: StageChunks, optimizer: torch.optim.Optimizer, meter: ActivationMeter | None,
             device: torch.device, context_bytes: int | None, sharded: bool = False) -> dict[str, Any]:
     """The rank's memory by part; ``sharded`` (fsdp): parameters and state counted as FSDP holds them."""
-    if sharded:
-        from .fsdp import static_bytes as sharded_static_bytes
-
-        parts: dict[str, Any] = sharded_static_bytes(stage.module, optimizer)
-    else:
-        parts = static_bytes(stage.module, optimizer)
+    parts: dict[str, Any] = static_bytes(stage.module, optimizer, sharded=sharded)
     parts["activations_bytes"] = meter.total_bytes if meter is not None else None
     parts["peak_rss_bytes"] = peak_rss_bytes()
     if device.type == "cuda":
@@ -646,9 +644,7 @@ def _tokens_per_sample(model: LayeredModel) -> int | None:
 
     A language model (the built-in gpt, or one's own under ``--loss lm``, on synthetic ids or a
     data factory's) reads one input of ``seq_len`` token ids per sample."""
-    spec = model.spec
-    if (spec.get("source") == "builtin" and spec.get("name") == "gpt") or \
-            (spec.get("source") == "import" and spec.get("loss") == "lm"):
+    if is_language_model(model.spec):
         return int(model.input_shapes[0][0])
     return None
 

@@ -11,16 +11,14 @@ about 1e-3 away (``test_the_comparison_sees_a_lost_optimizer_state``), far outsi
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from cli_process import BIN, gpipe_plan
 from gpipe_plan.artifacts import BadInput, write_json_atomic
 from gpipe_plan.models import build_model, model_spec
 from gpipe_plan.runtime import checkpoint, init_from
@@ -30,7 +28,6 @@ from gpipe_plan.runtime.options import RunOptions, check_options
 from gpipe_plan.runtime.plan import load_plan
 from gpipe_plan.runtime.stage import build_chunk
 
-BIN = Path(sys.executable).parent
 GPT = model_spec("gpt", layers=2, width=16, heads=2, seq_len=8, vocab_size=256)   # 4 layers
 SAVED_AT, STEPS = 3, 6   # checkpoints of step 3 are resumed up to step 6
 LR = 1e-3                # adam's default, which the runs use
@@ -40,13 +37,6 @@ PLANS = {  # name: (balance, micro-batches, micro-batch size); the global batch 
     "b": ([1, 3], 4, 1),
     "one": ([4], 1, 4),
 }
-
-
-def gpipe_plan(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    env.pop("GPIPE_PLAN_FAULT", None)
-    return subprocess.run([str(BIN / "gpipe-plan"), *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=120)
 
 
 def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

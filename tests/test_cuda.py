@@ -6,14 +6,12 @@ bench/gpu_smoke.sh runs these (``pytest -m gpu``) on the GPU machine; on a CPU t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from cli_process import BIN, gpipe_plan
 from gpipe_plan.artifacts import write_json_atomic
 from gpipe_plan.models import Precision, model_spec
 from gpipe_plan.profiles.profiler import ProfileRequest, profile_model
@@ -22,7 +20,6 @@ from gpipe_plan.runtime.timing import SpanRecorder
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-BIN = Path(sys.executable).parent
 GPT = model_spec("gpt", layers=2, width=256, heads=4, seq_len=128, vocab_size=1024)
 
 
@@ -61,11 +58,6 @@ def test_span_marks_are_cuda_events_read_once_per_step() -> None:
     assert [s.micro_batch for s in spans] == [0, 1, 2]
     assert all(s.duration_s > 0 for s in spans)
     assert all(a.end_s <= b.start_s + 1e-6 for a, b in zip(spans, spans[1:]))
-
-
-def gpipe_plan(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(BIN / "gpipe-plan"), *args], cwd=cwd, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONWARNINGS="ignore"), timeout=300)
 
 
 def test_a_solved_bf16_plan_runs_with_the_profiled_dtypes(tmp_path: Path) -> None:

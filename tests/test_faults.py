@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_process import BIN, gpipe_plan
 from gpipe_plan.artifacts import HOST_TAG, BadInput, Outputs, check_output_paths, write_json_atomic, write_text_atomic
 from gpipe_plan.runtime import checkpoint_dir
 from gpipe_plan.runtime.options import RunOptions, check_options
@@ -30,7 +31,6 @@ from handplan import hand_plan
 from planner_helpers import cli, profile_doc, write_json
 from test_runtime_multiproc import GPT
 
-BIN = Path(sys.executable).parent
 
 
 def error_lines(text: str) -> list[str]:
@@ -39,14 +39,6 @@ def error_lines(text: str) -> list[str]:
 
 def leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.endswith(".tmp"))
-
-
-def gpipe_plan(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 120,
-               preexec_fn=None) -> subprocess.CompletedProcess[str]:
-    environment = dict(os.environ, PYTHONWARNINGS="ignore", **(env or {}))
-    environment.pop("GPIPE_PLAN_FAULT", None)
-    return subprocess.run([str(BIN / "gpipe-plan"), *args], cwd=cwd, env=environment, capture_output=True, text=True,
-                          timeout=timeout, preexec_fn=preexec_fn)
 
 
 def fake_step(folder: Path, step: int, run: dict | None) -> None:

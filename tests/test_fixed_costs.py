@@ -90,7 +90,7 @@ def test_gpipe_dp_equals_brute_force_whatever_each_stage_pays(instance) -> None:
     """The DP's greedy probe cuts each stage with its own class's fixed part (the ends exchange
     fewer messages): always on here, so that every way it hands over to the exact sweep runs."""
     from gpipe_plan.planner.brute import brute_force
-    from gpipe_plan.planner.dp import GPipeSolver
+    from gpipe_plan.planner.gpipe_solver import GPipeSolver
 
     fig, setting = instance
     cm = CostModel(fig, setting)

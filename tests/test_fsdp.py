@@ -135,12 +135,11 @@ def train_replica(sync: Any, stage: StageChunks, rank: int, run_step: Any) -> di
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sync.after_optimizer()
-    from gpipe_plan.runtime.fsdp import local_bytes, static_bytes
-    from gpipe_plan.runtime.memory import element_bytes
+    from gpipe_plan.runtime.memory import element_bytes, local_bytes, static_bytes
 
     whole_bytes, shard_bytes = sum(element_bytes(p) for p in shards), sum(local_bytes(p) for p in shards)
     held = shard_bytes / whole_bytes
-    counted = static_bytes(stage.module, optimizer)
+    counted = static_bytes(stage.module, optimizer, sharded=True)
     # The planner's terms: P whole during the step + the P/d shard, gradients P, Adam's 2 moments of the shard.
     assert counted["params_bytes"] == whole_bytes + shard_bytes
     assert counted["gradients_bytes"] == whole_bytes

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from gpipe_plan.artifacts import BadInput
-from gpipe_plan.models import Classification, LayeredModel, build_model, model_spec
+from gpipe_plan.models import Classification, LayeredModel, build_model, is_language_model, model_spec
 from gpipe_plan.models.user import split
 
 from user_models import SKIP_NET
@@ -253,3 +253,14 @@ def test_build_model_rebuilds_from_a_json_spec(user_module: Callable[[str], str]
         assert torch.equal(x, y)
     with pytest.raises(BadInput, match="can be planned"):
         build_model({"source": "pipedream", "name": "vgg16"})
+
+
+def test_a_language_model_is_gpt_or_ones_own_under_loss_lm() -> None:
+    """One answer (models.spec.is_language_model) for tokens/s and ``run --data FILE.txt``."""
+    assert is_language_model(model_spec("gpt"))
+    assert not is_language_model(model_spec("resnet"))
+    own = {"source": "import", "factory": "pkg.m:make", "input_shape": [8], "input_dtype": "int64",
+           "num_classes": None, "vocab_size": 256}
+    assert is_language_model({**own, "loss": "lm"})
+    assert not is_language_model({**own, "loss": "classify"})
+    assert not is_language_model({"source": "pipedream", "name": "gpt"})   # an imported graph builds nothing

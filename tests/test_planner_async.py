@@ -20,7 +20,7 @@ from gpipe_plan.planner.asynchronous import AsyncSolver, evaluate_async, steady_
 from gpipe_plan.planner.brute import brute_force
 from gpipe_plan.planner.costmodel import CostModel, Setting
 from gpipe_plan.planner.objective import evaluate
-from gpipe_plan.planner.schedule import simulate_plan
+from gpipe_plan.planner.simulator import simulate_plan
 from gpipe_plan.schedules import SCHEDULES
 from gpipe_plan.schema import validate
 from gpipe_plan.weight_versions import (ASYNC_SCHEDULES, staleness, stashed_versions, updates_per_step,

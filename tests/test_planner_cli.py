@@ -438,3 +438,18 @@ def test_zero_time_profile_solves_and_shows(user_dir: Path):
     assert result.exit_code == 0, result.output
     assert json.loads(Path("plan.json").read_text())["predicted"]["step_s"] == 0
     assert cli("show", "plan.json").exit_code == 0
+
+
+def test_b_is_the_global_batch_size_in_every_command() -> None:
+    """``-b`` has one meaning: ``--global-batch-size`` (the samples of a step), in profile as in
+    solve and explore. Profile's ``--batch-size`` (the largest micro-batch it measures) has no
+    short form: ``profile -b 16`` records a global batch of 16, it does not measure up to 16."""
+    from gpipe_plan.cli import main
+
+    short = {name: [p.name for p in command.params if "-b" in getattr(p, "opts", [])]
+             for name, command in main.commands.items()}
+    assert {name: names for name, names in short.items() if names} == {
+        "profile": ["global_batch_size"], "solve": ["global_batch_size"], "explore": ["global_batch_size"]}
+    profile = {p.name: p for p in main.commands["profile"].params}
+    assert profile["batch_size"].opts == ["--batch-size"] and not profile["batch_size"].secondary_opts
+    assert "-b, --global-batch-size" in cli("profile", "--help").output

@@ -21,7 +21,7 @@ from gpipe_plan.artifacts import BadInput
 from gpipe_plan.planner.baselines import min_max
 from gpipe_plan.planner.brute import brute_force, partitions
 from gpipe_plan.planner.costmodel import CostModel, Setting
-from gpipe_plan.planner.dp import GPipeSolver
+from gpipe_plan.planner.gpipe_solver import GPipeSolver
 from gpipe_plan.planner.ilp import solve_ilp
 from gpipe_plan.planner.objective import evaluate, work_floor
 from gpipe_plan.planner.onefoneb import OneFOneBSolver

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from gpipe_plan.artifacts import BadInput
 from gpipe_plan.cli import main
 from gpipe_plan.planner.costmodel import CostModel, Setting
-from gpipe_plan.planner.dp import GPipeSolver
+from gpipe_plan.planner.gpipe_solver import GPipeSolver
 from gpipe_plan.planner.ilp import solve_ilp
 from gpipe_plan.planner.onefoneb import OneFOneBSolver
 from gpipe_plan.planner.pipedream import import_pipedream

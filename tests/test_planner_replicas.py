@@ -158,12 +158,12 @@ def test_zero_bubble_stays_exact_with_a_gradient_sync(instance):
 
 
 def test_gpipe_without_sends_or_optimizer_still_charges_the_sync():
-    """GPipe's fast path for "nothing after the backward" (dp.py, constant_additive) must not
+    """GPipe's fast path for "nothing after the backward" (gpipe_solver.py, constant_additive) must not
     take a plan whose only after-the-backward term is the sync: it once tested the optimizer
     time alone and missed the best cut in 6 of these 300 instances."""
     import random
 
-    from gpipe_plan.planner.dp import GPipeSolver
+    from gpipe_plan.planner.gpipe_solver import GPipeSolver
 
     rng = random.Random(1)
     for _ in range(300):

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from gpipe_plan.planner.costmodel import CostModel, Setting
 from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.onefoneb import OneFOneBSolver
-from gpipe_plan.planner.schedule import ChunkTimes, Timeline, gpipe_makespan, simulate_plan
+from gpipe_plan.planner.simulator import ChunkTimes, Timeline, gpipe_makespan, simulate_plan
 from gpipe_plan.schedules import all_actions
 
 from planner_helpers import (bounds_strategy, close, hyp, instances, make_figures, ref_evaluate,

@@ -21,6 +21,7 @@ import pytest
 import torch
 from torch import nn
 
+from cli_process import BIN, gpipe_plan
 from gpipe_plan.artifacts import BadInput, check_precision, write_json_atomic
 from gpipe_plan.models import AsTuple, Precision, model_spec
 from gpipe_plan.planner.command import solve_file
@@ -33,7 +34,6 @@ from gpipe_plan.runtime.loss_scale import LossScaler
 
 from planner_helpers import profile_doc
 
-BIN = Path(sys.executable).parent
 TINY = model_spec("gpt", layers=2, width=32, heads=2, seq_len=16, vocab_size=256)
 TEXT = "the quick brown fox jumps over the lazy dog; " * 400
 
@@ -41,12 +41,6 @@ TEXT = "the quick brown fox jumps over the lazy dog; " * 400
 def profile(spec: dict, precision: Precision, sizes: list[int] = [1, 2]) -> dict:  # noqa: B006
     return profile_model(ProfileRequest(spec=spec, micro_batch_sizes=sizes, warmup=0, repeats=1,
                                         recompute=False, precision=precision))
-
-
-def gpipe_plan(*args: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    return subprocess.run([str(BIN / "gpipe-plan"), *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 # --------------------------------------------------------------------------- the pairs

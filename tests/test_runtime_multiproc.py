@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 import time
 import uuid
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from cli_process import BIN, gpipe_plan, leftover_processes
 from gpipe_plan.artifacts import BadInput, RunFailure, write_json_atomic
 from gpipe_plan.models import build_model, model_spec
 from gpipe_plan.runtime.data import step_generator
@@ -31,7 +31,6 @@ from gpipe_plan.schema import REPORT_FORMAT
 
 from user_models import SKIP_NET, SKIP_NET_CLASSES, SKIP_NET_INPUTS
 
-BIN = Path(sys.executable).parent
 GPT = model_spec("gpt", layers=2, width=16, heads=2, seq_len=8, vocab_size=256)
 RESNET = model_spec("resnet", blocks=[1, 1], width=8, image_size=8, num_classes=5)
 STEPS = 3
@@ -204,32 +203,6 @@ def test_a_plan_with_other_than_world_size_stages_is_refused(group_runs: dict[st
 
 
 # ---------------------------------------------------------------------- the command line
-def gpipe_plan(*args: str, cwd: Path, fault: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """Run ``gpipe-plan`` as a user would; check afterwards that it left no process behind."""
-    mark = uuid.uuid4().hex
-    env = dict(os.environ, GPIPE_PLAN_TEST_MARK=mark, PYTHONWARNINGS="ignore")
-    env.pop("GPIPE_PLAN_FAULT", None)
-    if fault:
-        env["GPIPE_PLAN_FAULT"] = fault
-    result = subprocess.run([str(BIN / "gpipe-plan"), *args], cwd=cwd, env=env, capture_output=True, text=True,
-                            timeout=timeout)
-    assert leftover_processes(mark) == [], "processes left behind"
-    return result
-
-
-def leftover_processes(mark: str) -> list[int]:
-    """Processes whose environment carries ``mark`` (the launcher's and its ranks')."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if mark.encode() in (entry / "environ").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                pass
-    return found
-
-
 def test_killed_run_resumes_to_the_same_parameters(workdir: Path, gpt_plan: Path, group_runs: dict[str, Any]) -> None:
     """A rank killed at step 5 of 6; resumed from the step-4 checkpoint, the run ends where an
     uninterrupted one does, bit for bit. The killed rank stops the others (exit 1)."""

@@ -88,7 +88,7 @@ def test_replica_rows_split_the_batch_into_contiguous_parts() -> None:
 
 
 def test_ddp_buckets_hold_about_the_bucket_size_in_order_one_dtype_each() -> None:
-    from gpipe_plan.runtime.replicas import DdpSync
+    from gpipe_plan.runtime.gradient_sync import DdpSync
 
     params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n, dtype in
               ((10, torch.float32), (10, torch.float32), (30, torch.float32), (5, torch.float64), (5, torch.float32))]
@@ -101,7 +101,7 @@ def test_ddp_buckets_hold_about_the_bucket_size_in_order_one_dtype_each() -> Non
 
 def test_one_replica_makes_no_mesh_and_syncs_nothing(tmp_path: Path) -> None:
     from gpipe_plan.runtime.distributed import replicas_of
-    from gpipe_plan.runtime.replicas import NoSync, make_gradient_sync
+    from gpipe_plan.runtime.gradient_sync import NoSync, make_gradient_sync
 
     plan = load_plan(write_json(tmp_path / "p.json", hand_plan(GPT, [2, 2], micro_batches=2, micro_batch_size=2)))
     one = replicas_of(plan, 1, torch.device("cpu"))   # no process group needed: nothing is built

@@ -2,7 +2,7 @@
 
 Pure Python except the comparison with torch's own orders, which skips without torch. The
 replay below is written from the dependency rules in docs/planner.md ("Schedules"), not from
-planner/schedule.py: a different algorithm (a global clock: always start, among the actions
+planner/simulator.py: a different algorithm (a global clock: always start, among the actions
 whose predecessors are done, the one that can start first) that must reach the same step.
 """
 
@@ -17,7 +17,7 @@ import pytest
 
 from gpipe_plan.planner.costmodel import CostModel, Setting
 from gpipe_plan.planner.objective import evaluate
-from gpipe_plan.planner.schedule import ChunkTimes, simulate_plan
+from gpipe_plan.planner.simulator import ChunkTimes, simulate_plan
 from gpipe_plan.schedules import (SCHEDULES, SPLIT_BACKWARD, all_actions, check_actions, chunks_per_stage, problem,
                                   stage_of_chunk)
 

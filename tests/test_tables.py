@@ -25,7 +25,7 @@ from gpipe_plan.runtime.report import print_summary
 from gpipe_plan.schema import FORMAT_VERSIONS, PROFILE_FORMAT
 
 from planner_helpers import profile_doc, table_rows, write_json
-from test_ux import report_doc
+from test_trainer_messages import report_doc
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*PuLP 4:DeprecationWarning")
 

@@ -15,11 +15,11 @@ from hypothesis import given, strategies as st
 from gpipe_plan.planner.brute import brute_force
 from gpipe_plan.planner.chunked import ChunkedSolver
 from gpipe_plan.planner.costmodel import CostModel, Setting
-from gpipe_plan.planner.dp import GPipeSolver
+from gpipe_plan.planner.gpipe_solver import GPipeSolver
 from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.onefoneb import OneFOneBSolver
 from gpipe_plan.planner.render import plan_timeline
-from gpipe_plan.planner.schedule import ChunkTimes, simulate_plan
+from gpipe_plan.planner.simulator import ChunkTimes, simulate_plan
 from gpipe_plan.planner.timeshare import concurrent_ranks_of, time_shared_makespan
 from gpipe_plan.schedules import chunks_per_stage, problem
 

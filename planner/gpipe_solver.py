@@ -1,6 +1,6 @@
 """The exact solver for GPipe: thresholds, a feasibility probe, and branch and bound.
 
-GPipe's step time for a partition P of the layers into K stages (see :mod:`planner.schedule`)
+GPipe's step time for a partition P of the layers into K stages (see :mod:`planner.simulator`)
 splits into a part that adds up over stages and a part set by the slowest stations::
 
     T(P) = A(P) + (M - 1) * (Phi(P) + Gamma(P))

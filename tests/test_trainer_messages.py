@@ -1,4 +1,4 @@
-"""A trainer's UX (issue 19, items 3, 4, 6, 7, 8): which batch a plan is for, whether pipelining
+"""What a trainer is told (issue 19, items 3, 4, 6, 7, 8): which batch a plan is for, whether pipelining
 pays, one headline prediction and a calibration that does not overfit a noisy run, what the
 terminal shows, and the demo's text."""
 
@@ -83,10 +83,11 @@ def test_older_profiles_keep_todays_batch_and_solve_says_where_it_came_from(user
 
 
 def test_profile_command_records_the_global_batch_and_reports_phases_without_a_terminal(user_dir: Path) -> None:
-    """A real (tiny) profile: the key is written, and stderr, not a terminal, gets one line per phase."""
+    """A real (tiny) profile: the key is written, and stderr, not a terminal, gets one line per phase.
+    ``-b`` is ``--global-batch-size`` here as in solve and explore (not the largest micro-batch)."""
     result = cli("profile", "gpt", "--layers", "1", "--width", "16", "--heads", "2", "--seq-len", "8",
                  "--micro-batch-sizes", "1,2", "--repeats", "1", "--warmup", "0", "--contention-processes", "0",
-                 "--no-recompute-timing", "--no-fixed-costs", "--global-batch-size", "6", "--out", "tiny.json")
+                 "--no-recompute-timing", "--no-fixed-costs", "-b", "6", "--out", "tiny.json")
     assert result.exit_code == 0, result.output
     assert json.loads(Path("tiny.json").read_text())["global_batch_size"] == 6
     lines = result.stderr.splitlines()

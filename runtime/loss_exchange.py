@@ -30,7 +30,9 @@ from .p2p import PeerLost, TimedOut
 LOSS_TAG = 1 << 30  # far above the tags of activations and gradients (see p2p.tag)
 
 
-class StepSync:
+class LossExchange:
+    """One rank's side of the once-a-step exchange of the loss (and the squared gradient norm)."""
+
     def __init__(self, rank: int, world_size: int, device: torch.device, clip: bool, timeout_s: float,
                  loss_ranks: tuple[int, ...] | None = None) -> None:
         """``loss_ranks``: the rank that computes the loss in each replica, replica 0's first (their
