@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import json
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from gpipe_plan.planner.replicas import factorisations
 from planner_helpers import cli, make_figures, profile_doc, write_json
 from test_runtime_multiproc import run_in_one_group
 from test_runtime_replicas import data_parallel_plan
-from user_models import TEACHER_DATA_AND_LOSS
+from user_models import TEACHER_DATA_AND_LOSS, spec_in, user_module_dir
 
 LR = 0.05
 # The user's model, data and loss (--data, --loss): 4 classes of a fixed random linear map of x.
@@ -144,22 +143,12 @@ def test_explore_takes_sync_every_with_devices_and_localsgd_only(tmp_path: Path)
 # ---------------------------------------------------------------------- the runtime
 @pytest.fixture(scope="module")
 def task_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("localsgd")
-    # A module name no other test file uses: the pytest process keeps imported modules by name,
-    # and test_hooks.py's own "task" (no `loss`) would answer this file's "task:loss".
-    (folder / "localsgd_task.py").write_text(textwrap.dedent(TASK))
-    return folder
+    # Not "task": test_hooks.py's own, kept in the pytest process, has no `loss` (user_module_dir).
+    return user_module_dir(tmp_path_factory, "localsgd_task", TASK)
 
 
 def task_spec(task_dir: Path) -> dict[str, Any]:
-    import os
-
-    old = os.getcwd()
-    os.chdir(task_dir)
-    try:
-        return model_spec("localsgd_task:make", data="localsgd_task:data", loss="localsgd_task:loss")
-    finally:
-        os.chdir(old)
+    return spec_in(task_dir, "localsgd_task:make", data="localsgd_task:data", loss="localsgd_task:loss")
 
 
 def reference(task_dir: Path, replicas: int, global_batch: int, steps: int, H: int,

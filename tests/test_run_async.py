@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ from gpipe_plan.runtime.options import RunOptions, async_problem
 from handplan import hand_plan
 from test_runtime_multiproc import BIN, assert_same_parameters, run_in_one_group
 from test_runtime_replicas import data_parallel_plan
-from user_models import SKIP_NET, SKIP_NET_INPUTS, TEACHER_DATA_AND_LOSS
+from user_models import SKIP_NET, SKIP_NET_INPUTS, TEACHER_DATA_AND_LOSS, spec_in, user_module_dir
 
 # The skip net with its own data (a fixed teacher's classes) and loss, as --data and --loss name them.
 TASK = SKIP_NET + TEACHER_DATA_AND_LOSS + """
@@ -58,16 +57,12 @@ STEPS, LR, M, MICRO = 5, 0.05, 4, 2
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("async")
-    (folder / "asynctask.py").write_text(textwrap.dedent(TASK))
-    return folder
+    return user_module_dir(tmp_path_factory, "asynctask", TASK)
 
 
 def task_spec(workdir: Path) -> dict[str, Any]:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.chdir(workdir)
-        return model_spec("asynctask:make", input_shape=[SKIP_NET_INPUTS], data="asynctask:data",
-                          loss="asynctask:loss")
+    return spec_in(workdir, "asynctask:make", input_shape=[SKIP_NET_INPUTS], data="asynctask:data",
+                   loss="asynctask:loss")
 
 
 def async_plan(workdir: Path, name: str, schedule: str, balance: list[int], replicas: int = 1,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import textwrap
 import time
 import uuid
 from pathlib import Path
@@ -29,7 +28,7 @@ from handplan import hand_plan
 from gpipe_plan.runtime.launch import free_port
 from gpipe_plan.schema import REPORT_FORMAT
 
-from user_models import SKIP_NET, SKIP_NET_CLASSES, SKIP_NET_INPUTS
+from user_models import SKIP_NET, SKIP_NET_CLASSES, SKIP_NET_INPUTS, spec_in, user_module_dir
 
 GPT = model_spec("gpt", layers=2, width=16, heads=2, seq_len=8, vocab_size=256)
 RESNET = model_spec("resnet", blocks=[1, 1], width=8, image_size=8, num_classes=5)
@@ -40,18 +39,11 @@ LR = 1e-3
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder with the user's model module in it; ranks start there (and import from it)."""
-    folder = tmp_path_factory.mktemp("runtime")
-    (folder / "skipnet.py").write_text(textwrap.dedent(SKIP_NET))
-    return folder
+    return user_module_dir(tmp_path_factory, "skipnet", SKIP_NET)
 
 
 def user_spec(workdir: Path) -> dict[str, Any]:
-    old = os.getcwd()
-    os.chdir(workdir)
-    try:
-        return model_spec("skipnet:make", input_shape=[SKIP_NET_INPUTS], num_classes=SKIP_NET_CLASSES)
-    finally:
-        os.chdir(old)
+    return spec_in(workdir, "skipnet:make", input_shape=[SKIP_NET_INPUTS], num_classes=SKIP_NET_CLASSES)
 
 
 def unsplit_training(spec: dict[str, Any], global_batch: int, steps: int = STEPS, seed: int = 0,

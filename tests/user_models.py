@@ -5,6 +5,35 @@ over fc2 and fc3 to be added back before the last layer: the cut after fc2 carri
 ``relu(fc2(h))`` *and* ``h``. Input width 8, 4 classes.
 """
 
+import os
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpipe_plan.models import model_spec
+
+
+def user_module_dir(tmp_path_factory: pytest.TempPathFactory, module: str, source: str) -> Path:
+    """A fresh folder holding the user's module ``module``.py (``source``, dedented); ranks start
+    there and import from it. Name the module apart from other test files' modules: the pytest
+    process keeps imported modules by name, so a second file's ``task`` would find the first's."""
+    folder = tmp_path_factory.mktemp(module)
+    (folder / f"{module}.py").write_text(textwrap.dedent(source))
+    return folder
+
+
+def spec_in(folder: Path, factory: str, **options: Any) -> dict[str, Any]:
+    """``model_spec(factory, **options)`` as made in ``folder``, where the factory's module lives."""
+    old = os.getcwd()
+    os.chdir(folder)
+    try:
+        return model_spec(factory, **options)
+    finally:
+        os.chdir(old)
+
+
 SKIP_NET = """
     import torch
     from torch import nn
