@@ -73,7 +73,7 @@ Memory of stage k, in bytes::
     parameters + gradients + optimizer state (Adam 2x, momentum 1x, SGD 0x the parameters)
     + buffers                                                (of all its chunks)
       (the asynchronous schedules hold ``weight_versions.weight_copies`` copies of the
-      parameters, the gradients and optimizer state once: :func:`static_bytes`)
+      parameters, the gradients and optimizer state once: :func:`charged_static_bytes`)
     + activations: the peak over the stage's action list (schedules.peak_bytes): each
       micro-batch holds a chunk's saved activations from its F to its B (or I); a chunk that
       recomputes holds only its *input* and, while it recomputes, the rest of its activations
@@ -92,7 +92,7 @@ Replicas (planner/replicas.py): with d copies of the pipeline, stage k averages 
 over its d replicas once a step, a ring all-reduce of its parameter bytes
 (:func:`gpipe_plan.collectives.ring_allreduce_s`), charged after its last backward with the optimizer
 step (:meth:`CostModel.gradient_sync_s`); with FSDP, the parameters and optimizer state are
-sharded 1/d between steps (:func:`static_bytes`); with LocalSGD, no gradient is all-reduced and
+sharded 1/d between steps (:func:`charged_static_bytes`); with LocalSGD, no gradient is all-reduced and
 the same all-reduce of the parameters runs once every H steps, charged 1/H of it per step.
 
 Time of a whole step is a property of the schedule, not of one stage: see
@@ -158,8 +158,8 @@ class Setting:
         return self.concurrent_ranks < self.stages
 
 
-def static_bytes(params_bytes: float, optimizer: str, data_parallel: int = 1,
-                 gradient_sync: str = "ddp", weight_versions: int = 1) -> tuple[float, float, float]:
+def charged_static_bytes(params_bytes: float, optimizer: str, data_parallel: int = 1,
+                         gradient_sync: str = "ddp", weight_versions: int = 1) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer state) in bytes, per rank, of a stage of ``params_bytes``.
 
     ``weight_versions``: the copies of the parameters the stage holds at once, the live ones
@@ -474,8 +474,8 @@ class CostModel:
                                 for k in range(self.K)]
         # parameters + gradients + optimizer state per parameter byte (2 + multiplier for ddp),
         # per stage (its weight versions)
-        self.static_per_param_of = [sum(static_bytes(1.0, setting.optimizer, setting.data_parallel,
-                                                     setting.gradient_sync, versions))
+        self.static_per_param_of = [sum(charged_static_bytes(1.0, setting.optimizer, setting.data_parallel,
+                                                             setting.gradient_sync, versions))
                                     for versions in self.weight_versions]
         self.static_per_param = self.static_per_param_of[0]
         # The gradient sync over the replicas: on when there are several and it costs something.
@@ -780,8 +780,9 @@ class CostModel:
         for s, e in spans:
             params += pp[e] - pp[s]
             buffers += pbuf[e] - pbuf[s]
-        held_params, gradients, state = static_bytes(params, self.setting.optimizer, self.setting.data_parallel,
-                                                     self.setting.gradient_sync, self.weight_versions[k])
+        held_params, gradients, state = charged_static_bytes(params, self.setting.optimizer,
+                                                             self.setting.data_parallel, self.setting.gradient_sync,
+                                                             self.weight_versions[k])
         return StageCost(
             index=k, chunks=self.peaks[k].chunks, recompute=recompute,
             optimizer_s=self.stage_optimizer(spans),

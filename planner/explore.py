@@ -36,7 +36,7 @@ from ..weight_versions import ASYNC_SCHEDULES
 from .asynchronous import AsyncSolver
 from .budgets import EXPLORE_POINT_TIME_BUDGET_S
 from .chunked import ChunkedSolver
-from .costmodel import CostModel, Setting, stage_peaks, static_bytes
+from .costmodel import CostModel, Setting, charged_static_bytes, stage_peaks
 from .gpipe_solver import GPipeSolver
 from .objective import Solution
 from .onefoneb import OneFOneBSolver
@@ -561,7 +561,7 @@ class _Replicated:
         self.L = a + p * blocks + (fig.num_layers - self.tail_start)
         self.setting = setting
         # parameters + gradients + optimizer state per parameter byte, as CostModel.static_memory
-        self.per_param = sum(static_bytes(1.0, setting.optimizer, setting.data_parallel, setting.gradient_sync))
+        self.per_param = sum(charged_static_bytes(1.0, setting.optimizer, setting.data_parallel, setting.gradient_sync))
         weights = [pb * self.per_param + bb for pb, bb in zip(fig.param_bytes, fig.buffer_bytes)]
         self.static = self._series(fig, weights, block)
         self.act = self._series(fig, list(fig.activation_bytes), block)

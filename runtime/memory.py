@@ -124,7 +124,7 @@ def parameter_storages(module: nn.Module) -> set[int]:
 def static_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None,
                  sharded: bool = False) -> dict[str, int]:
     """Bytes of parameters, their gradients, the optimizer's state and the buffers, as measured on
-    this rank (the planner's charge for them is ``planner.costmodel.static_bytes``).
+    this rank (the planner's charge for them is ``planner.costmodel.charged_static_bytes``).
 
     ``sharded`` (fsdp, which needs ``optimizer``): the stage's peak, in the planner's terms
     (docs/planner.md, "Data parallel"): during the step a rank holds the whole parameters P

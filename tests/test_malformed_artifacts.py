@@ -34,6 +34,7 @@ from gpipe_plan.plan_layout import plan_chunks
 from gpipe_plan.runtime.plan import load_plan
 from gpipe_plan.schema import FORMAT_VERSIONS, PROFILE_FORMAT, REPORT_FORMAT
 
+from cli_process import gpipe_plan
 from planner_helpers import profile_doc
 
 # planner/ilp.py uses pulp APIs that pulp deprecates for its 4.0 (thousands of warnings a run).
@@ -371,14 +372,10 @@ def test_messages_name_the_key_path(artifacts: dict[str, Any], tmp_path: Path) -
 def test_a_real_process_refuses_in_one_line(tmp_path: Path) -> None:
     """The same through the installed entry point in its own process (the recursion limit and
     the stderr a user sees are the real ones, not the test runner's)."""
-    import subprocess
-    import sys
-
     _write(tmp_path / "deep.json", NESTED)
     _write(tmp_path / "huge.json", put(valid_profile(), ("layers", 0, "param_bytes"), HUGE_INT))
     for name in ("deep.json", "huge.json"):
-        done = subprocess.run([sys.executable, "-m", "gpipe_plan.cli", "solve", name, "--stages", "2", "--out", "p.json"],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        done = gpipe_plan("solve", name, "--stages", "2", "--out", "p.json", cwd=tmp_path, timeout=60)
         assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, (name, done.returncode, done.stderr)
         assert name in done.stderr and not (tmp_path / "p.json").exists()
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import re
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from gpipe_plan.schedules import (SPLIT_BACKWARD, all_actions, chunks_of_stage, 
                                   stage_of_chunk)
 
 from plan_docs import as_version_4, chunked_plan
+from cli_process import gpipe_plan
 from planner_helpers import cli, REPO, profile_doc, table_rows, write_json
 
 # planner/ilp.py uses pulp APIs that pulp deprecates for its 4.0 (thousands of warnings a run).
@@ -142,10 +142,8 @@ def test_solve_twice_gives_byte_identical_plans(user_dir: Path):
     assert Path("a.json").read_bytes() == Path("sub/b.json").read_bytes()
     # and from fresh processes with different hash seeds (set and dict order must not matter)
     for seed in ("0", "4242"):
-        env = {**os.environ, "PYTHONHASHSEED": seed}
-        proc = subprocess.run([sys.executable, "-m", "gpipe_plan.cli", "solve", "profile.json", "--stages", "3",
-                               "--out", f"p{seed}.json", "-q"], cwd=user_dir, env=env, capture_output=True, text=True,
-                              timeout=120)
+        proc = gpipe_plan("solve", "profile.json", "--stages", "3", "--out", f"p{seed}.json", "-q", cwd=user_dir,
+                          env={"PYTHONHASHSEED": seed}, timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert Path(f"p{seed}.json").read_bytes() == Path("a.json").read_bytes()
 
@@ -367,8 +365,7 @@ def test_memory_limit_no_plan_meets_says_what_works(profile_path: Path, user_dir
 
 
 def test_bad_input_in_a_real_process_is_one_line_on_stderr(profile_path: Path, user_dir: Path):
-    proc = subprocess.run([sys.executable, "-m", "gpipe_plan.cli", "solve", "profile.json", "--stages", "9",
-                           "--out", "plan.json"], cwd=user_dir, capture_output=True, text=True, timeout=120)
+    proc = gpipe_plan("solve", "profile.json", "--stages", "9", "--out", "plan.json", cwd=user_dir, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: --stages 9"), proc.stderr
     assert not (user_dir / "plan.json").exists()
