@@ -19,12 +19,12 @@ def gpipe_plan(*args: str, cwd: Path, fault: str | None = None, env: dict[str, s
                timeout: float = 300, preexec_fn=None) -> subprocess.CompletedProcess[str]:
     """Run ``gpipe-plan ARGS`` in ``cwd`` and check that it left no process behind.
 
-    The environment is this one's with ``env`` on top, warnings off (a run's stderr is what it
-    says) and the tests' fault injection (GPIPE_PLAN_FAULT) only when ``fault`` gives it, never
-    inherited. A mark in the environment finds the launcher's ranks afterwards: a command must
+    The environment is this one's with warnings off (a run's stderr is what it says) and ``env``
+    on top (``PYTHONWARNINGS=""`` gives Python's own warnings, as a user's shell does), and the
+    tests' fault injection (GPIPE_PLAN_FAULT) only when ``fault`` gives it, never inherited. A mark in the environment finds the launcher's ranks afterwards: a command must
     take its processes with it, whatever its exit. ``timeout`` bounds a hang (seconds)."""
     mark = uuid.uuid4().hex
-    environment = dict(os.environ, GPIPE_PLAN_TEST_MARK=mark, PYTHONWARNINGS="ignore", **(env or {}))
+    environment = {**os.environ, "GPIPE_PLAN_TEST_MARK": mark, "PYTHONWARNINGS": "ignore", **(env or {})}
     environment.pop("GPIPE_PLAN_FAULT", None)
     if fault:
         environment["GPIPE_PLAN_FAULT"] = fault
