@@ -26,6 +26,8 @@ PARTS = {
     "solver": ("bench.planner_speed", "solver speed: 2,000 layers x 64 stages, full search on 500 layers"),
     "exactness": ("bench.exactness", "share of plans proven optimal, gaps and solve time on the PipeDream "
                                      "profiles, every schedule, K = 2-8; against an earlier planner's plans"),
+    "milp-charge": ("bench.milp_charge", "what the MILP's branch-and-bound nodes cost here, per size, against "
+                                         "what the work budget charges them"),
     "scaling": ("bench.solver_scaling", "solver time vs layers (100-5,000) and stages (2-128), DP and ILP"),
     "explore": ("bench.explore_grid", "explore grids on two PipeDream profiles; three gpt cells run for real"),
     "handtuning": ("bench.handtuning", "our plan vs a grid of hand-tuned uniform splits x M, measured on this CPU"),

@@ -4,7 +4,7 @@ its answer means.
 HiGHS (``highspy``, handed the programme's arrays directly: pulp's HiGHS interface passes no
 warm start and fails on a node limit's status) solves it on one thread, warm-started from the
 best plan the search has, and stops after a number of branch-and-bound nodes (its work budget,
-:func:`node_cost_s` per node) or once its bound reaches a cutoff: a count, unlike the clock,
+:func:`nodes_cost_s`) or once its bound reaches a cutoff: a count, unlike the clock,
 gives the same plan and bound on every run and machine; the wall-clock limit is only a safety
 net. Without highspy the programme goes to pulp's CBC (one thread, the same node limit; CBC
 through pulp reports no bound when it stops early); without either the planner plans with its
@@ -33,15 +33,20 @@ from .objective import Evaluation, Solution, evaluate, proven_optimal
 # A gap HiGHS may close to call its plan optimal: its own tolerances (feasibility 1e-7 on
 # rows scaled to a layer's time) make a tighter claim meaningless.
 RELATIVE_GAP = 1e-6
-# The budget in work: the solver stops after a number of branch-and-bound nodes, each charged
-# NODE_S_PER_THOUSAND seconds per thousand variables and constraints (node_cost_s), after
-# milp.fixed_cost_s for building the programme and its root. A node took 6-15 ms of CPU per
-# thousand on the 2-core development VM; charged 10, the node limit binds before the wall clock
-# (a safety net at budgets.WALL_SAFETY times the work) wherever nodes take under 30 ms, so a plan
-# does not depend on the machine's speed. Charged 20 (twice the slowest), searches of the 30 s
-# default used about 10 s of CPU and stopped unproven where more nodes prove (3 of 6 such
-# PipeDream settings tried; docs/benchmarks/exactness.md).
-NODE_S_PER_THOUSAND = 0.01
+# The budget in work: the solver stops after a number of branch-and-bound nodes, charged by the
+# programme's size (per thousand variables and constraints, nodes_cost_s) after milp.fixed_cost_s
+# for building it and its root. HiGHS's first nodes cost most (it strong-branches until its
+# pseudocosts are reliable), the later ones far less, so the first EARLY_NODES are charged
+# EARLY_NODE_S_PER_THOUSAND each and the rest NODE_S_PER_THOUSAND: about the CPU time they took
+# on the 2-core development VM, so that a budget of 30 s takes about 30 s there, and the node
+# limit binds before the wall clock (a safety net at budgets.WALL_SAFETY times the work), so a plan
+# does not depend on the machine's speed (figures: docs/benchmarks/milp-charge.md, made by
+# ``python -m bench milp-charge``). Charged 10 ms a node throughout (five times what later nodes
+# took), searches of the 30 s default used half their time and proved 0 of 8 unproven PipeDream
+# settings that 2 ms proves 5 of.
+EARLY_NODES = 200
+EARLY_NODE_S_PER_THOUSAND = 0.005
+NODE_S_PER_THOUSAND = 0.002
 
 
 @dataclass
@@ -54,7 +59,7 @@ class MilpResult:
     proven: bool
     infeasible: bool                 # no cut fits at all
     solver: str
-    work_s: float                    # the budget it used, in seconds of work (node_cost_s)
+    work_s: float                    # the budget it used, in seconds of work (nodes_cost_s)
     stats: dict
 
 
@@ -77,13 +82,12 @@ def solve_milp(cm: CostModel, start: Evaluation | None = None, cutoff_s: float =
     cutoff = cutoff_s / model.unit if math.isfinite(cutoff_s) else math.inf
     wall = max(0.05, 3 * work_budget_s if time_limit_s is None else time_limit_s)
     fixed = fixed_cost_s(cm)
-    per_node = node_cost_s(model)
-    nodes = max(0, int((work_budget_s - fixed) / per_node))
+    nodes = nodes_within(model, work_budget_s - fixed)
     if solver == "HiGHS":
         status, lower, cut, stats = _run_highs(model, values, cutoff, nodes, wall)
     else:
         status, lower, cut, stats = _run_cbc(model, values, max(1, nodes), wall)
-    work = fixed + min(nodes, stats["nodes"]) * per_node
+    work = fixed + nodes_cost_s(model, min(nodes, stats["nodes"]))
     stats = {**model.stats, **stats, "node_limit": nodes, "build_seconds": round(built, 3),
              "seconds": round(time.perf_counter() - started, 3)}
     if status == "infeasible" and not math.isfinite(cutoff):
@@ -100,10 +104,27 @@ def solve_milp(cm: CostModel, start: Evaluation | None = None, cutoff_s: float =
     return MilpResult(cut, lower_s, status == "optimal", False, solver, work, stats)
 
 
-def node_cost_s(model: _Model) -> float:
-    """What one branch-and-bound node is charged, in seconds of work: :data:`NODE_S_PER_THOUSAND`
-    per thousand variables and constraints (a node re-solves the programme's linear relaxation)."""
-    return (model.stats["variables"] + model.stats["constraints"]) / 1000 * NODE_S_PER_THOUSAND
+def _thousands(model: _Model) -> float:
+    return (model.stats["variables"] + model.stats["constraints"]) / 1000
+
+
+def nodes_cost_s(model: _Model, nodes: int) -> float:
+    """What ``nodes`` branch-and-bound nodes are charged, in seconds of work: the first
+    :data:`EARLY_NODES` at :data:`EARLY_NODE_S_PER_THOUSAND` per thousand variables and
+    constraints, the rest at :data:`NODE_S_PER_THOUSAND` (each node re-solves the programme's
+    linear relaxation; the first ones also strong-branch)."""
+    early = min(nodes, EARLY_NODES)
+    return _thousands(model) * (early * EARLY_NODE_S_PER_THOUSAND + (nodes - early) * NODE_S_PER_THOUSAND)
+
+
+def nodes_within(model: _Model, work_s: float) -> int:
+    """The most nodes ``work_s`` seconds of work pay for (:func:`nodes_cost_s`)."""
+    if work_s <= 0:
+        return 0
+    early_s = nodes_cost_s(model, EARLY_NODES)
+    if work_s < early_s:
+        return int(work_s / (_thousands(model) * EARLY_NODE_S_PER_THOUSAND))
+    return EARLY_NODES + int((work_s - early_s) / (_thousands(model) * NODE_S_PER_THOUSAND))
 
 
 _banner_silenced = False

@@ -169,7 +169,7 @@ def _gnmt() -> Profile:
 
 
 def test_a_milp_stopped_by_its_work_budget_gives_the_same_answer_twice():
-    """The budget is simplex iterations, not seconds: two runs stop at the same point."""
+    """The budget is branch-and-bound nodes, not seconds: two runs stop at the same point."""
     profile = _gnmt()
     cm = CostModel(profile.at(2), Setting(8, 32, "interleaved", "never", virtual_stages=4))
     start = evaluate(cm, tuple(j * cm.L // cm.C for j in range(cm.C + 1)))
@@ -178,6 +178,32 @@ def test_a_milp_stopped_by_its_work_budget_gives_the_same_answer_twice():
     assert not first.proven      # it did stop at its budget
     assert (first.bounds, first.lower_bound_s, first.stats["iterations"], first.stats["nodes"]) == \
            (second.bounds, second.lower_bound_s, second.stats["iterations"], second.stats["nodes"])
+
+
+def test_a_node_budget_is_what_its_nodes_are_charged():
+    """The first nodes are charged more than the later ones (HiGHS strong-branches there), a
+    budget buys the most nodes it pays for, and a MILP's work is its build and root plus its
+    nodes' charge, never more than its budget."""
+    profile = _gnmt()
+    cm = CostModel(profile.at(2), Setting(4, 8, "interleaved", "never", virtual_stages=2))
+    model = milp.build(cm)
+    cost = [milp_solve.nodes_cost_s(model, n) for n in range(milp_solve.EARLY_NODES + 3)]
+    steps = [b - a for a, b in zip(cost, cost[1:])]
+    assert cost[0] == 0 and all(s > 0 for s in steps)
+    assert steps[milp_solve.EARLY_NODES - 1] > steps[milp_solve.EARLY_NODES]     # early nodes cost more
+    for n in (0, 1, 57, milp_solve.EARLY_NODES - 1, milp_solve.EARLY_NODES, milp_solve.EARLY_NODES + 1, 4000):
+        paid = milp_solve.nodes_cost_s(model, n)
+        late = milp_solve.nodes_cost_s(model, milp_solve.EARLY_NODES + 1) - milp_solve.nodes_cost_s(
+            model, milp_solve.EARLY_NODES)
+        assert milp_solve.nodes_within(model, paid + late / 2) == n
+    assert milp_solve.nodes_within(model, -1.0) == 0
+    start = evaluate(cm, tuple(j * cm.L // cm.C for j in range(cm.C + 1)))
+    budget = milp.fixed_cost_s(cm) + milp_solve.nodes_cost_s(model, 30) + 1e-9
+    result = milp_solve.solve_milp(cm, start, work_budget_s=budget, time_limit_s=600)
+    assert result.stats["node_limit"] == 30
+    assert result.work_s == pytest.approx(milp.fixed_cost_s(cm) + milp_solve.nodes_cost_s(
+        model, min(30, result.stats["nodes"])), rel=1e-12)
+    assert result.work_s <= budget
 
 
 def test_the_search_proves_the_gnmt_1f1b_plan_of_issue_27():

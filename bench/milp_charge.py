@@ -1,0 +1,127 @@
+"""The MILP's node charge: what HiGHS's branch-and-bound nodes cost on this machine, per size.
+
+The schedule MILP (planner/milp_solve.py) is budgeted in work, not in wall time: it stops after
+a number of nodes, each charged by the programme's size, so that a plan is the same on every run.
+The charge should be about what the nodes cost here, or a budget of 30 s either takes far less
+than 30 s (and proves less than it could) or more. This part measures it: for chunked settings of
+the PipeDream profiles that the default budget leaves unproven (interleaved at K = 4 and 8, zb-v
+at K = 4 and 8), it warm-starts the programme from a short search's plan and runs it three times,
+to its root alone, to 200 nodes and to 800 nodes, in CPU seconds of this process (HiGHS runs on
+one thread in it, so other load on the machine scarcely moves the figure). Per thousand variables
+and constraints, it reports the root, the first 200 nodes and the next 600, and the charge's
+ratio (CPU / charged) at 200 and 800 nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+from .common import git_revision, machine, table, write_section
+
+CASES = ("resnet50:4:8:interleaved:2", "resnet50:4:8:interleaved:3", "resnet50:4:8:interleaved:4",
+         "nasnetalarge:4:8:interleaved:4", "gnmt_large:4:16:interleaved:4", "densenet121:4:8:zb-v:1",
+         "resnet50:8:8:zb-v:1", "resnet101:8:16:zb-v:1", "vgg16:8:8:interleaved:2", "gnmt:8:8:interleaved:3",
+         "inception_v3:8:16:interleaved:4")
+NODE_COUNTS = (0, 200, 800)
+
+
+def measure(case: str, profiles: dict) -> list[dict]:
+    """One case (model:K:M:schedule:v) run to each of NODE_COUNTS nodes: CPU seconds and what was charged."""
+    from gpipe_plan.planner import milp, milp_solve
+    from gpipe_plan.planner.costmodel import CostModel
+    from gpipe_plan.planner.search import SolveOptions, search
+
+    name, K, M, schedule, v = case.split(":")
+    profile, _, batch = profiles[name]
+    chunks = {"virtual_stages": int(v)} if schedule == "interleaved" else {}
+    start = search(profile, SolveOptions(stages=int(K), micro_batches=int(M), schedule=schedule,
+                                         global_batch_size=batch, time_budget_s=2.0, **chunks)).best
+    cm = CostModel(profile.at(start.micro_batch_size), start.setting)
+    model = milp.build(cm)
+    fixed = milp.fixed_cost_s(cm)
+    rows = []
+    for nodes in NODE_COUNTS:
+        # A budget half a late node above what `nodes` nodes are charged: the limit is `nodes`.
+        budget = fixed + milp_solve.nodes_cost_s(model, nodes) + milp_solve.nodes_cost_s(model, 1) / 2
+        cpu = time.process_time()
+        result = milp_solve.solve_milp(cm, start.solution.evaluation, work_budget_s=budget, time_limit_s=600)
+        rows.append({"case": case, "thousands": milp_solve._thousands(model), "limit": nodes,
+                     "nodes": result.stats["nodes"], "cpu_s": time.process_time() - cpu,
+                     "charged_s": fixed + milp_solve.nodes_cost_s(model, result.stats["nodes"]),
+                     "proven": result.proven})
+    return rows
+
+
+def section(rows: list[dict]) -> str:
+    from gpipe_plan.planner import milp, milp_solve
+
+    by_case: dict[str, dict[int, dict]] = {}
+    for r in rows:
+        by_case.setdefault(r["case"], {})[r["limit"]] = r
+    lines, early, late, ratios = [], [], [], {200: [], 800: []}
+    for case, runs in by_case.items():
+        size = runs[0]["thousands"]
+        root = runs[0]["cpu_s"] / size
+        cells = [case, f"{size:.2f}", f"{root:.2f}"]
+        first = runs[200]
+        if first["nodes"] == 200:
+            early.append((first["cpu_s"] - runs[0]["cpu_s"]) / size / 200 * 1000)
+            cells.append(f"{early[-1]:.1f}")
+        else:
+            cells.append(f"(proven at {first['nodes']})")
+        second = runs[800]
+        if first["nodes"] == 200 and second["nodes"] > 200:
+            late.append((second["cpu_s"] - first["cpu_s"]) / size / (second["nodes"] - 200) * 1000)
+            cells.append(f"{late[-1]:.1f}" + ("" if second["nodes"] == 800 else f" ({second['nodes']} nodes)"))
+        else:
+            cells.append("-")
+        for n in (200, 800):
+            ratio = runs[n]["cpu_s"] / runs[n]["charged_s"]
+            ratios[n].append(ratio)
+            cells.append(f"{ratio:.2f}")
+        lines.append(cells)
+    head = ["case (model:K:M:schedule:v)", "thousand vars + rows", "root + build (CPU s / thousand)",
+            "first 200 nodes (CPU ms / node / thousand)", "next 600 (CPU ms / node / thousand)",
+            "CPU / charged at 200", "CPU / charged at 800"]
+    med = statistics.median
+    return "\n".join([
+        "## The MILP's node charge",
+        "",
+        f"Machine: {machine()}; revision {git_revision()}. `python -m bench milp-charge`: each case's",
+        "programme warm-started from a 2 s search's plan and run to its root alone, to 200 and to 800",
+        "branch-and-bound nodes, in CPU seconds of the process (HiGHS on one thread). Charged: "
+        f"`milp.FIXED_S_PER_THOUSAND` = {milp.FIXED_S_PER_THOUSAND} s per thousand variables and constraints for "
+        f"building and the root, then {milp_solve.EARLY_NODE_S_PER_THOUSAND * 1000:g} ms per node per thousand "
+        f"for the first {milp_solve.EARLY_NODES} nodes and {milp_solve.NODE_S_PER_THOUSAND * 1000:g} ms after "
+        "(planner/milp_solve.py).",
+        "",
+        table(head, lines),
+        "",
+        f"First 200 nodes: median {med(early):.1f} ms per node per thousand (range {min(early):.1f}-{max(early):.1f}); "
+        f"later nodes: median {med(late):.1f} ({min(late):.1f}-{max(late):.1f}). CPU / charged: median "
+        f"{med(ratios[200] + ratios[800]):.2f}, largest {max(ratios[200] + ratios[800]):.2f} (under "
+        "budgets.WALL_SAFETY = 3: the node limit, not the clock, ends a search unless the machine is about three "
+        "times slower than this one).",
+        "",
+    ])
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench milp-charge", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default=",".join(CASES), help="Comma list of model:K:M:schedule:v.")
+    args = parser.parse_args(argv)
+    from .exactness import profiles
+
+    loaded = profiles()
+    rows = []
+    for case in args.cases.split(","):
+        rows.extend(measure(case, loaded))
+        print(case, [(r["nodes"], round(r["cpu_s"], 2)) for r in rows[-len(NODE_COUNTS):]], flush=True)
+    print(f"wrote {write_section('milp-charge', section(rows) + f'(load average at the end {os.getloadavg()[0]:.2f})' + chr(10))}")
+
+
+if __name__ == "__main__":
+    main()
