@@ -12,9 +12,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Task, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from ..artifacts import BadInput, Outputs, check_output_paths, dumps, file_sha256, precision_of
+from ..artifacts import BadInput, Outputs, check_output_paths, dumps, file_sha256
 from ..plan_layout import localsgd_problem
-from ..schema import MAX_SECONDS, PLAN_FORMAT, PROFILE_FORMAT, read_artifact, write_artifact
+from ..schema import MAX_SECONDS, PROFILE_FORMAT, read_artifact, write_artifact
 from ..schedules import PLANNABLE_SCHEDULES, SCHEDULES
 from .budgets import LEAST_ONE_DEVICE_S, SOLVE_TIME_BUDGET_S
 from .plan import build_plan
@@ -208,11 +208,9 @@ def solve_command(profile: str, stages: int | None, micro_batches: str, global_b
 
 def show_plan(path: str, timeline: str | None = None) -> None:
     check_output_paths({"--timeline": timeline}, inputs=(path,))
-    from ..schema import validate
+    from ..plan_view import read_plan
 
-    plan = read_artifact(path, PLAN_FORMAT)
-    validate(plan, "solved plan", f"plan '{path}'")   # gpipe_plan/schema.py: what render_plan reads
-    precision_of(plan, f"plan '{path}'")
+    plan = read_plan(path, "solved plan").doc    # gpipe_plan/schema.py: what render_plan reads
     render_plan(plan, Console(), f"plan '{path}'")
     if timeline:
         with Outputs() as outputs:

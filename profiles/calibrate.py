@@ -49,8 +49,8 @@ from pathlib import Path
 from typing import Any
 
 from ..artifacts import BadInput, file_sha256, precision_label, precision_of
-from ..plan_layout import plan_chunks
-from ..schema import (PLAN_FORMAT, PROFILE_FORMAT, REPORT_FORMAT, read_artifact, report_chunks,
+from ..plan_view import ChunkPlan, read_plan
+from ..schema import (PROFILE_FORMAT, REPORT_FORMAT, read_artifact, report_chunks,
                       timing_key, validate)
 from .overhead import fixed_in_times, measure_overhead
 from .plausibility import Ratio, check_round
@@ -195,17 +195,15 @@ def chunks_with_layers(report: dict[str, Any], report_path: str) -> list[dict[st
     """
     if report.get("chunks") is None:
         return [{**chunk, "what": f"stage {chunk['stage']}"} for chunk in report_chunks(report)]
-    planned: list[dict[str, Any]] | None = None
+    planned: tuple[ChunkPlan, ...] | None = None
     source = f"report '{report_path}'"
     if not all(chunk.get("layers") for chunk in report["chunks"]):
         plan_path = plan_of_report(report, report_path)
-        plan = read_artifact(plan_path, PLAN_FORMAT)
         source = f"plan '{plan_path}'"
-        validate(plan, "plan", source)
-        planned = plan_chunks(plan, source)
+        planned = read_plan(plan_path).chunks
     chunks = []
     for c, chunk in enumerate(report["chunks"]):
-        elsewhere = planned is not None and (c >= len(planned) or chunk["stage"] != planned[c]["stage"])
+        elsewhere = planned is not None and (c >= len(planned) or chunk["stage"] != planned[c].stage)
         if chunk["index"] != c or elsewhere:
             raise BadInput(f"report '{report_path}': 'chunks[{c}]' is not chunk {c} of {source}: "
                            "calibrate with the plan the run ran")
@@ -213,7 +211,7 @@ def chunks_with_layers(report: dict[str, Any], report_path: str) -> list[dict[st
             layers = chunk["layers"]
         else:
             assert planned is not None       # read above: some chunk names no layers
-            layers = planned[c]["layers"]
+            layers = list(planned[c].layers)
         chunks.append({**chunk, "layers": layers, "what": f"chunk {c} (stage {chunk['stage']})"})
     for k, stage in enumerate(report["stages"]):
         held = [name for chunk in chunks if chunk["stage"] == k for name in chunk["layers"]]

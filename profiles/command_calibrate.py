@@ -9,7 +9,8 @@ from rich.console import Console
 from ..artifacts import BadInput, file_sha256
 from ..layer_names import LayerNames
 from ..tables import NarrowTable, narrow_table
-from ..schema import PLAN_FORMAT, REPORT_FORMAT, read_artifact, validate, write_artifact
+from ..plan_view import read_plan
+from ..schema import REPORT_FORMAT, read_artifact, validate, write_artifact
 from .calibrate import calibrate, locate, named_file
 
 
@@ -94,8 +95,7 @@ def profile_of_report(report_path: str) -> str:
     report = read_artifact(report_path, REPORT_FORMAT)
     validate(report, "report", f"report '{report_path}'")
     plan_path = named_file(report, "plan", f"report '{report_path}'", report_path, "a run of plan", hint=PROFILE_HINT)
-    plan = read_artifact(plan_path, PLAN_FORMAT)
-    validate(plan, "plan", f"plan '{plan_path}'")
+    plan = read_plan(plan_path).doc
     return named_file(plan, "profile", f"plan '{plan_path}'", plan_path, "made from profile", hint=PROFILE_HINT)
 
 
@@ -111,7 +111,7 @@ def check_profile_of_plan(report_path: str, profile_path: str) -> None:
     plan_path = locate(recorded["path"], report_path) if isinstance(recorded.get("path"), str) else None
     if plan_path is None:
         return
-    plan = read_artifact(plan_path, PLAN_FORMAT)
+    plan = read_plan(plan_path).doc
     source = plan.get("profile") if isinstance(plan.get("profile"), dict) else {}
     expected = source.get("sha256")
     if isinstance(expected, str) and file_sha256(profile_path) != expected:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from .plan import RunPlan
+from ..plan_view import PlanView
 
 
 def cpu_cores() -> int:
@@ -25,7 +25,7 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
-def threads_per_rank(requested: int | None, plan: RunPlan, local_ranks: int) -> int:
+def threads_per_rank(requested: int | None, plan: PlanView, local_ranks: int) -> int:
     """``--threads`` if given, else the profile's, else an equal share of this machine's cores."""
     if requested is not None:
         return requested
@@ -34,7 +34,7 @@ def threads_per_rank(requested: int | None, plan: RunPlan, local_ranks: int) -> 
     return max(1, cpu_cores() // max(local_ranks, 1))
 
 
-def condition_warnings(plan: RunPlan, threads: int, local_ranks: int, device_type: str) -> list[str]:
+def condition_warnings(plan: PlanView, threads: int, local_ranks: int, device_type: str) -> list[str]:
     """One line per way this run differs from the conditions the plan's profile measured."""
     warnings = []
     profiled = plan.profile_device.get("type")

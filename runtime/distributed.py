@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..artifacts import BadInput
-from .plan import RunPlan
+from ..plan_view import PlanView
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def world_from_env() -> World | None:
     return World(rank, world_size, local_rank, local_world_size, launcher)
 
 
-def check_world(world: World, plan: RunPlan) -> list[str]:
+def check_world(world: World, plan: PlanView) -> list[str]:
     """Refuse to start when the number of processes is not the plan's K·d; return warnings.
 
     Under torchrun, a machine holding another number of ranks than the plan's placement
@@ -94,7 +94,7 @@ class Replicas:
         return self.mesh["dp"] if self.mesh is not None else None  # type: ignore[index]
 
 
-def replicas_of(plan: RunPlan, rank: int, device: torch.device) -> Replicas:
+def replicas_of(plan: PlanView, rank: int, device: torch.device) -> Replicas:
     """This rank's stage and replica, and (d > 1) the device mesh and its two groups.
 
     The mesh is a ``[d][K]`` tensor of global ranks, row r the pipeline of replica r: the
@@ -116,7 +116,7 @@ def replicas_of(plan: RunPlan, rank: int, device: torch.device) -> Replicas:
                     dp_group=mesh.get_group("dp"), mesh=mesh)
 
 
-def choose_device(requested: str, plan: RunPlan, local_rank: int) -> torch.device:
+def choose_device(requested: str, plan: PlanView, local_rank: int) -> torch.device:
     """``--device``: cpu, cuda (one GPU per local rank), or auto (the profile's kind, if here)."""
     kind = requested
     if kind == "auto":

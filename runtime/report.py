@@ -39,7 +39,7 @@ from ..schema import CHUNK_TIME_KINDS, FORMAT_VERSIONS, REPORT_FORMAT, report_ch
 from ..units import format_percent
 from ..hostload import CpuSample, busy_hosts, host_load, load_text
 from ..speedprobe import SAME_SPEED, probe_doubt, profile_probe_s, speed_ratio
-from .plan import ChunkPlan, RunPlan
+from ..plan_view import ChunkPlan, PlanView
 
 if TYPE_CHECKING:   # timing imports torch; `gpipe-plan show report.json` must start without it
     from .timing import Span
@@ -78,7 +78,7 @@ BUSY_KINDS = ("forward", "backward", "backward_input", "backward_weight", "optim
 OTHER_KINDS = ("data", "tied", "sync")
 
 
-def build_report(plan: RunPlan, results: list[RankResult], *, losses: dict[int, float], run: dict[str, Any],
+def build_report(plan: PlanView, results: list[RankResult], *, losses: dict[int, float], run: dict[str, Any],
                  tokens_per_sample: int | None) -> dict[str, Any]:
     """The report document, at the report format's current version (gpipe_plan/schema.py).
 
@@ -237,7 +237,7 @@ def _chunk_report(cp: ChunkPlan, spans: list[Span], split: bool) -> dict[str, An
     }
 
 
-def _speed(plan: RunPlan, results: list[RankResult], measured_step: float | None) -> dict[str, Any]:
+def _speed(plan: PlanView, results: list[RankResult], measured_step: float | None) -> dict[str, Any]:
     """The machine's speed during the run against the profile's (see gpipe_plan.speedprobe)."""
     probes = [p for r in results for p in r.speed_probe_s]
     run_probe = statistics.mean(probes) if probes else None

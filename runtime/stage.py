@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from ..artifacts import BadInput
 from ..models import LayeredModel, Precision, forward_streamed, materialize_layers, release_layers
 from ..models.precision import Autocast, no_autocast
-from .plan import ChunkPlan, RunPlan
+from ..plan_view import ChunkPlan, PlanView
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -220,7 +220,7 @@ def _describe(meta: TensorMeta) -> str:
     return f"{str(meta.dtype).replace('torch.', '')} {list(meta.shape)}"
 
 
-def check_layer_names(model: LayeredModel, plan: RunPlan) -> None:
+def check_layer_names(model: LayeredModel, plan: PlanView) -> None:
     """Refuse a plan whose layers are not the rebuilt model's, in order."""
     have = [name for name, _ in model.layers]
     want = plan.layer_names
@@ -234,7 +234,7 @@ def check_layer_names(model: LayeredModel, plan: RunPlan) -> None:
                    f"rebuilt model {len(have)}; re-run `gpipe-plan profile` and `solve`")
 
 
-def build_chunk(model: LayeredModel, plan: RunPlan, index: int, precision: Precision | None = None,
+def build_chunk(model: LayeredModel, plan: PlanView, index: int, precision: Precision | None = None,
                 device_type: str = "cpu") -> Chunk:
     """Cut chunk ``index`` out of ``model``, on the CPU (``chunk.module.to(device)`` moves it).
 
@@ -274,7 +274,7 @@ def build_chunk(model: LayeredModel, plan: RunPlan, index: int, precision: Preci
                  output_meta=output_meta, global_to_local=global_to_local, unowned=unowned)
 
 
-def build_stage_chunks(model: LayeredModel, plan: RunPlan, stage: int, precision: Precision | None = None,
+def build_stage_chunks(model: LayeredModel, plan: PlanView, stage: int, precision: Precision | None = None,
                        device_type: str = "cpu") -> StageChunks:
     """Every chunk stage ``stage`` holds, in pipeline order."""
     return StageChunks(stage, [build_chunk(model, plan, c, precision, device_type) for c in plan.stages[stage].chunks])
@@ -288,7 +288,7 @@ def _state_tensors(module: nn.Module) -> list[torch.Tensor]:
     return list(module.parameters()) + list(module.buffers())
 
 
-def _release_other_stages(model: LayeredModel, plan: RunPlan, stage: int) -> None:
+def _release_other_stages(model: LayeredModel, plan: PlanView, stage: int) -> None:
     """Put the parameters of the layers other stages hold on meta: this rank never runs them.
 
     Those of a model built on meta are there already; a model built whole frees them here.
@@ -298,7 +298,7 @@ def _release_other_stages(model: LayeredModel, plan: RunPlan, stage: int) -> Non
     release_layers(model, range(len(model.layers)), keep=keep)
 
 
-def _cut_metas(model: LayeredModel, plan: RunPlan, index: int,
+def _cut_metas(model: LayeredModel, plan: PlanView, index: int,
                autocast: Autocast) -> tuple[tuple[TensorMeta, ...], tuple[TensorMeta, ...]]:
     """Shapes and dtypes entering and leaving chunk ``index``, micro-batch dimension included."""
     b = plan.micro_batch_size
@@ -316,7 +316,7 @@ def _cut_metas(model: LayeredModel, plan: RunPlan, index: int,
     return inputs, metas[index]
 
 
-def _measure_cut_metas(model: LayeredModel, plan: RunPlan, index: int,
+def _measure_cut_metas(model: LayeredModel, plan: PlanView, index: int,
                        autocast: Autocast) -> list[tuple[TensorMeta, ...]]:
     """Run one micro-batch through chunks 0..index (no gradients) and record what crosses.
 
@@ -331,7 +331,7 @@ def _measure_cut_metas(model: LayeredModel, plan: RunPlan, index: int,
     return metas
 
 
-def _dtype(name: str, plan: RunPlan) -> torch.dtype:
+def _dtype(name: str, plan: PlanView) -> torch.dtype:
     key = name.replace("torch.", "")
     if key not in _DTYPES:
         raise BadInput(f"plan '{plan.path}': unknown dtype '{name}' in output_dtypes")

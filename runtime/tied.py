@@ -23,7 +23,7 @@ from torch import nn
 
 from ..models import LayeredModel
 from .memory import local_tensor
-from .plan import RunPlan
+from ..plan_view import PlanView
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Tie:
     param_id: int            # id() of the Parameter object in the rebuilt model
 
 
-def find_ties(model: LayeredModel, plan: RunPlan) -> list[Tie]:
+def find_ties(model: LayeredModel, plan: PlanView) -> list[Tie]:
     """Every parameter used by layers of more than one stage, in the model's parameter order."""
     stage_of = {name: cp.stage for cp in plan.chunks for name in cp.layers}
     ties = []

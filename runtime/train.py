@@ -54,7 +54,8 @@ from .memory import ActivationMeter, cuda_memory, peak_rss_bytes, static_bytes
 from .optim import clip_gradients, learning_rate, make_optimizer, set_learning_rate
 from .options import RunOptions, async_problem, is_data_factory
 from .p2p import Neighbours
-from .plan import RunPlan, check_precision_matches, check_sync_matches, load_plan
+from ..plan_view import PlanView
+from .plan import check_precision_matches, check_sync_matches, load_plan
 from .progress import TrainingProgress
 from .report import RankResult, build_report, print_summary
 from .stage import StageChunks, build_stage_chunks
@@ -72,7 +73,7 @@ class _Training:
 
     options: RunOptions
     world: World
-    plan: RunPlan
+    plan: PlanView
     precision: Precision
     threads: int
     device: torch.device
@@ -551,7 +552,7 @@ def _executor_name(requested: str, device: torch.device, schedule: str) -> str:
     return requested
 
 
-def _make_executor(name: str, stage: StageChunks, plan: RunPlan, loss_fn: Any, device: torch.device,
+def _make_executor(name: str, stage: StageChunks, plan: PlanView, loss_fn: Any, device: torch.device,
                    recorder: SpanRecorder, options: RunOptions, world: World, replicas: Replicas) -> Executor:
     """Either executor, running this stage's list of the schedule's actions (the same lists).
 
@@ -649,7 +650,7 @@ def _tokens_per_sample(model: LayeredModel) -> int | None:
     return None
 
 
-def _identity(plan: RunPlan, options: RunOptions, precision: Precision, optimizer: str) -> dict[str, Any]:
+def _identity(plan: PlanView, options: RunOptions, precision: Precision, optimizer: str) -> dict[str, Any]:
     """What a checkpoint must agree with to be resumed by this run.
 
     The model, its data and seed, its dtypes and the kind of optimizer state: not the split
@@ -659,7 +660,7 @@ def _identity(plan: RunPlan, options: RunOptions, precision: Precision, optimize
             "param_dtype": precision.params, "optimizer": optimizer}
 
 
-def _saved_by(plan: RunPlan, world: World) -> dict[str, Any]:
+def _saved_by(plan: PlanView, world: World) -> dict[str, Any]:
     """The plan a checkpoint was saved under (``ranks`` decides whether RNG states are restored)."""
     return {"plan": plan.path, "stages": plan.num_stages, "balance": [len(cp.layers) for cp in plan.chunks],
             "global_batch_size": plan.global_batch_size, "micro_batches": plan.micro_batches,
@@ -667,7 +668,7 @@ def _saved_by(plan: RunPlan, world: World) -> dict[str, Any]:
             "sync_every": plan.sync_every}
 
 
-def _resume_note(meta: dict[str, Any], plan: RunPlan, world: World, now: dict[str, Any]) -> str | None:
+def _resume_note(meta: dict[str, Any], plan: PlanView, world: World, now: dict[str, Any]) -> str | None:
     """How the checkpoint was made, when not under this very split, what became of the RNG, and
     the training options (``now``: this run's) that differ from those the run started with."""
     saved = meta.get("saved_by", {})
@@ -700,7 +701,7 @@ def _run_facts(options: RunOptions, optimizer: str, lr: float, threads: int, dev
             "started_unix_s": round(time.time(), 3)}
 
 
-def _banner(plan: RunPlan, options: RunOptions, optimizer: str, lr: float, threads: int, device: torch.device,
+def _banner(plan: PlanView, options: RunOptions, optimizer: str, lr: float, threads: int, device: torch.device,
             executor: str, data: str, start: int) -> str:
     name = plan.model.get("name") or plan.model.get("factory")
     where = f"{device.type}, {threads} thread(s) per rank" if device.type == "cpu" else str(device)

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from gpipe_plan.cli import main
 from gpipe_plan.planner.costmodel import CostModel, Setting
 from gpipe_plan.planner.export.setting import plan_setting
-from gpipe_plan.planner.export.view import read_plan
+from gpipe_plan.plan_view import read_plan
 from gpipe_plan.planner.fixedcosts import FixedCosts, between_actions_s
 from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.profile import Profile

@@ -68,7 +68,8 @@ def export_plan(plan_path: str, target: str, out: str | None = None, outputs: Ou
         raise BadInput(f"unknown export target '{target}': choose one of {', '.join(TARGETS)}")
     out = out or default_out(plan_path, target)
     check_output_paths({"--out": out}, inputs=(plan_path,))
-    from .view import read_plan, refuse_asynchronous
+    from ...plan_view import read_plan
+    from .view import refuse_asynchronous
 
     view = read_plan(plan_path)
     refuse_asynchronous(view, {"torch": "a torchrun script of torch.distributed.pipelining"}.get(target, target))
@@ -83,11 +84,11 @@ def export_plan(plan_path: str, target: str, out: str | None = None, outputs: Ou
         from .cost import predicted_cost
 
         cost = predicted_cost(view, exported.exported_balance)
-        if cost.step_s is not None and view.step_s:
+        if cost.step_s is not None and view.predicted_step_s:
             fits = "" if cost.fits else ", over the memory limit"
             exported.cost_note = (f"the exported split {exported.exported_balance} is predicted at "
                                   f"{cost.step_s * 1e3:.3g} ms per step{fits} against the plan's "
-                                  f"{view.step_s * 1e3:.3g} ms ({cost.step_s / view.step_s - 1:+.1%}; {cost.note})")
+                                  f"{view.predicted_step_s * 1e3:.3g} ms ({cost.step_s / view.predicted_step_s - 1:+.1%}; {cost.note})")
         else:
             exported.cost_note = f"the exported split {exported.exported_balance}: {cost.note}"
     for path in exported.files:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ...artifacts import file_sha256
 from .expressible import bounds_of
-from .view import PlanView
+from ...plan_view import PlanView
 
 
 @dataclass(frozen=True)
@@ -42,11 +42,11 @@ def predicted_cost(view: PlanView, balance: list[int]) -> SplitCost:
 
     profile: Profile = load_profile(str(profile_path))
     cm = CostModel(profile.at(view.micro_batch_size), plan_setting(view))
-    recompute = [any(c.recompute for c in view.chunks_of_stage(k)) for k in range(view.stages)]
+    recompute = [any(c.recompute for c in view.chunks_of(k)) for k in range(view.num_stages)]
     # The rebuilt model must price the plan's own split as the plan did, or its price of
     # another split means nothing.
     own = evaluate(cm, bounds_of(view.balance), recompute)
-    if view.step_s is None or not math.isclose(own.step_s, view.step_s, rel_tol=1e-9):
+    if view.predicted_step_s is None or not math.isclose(own.step_s, view.predicted_step_s, rel_tol=1e-9):
         return SplitCost(None, None, None, "its cost is unknown: the plan's setting could not be rebuilt from the "
                                            "plan and its profile (solve the profile again)")
     ev = evaluate(cm, bounds_of(balance), recompute)

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from ...artifacts import Outputs, check_output_paths, write_text_atomic
 from ...schedules import label as schedule_label
 from ...schedules import to_csv
-from .view import read_plan, refuse_asynchronous
+from ...plan_view import read_plan
+from .view import refuse_asynchronous
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any
 from ...artifacts import json_number
 from ..costmodel import Setting
 from ..fixedcosts import FixedCosts
-from .view import PlanView
+from ...plan_view import PlanView
 
 
 def plan_setting(view: PlanView) -> Setting:
@@ -28,7 +28,7 @@ def plan_setting(view: PlanView) -> Setting:
         "pipeline_latency_s": options.get("link_latency_s")}
     limit = options.get("memory_limit_bytes")
     return Setting(
-        stages=view.stages, micro_batches=view.micro_batches, schedule=view.schedule,
+        stages=view.num_stages, micro_batches=view.micro_batches, schedule=view.schedule,
         recompute=str(options.get("recompute") or "auto"),
         memory_limit_bytes=json_number(limit),
         link_bandwidth_bytes_per_s=_bandwidth(charged.get("pipeline_bandwidth_bytes_per_s")),

@@ -28,7 +28,8 @@ from ...artifacts import BadInput
 from ..baselines import uniform as uniform_bounds
 from . import Exported
 from .expressible import balance_of, bounds_of
-from .view import PlanView
+from ...plan_view import PlanView
+from .view import placement_note
 
 
 def export(view: PlanView, out: str) -> Exported:
@@ -37,7 +38,7 @@ def export(view: PlanView, out: str) -> Exported:
                        f"holds {view.virtual_stages}: solve with --schedule 1f1b (or gpipe) to export to DeepSpeed")
     balance = view.balance
     # DeepSpeed's 'uniform' (deepspeed.runtime.utils.partition_uniform) gives the same boundaries.
-    by_bounds = uniform_bounds(sum(balance), view.stages)
+    by_bounds = uniform_bounds(sum(balance), view.num_stages)
     uniform = balance_of(by_bounds[1:-1], by_bounds[-1])
     by_rule = balance == uniform          # partition_method 'uniform' says the plan's balance
     notes: list[str] = []
@@ -46,7 +47,7 @@ def export(view: PlanView, out: str) -> Exported:
     if not by_rule:
         notes.append(f"partition_method cannot say the balance {balance}: 'uniform' gives {uniform}; the exact "
                      f"boundaries are in 'gpipe_plan.parts'")
-    placement = view.placement_note("DeepSpeed")
+    placement = placement_note(view, "DeepSpeed")
     if placement:
         notes.append(placement)
     if view.gradient_sync == "fsdp":
@@ -61,22 +62,22 @@ def export(view: PlanView, out: str) -> Exported:
         "train_batch_size": view.global_batch_size,
         "train_micro_batch_size_per_gpu": view.micro_batch_size,
         "gradient_accumulation_steps": view.micro_batches,
-        "pipeline": {"stages": view.stages, "partition_method": "uniform"},
+        "pipeline": {"stages": view.num_stages, "partition_method": "uniform"},
         "gpipe_plan": {
             "plan": view.path, "exact_with_partition_method": by_rule,
-            "parts": parts, "balance": balance, "layers": view.layers,
+            "parts": parts, "balance": balance, "layers": view.layer_names,
             "data_parallel": view.data_parallel, "notes": notes,
         },
     }
     files = {out: json.dumps(config, indent=2) + "\n"}
     if not by_rule:
         snippet = str(Path(out).with_suffix(".partition.py"))
-        files[snippet] = SUBCLASS_SNIPPET.format(balance=balance, parts=parts, stages=view.stages,
-                                                 first=view.layers[0], last=view.layers[-1])
+        files[snippet] = SUBCLASS_SNIPPET.format(balance=balance, parts=parts, stages=view.num_stages,
+                                                 first=view.layer_names[0], last=view.layer_names[-1])
         notes.append(f"the exact split: {snippet} (a PipelineModule subclass setting DeepSpeed's private 'parts')")
     return Exported("deepspeed", files, exact=by_rule and not placement, notes=notes,
                     exported_balance=None if by_rule else uniform,
-                    summary=f"deepspeed: {view.stages} stages, partition_method 'uniform' "
+                    summary=f"deepspeed: {view.num_stages} stages, partition_method 'uniform' "
                             f"({'exact' if by_rule else 'nearest'}), M = {view.micro_batches} "
                             f"micro-batches of {view.micro_batch_size}")
 

@@ -25,7 +25,8 @@ import re
 from ...artifacts import BadInput
 from . import Exported
 from .expressible import bounds_of, nearest_split
-from .view import PlanView
+from ...plan_view import PlanView
+from .view import placement_note, unnamed
 
 # A decoder layer's module name: a numbered child of a list of layers.
 DECODER_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)")
@@ -40,7 +41,7 @@ def parts_of(view: PlanView) -> list[tuple[str, int]]:
     if not decoder:
         raise BadInput(f"plan '{view.path}': megatron exports transformer language models, and no layer of this "
                        f"plan is a decoder layer (a module named ...layers.N, ...h.N or ...blocks.N)"
-                       + ("; its layers have no module names (solve a profile of format 8)" if view.unnamed() else ""))
+                       + ("; its layers have no module names (solve a profile of format 8)" if unnamed(view) else ""))
     first, last = decoder[0], decoder[-1]
     parts = []
     for i, n in enumerate(numbers):
@@ -106,12 +107,12 @@ def export(view: PlanView, out: str) -> Exported:
     if view.schedule == "zb-v":
         notes.append("zb-v places chunks in a V (stage k holds chunks k and 2K-1-k); Megatron's virtual stages are "
                      "round-robin, so its ranks hold other chunks than the plan's")
-    placement = view.placement_note("Megatron")
+    placement = placement_note(view, "Megatron")
     if placement:
         notes.append(placement)
     decoder_layers = len({n for kind, n in parts if kind == "t"})
     exported_layout = layout(exported, parts)
-    args = [f"--pipeline-model-parallel-size {view.stages}",
+    args = [f"--pipeline-model-parallel-size {view.num_stages}",
             f"--num-layers {decoder_layers}",
             f"--pipeline-model-parallel-layout \"{exported_layout}\""]
     if view.virtual_stages > 1:
@@ -120,13 +121,13 @@ def export(view: PlanView, out: str) -> Exported:
     text = "\n".join([f"# Megatron-Core arguments from the gpipe-plan plan '{view.path}'",
                       *[f"# note: {n}" for n in notes],
                       f"# data parallel: Megatron makes it world size / (pipeline x tensor x context): start "
-                      f"{view.stages * view.data_parallel} ranks for {view.data_parallel} replica(s)",
+                      f"{view.num_stages * view.data_parallel} ranks for {view.data_parallel} replica(s)",
                       *[f"# {line}" for line in _without_layout(exported, parts, view.virtual_stages)],
                       " \\\n".join(args), ""])
     # The same split, and each rank the same chunks in the same order as the plan's.
     exact = exported == balance and view.schedule != "zb-v" and not placement
     return Exported("megatron", {out: text}, exact=exact, notes=notes, exported_balance=exported,
-                    summary=f"megatron: {view.stages} pipeline ranks, layout {exported_layout}")
+                    summary=f"megatron: {view.num_stages} pipeline ranks, layout {exported_layout}")
 
 
 def _without_layout(balance: list[int], parts: list[tuple[str, int]], virtual_stages: int) -> list[str]:

@@ -35,7 +35,8 @@ from ...artifacts import BadInput
 from ...schedules import to_csv
 from . import Exported
 from .to_torchtitan import TORCH_SCHEDULE_CLASS
-from .view import PlanView, model_name
+from ...plan_view import PlanView
+from .view import model_name
 
 
 def split_spec(view: PlanView) -> dict[str, str] | None:
@@ -81,14 +82,14 @@ def export(view: PlanView, out: str) -> Exported:
                      "CHUNKS says the split")
     schedule_class = TORCH_SCHEDULE_CLASS.get(view.schedule)
     text = TEMPLATE.format(
-        model=model_name(view), plan=view.path, stages=view.stages, user_code=_user_code(view.model),
+        model=model_name(view), plan=view.path, stages=view.num_stages, user_code=_user_code(view.model),
         spec=pprint.pformat(view.model, width=110, sort_dicts=False), chunks=pprint.pformat(chunk_table(view), indent=1, width=110, sort_dicts=False),
         split_spec=pprint.pformat(spec, width=110) if spec is not None else "None",
         schedule=view.schedule, schedule_class=repr(schedule_class), csv=to_csv(view.actions()).strip(),
         micro_batches=view.micro_batches, micro_batch_size=view.micro_batch_size,
         batch=view.micro_batches * view.micro_batch_size, optimizer=repr((view.doc.get("options") or {}).get("optimizer") or "adam"))
     return Exported("torch", {out: text}, exact=True, notes=notes,
-                    summary=f"torch: a script for torchrun --nproc-per-node {view.stages}, {len(view.chunks)} "
+                    summary=f"torch: a script for torchrun --nproc-per-node {view.num_stages}, {len(view.chunks)} "
                             f"PipelineStages, {view.schedule} from its action lists, n_microbatches "
                             f"{view.micro_batches}")
 

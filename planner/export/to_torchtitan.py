@@ -34,7 +34,8 @@ from pathlib import Path
 from ...artifacts import BadInput
 from ...schedules import to_csv
 from . import Exported
-from .view import PlanView, model_name
+from ...plan_view import PlanView
+from .view import model_name, placement_note, unnamed
 
 # gpipe-plan's schedule -> torch's schedule class (torchtitan drops the "Schedule" prefix).
 TORCH_SCHEDULE_CLASS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
@@ -58,19 +59,19 @@ def export(view: PlanView, out: str) -> Exported:
         files[csv_name] = to_csv(view.actions())
         schedule = "_PipelineScheduleRuntime"
         notes.append(f"torch has no class for {view.schedule}: the schedule is the plan's action lists, in {csv_name}")
-    unnamed = view.unnamed()
-    if unnamed:
-        notes.append(f"{len(unnamed)} layer(s) are not one module of the model and cannot be listed "
-                     f"({', '.join(unnamed[:3])}{', ...' if len(unnamed) > 3 else ''}): they run wherever the "
+    nameless = unnamed(view)
+    if nameless:
+        notes.append(f"{len(nameless)} layer(s) are not one module of the model and cannot be listed "
+                     f"({', '.join(nameless[:3])}{', ...' if len(nameless) > 3 else ''}): they run wherever the "
                      f"model's own forward runs them")
     empty = [c for c, part in enumerate(named_parts) if not part]
     if empty:
         raise BadInput(f"plan '{view.path}': {_no_names(view, empty)}")
-    placement = view.placement_note("torchtitan")
+    placement = placement_note(view, "torchtitan")
     if placement:
         notes.append(placement)
     parallelism: dict[str, object] = {
-        "pipeline_parallel_degree": view.stages,
+        "pipeline_parallel_degree": view.num_stages,
         "pipeline_parallel_schedule": schedule,
         "pipeline_parallel_microbatch_size": view.micro_batch_size,
         "module_fqns_per_model_part": named_parts,
@@ -84,15 +85,15 @@ def export(view: PlanView, out: str) -> Exported:
     training = {"local_batch_size": view.global_batch_size // view.data_parallel,
                 "global_batch_size": view.global_batch_size}
     files[out] = _toml(view, parallelism, training, notes)
-    exact = not unnamed and not placement
+    exact = not nameless and not placement
     return Exported("torchtitan", files, exact=exact, notes=notes,
-                    summary=f"torchtitan: {view.stages} ranks x {view.data_parallel} replica(s), "
+                    summary=f"torchtitan: {view.num_stages} ranks x {view.data_parallel} replica(s), "
                             f"{len(named_parts)} model parts, schedule {schedule}")
 
 
 def _no_names(view: PlanView, empty: list[int]) -> str:
     """Why torchtitan cannot build some chunks: none of their layers has a module name."""
-    if len(view.unnamed()) == len(view.layers):
+    if len(unnamed(view)) == len(view.layer_names):
         return ("its layers have no module names (a PipeDream import, or a plan solved from a profile before "
                 "format 8), which torchtitan's module_fqns_per_model_part needs: profile the model again")
     return (f"chunk(s) {empty} hold no layer that is one module of the model, so torchtitan cannot build them: "
