@@ -107,6 +107,54 @@ def test_every_export_lists_every_layer_once_in_order(user_dir: Path, which: str
         assert result.exit_code == 2 and "one chunk per stage" in result.output
 
 
+@pytest.mark.parametrize("schedule, balance, v", [("1f1b", [2, 4], None), ("interleaved", [1, 2, 1, 2], 2)])
+def test_the_torchtitan_export_is_torchtitans_config_key_for_key(user_dir: Path, schedule, balance, v) -> None:
+    """Without torchtitan installed: every key the TOML writes is a field of the torchtitan
+    class its section is (tests/data/torchtitan-config.json, recorded from torchtitan), with a
+    value of that field's type, and the schedule is one torch's registry resolves by name (as
+    torchtitan does) or its CSV runtime with the CSV written."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    from torchtitan_config import SECTIONS, annotation_type, conforms, recorded
+
+    fields = recorded()
+    plan = write(user_dir / "plan.json", hand_plan(GPT, balance, micro_batches=4, micro_batch_size=2,
+                                                   schedule=schedule, virtual_stages=v))
+    assert cli("export", plan, "--to", "torchtitan").exit_code == 0
+    fragment = tomllib.loads((user_dir / "plan.torchtitan.toml").read_text())
+    assert set(fragment) == set(SECTIONS)
+    for section, cls in SECTIONS.items():
+        for key, value in fragment[section].items():
+            assert key in fields[cls], f"torchtitan's {cls} has no field {key!r}"
+            assert conforms(value, annotation_type(fields[cls][key])), (key, value, fields[cls][key])
+    name = fragment["parallelism"]["pipeline_parallel_schedule"]
+    if name == "_PipelineScheduleRuntime":
+        assert (user_dir / fragment["parallelism"]["pipeline_parallel_schedule_csv"]).exists()
+    else:
+        get_schedule_class(name)
+
+
+def test_the_types_check_refuses_what_torchtitan_would() -> None:
+    from torchtitan_config import annotation_type, conforms
+
+    assert conforms([["embed", "blocks.0"]], annotation_type("list[list[str]] | None"))
+    assert conforms(None, annotation_type("list[list[str]] | None"))
+    assert not conforms(["embed", "blocks.0"], annotation_type("list[list[str]] | None"))
+    assert conforms(2, annotation_type("int")) and not conforms(True, annotation_type("int"))
+    assert not conforms("2", annotation_type("int")) and conforms(1, annotation_type("float | int"))
+    assert conforms("always", annotation_type("Literal['default', 'always', 'never']"))
+    assert not conforms("sometimes", annotation_type("Literal['default', 'always', 'never']"))
+
+
+def test_the_torchtitan_record_is_the_installed_torchtitans() -> None:
+    """Where torchtitan is installed (the export-check extra): the record the default suite
+    checks against is its config classes (else: python tests/torchtitan_config.py)."""
+    pytest.importorskip("torchtitan.config")
+    from torchtitan_config import record, recorded
+
+    assert record() == recorded()
+
+
 def test_torchtitans_own_parser_reads_the_export(user_dir: Path) -> None:
     config = pytest.importorskip("torchtitan.config")
     import tyro
