@@ -1,8 +1,9 @@
 """torchtitan's config classes as data: what ``export --to torchtitan`` is checked against
 when torchtitan is not installed.
 
-torchtitan (and the ~70 packages it installs: datasets, pandas, pyarrow, wandb, ...) is not in
-the ``test`` extra; its own parser reads the export in the ``export-check`` extra's tests. What
+torchtitan (and the 49 more packages it installs, 0.5 GB: datasets, pandas, pyarrow, wandb,
+...) is not in the ``test`` extra; its own parser reads the export in the ``export-check``
+extra's tests. What
 the default suite keeps is its config classes' fields and their annotations, recorded from
 torchtitan by :func:`record` into tests/data/torchtitan-config.json: every key the export writes
 must be a field of the class its section is, with a value of that field's type. Where torchtitan
