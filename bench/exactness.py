@@ -174,7 +174,8 @@ def summary(rows: list[dict], baseline: list[dict] | None) -> list[str]:
     text = []
     groups = [("K = 2", lambda r: r["stages"] == 2), ("K = 4", lambda r: r["stages"] == 4),
               ("K = 8", lambda r: r["stages"] == 8), ("all", lambda r: True)]
-    header = ["stages", "cases", "proven", "median gap (unproven)", "worst gap", "median solve (s)", "worst solve (s)"]
+    header = ["stages", "cases", "proven", "median gap (unproven)", "worst gap", "median solve (s)", "worst solve (s)",
+              "median CPU (s)", "worst CPU (s)"]
     if old:
         header += ["proven before", "median gap before", "plans faster / slower than before", "geomean new/old",
                    "best new/old"]
@@ -187,7 +188,7 @@ def summary(rows: list[dict], baseline: list[dict] | None) -> list[str]:
         times = [r["seconds"] for r in sel]
         row = [label, len(sel), f"{sum(r['proven'] for r in sel)} ({sum(r['proven'] for r in sel) / len(sel):.0%})",
                _pct(statistics.median(unproven)) if unproven else "-", _pct(max(unproven)) if unproven else "-",
-               f"{statistics.median(times):.2f}", f"{max(times):.1f}"]
+               f"{statistics.median(times):.2f}", f"{max(times):.1f}", *_cpu(sel)]
         if old:
             pairs = [(r, old[k]) for r in sel if (k := (r["model"], r["stages"], r["micro_batches"], r["schedule"])) in old]
             ratios = [r["step_s"] / o["step_s"] for r, o in pairs]
@@ -211,10 +212,17 @@ def summary(rows: list[dict], baseline: list[dict] | None) -> list[str]:
                                 _pct(statistics.median(unproven)) if unproven else "-",
                                 _pct(max(unproven)) if unproven else "-",
                                 f"{statistics.median(r['seconds'] for r in sel):.2f}",
-                                f"{max(r['seconds'] for r in sel):.1f}"])
+                                f"{max(r['seconds'] for r in sel):.1f}", *_cpu(sel)])
     text += ["", "By schedule:", "", table(["schedule", "K", "proven", "median gap (unproven)", "worst gap",
-                                             "median solve (s)", "worst solve (s)"], by_schedule)]
+                                             "median solve (s)", "worst solve (s)", "median CPU (s)", "worst CPU (s)"],
+                                            by_schedule)]
     return text
+
+
+def _cpu(rows: list[dict]) -> list[str]:
+    """Median and worst CPU seconds of the rows' solves (rows recorded before CPU time was: '-')."""
+    cpu = [r["cpu_seconds"] for r in rows if "cpu_seconds" in r]
+    return [f"{statistics.median(cpu):.2f}", f"{max(cpu):.1f}"] if cpu else ["-", "-"]
 
 
 def section(rows, baseline, gnmt, scale, budget_s: float, loads: list[float]) -> str:
@@ -227,7 +235,10 @@ def section(rows, baseline, gnmt, scale, budget_s: float, loads: list[float]) ->
         "",
         "'Proven' is `optimality.proven` (no plan of the setting space is faster); the gap of an unproven "
         "plan is `step / lower bound - 1`. 'Before' is the planner of the baseline file "
-        "(same cases, same machine, recorded with `--record`).",
+        "(same cases, same machine, recorded with `--record`). 'Solve' is wall time, 'CPU' the process's CPU "
+        "time (the searches run on one thread, so other load moves it little); the budget is work "
+        "(planner/budgets.py), so a solve takes its budget in CPU time, and on a busy machine more in wall time, "
+        f"up to budgets.WALL_SAFETY = 3 times it, where the clock stops it ({_past_the_net(rows, budget_s)}).",
         "",
         *summary(rows, baseline),
     ]
@@ -256,6 +267,14 @@ def section(rows, baseline, gnmt, scale, budget_s: float, loads: list[float]) ->
                      *(_before(baseline, r))] for r in rows]),
              "", "</details>"]
     return "\n".join(text) + "\n"
+
+
+def _past_the_net(rows: list[dict], budget_s: float) -> str:
+    from gpipe_plan.planner.budgets import WALL_SAFETY
+
+    near = [r for r in rows if r["seconds"] > 0.9 * WALL_SAFETY * budget_s]
+    return (f"{len(near)} of {len(rows)} cases took more than 90% of that, so the clock may have ended them and "
+            "their plans depend on the load" if near else "no case came near it")
 
 
 def _before(baseline, r) -> list[str]:

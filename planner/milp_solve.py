@@ -41,9 +41,8 @@ RELATIVE_GAP = 1e-6
 # on the 2-core development VM, so that a budget of 30 s takes about 30 s there, and the node
 # limit binds before the wall clock (a safety net at budgets.WALL_SAFETY times the work), so a plan
 # does not depend on the machine's speed (figures: docs/benchmarks/milp-charge.md, made by
-# ``python -m bench milp-charge``). Charged 10 ms a node throughout (five times what later nodes
-# took), searches of the 30 s default used half their time and proved 0 of 8 unproven PipeDream
-# settings that 2 ms proves 5 of.
+# ``python -m bench milp-charge``). Charged 10 ms a node throughout (the rule before), a budget
+# bought about a fifth of the later nodes it paid for and proved less (docs/benchmarks/exactness.md).
 EARLY_NODES = 200
 EARLY_NODE_S_PER_THOUSAND = 0.005
 NODE_S_PER_THOUSAND = 0.002
