@@ -32,7 +32,7 @@ from gpipe_plan.profiles.profiler import ProfileRequest, profile_model
 from handplan import hand_plan
 from gpipe_plan.runtime.loss_scale import LossScaler
 
-from planner_helpers import profile_doc
+from planner_helpers import cli, profile_doc
 
 TINY = model_spec("gpt", layers=2, width=32, heads=2, seq_len=16, vocab_size=256)
 TEXT = "the quick brown fox jumps over the lazy dog; " * 400
@@ -98,20 +98,23 @@ def test_the_plan_records_the_profiles_precision(tmp_path: Path) -> None:
     assert shown.returncode == 0 and "bf16 autocast, fp32 parameters" in " ".join(shown.stdout.split())
 
 
-def test_run_refuses_a_precision_other_than_the_plans(tmp_path: Path) -> None:
+def test_run_refuses_a_precision_other_than_the_plans(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused by the launcher, before any rank starts: checked in this process (click's runner,
+    stdout and stderr together: the one line is all it says). The real process's refusal, its
+    exit status and stderr, is test_run_async's test_the_command_refuses_the_torch_executor_before_starting_ranks."""
     plan = hand_plan(TINY, [2, 2], micro_batches=2, micro_batch_size=2, precision="bf16")
     write_json_atomic(tmp_path / "plan.json", plan)
-    result = gpipe_plan("run", "plan.json", "--precision", "fp32", "--steps", "1", "--report", "r.json",
-                        cwd=tmp_path)
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
+    monkeypatch.chdir(tmp_path)
+    result = cli("run", "plan.json", "--precision", "fp32", "--steps", "1", "--report", "r.json")
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
         f"error: --precision fp32 differs from plan '{tmp_path / 'plan.json'}', made from a profile measured with "
         "--precision bf16: re-profile with --precision fp32 --param-dtype fp32 and solve again, or drop --precision"]
     assert not (tmp_path / "r.json").exists()
     # A plan older than precision ran fp32, and says so.
     write_json_atomic(tmp_path / "old.json", {**plan, "version": 2, "precision": "fp32"})
-    result = gpipe_plan("run", "old.json", "--precision", "bf16", "--steps", "1", cwd=tmp_path)
-    assert result.returncode == 2 and "measured with --precision fp32" in result.stderr
+    result = cli("run", "old.json", "--precision", "bf16", "--steps", "1")
+    assert result.exit_code == 2 and "measured with --precision fp32" in result.output
 
 
 # --------------------------------------------------------------------------- training
