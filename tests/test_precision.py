@@ -7,6 +7,7 @@ precision is measured, recorded in the profile and the plan, and enforced by ``r
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -43,6 +44,17 @@ def profile(spec: dict, precision: Precision, sizes: list[int] = [1, 2]) -> dict
                                         recompute=False, precision=precision))
 
 
+_TINY_PROFILES: dict[Precision, dict] = {}
+
+
+def tiny_profile(precision: Precision) -> dict:
+    """``profile(TINY, precision)``, measured once per precision for the module (each takes
+    seconds; three tests read the fp32 and bf16 ones), a copy to each caller."""
+    if precision not in _TINY_PROFILES:
+        _TINY_PROFILES[precision] = profile(TINY, precision)
+    return copy.deepcopy(_TINY_PROFILES[precision])
+
+
 # --------------------------------------------------------------------------- the pairs
 @pytest.mark.parametrize("pair", [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16"), ("fp16", "fp32")])
 def test_pairs_that_train(pair: tuple[str, str]) -> None:
@@ -62,9 +74,9 @@ def test_pairs_that_do_not(pair: tuple[str, str], message: str) -> None:
 
 # --------------------------------------------------------------------------- the profile
 def test_bf16_profile_counts_each_tensor_at_its_dtype() -> None:
-    fp32 = profile(TINY, Precision())
-    bf16 = profile(TINY, Precision("bf16"))
-    pure = profile(TINY, Precision("bf16", "bf16"))
+    fp32 = tiny_profile(Precision())
+    bf16 = tiny_profile(Precision("bf16"))
+    pure = tiny_profile(Precision("bf16", "bf16"))
     assert (fp32["precision"], fp32["param_dtype"]) == ("fp32", "fp32")
     assert (bf16["precision"], bf16["param_dtype"]) == ("bf16", "fp32")
     assert (pure["precision"], pure["param_dtype"]) == ("bf16", "bf16")
@@ -90,7 +102,7 @@ def test_bf16_profile_counts_each_tensor_at_its_dtype() -> None:
 
 
 def test_the_plan_records_the_profiles_precision(tmp_path: Path) -> None:
-    doc = profile(TINY, Precision("bf16"))
+    doc = tiny_profile(Precision("bf16"))
     write_json_atomic(tmp_path / "profile.json", doc)
     plan = solve_file(str(tmp_path / "profile.json"), str(tmp_path / "plan.json"), stages=2, global_batch_size=4)
     assert (plan["precision"], plan["param_dtype"]) == ("bf16", "fp32")
@@ -238,7 +250,7 @@ def test_a_probe_of_another_workload_is_not_compared() -> None:
 
 
 def test_calibrate_refuses_a_run_in_another_precision(tmp_path: Path) -> None:
-    doc = profile(TINY, Precision())
+    doc = tiny_profile(Precision())
     write_json_atomic(tmp_path / "profile.json", doc)
     report = {"format": "gpipe-plan.report", "version": 2, "model": doc["model"], "stages": [],
               "run": {"precision": "bf16", "param_dtype": "fp32"}}
