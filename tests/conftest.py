@@ -28,3 +28,12 @@ def user_module(user_dir: Path) -> Callable[[str], str]:
         (user_dir / f"{name}.py").write_text(textwrap.dedent(source))
         return name
     return write
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Stop the session's groups of ranks (tests/rank_pool.py), if any test started one."""
+    import sys
+
+    pool = sys.modules.get("rank_pool")
+    if pool is not None:
+        pool.close_all()

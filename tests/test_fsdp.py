@@ -16,23 +16,21 @@ ddp's, and a weight tied across stages (GPT-2).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from gpipe_plan.artifacts import BadInput, write_json_atomic
 from gpipe_plan.models import build_model, model_spec
 from gpipe_plan.runtime.data import step_generator
 from handplan import hand_plan
-from gpipe_plan.runtime.launch import free_port
 from gpipe_plan.runtime.loss_scale import LossScaler
 from gpipe_plan.runtime.plan import load_plan
 from gpipe_plan.runtime.stage import StageChunks, build_stage_chunks
+from rank_pool import run_on_ranks
 from test_runtime_multiproc import GPT, LR, assert_same_parameters, run_in_one_group, unsplit_training
 
 REPLICAS = 2
@@ -149,18 +147,15 @@ def train_replica(sync: Any, stage: StageChunks, rank: int, run_step: Any) -> di
             "sharded_after_finish": sharded_after_finish}
 
 
-def _replica_main(rank: int, port: int, folder: str) -> None:
-    """One replica: shard the stage, train on its half of each batch, save what it saw."""
-    import warnings
-
-    warnings.filterwarnings("ignore")
+def _replica_main(rank: int, world_size: int, folder: str) -> None:
+    """One replica, a rank of the session's group of REPLICAS (tests/rank_pool.py): shard the
+    stage, train on its half of each batch, save what it saw."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from gpipe_plan.runtime.fsdp import FsdpSync
 
+    assert world_size == REPLICAS
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=REPLICAS)
     mesh = init_device_mesh("cpu", (REPLICAS,), mesh_dim_names=("dp",))
     # Each replica's pipeline is this rank alone (K = 1); every rank creates every group.
     pipeline_group = [dist.new_group([r]) for r in range(REPLICAS)][rank]
@@ -185,7 +180,6 @@ def _replica_main(rank: int, port: int, folder: str) -> None:
         results[run_name(name, schedule, recompute)] = train_replica(
             sync, stage, rank, lambda ids, targets: executor.step((ids,), targets))
     torch.save(results, Path(folder) / f"replica{rank}.pt")
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +187,7 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     folder = tmp_path_factory.mktemp("fsdp")
     for _, schedule, recompute in (("", "zb-v", False), *EXECUTORS):
         one_stage_plan(folder, schedule, recompute)
-    mp.spawn(_replica_main, args=(free_port(), str(folder)), nprocs=REPLICAS, join=True)
+    run_on_ranks(_replica_main, (str(folder),), REPLICAS)
     return [torch.load(folder / f"replica{r}.pt") for r in range(REPLICAS)]
 
 

@@ -122,10 +122,15 @@ def test_a_dict_without_logits_is_trained_on_its_first_value_and_the_profile_say
         def make_sequential():
             return nn.Sequential(nn.Linear(8, 16), Head())
     """)
+    # In this process (click's runner, stderr apart): the two tests above run profile in a child
+    # process, with its real streams; a child here cost two more starts of torch (5 s each).
+    from click.testing import CliRunner
+
+    from gpipe_plan.cli import main
+
     for factory in ("make", "make_sequential"):       # captured with torch.export; cut at its children
-        result = subprocess.run([str(BIN / "gpipe-plan"), "profile", f"{name}:{factory}", *PROFILE, "-o", "p.json"],
-                                capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stderr
+        result = CliRunner().invoke(main, ["profile", f"{name}:{factory}", *PROFILE, "-o", "p.json"])
+        assert result.exit_code == 0, result.output
         notes = [_said(line) for line in result.stderr.splitlines() if "note:" in line]
         assert notes == ["note: the model returns a dict without 'logits': the loss trains on its first value, "
                          "'scores' (the others ride along: 'hidden'); name the value to train on 'logits' to choose "

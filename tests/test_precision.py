@@ -7,6 +7,7 @@ precision is measured, recorded in the profile and the plan, and enforced by ``r
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -32,7 +33,7 @@ from gpipe_plan.profiles.profiler import ProfileRequest, profile_model
 from handplan import hand_plan
 from gpipe_plan.runtime.loss_scale import LossScaler
 
-from planner_helpers import profile_doc
+from planner_helpers import cli, profile_doc
 
 TINY = model_spec("gpt", layers=2, width=32, heads=2, seq_len=16, vocab_size=256)
 TEXT = "the quick brown fox jumps over the lazy dog; " * 400
@@ -41,6 +42,17 @@ TEXT = "the quick brown fox jumps over the lazy dog; " * 400
 def profile(spec: dict, precision: Precision, sizes: list[int] = [1, 2]) -> dict:  # noqa: B006
     return profile_model(ProfileRequest(spec=spec, micro_batch_sizes=sizes, warmup=0, repeats=1,
                                         recompute=False, precision=precision))
+
+
+_TINY_PROFILES: dict[Precision, dict] = {}
+
+
+def tiny_profile(precision: Precision) -> dict:
+    """``profile(TINY, precision)``, measured once per precision for the module (each takes
+    seconds; three tests read the fp32 and bf16 ones), a copy to each caller."""
+    if precision not in _TINY_PROFILES:
+        _TINY_PROFILES[precision] = profile(TINY, precision)
+    return copy.deepcopy(_TINY_PROFILES[precision])
 
 
 # --------------------------------------------------------------------------- the pairs
@@ -62,9 +74,9 @@ def test_pairs_that_do_not(pair: tuple[str, str], message: str) -> None:
 
 # --------------------------------------------------------------------------- the profile
 def test_bf16_profile_counts_each_tensor_at_its_dtype() -> None:
-    fp32 = profile(TINY, Precision())
-    bf16 = profile(TINY, Precision("bf16"))
-    pure = profile(TINY, Precision("bf16", "bf16"))
+    fp32 = tiny_profile(Precision())
+    bf16 = tiny_profile(Precision("bf16"))
+    pure = tiny_profile(Precision("bf16", "bf16"))
     assert (fp32["precision"], fp32["param_dtype"]) == ("fp32", "fp32")
     assert (bf16["precision"], bf16["param_dtype"]) == ("bf16", "fp32")
     assert (pure["precision"], pure["param_dtype"]) == ("bf16", "bf16")
@@ -90,7 +102,7 @@ def test_bf16_profile_counts_each_tensor_at_its_dtype() -> None:
 
 
 def test_the_plan_records_the_profiles_precision(tmp_path: Path) -> None:
-    doc = profile(TINY, Precision("bf16"))
+    doc = tiny_profile(Precision("bf16"))
     write_json_atomic(tmp_path / "profile.json", doc)
     plan = solve_file(str(tmp_path / "profile.json"), str(tmp_path / "plan.json"), stages=2, global_batch_size=4)
     assert (plan["precision"], plan["param_dtype"]) == ("bf16", "fp32")
@@ -98,20 +110,23 @@ def test_the_plan_records_the_profiles_precision(tmp_path: Path) -> None:
     assert shown.returncode == 0 and "bf16 autocast, fp32 parameters" in " ".join(shown.stdout.split())
 
 
-def test_run_refuses_a_precision_other_than_the_plans(tmp_path: Path) -> None:
+def test_run_refuses_a_precision_other_than_the_plans(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused by the launcher, before any rank starts: checked in this process (click's runner,
+    stdout and stderr together: the one line is all it says). The real process's refusal, its
+    exit status and stderr, is test_run_async's test_the_command_refuses_the_torch_executor_before_starting_ranks."""
     plan = hand_plan(TINY, [2, 2], micro_batches=2, micro_batch_size=2, precision="bf16")
     write_json_atomic(tmp_path / "plan.json", plan)
-    result = gpipe_plan("run", "plan.json", "--precision", "fp32", "--steps", "1", "--report", "r.json",
-                        cwd=tmp_path)
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
+    monkeypatch.chdir(tmp_path)
+    result = cli("run", "plan.json", "--precision", "fp32", "--steps", "1", "--report", "r.json")
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
         f"error: --precision fp32 differs from plan '{tmp_path / 'plan.json'}', made from a profile measured with "
         "--precision bf16: re-profile with --precision fp32 --param-dtype fp32 and solve again, or drop --precision"]
     assert not (tmp_path / "r.json").exists()
     # A plan older than precision ran fp32, and says so.
     write_json_atomic(tmp_path / "old.json", {**plan, "version": 2, "precision": "fp32"})
-    result = gpipe_plan("run", "old.json", "--precision", "bf16", "--steps", "1", cwd=tmp_path)
-    assert result.returncode == 2 and "measured with --precision fp32" in result.stderr
+    result = cli("run", "old.json", "--precision", "bf16", "--steps", "1")
+    assert result.exit_code == 2 and "measured with --precision fp32" in result.output
 
 
 # --------------------------------------------------------------------------- training
@@ -235,7 +250,7 @@ def test_a_probe_of_another_workload_is_not_compared() -> None:
 
 
 def test_calibrate_refuses_a_run_in_another_precision(tmp_path: Path) -> None:
-    doc = profile(TINY, Precision())
+    doc = tiny_profile(Precision())
     write_json_atomic(tmp_path / "profile.json", doc)
     report = {"format": "gpipe-plan.report", "version": 2, "model": doc["model"], "stages": [],
               "run": {"precision": "bf16", "param_dtype": "fp32"}}

@@ -17,8 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from cli_process import BIN, gpipe_plan, leftover_processes
 from gpipe_plan.artifacts import BadInput, RunFailure, write_json_atomic
@@ -28,6 +26,7 @@ from handplan import hand_plan
 from gpipe_plan.runtime.launch import free_port
 from gpipe_plan.schema import REPORT_FORMAT
 
+from rank_pool import discard, run_on_ranks
 from user_models import SKIP_NET, SKIP_NET_CLASSES, SKIP_NET_INPUTS, spec_in, user_module_dir
 
 GPT = model_spec("gpt", layers=2, width=16, heads=2, seq_len=8, vocab_size=256)
@@ -74,18 +73,13 @@ def assert_same_parameters(saved: dict[str, torch.Tensor], reference: dict[str, 
 
 
 # ---------------------------------------------------------------------- one group, many runs
-def _ranks_main(rank: int, world_size: int, port: int, jobs: list[dict[str, Any]], outcome: str, cwd: str) -> None:
-    """One rank: join the group once, then train every job in turn."""
-    import warnings
-
-    warnings.filterwarnings("ignore")
+def _train_jobs(rank: int, world_size: int, jobs: list[dict[str, Any]], outcome: str, cwd: str) -> None:
+    """One rank of the session's group (tests/rank_pool.py): train every job in turn."""
     from gpipe_plan.runtime.distributed import World
     from gpipe_plan.runtime.options import RunOptions, check_options
     from gpipe_plan.runtime.train import train
 
     os.chdir(cwd)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
     world = World(rank, world_size, rank, world_size, "test")
     results = {}
     for job in jobs:
@@ -102,13 +96,21 @@ def _ranks_main(rank: int, world_size: int, port: int, jobs: list[dict[str, Any]
             os.environ.pop("GPIPE_PLAN_FAULT", None)
     if rank == 0:
         Path(outcome).write_text(json.dumps(results))
-    dist.destroy_process_group()
 
 
 def run_in_one_group(jobs: list[dict[str, Any]], cwd: Path, world_size: int = 2) -> dict[str, str]:
+    """Train ``jobs`` one after another on ``world_size`` ranks that are already in one group
+    (started once per world size for the session: tests/rank_pool.py); each job's outcome by
+    its ``save``: "ok" or the one line that stopped it. A job refused or stopped half-way may
+    leave messages in flight: then the group is not reused (the next call starts a fresh one)."""
     outcome = cwd / f"outcome-{uuid.uuid4().hex[:6]}.json"
-    mp.spawn(_ranks_main, args=(world_size, free_port(), jobs, str(outcome), str(cwd)), nprocs=world_size, join=True)
-    return json.loads(outcome.read_text())
+    try:
+        run_on_ranks(_train_jobs, (jobs, str(outcome), str(cwd)), world_size)
+    finally:
+        results = json.loads(outcome.read_text()) if outcome.exists() else None
+        if results is None or any(said != "ok" for said in results.values()):
+            discard(world_size)
+    return results
 
 
 CASES = [  # model, schedule, executor, recompute per stage
