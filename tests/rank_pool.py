@@ -25,6 +25,10 @@ import torch.multiprocessing as mp
 from gpipe_plan.runtime.launch import free_port
 
 START_TIMEOUT_S = 300.0
+# A task whose ranks say nothing for this long fails (and its group is killed), so that a task
+# stuck in a collective fails its test instead of hanging the suite; far longer than any task
+# of the suite takes.
+TASK_TIMEOUT_S = 900.0
 
 
 class RanksFailed(Exception):
@@ -90,7 +94,7 @@ class _Pool:
         task = (fn, args, dict(os.environ), os.getcwd())
         for conn in self.conns:
             conn.send(task)
-        return self._replies(getattr(fn, "__qualname__", repr(fn)))
+        return self._replies(getattr(fn, "__qualname__", repr(fn)), timeout=TASK_TIMEOUT_S)
 
     def _replies(self, what: str, timeout: float | None = None) -> list[Any]:
         """Each rank's reply, in rank order; the first error or death raises at once."""
