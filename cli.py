@@ -368,8 +368,8 @@ def export(plan: str, target: str | None, out: str | None, schedule_csv: str | N
               help="For a plan: also draw its predicted schedule as an SVG timeline.")
 def show(file: str, timeline: str | None) -> None:
     """Pretty-print a profile, a plan or a run's report (none needs torch)."""
-    from .artifacts import check_output_paths, precision_of, read_json
-    from .schema import PLAN_FORMAT, PROFILE_FORMAT, REPORT_FORMAT, check_format, validate
+    from .artifacts import check_output_paths, read_json
+    from .schema import PLAN_FORMAT, PROFILE_FORMAT, REPORT_FORMAT, read_profile, read_report
 
     check_output_paths({"--timeline": timeline}, inputs=(file,))
     doc = read_json(file, "file")
@@ -378,17 +378,12 @@ def show(file: str, timeline: str | None) -> None:
 
         from .profiles.show import render_profile
 
-        check_format(doc, PROFILE_FORMAT, file)
-        validate(doc, "profile", f"profile '{file}'")
-        precision_of(doc, f"profile '{file}'")
-        render_profile(doc, Console())
+        render_profile(read_profile(file), Console())
         return
     if isinstance(doc, dict) and doc.get("format") == REPORT_FORMAT:
         from .runtime.report import show_report
 
-        check_format(doc, REPORT_FORMAT, file)
-        validate(doc, "report", f"report '{file}'")
-        show_report(doc, file)
+        show_report(read_report(file), file)
         return
     from .planner.command import show_plan
 

@@ -19,7 +19,8 @@ Keys not declared are let through untouched: a newer writer may add keys, and re
 
 The formats' names and versions live here too (:data:`FORMAT_VERSIONS`, :data:`READABLE_VERSIONS`,
 with what each version added), and so do the two doors every artifact goes through:
-:func:`read_artifact` (the right format, at a version this code reads) and :func:`write_artifact`
+:func:`read_artifact` (the right format, at a version this code reads; :func:`read_profile` and :func:`read_report`
+check the keys too, and a plan's door is ``gpipe_plan.plan_view``) and :func:`write_artifact`
 (a document this code built is checked against its schema before it is written, so a writer
 that drifts from the format fails at once instead of writing a file no reader accepts).
 """
@@ -33,7 +34,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .artifacts import BadInput, Outputs, dumps, read_json
+from .artifacts import BadInput, Outputs, dumps, precision_of, read_json
 from .plan_layout import GRADIENT_SYNCS, PLACEMENT_ORDERS
 
 # Ceilings: far above any real value, far below where sums of them overflow a float.
@@ -207,6 +208,25 @@ def read_artifact(path: str | os.PathLike[str], fmt: str) -> dict[str, Any]:
     what = fmt.split(".")[-1]
     doc = read_json(path, what)
     check_format(doc, fmt, str(path))
+    return doc
+
+
+def read_profile(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A profile file as ``show`` and ``calibrate`` take it: at a version this code reads, every
+    key checked, its precision one this code runs. (``solve``'s door is ``planner.profile.Profile``,
+    which checks the document it is handed the same way, once.)"""
+    where = f"profile '{path}'"
+    doc = read_artifact(path, PROFILE_FORMAT)
+    validate(doc, "profile", where)
+    precision_of(doc, where)
+    return doc
+
+
+def read_report(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A run's report as every reader takes it (``show``, ``calibrate``): at a version this code
+    reads, every key checked. Its chunks, whatever its version, are :func:`report_chunks`'."""
+    doc = read_artifact(path, REPORT_FORMAT)
+    validate(doc, "report", f"report '{path}'")
     return doc
 
 

@@ -26,7 +26,7 @@ from ..units import format_seconds, parse_bandwidth, parse_size
 
 
 def load_profile(path: str) -> Profile:
-    return Profile(read_artifact(path, PROFILE_FORMAT), where=f"profile '{path}'")
+    return Profile(read_artifact(path, PROFILE_FORMAT), where=f"profile '{path}'")   # Profile checks its keys
 
 
 def _int_or_auto(text: str | int, flag: str, least: int, what: str) -> int | str:

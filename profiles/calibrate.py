@@ -50,8 +50,7 @@ from typing import Any
 
 from ..artifacts import BadInput, file_sha256, precision_label, precision_of
 from ..plan_view import ChunkPlan, read_plan
-from ..schema import (PROFILE_FORMAT, REPORT_FORMAT, read_artifact, report_chunks,
-                      timing_key, validate)
+from ..schema import read_profile, read_report, report_chunks, timing_key
 from .overhead import fixed_in_times, measure_overhead
 from .plausibility import Ratio, check_round
 
@@ -63,10 +62,8 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
     A round whose ratios are not the model's (a busy host, a ratio no correct run gives) is
     refused in one line that says what explains them (profiles/plausibility.py); ``force``
     folds it in anyway, and the round records what was forced (``forced``)."""
-    profile = read_artifact(profile_path, PROFILE_FORMAT)
-    validate(profile, "profile", f"profile '{profile_path}'")
-    report = read_artifact(report_path, REPORT_FORMAT)
-    validate(report, "report", f"report '{report_path}'")   # from here on, every key has its type
+    profile = read_profile(profile_path)
+    report = read_report(report_path)   # from here on, every key has its type
     if report.get("model") != profile.get("model"):
         raise BadInput(f"'{report_path}' is a run of another model than '{profile_path}' profiles: "
                        "calibrate with the profile the run's plan was made from")

@@ -10,7 +10,7 @@ from ..artifacts import BadInput, file_sha256
 from ..layer_names import LayerNames
 from ..tables import NarrowTable, narrow_table
 from ..plan_view import read_plan
-from ..schema import REPORT_FORMAT, read_artifact, validate, write_artifact
+from ..schema import read_report, write_artifact
 from .calibrate import calibrate, locate, named_file
 
 
@@ -92,8 +92,7 @@ def profile_of_report(report_path: str) -> str:
     SHA-256 is not the one recorded): scales computed against one profile's predictions mean
     nothing for another's.
     """
-    report = read_artifact(report_path, REPORT_FORMAT)
-    validate(report, "report", f"report '{report_path}'")
+    report = read_report(report_path)
     plan_path = named_file(report, "plan", f"report '{report_path}'", report_path, "a run of plan", hint=PROFILE_HINT)
     plan = read_plan(plan_path).doc
     return named_file(plan, "profile", f"plan '{plan_path}'", plan_path, "made from profile", hint=PROFILE_HINT)
@@ -106,7 +105,7 @@ def check_profile_of_plan(report_path: str, profile_path: str) -> None:
     predictions would be applied to the other's. When the report's plan can be found and
     records its profile's SHA-256, a profile with another is refused in one line.
     """
-    report = read_artifact(report_path, REPORT_FORMAT)
+    report = read_report(report_path)
     recorded = report.get("plan") if isinstance(report.get("plan"), dict) else {}
     plan_path = locate(recorded["path"], report_path) if isinstance(recorded.get("path"), str) else None
     if plan_path is None:
