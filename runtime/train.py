@@ -662,7 +662,7 @@ def _identity(plan: PlanView, options: RunOptions, precision: Precision, optimiz
 
 def _saved_by(plan: PlanView, world: World) -> dict[str, Any]:
     """The plan a checkpoint was saved under (``ranks`` decides whether RNG states are restored)."""
-    return {"plan": plan.path, "stages": plan.num_stages, "balance": [len(cp.layers) for cp in plan.chunks],
+    return {"plan": plan.path, "stages": plan.num_stages, "balance": plan.balance,
             "global_batch_size": plan.global_batch_size, "micro_batches": plan.micro_batches,
             "ranks": world.world_size, "data_parallel": plan.data_parallel, "gradient_sync": plan.gradient_sync,
             "sync_every": plan.sync_every}

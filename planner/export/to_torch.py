@@ -53,14 +53,14 @@ def split_spec(view: PlanView) -> dict[str, str] | None:
 def chunk_table(view: PlanView) -> list[dict[str, object]]:
     """What the script needs of each chunk: its rank, layers, recomputation and the tensors it sends."""
     table = []
-    for chunk, raw in zip(view.chunks, view.doc.get("chunks") or view.doc["stages"]):
-        shapes = raw.get("output_shapes")
-        if shapes is None:
+    for chunk in view.chunks:
+        if chunk.output_shapes is None:
             raise BadInput(f"plan '{view.path}': chunk {chunk.index} has no output_shapes; the script gives torch "
                            f"static shapes: solve a profile that recorded them (format 5 or later)")
+        shapes = [list(shape) for shape in chunk.output_shapes]
         table.append({"index": chunk.index, "rank": chunk.stage, "layers": list(chunk.layers),
-                      "recompute": chunk.recompute, "output_shapes": shapes, "output_dtypes": raw["output_dtypes"],
-                      "output_batched": raw.get("output_batched") or [True] * len(shapes)})
+                      "recompute": chunk.recompute, "output_shapes": shapes, "output_dtypes": list(chunk.output_dtypes),
+                      "output_batched": list(chunk.output_batched or [True] * len(shapes))})
     return table
 
 
