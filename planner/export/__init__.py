@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...artifacts import BadInput, Outputs, check_output_paths
-from ...plan_layout import sync_every
 from .schedule_csv import ExportedSchedule, describe, export_schedule_csv
 
 TARGETS = ("torch", "torchtitan", "megatron", "deepspeed")
@@ -76,7 +75,7 @@ def export_plan(plan_path: str, target: str, out: str | None = None, outputs: Ou
     if view.gradient_sync == "localsgd" and view.data_parallel > 1:
         # Every target's data parallel all-reduces gradients each step: its config would train another algorithm.
         raise BadInput(f"plan '{plan_path}' trains with localsgd (the replicas' parameters averaged every "
-                       f"{sync_every(view.doc)} steps), which a {target} config cannot say: export a plan solved "
+                       f"{view.sync_every} steps), which a {target} config cannot say: export a plan solved "
                        f"with --gradient-sync ddp or fsdp, or train this one with gpipe-plan run")
     module = _target_module(target)
     exported: Exported = module.export(view, out)

@@ -74,8 +74,8 @@ def export(view: PlanView, out: str) -> Exported:
                  f"each stage's modules wrapped for data parallel (gpipe-plan run does it)"]
     else:
         notes = []
-    if view.doc.get("precision", "fp32") != "fp32":
-        notes.append(f"the script trains in fp32; the plan was measured in {view.doc.get('precision')}")
+    if view.precision != "fp32":
+        notes.append(f"the script trains in fp32; the plan was measured in {view.precision}")
     spec = split_spec(view)
     if spec is None:
         notes.append("SPLIT_SPEC is left out: a chunk starts at a layer that is not one module of the model; "
@@ -87,7 +87,7 @@ def export(view: PlanView, out: str) -> Exported:
         split_spec=pprint.pformat(spec, width=110) if spec is not None else "None",
         schedule=view.schedule, schedule_class=repr(schedule_class), csv=to_csv(view.actions()).strip(),
         micro_batches=view.micro_batches, micro_batch_size=view.micro_batch_size,
-        batch=view.micro_batches * view.micro_batch_size, optimizer=repr((view.doc.get("options") or {}).get("optimizer") or "adam"))
+        batch=view.micro_batches * view.micro_batch_size, optimizer=repr(view.optimizer or "adam"))
     return Exported("torch", {out: text}, exact=True, notes=notes,
                     summary=f"torch: a script for torchrun --nproc-per-node {view.num_stages}, {len(view.chunks)} "
                             f"PipelineStages, {view.schedule} from its action lists, n_microbatches "
