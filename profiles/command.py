@@ -22,63 +22,54 @@ from ..models import Precision, model_spec
 from ..schema import write_artifact
 from .device import resolve_device
 from .contention import default_processes, most_processes
+from .options import ProfileOptions
 from .phases import announced, phase_lines, phase_text
 from .profiler import ProfileRequest, default_sizes, profile_model
 from .show import render_profile
 
 DEFAULT_BATCH_SIZE = 8
 
-# CLI option -> model_spec option. The model decides which of them apply to it.
-_MODEL_OPTIONS = ("layers", "width", "heads", "seq_len", "vocab_size", "blocks", "image_size",
-                  "input_shape", "num_classes", "input_dtype", "loss", "cut_at", "data")
 
-
-def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes: str | None = None,
-                    device: str = "cpu", threads: int = 1, warmup: int = 3, repeats: int = 10,
-                    seed: int = 0, measure_link: bool = False, out: str = "profile.json",
-                    quiet: bool = False, contention_processes: int | None = None, recompute_timing: bool = True,
-                    split_backward_timing: bool = True,
-                    precision: str = "fp32", param_dtype: str = "fp32", measure_every_layer: bool = False,
-                    whole_model_check: bool | None = None, layer_by_layer: bool | None = None,
-                    global_batch_size: int | None = None, fixed_costs: bool = True,
-                    **options: Any) -> None:
-    """Profile MODEL and write the profile JSON to ``out``. Raises BadInput / RunFailure."""
+def profile_command(model: str, **options: Any) -> None:
+    """Profile MODEL and write the profile JSON to ``--out``; ``options`` are the fields of
+    :class:`~.options.ProfileOptions` (an unknown one is a TypeError: a wiring bug, not user
+    input). Raises BadInput / RunFailure."""
     steady_allocator()       # as run's ranks will allocate (allocator.py), here and in the probes
-    chosen = Precision(precision, param_dtype)   # checks the pair (BadInput)
-    spec = model_spec(model, **{k: options.get(k) for k in _MODEL_OPTIONS})
-    unknown = set(options) - set(_MODEL_OPTIONS)
-    if unknown:
-        raise TypeError(f"unexpected options: {sorted(unknown)}")  # a CLI wiring bug, not user input
-    sizes, batch = parse_sizes(micro_batch_sizes, batch_size)
-    intended_batch = intended_global_batch(global_batch_size, sizes)
-    for flag, value, least in (("--threads", threads, 1), ("--warmup", warmup, 0), ("--repeats", repeats, 1)):
+    o = ProfileOptions(**options)
+    chosen = Precision(o.precision, o.param_dtype)   # checks the pair (BadInput)
+    spec = model_spec(model, **o.model_options())
+    sizes, batch = parse_sizes(o.micro_batch_sizes, o.batch_size)
+    intended_batch = intended_global_batch(o.global_batch_size, sizes)
+    for flag, value, least in (("--threads", o.threads, 1), ("--warmup", o.warmup, 0),
+                               ("--repeats", o.repeats, 1)):
         if value < least:
             raise BadInput(f"{flag} must be at least {least}, got {value}")
-    check_output_paths({"--out": out})      # before minutes of measuring
-    dev = resolve_device(device)
-    if measure_link and dev.type == "cuda" and torch.cuda.device_count() < 2:
+    check_output_paths({"--out": o.out})      # before minutes of measuring
+    dev = resolve_device(o.device)
+    if o.measure_link and dev.type == "cuda" and torch.cuda.device_count() < 2:
         raise BadInput("--measure-link on cuda needs two GPUs (NCCL between them); this machine has one")
+    contention_processes = o.contention_processes
     if contention_processes is None:
-        contention_processes = default_processes(threads) if dev.type == "cpu" else 0
+        contention_processes = default_processes(o.threads) if dev.type == "cpu" else 0
     if contention_processes < 0 or contention_processes == 1:
         raise BadInput(f"--contention-processes must be 0 (do not measure) or at least 2, got {contention_processes}")
-    if dev.type == "cpu" and contention_processes > most_processes(threads):
-        most = most_processes(threads)
-        raise BadInput(f"--contention-processes {contention_processes} at --threads {threads} needs "
-                       f"{contention_processes * threads} cores and this host has {usable_cores()}: more processes "
+    if dev.type == "cpu" and contention_processes > most_processes(o.threads):
+        most = most_processes(o.threads)
+        raise BadInput(f"--contention-processes {contention_processes} at --threads {o.threads} needs "
+                       f"{contention_processes * o.threads} cores and this host has {usable_cores()}: more processes "
                        "than it runs at once take turns on its cores, which plans model themselves (docs/planner.md, "
                        f"\"More ranks than cores\"); use {'at most ' + str(most) if most >= 2 else '0'}")
-    request = ProfileRequest(spec=spec, micro_batch_sizes=sizes, device=dev, threads=threads, warmup=warmup,
-                             repeats=repeats, seed=seed, measure_link=measure_link, batch_size=batch,
-                             contention_processes=contention_processes, recompute=recompute_timing,
-                             split_backward=split_backward_timing,
-                             precision=chosen, share_figures=not measure_every_layer,
-                             whole_model_check=whole_model_check, layer_by_layer=layer_by_layer,
-                             fixed_costs=fixed_costs)
+    request = ProfileRequest(spec=spec, micro_batch_sizes=sizes, device=dev, threads=o.threads, warmup=o.warmup,
+                             repeats=o.repeats, seed=o.seed, measure_link=o.measure_link, batch_size=batch,
+                             contention_processes=contention_processes, recompute=o.recompute_timing,
+                             split_backward=o.split_backward_timing,
+                             precision=chosen, share_figures=not o.measure_every_layer,
+                             whole_model_check=o.whole_model_check, layer_by_layer=o.layer_by_layer,
+                             fixed_costs=o.fixed_costs)
 
     err = Console(stderr=True)
     try:
-        with phase_lines(enabled=not quiet), _progress_for(err, quiet) as bar:
+        with phase_lines(enabled=not o.quiet), _progress_for(err, o.quiet) as bar:
             doc = profile_model(request, bar)
     except (BadInput, KeyboardInterrupt):
         raise
@@ -88,13 +79,13 @@ def profile_command(model: str, batch_size: int | None = None, micro_batch_sizes
     except Exception as exc:
         raise RunFailure(f"profiling failed: {type(exc).__name__}: {first_line(exc)}") from None
     doc["global_batch_size"] = intended_batch   # what solve and explore plan for by default
-    write_artifact(out, doc, "profile", flag="--out")
-    if quiet:
-        print(os.fspath(out))
+    write_artifact(o.out, doc, "profile", flag="--out")
+    if o.quiet:
+        print(os.fspath(o.out))
         return
     console = Console()
     render_profile(doc, console)
-    console.print(f"wrote {out}")
+    console.print(f"wrote {o.out}")
 
 
 def parse_sizes(text: str | None, batch_size: int | None) -> tuple[list[int], int]:

@@ -1,7 +1,8 @@
 """The options of ``gpipe-plan run``, checked in the launching process before any rank starts.
 
-The launcher hands them to every rank as JSON (an environment variable), so they are plain
-values. No torch here.
+Each is declared once, with its flag, default and help (gpipe_plan/options.py): the command
+line is generated from :class:`RunOptions`. The launcher hands them to every rank as JSON (an
+environment variable), so they are plain values. No torch here.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..artifacts import PARAM_DTYPES, PRECISIONS, BadInput, check_output_paths
+from ..options import option
 
 OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
 DEFAULT_LR = {"adam": 1e-3, "adamw": 1e-3, "sgd": 1e-2, "momentum": 1e-2}
@@ -30,33 +32,77 @@ MAX_TIMEOUT_S = 1e6
 
 @dataclass(frozen=True)
 class RunOptions:
+    """``gpipe-plan run``'s options, each declared once (gpipe_plan/options.py): flag, default, help."""
+
     plan: str
-    steps: int = 20
-    seed: int = 0
-    optimizer: str | None = None          # None: the plan's (its memory model counted it), else adam
-    lr: float | None = None               # None: DEFAULT_LR of the optimizer
-    weight_decay: float = 0.0
-    momentum: float = 0.9
-    grad_clip: float | None = None
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    data: str | None = None
-    save: str | None = None
-    report: str | None = None
-    trace: str | None = None
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 2
-    resume: bool = False
-    init_from: str | None = None          # the unsplit model's weights to start from (a checkpoint wins)
-    precision: str | None = None          # None: the plan's (a different one is refused)
-    param_dtype: str | None = None
-    executor: str = "auto"
-    device: str = "auto"
-    threads: int | None = None
-    timeout: float = 60.0
-    log_every: int = 10
-    quiet: bool = False
+    steps: int = option("--steps", default=20, type=int, show_default=True,
+                        help="Training steps to run in all (a resumed run continues up to this count).")
+    seed: int = option("--seed", default=0, type=int, show_default=True,
+                       help="Seed of the initial parameters (the same on every rank) and of the data.")
+    optimizer: str | None = option("--optimizer", choices=OPTIMIZERS,
+                                   help="Optimizer. Default: the one the plan's memory model counted, else adam.")
+    lr: float | None = option("--lr", type=float,
+                              help="Learning rate. Default: 1e-3 for adam/adamw, 1e-2 for sgd/momentum.")
+    weight_decay: float = option("--weight-decay", default=0.0, type=float, show_default=True, help="Weight decay.")
+    momentum: float = option("--momentum", default=0.9, type=float, show_default=True,
+                             help="Momentum of --optimizer momentum.")
+    grad_clip: float | None = option("--grad-clip", type=float, metavar="NORM",
+                                     help="Clip the global gradient norm (over all stages) to NORM.")
+    lr_schedule: str = option("--lr-schedule", default="constant", choices=LR_SCHEDULES, show_default=True,
+                              help="Learning-rate schedule after the warm-up; cosine decays to lr/10 at the last "
+                                   "step.")
+    warmup_steps: int = option("--warmup-steps", default=0, type=int, show_default=True,
+                               help="Linear learning-rate warm-up steps.")
+    data: str | None = option("--data", metavar="FILE.txt|pkg.module:factory",
+                              help="A language model (gpt, or yours with --loss lm): train on this text, byte-level "
+                                   "(vocabulary >= 256). Your model: factory(batch_size) yields (inputs, targets) "
+                                   "mini-batches. Default: the profile's --data factory, else synthetic data.")
+    save: str | None = option("--save", path="file", metavar="model.pt",
+                              help="Write the trained model's full state_dict (the unsplit model's keys), for "
+                                   "torch.load.")
+    report: str | None = option("--report", path="file", metavar="report.json",
+                                help="Write measured vs predicted (step time, per-stage times, memory, bubble) as "
+                                     "JSON.")
+    trace: str | None = option("--trace", path="file", metavar="trace.json",
+                               help="Write a Chrome trace of every stage's forwards and backwards (open in "
+                                    "ui.perfetto.dev).")
+    checkpoint_dir: str | None = option("--checkpoint-dir", path="dir",
+                                        help="Save checkpoints here, every --checkpoint-every steps and at the end: "
+                                             "one torch.distributed.checkpoint per step, keyed like the unsplit "
+                                             "model (all ranks must see it).")
+    checkpoint_every: int = option("--checkpoint-every", default=100, type=int, show_default=True,
+                                   help="Steps between checkpoints.")
+    keep_checkpoints: int = option("--keep-checkpoints", default=2, type=int, show_default=True,
+                                   help="Newest checkpoints to keep.")
+    resume: bool = option("--resume", default=False, is_flag=True,
+                          help="Continue from the newest complete checkpoint in --checkpoint-dir (start fresh if "
+                               "there is none), under this plan or any other split of the same model (other stages, "
+                               "balance, batch).")
+    init_from: str | None = option("--init-from", path="file", metavar="FILE",
+                                   help="Start from these weights of the unsplit model: a torch.save'd state_dict "
+                                        "(.pt, .bin) or a .safetensors file, keyed like model.state_dict() (as --save "
+                                        "writes it); each rank reads only its stage's tensors. The optimizer starts "
+                                        "fresh, at step 0. With --resume, an existing checkpoint wins.")
+    precision: str | None = option("--precision", choices=PRECISIONS,
+                                   help="Compute dtype (fp16 adds loss scaling). Default: the plan's; a different "
+                                        "one is refused, since the plan's times and memory were measured in its own.")
+    param_dtype: str | None = option("--param-dtype", choices=PARAM_DTYPES,
+                                     help="Dtype of the parameters, gradients and optimizer state. Default: the "
+                                          "plan's.")
+    executor: str = option("--executor", default="auto", choices=EXECUTORS, show_default=True,
+                           help="native: gpipe-plan's executor (gloo/CPU); torch: torch.distributed.pipelining; "
+                                "auto: native on CPU, torch on CUDA.")
+    device: str = option("--device", default="auto", choices=DEVICES, show_default=True,
+                         help="Where ranks run: cuda is one GPU per rank (cuda:LOCAL_RANK); auto follows the plan's "
+                              "profile.")
+    threads: int | None = option("--threads", type=int,
+                                 help="CPU threads per rank. Default: the threads the plan's profile measured with.")
+    timeout: float = option("--timeout", default=60.0, type=float, show_default=True,
+                            help="Seconds a rank waits for a neighbour before it declares the run stuck.")
+    log_every: int = option("--log-every", default=10, type=int, show_default=True,
+                            help="When the output is not a terminal: print a progress line every N steps.")
+    quiet: bool = option("--quiet", "-q", default=False, is_flag=True,
+                         help="No progress line or table (errors and warnings still show).")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
