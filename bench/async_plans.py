@@ -30,7 +30,8 @@ EXAMPLE = ("vgg16", 4, 8)      # the profile, K and M whose per-stage memory is 
 
 
 def measure(budget_s: float) -> dict[str, Any]:
-    from gpipe_plan.planner.search import SolveOptions, search
+    from gpipe_plan.planner.problem import SolveOptions
+    from gpipe_plan.planner.search import search
 
     from .exactness import profiles
 

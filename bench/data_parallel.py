@@ -70,7 +70,7 @@ def factorisation_row(f: Any, global_batch: int) -> dict[str, Any]:
 
 def measure_pipedream(memory_limit_bytes: int, time_budget_s: float, models: list[str] | None) -> dict[str, Any]:
     from gpipe_plan.planner.replicas import search_devices
-    from gpipe_plan.planner.search import SolveOptions
+    from gpipe_plan.planner.problem import SolveOptions
 
     from .planner_quality import load_all
 

@@ -70,7 +70,8 @@ def profiles() -> dict:
 
 def solve_case(profile, batch: int, K: int, M: int, schedule: str, budget_s: float) -> dict:
     """One search, timed; the fields both an older and this planner can give."""
-    from gpipe_plan.planner.search import SolveOptions, search
+    from gpipe_plan.planner.problem import SolveOptions
+    from gpipe_plan.planner.search import search
 
     options = SolveOptions(stages=K, micro_batches=M, schedule=schedule, global_batch_size=batch,
                            time_budget_s=budget_s)
@@ -148,7 +149,7 @@ def scale_case(budget_s: float) -> dict:
     from gpipe_plan.planner.pipedream import import_pipedream
     from gpipe_plan.planner.profile import Profile
     from gpipe_plan.planner.replicas import search_devices
-    from gpipe_plan.planner.search import SolveOptions
+    from gpipe_plan.planner.problem import SolveOptions
 
     profile = Profile(import_pipedream(str(PIPEDREAM / "gnmt.graph.txt"), batch_size=64), where="gnmt")
     options = SolveOptions(devices=512, nodes=64, network_bandwidth_bytes_per_s=12.5e9, global_batch_size=8192,

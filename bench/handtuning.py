@@ -32,7 +32,7 @@ from typing import Any
 
 from gpipe_plan.artifacts import write_json_atomic
 from gpipe_plan.planner.costmodel import CostModel
-from gpipe_plan.planner.search import cost_setting
+from gpipe_plan.planner.settings import cost_setting
 from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.profile import Profile
 from tests.handplan import hand_plan  # the hand-written plans are the tests' helper

@@ -32,7 +32,8 @@ def measure(case: str, profiles: dict) -> list[dict]:
     """One case (model:K:M:schedule:v) run to each of NODE_COUNTS nodes: CPU seconds and what was charged."""
     from gpipe_plan.planner import milp, milp_solve
     from gpipe_plan.planner.costmodel import CostModel
-    from gpipe_plan.planner.search import SolveOptions, search
+    from gpipe_plan.planner.problem import SolveOptions
+    from gpipe_plan.planner.search import search
 
     name, K, M, schedule, v = case.split(":")
     profile, _, batch = profiles[name]

@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 from gpipe_plan.planner.profile import Profile
-from gpipe_plan.planner.search import SolveOptions, search
+from gpipe_plan.planner.problem import SolveOptions
+from gpipe_plan.planner.search import search
 
 from .common import ROOT, git_revision, machine, table, write_section
 from .synthetic import synthetic_profile

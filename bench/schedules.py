@@ -106,7 +106,8 @@ def render_cpu(data: dict[str, Any]) -> str:
 
 # ---------------------------------------------------------------------------- part 2: PipeDream
 def measure_pipedream(stages=(4, 8), micro_batches=(8, 32), time_budget_s: float = 2.0) -> dict[str, Any]:
-    from gpipe_plan.planner.search import SolveOptions, search
+    from gpipe_plan.planner.problem import SolveOptions
+    from gpipe_plan.planner.search import search
 
     from .planner_quality import load_all
 

@@ -6,9 +6,13 @@ a plan always comes back. ``solve --time-budget`` is shared by all the settings 
 schedules) one solve tries; ``explore --time-budget`` is per cell of its grid, which holds
 many; a solver built without a budget (tests, benchmarks) gets its own.
 
-Nothing is imported here, so the command line can show these defaults without loading the
-planner.
+Only the standard library is imported here, so the command line can show these defaults without
+loading the planner. How one search shares its budget among its settings is here too
+(:class:`SettingBudgets`).
 """
+
+import time
+from dataclasses import dataclass
 
 SOLVE_TIME_BUDGET_S = 30.0
 
@@ -35,7 +39,7 @@ WALL_SAFETY = 3.0
 # few stages) it proves, and its best plan warm-starts the MILP, which gets the rest.
 BRANCH_AND_BOUND_SHARE = 0.25
 
-# The least share of a budget that is spent (search.share_of_budget): a search gets at least
+# The least share of a budget that is spent (:func:`share_of_budget` below): a search gets at least
 # this, so that it can return some plan, and a solve overruns its budget by little.
 LEAST_SETTING_S = 0.02          # one setting: enough to evaluate its seed plan, no more
 LEAST_ILP_SETTING_S = 0.5       # one setting under --solver ilp: CBC needs a moment to return anything
@@ -46,3 +50,45 @@ LEAST_ONE_DEVICE_S = 0.1        # the one-device plan every solve is compared wi
 # out-of-memory refusal) may take in all, before each settles for the least it found (then a
 # limit that works, not the least).
 LEAST_MEMORY_BUDGET_S = 2.0
+
+
+def share_of_budget(budget_s: float, started: float, settings_left: int, least_s: float = LEAST_SETTING_S) -> float:
+    """The seconds the next setting may search: what is left of the budget, shared evenly.
+
+    Once the budget is spent each remaining setting gets only a moment, ``least_s`` (its
+    solver then returns the best plan it has, with its gap), so a solve overruns its budget by
+    little more than the fixed work around the searches (reading the profile, the first cheap
+    pass).
+    """
+    left = budget_s - (time.perf_counter() - started)
+    return max(least_s, left / max(1, settings_left))
+
+
+@dataclass
+class SettingBudgets:
+    """How one search shares its time budget among its settings: the one place each share is made.
+
+    ``time_s``: the wall time the next setting may search (:func:`share_of_budget`).
+    ``work_s``: its budget in deterministic work (planner/solvers.py): an even share of what the
+    settings before it left (each reports the work it used, :meth:`spend`). Unlike what the clock
+    leaves, that is the same on every run, so the same request gets the same plan.
+    """
+
+    budget_s: float
+    settings: int
+    started: float
+    least_s: float = LEAST_SETTING_S
+    work_budget_s: float | None = None   # the work to share (default budget_s)
+    spent_s: float = 0.0                 # work the settings solved so far used
+
+    def time_s(self, settings_left: int) -> float:
+        return share_of_budget(self.budget_s, self.started, settings_left, self.least_s)
+
+    def work_s(self, settings_left: int) -> float:
+        total = self.budget_s if self.work_budget_s is None else self.work_budget_s
+        return max(self.least_s, (total - self.spent_s) / max(1, settings_left))
+
+    def spend(self, candidate) -> None:
+        """Count the work a solved setting used (a search.Candidate)."""
+        if candidate.solution is not None:
+            self.spent_s += candidate.solution.stats.get("work_s", 0.0)

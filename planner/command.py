@@ -20,7 +20,10 @@ from .profile import Profile
 from .render import batch_line, plan_timeline_svg, render_plan
 from .replicas import search_devices
 from .request import RECOMPUTES, ExploreRequest, SolveCommand, SolveRequest
-from .search import device_memory_limit, one_stage_baseline, search, share_of_budget
+from .budgets import share_of_budget
+from .one_device import one_stage_baseline
+from .problem import device_memory_limit
+from .search import search
 from ..units import format_seconds, parse_bandwidth, parse_size
 
 

@@ -42,8 +42,9 @@ from .objective import Solution
 from .onefoneb import OneFOneBSolver
 from .profile import LayerFigures, Profile
 from .seeds import seed_cuts
-from .search import (ReplicaSync, SolveOptions, check_micro_batches, cost_setting, micro_batch_counts, pipeline_link,
-                     resolve_global_batch, sharded_tie_problem, virtual_stage_choices)
+from .problem import SolveOptions, check_micro_batches, resolve_global_batch
+from .settings import (ReplicaSync, cost_setting, micro_batch_counts, pipeline_link, sharded_tie_problem,
+                       virtual_stage_choices)
 from ..units import format_bytes
 
 
@@ -148,12 +149,12 @@ class _Grid:
     schedules: Sequence[str]
     recomputes: Sequence[str]
     memory_limit_bytes: int | None
-    link: tuple[float, float]              # the link as given (search.pipeline_link): bandwidth, latency
+    link: tuple[float, float]              # the link as given (settings.pipeline_link): bandwidth, latency
     point_budget_s: float
 
     def setting(self, shape: _Shape, micro_batches: int, schedule: str, recompute: str, limit: int | None,
                 virtual_stages: int = 1) -> Setting:
-        """The cost model's setting of one cell (search.cost_setting, as solve makes it).
+        """The cost model's setting of one cell (settings.cost_setting, as solve makes it).
 
         One replica alone: the link as given. Replicas: the placement says which link the
         pipeline's sends and the gradient sync cross (inside a node, or the network).

@@ -21,7 +21,9 @@ from .costmodel import CostModel
 from .objective import Evaluation, evaluate
 from .profile import Profile
 from .replicas import DevicesResult, Factorisation, placements, Topology
-from .search import Candidate, OneStage, SearchResult, global_batch_source
+from .one_device import OneStage
+from .problem import global_batch_source
+from .search import Candidate, SearchResult
 from ..units import format_percent, format_seconds
 
 MAX_RUNNERS_UP = 12
@@ -34,7 +36,7 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
     """The plan document for the search's best plan.
 
     ``one_stage``: the best plan of the same global batch on one device
-    (:func:`.search.one_stage_baseline`), which the plan compares itself with; None leaves the
+    (:func:`.one_device.one_stage_baseline`), which the plan compares itself with; None leaves the
     comparison out, except for a one-device plan, which is its own baseline. ``devices``: the
     search over K stages x d replicas (:func:`.replicas.search_devices`); ``result`` is then its
     best factorisation's pipeline search (batch global / d). Without it: one replica.

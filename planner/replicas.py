@@ -42,8 +42,10 @@ from ..units import format_bytes
 from .budgets import LEAST_PLACEMENT_S
 from .costmodel import CostModel
 from .objective import proven_optimal
-from .search import (ReplicaSync, SearchResult, SolveOptions, first_pass_step, pipeline_link, resolve_global_batch,
-                     search, share_of_budget, too_few_stages, too_many_stages)
+from .budgets import share_of_budget
+from .problem import SolveOptions, resolve_global_batch, too_few_stages, too_many_stages
+from .search import SearchResult, first_pass_step, search
+from .settings import ReplicaSync, pipeline_link
 from .solvers import tighten
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 :class:`SolveRequest` is solve's options as typed (text where the command line gives text:
 ``"auto"``, ``"16GiB"``, ``"12.5"``); :meth:`SolveRequest.solve_options` checks them together
-and parses them into the search's :class:`~.search.SolveOptions`. :class:`ExploreRequest` is
+and parses them into the search's :class:`~.problem.SolveOptions`. :class:`ExploreRequest` is
 explore's: its grid (lists of K, M, schedules) and the options it shares with solve, which
 are declared once below (:func:`_shared`), with one default and one help text for both.
 Nothing here imports torch or click.
@@ -144,7 +144,7 @@ class SolveRequest:
 
     def solve_options(self):
         """The request checked as a whole and parsed into the search's options (one-line errors)."""
-        from .search import SolveOptions   # the search loads when a solve runs, not for --help
+        from .problem import SolveOptions   # the search loads when a solve runs, not for --help
 
         if not (math.isfinite(self.time_budget_s) and self.time_budget_s > 0):
             raise BadInput(f"--time-budget must be a positive number of seconds, got {self.time_budget_s}")

@@ -281,7 +281,7 @@ class _ProbeModel:
 
         from ..planner.costmodel import CostModel
         from ..planner.profile import Profile
-        from ..planner.search import cost_setting
+        from ..planner.settings import cost_setting
 
         first, end = layers
         sub = {key: value for key, value in doc.items()

@@ -156,7 +156,7 @@ def test_the_tables_show_the_new_schedules_and_interleaveds_chunks_per_stage():
 
 # --------------------------------------------------------------------------- --devices: K x d = N
 def _replica_options(**over):
-    from gpipe_plan.planner.search import SolveOptions
+    from gpipe_plan.planner.problem import SolveOptions
 
     base = dict(stages=None, devices=4, data_parallel="auto", nodes=2, global_batch_size=16, schedule="1f1b",
                 recompute="never", link_bandwidth_bytes_per_s=2e9, link_latency_s=1e-5,

@@ -23,7 +23,8 @@ from gpipe_plan.plan_view import read_plan
 from gpipe_plan.planner.fixedcosts import FixedCosts, between_actions_s
 from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.profile import Profile
-from gpipe_plan.planner.search import SolveOptions, search
+from gpipe_plan.planner.problem import SolveOptions
+from gpipe_plan.planner.search import search
 from gpipe_plan.schedules import SPLIT_BACKWARD, chunks_per_stage, problem, stage_of_chunk
 
 from hypothesis import given

@@ -12,7 +12,8 @@ from gpipe_plan.models import model_spec
 from gpipe_plan.planner.costmodel import neighbour_scale
 from gpipe_plan.planner.explore import explore
 from gpipe_plan.planner.profile import Profile
-from gpipe_plan.planner.search import SolveOptions, search
+from gpipe_plan.planner.problem import SolveOptions
+from gpipe_plan.planner.search import search
 from gpipe_plan.profiles.contention import cycle_ratios, measure_contention, recorded_slowdown
 from gpipe_plan.profiles.profiler import ProfileRequest, profile_model
 from gpipe_plan.schema import FORMAT_VERSIONS, PROFILE_FORMAT

@@ -18,7 +18,8 @@ from gpipe_plan.planner.costmodel import CostModel, Setting
 from gpipe_plan.planner.fixedcosts import FixedCosts
 from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.profile import Profile
-from gpipe_plan.planner.search import SolveOptions, search
+from gpipe_plan.planner.problem import SolveOptions
+from gpipe_plan.planner.search import search
 
 from planner_helpers import make_figures, profile_doc, schedule_case
 

@@ -26,7 +26,9 @@ from gpipe_plan.planner.ilp import solve_ilp
 from gpipe_plan.planner.objective import evaluate, work_floor
 from gpipe_plan.planner.onefoneb import OneFOneBSolver
 from gpipe_plan.planner.profile import Profile, interpolate
-from gpipe_plan.planner.search import SolveOptions, schedule_shapes, search
+from gpipe_plan.planner.problem import SolveOptions
+from gpipe_plan.planner.search import search
+from gpipe_plan.planner.settings import schedule_shapes
 from gpipe_plan.schedules import problem
 
 from planner_helpers import close, hyp, instances, make_figures, profile_doc, ref_brute, ref_evaluate

@@ -18,7 +18,8 @@ from gpipe_plan.planner.brute import brute_force
 from gpipe_plan.planner.costmodel import CostModel, Setting
 from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.profile import Profile
-from gpipe_plan.planner.search import SolveOptions, search
+from gpipe_plan.planner.problem import SolveOptions
+from gpipe_plan.planner.search import search
 from gpipe_plan.planner.solvers import solve_cost_model
 from gpipe_plan.schema import BOUND_METHODS
 

@@ -26,7 +26,9 @@ from gpipe_plan.planner.profile import Profile
 from gpipe_plan.collectives import ring_allreduce_s
 from gpipe_plan.planner.replicas import (DATA_INNER, DATA_ONLY, PIPELINE_INNER, Topology, factorisations, placements,
                                          search_devices)
-from gpipe_plan.planner.search import ReplicaSync, SolveOptions, search, settings_for, solve_setting
+from gpipe_plan.planner.problem import SolveOptions
+from gpipe_plan.planner.search import search, solve_setting
+from gpipe_plan.planner.settings import ReplicaSync, settings_for
 from gpipe_plan.schedules import problem
 from gpipe_plan.schema import FORMAT_VERSIONS, PLAN_FORMAT, validate
 

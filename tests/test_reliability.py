@@ -24,7 +24,7 @@ from gpipe_plan.artifacts import BadInput, check_output_paths, write_json_atomic
 from gpipe_plan.planner.costmodel import CostModel, Setting
 from gpipe_plan.planner.gpipe_solver import GPipeSolver
 from gpipe_plan.planner.onefoneb import OneFOneBSolver
-from gpipe_plan.planner.search import MAX_MICRO_BATCHES, divisors
+from gpipe_plan.planner.settings import MAX_MICRO_BATCHES, divisors
 from gpipe_plan.units import format_bytes, parse_size
 
 from planner_helpers import cli, make_figures, profile_doc, write_json
