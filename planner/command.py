@@ -65,7 +65,8 @@ def solve_request(profile_path: str, request: SolveRequest, plan_path: str | Non
     result = found.best.result if replicated else found
     step = result.best.step_s
     if plan_path is not None and step > MAX_SECONDS:   # beyond what a plan file records (schema.py)
-        raise BadInput(f"the best plan for a global batch of {result.global_batch_size} takes {step / 86400:,.0f} days "
+        batch = devices.global_batch_size if replicated else result.batch
+        raise BadInput(f"the best plan for a global batch of {batch} takes {step / 86400:,.0f} days "
                        f"per step: plan a smaller --global-batch-size")
     # What the pipeline must beat: the best plan of the same batch on one device.
     # It shares the time budget: what the pipeline's search left of it.
@@ -77,7 +78,8 @@ def solve_request(profile_path: str, request: SolveRequest, plan_path: str | Non
     baseline = one_stage_baseline(profile, single) if used > 1 else None
     if baseline is not None and (baseline.step_s or 0.0) > MAX_SECONDS:
         baseline = None   # one device would take months a step: there is nothing to compare with
-    plan = build_plan(profile, profile_path, file_sha256(profile_path), result, one_stage=baseline, devices=devices)
+    plan = build_plan(profile, profile_path, file_sha256(profile_path), opts, result, one_stage=baseline,
+                      devices=devices)
     if plan_path is not None:
         write_artifact(plan_path, plan, "solved plan", outputs, "--out")
     return plan

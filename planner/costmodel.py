@@ -166,7 +166,7 @@ def charged_static_bytes(params_bytes: float, optimizer: str, data_parallel: int
     included (:func:`gpipe_plan.weight_versions.weight_copies` for an asynchronous
     schedule's weight stashing; 1 otherwise); the gradients and the optimizer state are kept
     once whatever the versions (an update is applied to the newest weights only). The
-    asynchronous schedules run with ddp only (problem.check_options refuses fsdp).
+    asynchronous schedules run with ddp only (problem.check_problem refuses fsdp).
 
     ``ddp`` keeps everything whole on each of the d replicas: P + P + multiplier*P. ``fsdp``
     (FSDP2 ``fully_shard``) keeps a 1/d shard of the parameters and of the optimizer state

@@ -19,9 +19,11 @@ user's own profile, with the planner's optimal plan in every cell (not a uniform
 Work shared between cells: per-layer figures are computed once per micro-batch size, GPipe's
 optimal partition seeds the other schedules' searches of the same cell (after it, every search
 gets the min-max cut and its neighbours, planner/seeds.py, as ``solve`` does), and 1F1B's suffix
-bounds depend on the stages left rather than on K, so one table serves every K. A cell's search
-is the branch and bound alone, within ``--time-budget`` per cell: too short for the MILP that
-``solve`` follows it with.
+bounds depend on the stages left rather than on K, so one table serves every K. A cell is
+searched as ``solve`` searches one setting (planner/solvers.py, ``solve_cost_model``), with
+``--time-budget`` per cell in deterministic work (so a cell is the same on every run): the
+branch and bound, followed by the MILP only where the cell's budget pays for building its
+programme (small models and few micro-batches at the default 0.5 s).
 """
 
 from __future__ import annotations
@@ -33,18 +35,15 @@ from typing import Any, Sequence
 from ..artifacts import BadInput
 from ..schedules import PLANNABLE_SCHEDULES, chunks_per_stage, problem
 from ..weight_versions import ASYNC_SCHEDULES
-from .asynchronous import AsyncSolver
 from .budgets import EXPLORE_POINT_TIME_BUDGET_S
-from .chunked import ChunkedSolver
 from .costmodel import CostModel, Setting, charged_static_bytes, stage_peaks
 from .gpipe_solver import GPipeSolver
 from .objective import Solution
-from .onefoneb import OneFOneBSolver
-from .profile import LayerFigures, Profile
-from .seeds import seed_cuts
 from .problem import SolveOptions, check_micro_batches, resolve_global_batch
+from .profile import LayerFigures, Profile
 from .settings import (ReplicaSync, cost_setting, micro_batch_counts, pipeline_link, sharded_tie_problem,
                        virtual_stage_choices)
+from .solvers import solve_cost_model
 from ..units import format_bytes
 
 
@@ -299,22 +298,16 @@ def _solve_point(grid: _Grid, shape: _Shape, M: int, size: int, schedule: str, r
     seeds = [gpipe_partition] if gpipe_partition else []
     sol, fits, v = None, True, 1
     for limit in ([grid.memory_limit_bytes, None] if grid.memory_limit_bytes else [None]):
-        if schedule in ("gpipe", "1f1b"):
-            cm = CostModel(profile.at(size), grid.setting(shape, M, schedule, recompute, limit))
-            if schedule == "gpipe":
-                sol = GPipeSolver(cm, time_budget_s=budget_s, seeds=seed_cuts(cm)).solve()
-            else:
-                # Tables depend on the layer times and links: share them only alike.
+        if schedule in ("gpipe", "1f1b") or schedule in ASYNC_SCHEDULES:
+            if schedule not in ASYNC_SCHEDULES or not problem(schedule, K, M):
+                cm = CostModel(profile.at(size), grid.setting(shape, M, schedule, recompute, limit))
+                # 1F1B's tables depend on the layer times and links: shared only alike.
                 st = cm.setting
                 key = (M, size, recompute, limit, st.compute_scale, st.link_bandwidth_bytes_per_s,
                        st.link_latency_s, st.data_parallel, st.sync_bandwidth_bytes_per_s,
                        st.sync_latency_s, st.gradient_sync, st.sync_every, st.overhead_s, st.fixed_costs)
-                sol = OneFOneBSolver(cm, seeds=seed_cuts(cm, seeds), time_budget_s=budget_s,
-                                     suffix_tables=tables.setdefault(key, {})).solve()
-        elif schedule in ASYNC_SCHEDULES:
-            if not problem(schedule, K, M):
-                cm = CostModel(profile.at(size), grid.setting(shape, M, schedule, recompute, limit))
-                sol = AsyncSolver(cm, seeds=seed_cuts(cm, seeds)).solve()
+                sol = solve_cost_model(cm, "exact", budget_s, seeds,
+                                       suffix_tables=tables.setdefault(key, {}) if schedule == "1f1b" else None)
         else:
             sol, v = _chunked(profile.at(size), K, M, schedule, profile.num_layers, budget_s,
                               lambda vs: grid.setting(shape, M, schedule, recompute, limit, vs), seeds)
@@ -507,8 +500,7 @@ def _chunked(fig: LayerFigures, K: int, M: int, schedule: str, layers: int, time
     """The best plan of a chunked or split-backward schedule (interleaved: over its virtual stages)."""
     best, best_v = None, 1
     for v in _shapes(schedule, K, M, layers):
-        cm = CostModel(fig, make_setting(v))
-        sol = ChunkedSolver(cm, seeds=seed_cuts(cm, seeds), time_budget_s=time_budget_s).solve()
+        sol = solve_cost_model(CostModel(fig, make_setting(v)), "exact", time_budget_s, seeds)
         if sol is not None and (best is None or sol.evaluation.step_s < best.evaluation.step_s):
             best, best_v = sol, v
     return best, best_v

@@ -14,9 +14,9 @@ from dataclasses import dataclass, replace
 
 from .budgets import LEAST_MEMORY_BUDGET_S
 from .costmodel import CostModel, Setting
-from .problem import SolveOptions
+from .problem import PipelineProblem
 from .profile import Profile
-from .settings import ReplicaSync, settings_for
+from .settings import settings_for
 from ..units import format_bytes
 
 
@@ -112,24 +112,24 @@ def _least_chunked_memory(cm: CostModel, budget: MemorySearch) -> float:
     return best
 
 
-def explain_infeasible(profile: Profile, options: SolveOptions, batch: int, sync: ReplicaSync = ReplicaSync()) -> str:
+def explain_infeasible(profile: Profile, problem: PipelineProblem) -> str:
     """One line: the limit is too small; the least that works; which option would help.
 
     The chunked schedules (interleaved, zb-v) share LEAST_MEMORY_BUDGET_S for their searches;
     if one of them stops there, the line gives the least limit found to work instead.
     """
-    limit = options.memory_limit_bytes or 0
+    limit = problem.memory_limit_bytes or 0
     budget = MemorySearch(time.perf_counter() + LEAST_MEMORY_BUDGET_S)
 
-    def least(opts: SolveOptions, replica_sync: ReplicaSync = sync) -> float:
+    def least(relaxed: PipelineProblem) -> float:
         return min((least_memory(profile, s, size, budget)
-                    for s, size in settings_for(profile, opts, batch, replica_sync)), default=math.inf)
+                    for s, size in settings_for(profile, relaxed)), default=math.inf)
 
-    need = least(options)
-    if options.memory_limit_source == "device":
+    need = least(problem)
+    if problem.memory_limit_source == "device":
         what = (f"the usable memory of the profiled {profile.device.get('name') or 'GPU'}, {format_bytes(limit)} "
                 f"(its memory less the CUDA context and headroom; --memory-limit overrides it),")
-    elif options.memory_limit_source == "host":
+    elif problem.memory_limit_source == "host":
         what = (f"this host's share per rank, {format_bytes(limit)} (the profiled host's "
                 f"{format_bytes(profile.host_memory_bytes)} less headroom, shared by the ranks on it; --memory-limit "
                 f"overrides it),")
@@ -138,26 +138,26 @@ def explain_infeasible(profile: Profile, options: SolveOptions, batch: int, sync
     line = (f"no plan fits {what} with these options: the smallest limit "
             f"{'that works' if budget.exact else 'found to work'} is {format_bytes(need, round_up=True)}")
     relaxations = []
-    if options.recompute != "auto":
+    if problem.recompute != "auto":
         relaxations.append(("--recompute auto", {"recompute": "auto"}))
-    if options.schedule not in ("1f1b", "auto"):
+    if problem.schedule not in ("1f1b", "auto"):
         relaxations.append(("--schedule 1f1b", {"schedule": "1f1b", "virtual_stages": "auto"}))
-    if options.micro_batches != "auto":
+    if problem.micro_batches != "auto":
         relaxations.append(("--micro-batches auto", {"micro_batches": "auto"}))
+    sync = problem.sync
     d = sync.data_parallel
-    if options.stages < profile.num_layers:
-        more = min(profile.num_layers, options.stages * 2)
+    if problem.stages < profile.num_layers:
+        more = min(profile.num_layers, problem.stages * 2)
         # As one of d replicas, more stages per replica means more devices: K x d = N.
         flag = f"--stages {more}" if d == 1 else f"--devices {more * d} --stages {more}"
         relaxations.append((flag, {"stages": more}))
     helps = []
     for flag, change in relaxations:
-        relaxed = SolveOptions(**{**options.__dict__, **change})
-        relaxed_need = least(relaxed)
+        relaxed_need = least(replace(problem, **change))
         if relaxed_need < need:
             helps.append((relaxed_need, flag))
     if d > 1 and sync.gradient_sync != "fsdp":   # fsdp keeps 1/d of the optimizer state per rank
-        sharded_need = least(options, replace(sync, gradient_sync="fsdp"))
+        sharded_need = least(replace(problem, sync=replace(sync, gradient_sync="fsdp")))
         if sharded_need < need:
             helps.append((sharded_need, "--gradient-sync fsdp"))
     helps.sort()

@@ -12,10 +12,10 @@ from dataclasses import dataclass, replace
 
 from ..artifacts import BadInput
 from .least_memory import least_memory
-from .problem import SolveOptions, check_options
+from .problem import SolveOptions, check_problem, problem_of, resolve_global_batch
 from .profile import Profile
-from .search import search, SearchResult
-from .settings import settings_for
+from .search import SearchResult, search_pipeline
+from .settings import ReplicaSync, pipeline_link, settings_for
 
 
 @dataclass
@@ -49,13 +49,15 @@ def one_stage_baseline(profile: Profile, options: SolveOptions) -> OneStage:
     pipeline (it is what fills it), while one device should be judged at its own best M;
     the global batch stays the same, so the two plans train alike.
     """
-    single = replace(options, stages=1, devices=None, data_parallel=1, micro_batches="auto", virtual_stages="auto",
+    single = replace(problem_of(options, stages=1, batch=resolve_global_batch(profile, options),
+                                link=pipeline_link(profile, options), sync=ReplicaSync()),
+                     micro_batches="auto", virtual_stages="auto",
                      schedule=options.schedule if options.schedule in ("gpipe", "1f1b") else "auto")
     try:
-        return OneStage(search(profile, single, explain=False))
+        return OneStage(search_pipeline(profile, single, explain=False))
     except BadInput:
         # Nothing fits one device: say how much memory it would take (search raised only that,
         # since the other checks passed for the pipeline's own options).
-        batch = check_options(profile, single)
-        need = min(least_memory(profile, s, size) for s, size in settings_for(profile, single, batch))
+        check_problem(profile, single)
+        need = min(least_memory(profile, s, size) for s, size in settings_for(profile, single))
         return OneStage(None, need)

@@ -22,7 +22,7 @@ from .objective import Evaluation, evaluate
 from .profile import Profile
 from .replicas import DevicesResult, Factorisation, placements, Topology
 from .one_device import OneStage
-from .problem import global_batch_source
+from .problem import SolveOptions, global_batch_source
 from .search import Candidate, SearchResult
 from ..units import format_percent, format_seconds
 
@@ -31,9 +31,9 @@ MAX_RUNNERS_UP = 12
 OPTIMIZER_WAIT_QUIET = 0.01
 
 
-def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result: SearchResult,
+def build_plan(profile: Profile, profile_path: str, profile_sha256: str, request: SolveOptions, result: SearchResult,
                one_stage: OneStage | None = None, devices: DevicesResult | None = None) -> dict[str, Any]:
-    """The plan document for the search's best plan.
+    """The plan document for the search's best plan; ``request``: what ``solve`` was asked.
 
     ``one_stage``: the best plan of the same global batch on one device
     (:func:`.one_device.one_stage_baseline`), which the plan compares itself with; None leaves the
@@ -50,7 +50,7 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
     setting = best.setting
     chosen = devices.best if devices is not None else None
     replicas = setting.data_parallel
-    global_batch = devices.global_batch_size if devices is not None else result.global_batch_size
+    global_batch = devices.global_batch_size if devices is not None else result.batch
     optimality = optimality_section(best.solution.method, ev.step_s, result, devices)
     return {
         "format": PLAN_FORMAT,
@@ -59,7 +59,7 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, result:
         "precision": profile.precision,
         "param_dtype": profile.param_dtype,
         "profile": profile_section(profile, profile_path, profile_sha256),
-        "options": options_section(profile, result, devices, global_batch),
+        "options": options_section(profile, request, result, devices, global_batch),
         "balance": ev.balance,
         "micro_batches": setting.micro_batches,
         "micro_batch_size": best.micro_batch_size,
@@ -89,27 +89,21 @@ def profile_section(profile: Profile, path: str, sha256: str) -> dict[str, Any]:
     return {"path": path, "sha256": sha256, "device": profile.device, "micro_batch_sizes": profile.sizes}
 
 
-def options_section(profile: Profile, result: SearchResult, devices: DevicesResult | None,
+def options_section(profile: Profile, request: SolveOptions, result: SearchResult, devices: DevicesResult | None,
                     global_batch_size: int) -> dict[str, Any]:
-    """The plan's ``options``: what ``solve`` was asked, so that the plan can be made again.
-
-    How many devices, replicas and nodes is what the user asked of the whole search
-    (``devices.options``); the rest is what the chosen pipeline was searched with
-    (``result.options``: the same, for one replica of the chosen K and d), and the link,
-    overhead and compute scale are what its setting charged.
+    """The plan's ``options``: what ``solve`` was asked (``request``), so that the plan can be
+    made again; the link, overhead and compute scale are what the chosen setting charged.
     """
-    user_options = devices.options if devices is not None else result.options
-    options = result.options
     setting = result.best.setting
     return {
-        "stages": user_options.stages,
+        "stages": request.stages,
         "global_batch_size": global_batch_size,
-        "global_batch_size_source": global_batch_source(profile, user_options),
-        "micro_batches": options.micro_batches,
-        "schedule": options.schedule,
-        "recompute": options.recompute,
-        "memory_limit_bytes": options.memory_limit_bytes,
-        "memory_limit_source": options.memory_limit_source,
+        "global_batch_size_source": global_batch_source(profile, request),
+        "micro_batches": request.micro_batches,
+        "schedule": request.schedule,
+        "recompute": request.recompute,
+        "memory_limit_bytes": request.memory_limit_bytes,
+        "memory_limit_source": request.memory_limit_source,
         # The link inside a node (the user's or the profile's); with several nodes what the
         # pipeline's sends were charged is the placement's pipeline_* (the network, perhaps).
         "link_bandwidth_bytes_per_s": _finite_or_none(devices.topology.link_bandwidth_bytes_per_s
@@ -120,16 +114,16 @@ def options_section(profile: Profile, result: SearchResult, devices: DevicesResu
         "compute_scale": setting.compute_scale,
         # More ranks than cores (planner/timeshare.py): the ranks the host ran at once (null: a core each).
         "concurrent_ranks": setting.concurrent_ranks if setting.time_shared else None,
-        "optimizer": options.optimizer,
-        "solver": options.solver,
-        "virtual_stages": options.virtual_stages,
-        "devices": user_options.devices,
-        "data_parallel": user_options.data_parallel,
-        "nodes": user_options.nodes,
-        "network_bandwidth_bytes_per_s": user_options.network_bandwidth_bytes_per_s,
-        "network_latency_s": user_options.network_latency_s,
-        "gradient_sync": user_options.gradient_sync,
-        **({"sync_every": user_options.sync_every} if user_options.gradient_sync == "localsgd" else {}),
+        "optimizer": request.optimizer,
+        "solver": request.solver,
+        "virtual_stages": request.virtual_stages,
+        "devices": request.devices,
+        "data_parallel": request.data_parallel,
+        "nodes": request.nodes,
+        "network_bandwidth_bytes_per_s": request.network_bandwidth_bytes_per_s,
+        "network_latency_s": request.network_latency_s,
+        "gradient_sync": request.gradient_sync,
+        **({"sync_every": request.sync_every} if request.gradient_sync == "localsgd" else {}),
     }
 
 

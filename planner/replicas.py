@@ -4,7 +4,8 @@ Each of the d replicas is a whole pipeline of K stages that trains on global_bat
 a step; once a step every stage averages its gradients over its d copies (the *gradient
 sync*; under ``localsgd`` its parameters, once every H steps: docs/planner.md, "LocalSGD").
 So a factorisation (K, d) is planned as one pipeline of K stages with the replica's
-batch, plus each stage's sync, which :class:`planner.costmodel.CostModel` charges after the
+batch (a planner.problem.PipelineProblem per placement; the user's request is never rewritten),
+plus each stage's sync, which :class:`planner.costmodel.CostModel` charges after the
 stage's last backward next to its optimizer step (docs/planner.md, "Data parallel"). Which
 ranks run which (stage, replica) is the *placement*: it decides which traffic stays on the fast
 link inside a node and which crosses the network.
@@ -43,8 +44,9 @@ from .budgets import LEAST_PLACEMENT_S
 from .costmodel import CostModel
 from .objective import proven_optimal
 from .budgets import share_of_budget
-from .problem import SolveOptions, resolve_global_batch, too_few_stages, too_many_stages
-from .search import SearchResult, first_pass_step, search
+from .problem import (PipelineProblem, SolveOptions, problem_of, resolve_global_batch, too_few_stages,
+                      too_many_stages)
+from .search import SearchResult, first_pass_step, search_pipeline
 from .settings import ReplicaSync, pipeline_link
 from .solvers import tighten
 
@@ -350,13 +352,14 @@ def _keep_best(entry: Factorisation, searched: list[tuple[tuple[int, int], Place
     entry.lower_bound_s, entry.bound_by = weakest.lower_bound_s, weakest.bound_by
 
 
-def _replica_options(options: SolveOptions, batch: int, K: int, d: int, placement: Placement,
-                     time_budget_s: float) -> SolveOptions:
-    """The options of one replica's pipeline search: K stages, the global batch / d, the
-    placement's pipeline link."""
-    return replace(options, stages=K, global_batch_size=batch // d, data_parallel=d, devices=None,
-                   link_bandwidth_bytes_per_s=placement.pipeline_bandwidth_bytes_per_s,
-                   link_latency_s=placement.pipeline_latency_s, time_budget_s=time_budget_s)
+def _replica_problem(profile: Profile, options: SolveOptions, batch: int, K: int, d: int, placement: Placement,
+                     time_budget_s: float) -> PipelineProblem:
+    """The search of one replica's pipeline: K stages on the global batch / d, the placement's
+    pipeline link, each stage's gradient sync over the d replicas as the placement gives it."""
+    return problem_of(options, stages=K, batch=batch // d,
+                      link=(placement.pipeline_bandwidth_bytes_per_s, placement.pipeline_latency_s),
+                      sync=placement.replica_sync(d, options.gradient_sync, options.sync_every),
+                      time_budget_s=time_budget_s)
 
 
 def search_devices(profile: Profile, options: SolveOptions, progress: Progress | None = None) -> DevicesResult:
@@ -379,8 +382,8 @@ def search_devices(profile: Profile, options: SolveOptions, progress: Progress |
     # Best first, by GPipe's cheap first pass, so that the placements searched later stop as soon
     # as they are proven unable to beat the best plan found (the cutoff below).
     if len(jobs) > 1:
-        first = [first_pass_step(profile, _replica_options(options, batch, K, d, p, options.time_budget_s),
-                                 p.replica_sync(d, options.gradient_sync, options.sync_every)) for K, d, p in jobs]
+        first = [first_pass_step(profile, _replica_problem(profile, options, batch, K, d, p, options.time_budget_s))
+                 for K, d, p in jobs]
         jobs = [job for _, _, job in sorted(zip(first, range(len(jobs)), jobs), key=lambda item: item[:2])]
     result = DevicesResult(options, batch, devices, topology)
     alone = len(jobs) == 1 and len(pairs) == 1
@@ -394,8 +397,7 @@ def search_devices(profile: Profile, options: SolveOptions, progress: Progress |
     for K, d, placement in jobs:
         share = share_of_budget(options.time_budget_s, started, len(jobs) - done, least_s=LEAST_PLACEMENT_S)
         work_share = max(LEAST_PLACEMENT_S, (options.time_budget_s - work_spent) / (len(jobs) - done))
-        replica = _replica_options(options, batch, K, d, placement, share)
-        sync = placement.replica_sync(d, options.gradient_sync, options.sync_every)
+        replica = _replica_problem(profile, options, batch, K, d, placement, share)
         label = f"{K}x{d} {placement.order}"
 
         def inner(i: int, n: int, what: str, label: str = label) -> None:
@@ -405,11 +407,11 @@ def search_devices(profile: Profile, options: SolveOptions, progress: Progress |
         entry = by_pair[(K, d)]
         best_step = min((found.best.step_s for _, _, found in searched), default=math.inf)
         if alone:    # the user's one request: its own errors, and why nothing fits, as they are
-            found = search(profile, replica, progress=inner, explain=True, sync=sync, work_budget_s=work_share)
+            found = search_pipeline(profile, replica, progress=inner, explain=True, work_budget_s=work_share)
         else:
             try:
-                found = search(profile, replica, progress=inner, explain=False, sync=sync, work_budget_s=work_share,
-                               cutoff_s=best_step)
+                found = search_pipeline(profile, replica, progress=inner, explain=False, work_budget_s=work_share,
+                                        cutoff_s=best_step)
             except BadInput as error:
                 if entry.result is None and not entry.reason:
                     entry.reason = str(error)

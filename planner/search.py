@@ -22,10 +22,10 @@ from .costmodel import CostModel, Setting
 from .gpipe_solver import GPipeSolver
 from .least_memory import explain_infeasible
 from .objective import Solution, proven_optimal
-from .problem import SolveOptions, check_options
+from .problem import PipelineProblem, SolveOptions, check_problem, one_pipeline
 from .profile import LayerFigures, Profile
 from .seeds import seed_cuts
-from .settings import ReplicaSync, no_settings_reason, schedule_name, settings_for
+from .settings import no_settings_reason, schedule_name, settings_for
 from .solvers import solve_cost_model, tighten
 
 
@@ -53,13 +53,17 @@ class Candidate:
 
 @dataclass
 class SearchResult:
-    options: SolveOptions
-    global_batch_size: int
+    problem: PipelineProblem               # what was searched (its batch: this pipeline's)
     candidates: list[Candidate] = field(default_factory=list)   # best first
 
     @property
     def best(self) -> Candidate:
         return self.candidates[0]
+
+    @property
+    def batch(self) -> int:
+        """This pipeline's samples per step: the global batch, or one replica's share of it."""
+        return self.problem.batch
 
     @property
     def lower_bound_s(self) -> float:
@@ -95,10 +99,15 @@ def solve_setting(profile: Profile, setting: Setting, micro_batch_size: int, sol
     return Candidate(setting, micro_batch_size, solution)
 
 
-def search(profile: Profile, options: SolveOptions, progress=None, explain: bool = True,
-           sync: ReplicaSync = ReplicaSync(), work_budget_s: float | None = None,
-           cutoff_s: float = math.inf) -> SearchResult:
-    """Solve every open setting; the result's candidates are sorted best first.
+def search(profile: Profile, options: SolveOptions, progress=None, explain: bool = True) -> SearchResult:
+    """The request's own pipeline (:func:`.problem.one_pipeline`) searched: every setting its
+    options leave open, best first (:func:`search_pipeline`)."""
+    return search_pipeline(profile, one_pipeline(profile, options), progress, explain)
+
+
+def search_pipeline(profile: Profile, problem: PipelineProblem, progress=None, explain: bool = True,
+                    work_budget_s: float | None = None, cutoff_s: float = math.inf) -> SearchResult:
+    """Solve every setting ``problem`` leaves open; the result's candidates are sorted best first.
 
     GPipe settings are solved first (their solver is fast and exact); each one's optimal
     partition seeds the 1F1B and ZB-H1 searches of the same M (and the best cut into 2K
@@ -107,21 +116,19 @@ def search(profile: Profile, options: SolveOptions, progress=None, explain: bool
     settled by their lower bound alone. ``progress``, if given, is called with
     (done, total, description) as settings finish.
 
-    One pipeline: ``options.global_batch_size`` is its batch. As one of d replicas
-    (planner/replicas.py calls it so), the options carry the replica's share of the batch and
-    ``sync`` the gradient sync every stage then pays. ``work_budget_s``: the work its settings
-    share (default ``options.time_budget_s``; replicas.py gives each placement a share of its
-    own, deterministic where the clock left by the placements before would not be).
-    ``cutoff_s``: a step already achieved elsewhere (another placement): a setting that cannot
-    beat it stops once that is proven.
+    ``work_budget_s``: the work its settings share (default ``problem.time_budget_s``;
+    planner/replicas.py gives each placement a share of its own, deterministic where the clock
+    left by the placements before would not be). ``cutoff_s``: a step already achieved
+    elsewhere (another placement): a setting that cannot beat it stops once that is proven.
+    ``explain``: why nothing fits, worded for the user (else a bare line).
     """
-    batch = check_options(profile, options)
-    settings = settings_for(profile, options, batch, sync)
+    check_problem(profile, problem)
+    settings = settings_for(profile, problem)
     if not settings:
-        raise BadInput(no_settings_reason(profile, options, batch, sync))
-    result = SearchResult(options, batch)
-    budgets = SettingBudgets(options.time_budget_s, len(settings), time.perf_counter(),
-                             LEAST_ILP_SETTING_S if options.solver == "ilp" else LEAST_SETTING_S, work_budget_s)
+        raise BadInput(no_settings_reason(profile, problem))
+    result = SearchResult(problem)
+    budgets = SettingBudgets(problem.time_budget_s, len(settings), time.perf_counter(),
+                             LEAST_ILP_SETTING_S if problem.solver == "ilp" else LEAST_SETTING_S, work_budget_s)
     done = 0
     # Each micro-batch size's figures, made once for all its settings (O(L) each: with many
     # layers, making them per setting took longer than the searches).
@@ -135,7 +142,7 @@ def search(profile: Profile, options: SolveOptions, progress=None, explain: bool
     def run(setting: Setting, size: int, seeds: list, cutoff: float) -> Candidate:
         nonlocal done
         left = len(settings) - done
-        candidate = solve_setting(profile, setting, size, options.solver, budgets.time_s(left),
+        candidate = solve_setting(profile, setting, size, problem.solver, budgets.time_s(left),
                                   seeds, cutoff, at(size), work_budget_s=budgets.work_s(left))
         budgets.spend(candidate)
         done += 1
@@ -147,7 +154,7 @@ def search(profile: Profile, options: SolveOptions, progress=None, explain: bool
     others = [(s, size) for s, size in settings if s.schedule != "gpipe"]
     best_so_far = cutoff_s
     gpipe_best: dict[int, Candidate] = {}
-    if options.solver != "ilp":
+    if problem.solver != "ilp":
         # A first, cheap pass (the staircase: a good plan and a lower bound per setting) orders
         # the exact searches best first, so that each can stop at what is already achieved.
         solvers = {}
@@ -191,29 +198,29 @@ def search(profile: Profile, options: SolveOptions, progress=None, explain: bool
         result.candidates.append(candidate)
         if candidate.solution and (seed is None or candidate.step_s < seed.step_s):
             found[(setting.micro_batches, chunks)] = candidate
-    if options.solver != "ilp":
+    if problem.solver != "ilp":
         # What the settings left of the budget goes where the proof is still open.
-        total = options.time_budget_s if work_budget_s is None else work_budget_s
+        total = problem.time_budget_s if work_budget_s is None else work_budget_s
         tighten(result.candidates, lambda c: CostModel(at(c.micro_batch_size), c.setting), cutoff_s,
-                total - budgets.spent_s, options.time_budget_s - (time.perf_counter() - budgets.started))
+                total - budgets.spent_s, problem.time_budget_s - (time.perf_counter() - budgets.started))
     result.candidates.sort(key=Candidate.sort_key)
     if result.best.solution is None:
         # The explanation solves the memory problem again for each option that might help: worth
         # it for the user's request, not for the one-device comparison, which only needs to know.
-        raise BadInput(explain_infeasible(profile, options, batch, sync) if explain else "no plan fits in memory")
+        raise BadInput(explain_infeasible(profile, problem) if explain else "no plan fits in memory")
     return result
 
 
-def first_pass_step(profile: Profile, options: SolveOptions, sync: ReplicaSync = ReplicaSync()) -> float:
+def first_pass_step(profile: Profile, problem: PipelineProblem) -> float:
     """The best step GPipe's first, cheap pass (its staircase) finds over the micro-batch counts
-    the options leave open: how replicas.py ranks the placements it searches, best first (inf:
-    nothing fits, or the options cannot run)."""
+    ``problem`` leaves open: how replicas.py ranks the placements it searches, best first (inf:
+    nothing fits, or the problem cannot run)."""
     try:
-        batch = check_options(profile, options)
+        check_problem(profile, problem)
     except BadInput:
         return math.inf
     best = math.inf
-    for setting, size in settings_for(profile, replace(options, schedule="gpipe", virtual_stages="auto"), batch, sync):
+    for setting, size in settings_for(profile, replace(problem, schedule="gpipe", virtual_stages="auto")):
         solution = GPipeSolver(CostModel(profile.at(size), setting), time_budget_s=LEAST_SETTING_S).solve(cutoff_s=0.0)
         if solution is not None:
             best = min(best, solution.evaluation.step_s)

@@ -19,7 +19,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..schedules import SCHEDULES, chunks_per_stage, label, problem
+from ..schedules import SCHEDULES, chunks_per_stage, label
+from ..schedules import problem as schedule_problem
 from ..weight_versions import ASYNC_SCHEDULES
 from ..artifacts import BadInput
 from .costmodel import Setting, neighbour_scale
@@ -28,7 +29,7 @@ from .profile import Profile
 from .timeshare import concurrent_ranks_of
 
 if TYPE_CHECKING:
-    from .problem import SolveOptions
+    from .problem import PipelineProblem, SolveOptions
 
 
 @dataclass(frozen=True)
@@ -80,9 +81,12 @@ def micro_batch_counts(batch: int) -> list[int]:
     return [m for m in divisors(batch) if m <= MAX_MICRO_BATCHES]
 
 
-def open_micro_batches(options: SolveOptions, batch: int) -> list[int]:
-    """The micro-batch counts the options leave open: ``auto``'s (:func:`micro_batch_counts`), or the one given."""
-    return micro_batch_counts(batch) if options.micro_batches == "auto" else [int(options.micro_batches)]
+def open_micro_batches(problem: PipelineProblem) -> list[int]:
+    """The micro-batch counts a problem leaves open: ``auto``'s (:func:`micro_batch_counts` of its
+    batch), or the one given."""
+    if problem.micro_batches == "auto":
+        return micro_batch_counts(problem.batch)
+    return [int(problem.micro_batches)]
 
 
 def schedule_name(setting: Setting) -> str:
@@ -94,19 +98,19 @@ def schedule_name(setting: Setting) -> str:
 AUTO_VIRTUAL_STAGES = (2, 3, 4)
 
 
-def schedule_shapes(options: SolveOptions, layers: int) -> list[tuple[str, int]]:
-    """The (schedule, virtual stages) pairs the options leave open, before any M is chosen.
+def schedule_shapes(problem: PipelineProblem, layers: int) -> list[tuple[str, int]]:
+    """The (schedule, virtual stages) pairs a problem leaves open, before any M is chosen.
 
     ``auto`` is every schedule; on one stage only gpipe and 1f1b (the others are 1F1B there,
     with more actions). Interleaved takes ``--virtual-stages`` v, or with ``auto`` 2, 3 and 4
     while the K v chunks have a layer each; a schedule that needs more chunks than layers is
     left out (zb-v: 2 K).
     """
-    K = options.stages
-    schedules = list(options.schedule == "auto" and (SCHEDULES if K > 1 else ("gpipe", "1f1b"))
-                     or [options.schedule])
+    K = problem.stages
+    schedules = list(problem.schedule == "auto" and (SCHEDULES if K > 1 else ("gpipe", "1f1b"))
+                     or [problem.schedule])
     return [(schedule, v) for schedule in schedules
-            for v in virtual_stage_choices(schedule, options.virtual_stages, K, layers)]
+            for v in virtual_stage_choices(schedule, problem.virtual_stages, K, layers)]
 
 
 def virtual_stage_choices(schedule: str, virtual_stages: int | str, stages: int, layers: int) -> list[int]:
@@ -159,7 +163,7 @@ def cost_setting(profile: Profile, *, stages: int, micro_batches: int, schedule:
 
 
 def pipeline_link(profile: Profile, options: SolveOptions) -> tuple[float, float]:
-    """The link between stages, (bandwidth, latency): the options' figures where given, else
+    """The link between stages, (bandwidth, latency): the request's figures where given, else
     the profile's measured link, else a free one (infinite bandwidth, whose latency then does
     not count: :func:`cost_setting`)."""
     bandwidth = options.link_bandwidth_bytes_per_s
@@ -169,28 +173,26 @@ def pipeline_link(profile: Profile, options: SolveOptions) -> tuple[float, float
     return bandwidth, latency
 
 
-def settings_for(profile: Profile, options: SolveOptions, batch: int,
-                 sync: ReplicaSync = ReplicaSync()) -> list[tuple[Setting, int]]:
-    """Every setting the options leave open, with its micro-batch size (settings that
+def settings_for(profile: Profile, problem: PipelineProblem) -> list[tuple[Setting, int]]:
+    """Every setting a problem leaves open, with its micro-batch size (settings that
     schedules.problem rejects, such as interleaved with M not a multiple of its rounds, are
     left out: :func:`no_settings_reason` says why when none is left)."""
-    bandwidth, latency = pipeline_link(profile, options)
-    ms = open_micro_batches(options, batch)
+    sync = problem.sync
     out = []
-    for m in ms:
-        for schedule, v in schedule_shapes(options, profile.num_layers):
-            if problem(schedule, options.stages, m, v) or sharded_tie_problem(profile, schedule, v, sync):
+    for m in open_micro_batches(problem):
+        for schedule, v in schedule_shapes(problem, profile.num_layers):
+            if schedule_problem(schedule, problem.stages, m, v) or sharded_tie_problem(profile, schedule, v, sync):
                 continue
-            setting = cost_setting(profile, stages=options.stages, micro_batches=m, schedule=schedule,
-                                   virtual_stages=v, recompute=options.recompute,
-                                   memory_limit_bytes=options.memory_limit_bytes,
-                                   link_bandwidth_bytes_per_s=bandwidth, link_latency_s=latency,
-                                   optimizer=options.optimizer, sync=sync)
+            setting = cost_setting(profile, stages=problem.stages, micro_batches=m, schedule=schedule,
+                                   virtual_stages=v, recompute=problem.recompute,
+                                   memory_limit_bytes=problem.memory_limit_bytes,
+                                   link_bandwidth_bytes_per_s=problem.link_bandwidth_bytes_per_s,
+                                   link_latency_s=problem.link_latency_s, optimizer=problem.optimizer, sync=sync)
             if setting.time_shared and schedule in ASYNC_SCHEDULES:
                 raise BadInput(f"{schedule} on ranks that share the host's cores (it runs "
-                               f"{setting.concurrent_ranks:g} of the {options.stages} stages at once) is not "
+                               f"{setting.concurrent_ranks:g} of the {problem.stages} stages at once) is not "
                                "modelled: use fewer stages or a synchronous --schedule")
-            out.append((setting, batch // m))
+            out.append((setting, problem.batch // m))
     return out
 
 
@@ -207,15 +209,13 @@ def sharded_tie_problem(profile: Profile, schedule: str, virtual_stages: int, sy
             f"place in two chunks of one stage; use a schedule of one chunk per stage, or --gradient-sync ddp")
 
 
-def no_settings_reason(profile: Profile, options: SolveOptions, batch: int,
-                       sync: ReplicaSync = ReplicaSync()) -> str:
-    """One line: why the options leave no setting to solve, and what to do."""
-    shapes = schedule_shapes(options, profile.num_layers)
+def no_settings_reason(profile: Profile, problem: PipelineProblem) -> str:
+    """One line: why a problem leaves no setting to solve, and what to do."""
+    shapes = schedule_shapes(problem, profile.num_layers)
     if not shapes:
-        return (f"--schedule {options.schedule} with --stages {options.stages} needs more chunks than the "
+        return (f"--schedule {problem.schedule} with --stages {problem.stages} needs more chunks than the "
                 f"profile's {profile.num_layers} layers: use fewer stages, or another schedule")
-    ms = open_micro_batches(options, batch)
     schedule, v = shapes[0]
-    reason = (problem(schedule, options.stages, ms[0], v) or sharded_tie_problem(profile, schedule, v, sync)
-              or "no setting is left")
+    reason = (schedule_problem(schedule, problem.stages, open_micro_batches(problem)[0], v)
+              or sharded_tie_problem(profile, schedule, v, problem.sync) or "no setting is left")
     return f"{reason}: use --micro-batches auto, another count, or another --schedule"

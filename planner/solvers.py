@@ -43,8 +43,13 @@ from .seeds import seed_cuts
 
 
 def solve_cost_model(cm: CostModel, solver: str, time_budget_s: float, seeds: Sequence[Sequence[int]] = (),
-                     cutoff_s: float = math.inf, work_budget_s: float | None = None) -> Solution | None:
-    """The best plan of one setting (None: nothing fits), by ``solver`` ("exact" or "ilp")."""
+                     cutoff_s: float = math.inf, work_budget_s: float | None = None,
+                     suffix_tables: dict | None = None) -> Solution | None:
+    """The best plan of one setting (None: nothing fits), by ``solver`` ("exact" or "ilp").
+
+    solve (planner/search.py) and explore's cells (planner/explore.py) both come here.
+    ``suffix_tables``: 1F1B's suffix bounds, shared by the caller between settings alike but
+    for K (planner/onefoneb.py); left alone for the other schedules."""
     started = time.perf_counter()
     work_s = time_budget_s if work_budget_s is None else work_budget_s
     seeds = seed_cuts(cm, seeds)
@@ -74,7 +79,8 @@ def solve_cost_model(cm: CostModel, solver: str, time_budget_s: float, seeds: Se
     share = BRANCH_AND_BOUND_SHARE if follow else 1.0
     if cm.schedule in ("gpipe", "1f1b"):
         search = OneFOneBSolver(cm, seeds=seeds, time_budget_s=time_budget_s * share, cutoff_s=cutoff_s,
-                                work_budget_s=work_s * share)
+                                work_budget_s=work_s * share,
+                                suffix_tables=suffix_tables if cm.schedule == "1f1b" else None)
     else:
         search = ChunkedSolver(cm, seeds=seeds, time_budget_s=time_budget_s * share, cutoff_s=cutoff_s,
                                work_budget_s=work_s * share)

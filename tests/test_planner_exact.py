@@ -26,7 +26,7 @@ from gpipe_plan.planner.ilp import solve_ilp
 from gpipe_plan.planner.objective import evaluate, work_floor
 from gpipe_plan.planner.onefoneb import OneFOneBSolver
 from gpipe_plan.planner.profile import Profile, interpolate
-from gpipe_plan.planner.problem import SolveOptions
+from gpipe_plan.planner.problem import SolveOptions, one_pipeline
 from gpipe_plan.planner.search import search
 from gpipe_plan.planner.settings import schedule_shapes
 from gpipe_plan.schedules import problem
@@ -379,7 +379,7 @@ def test_search_picks_the_best_setting(case):
     options = SolveOptions(stages=K, recompute=recompute, memory_limit_bytes=limit, time_budget_s=60)
     expected = {}
     for m in [d for d in range(1, batch + 1) if batch % d == 0]:
-        for schedule, v in schedule_shapes(options, L):
+        for schedule, v in schedule_shapes(one_pipeline(profile, options), L):
             if problem(schedule, K, m, v):
                 continue
             # the per-micro-batch overhead is charged only when there is a pipeline (K > 1)

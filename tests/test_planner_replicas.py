@@ -26,9 +26,9 @@ from gpipe_plan.planner.profile import Profile
 from gpipe_plan.collectives import ring_allreduce_s
 from gpipe_plan.planner.replicas import (DATA_INNER, DATA_ONLY, PIPELINE_INNER, Topology, factorisations, placements,
                                          search_devices)
-from gpipe_plan.planner.problem import SolveOptions
-from gpipe_plan.planner.search import search, solve_setting
-from gpipe_plan.planner.settings import ReplicaSync, settings_for
+from gpipe_plan.planner.problem import SolveOptions, problem_of
+from gpipe_plan.planner.search import search, search_pipeline, solve_setting
+from gpipe_plan.planner.settings import ReplicaSync, pipeline_link, settings_for
 from gpipe_plan.schedules import problem
 from gpipe_plan.schema import FORMAT_VERSIONS, PLAN_FORMAT, validate
 
@@ -212,10 +212,11 @@ def test_a_factorisation_is_the_replica_search_plus_its_sync():
     found = search_devices(profile, options)
     two = next(f for f in found.factorisations if (f.stages, f.data_parallel) == (2, 2))
     # one node: the sync rides the link; each replica takes 16 / 2 = 8 samples a step
-    by_hand = search(profile, replace(options, stages=2, devices=None, data_parallel=2, global_batch_size=8),
-                     sync=ReplicaSync(2, "ddp", link, 1e-4))
+    replica = problem_of(options, stages=2, batch=8, link=pipeline_link(profile, options),
+                         sync=ReplicaSync(2, "ddp", link, 1e-4))
+    by_hand = search_pipeline(profile, replica)
     assert two.step_s == pytest.approx(by_hand.best.step_s, rel=1e-12)
-    assert two.result.global_batch_size == 8
+    assert two.result.batch == 8
     ev = two.result.best.solution.evaluation
     params = [l["param_bytes"] for l in profile_doc(L=8)["layers"]]
     for st_ in ev.stages:
@@ -223,7 +224,7 @@ def test_a_factorisation_is_the_replica_search_plus_its_sync():
         nbytes = sum(sum(params[c.start:c.end]) for c in chunks)
         assert st_.gradient_sync_s == pytest.approx(ring_by_hand(nbytes, 2, link, 1e-4))
     # ... and the sync cost something: without it the same replica search is faster
-    free = search(profile, replace(options, stages=2, devices=None, data_parallel=2, global_batch_size=8))
+    free = search_pipeline(profile, replace(replica, sync=ReplicaSync()))
     assert free.best.step_s < two.step_s
     assert found.proven and found.lower_bound_s <= found.best.step_s
 
@@ -233,10 +234,10 @@ def test_the_chosen_factorisation_is_brute_force_best_over_every_setting():
     options = SolveOptions(devices=4, stages=2, data_parallel="auto", global_batch_size=16, time_budget_s=10)
     found = search_devices(profile, options)
     assert (found.best.stages, found.best.data_parallel) == (2, 2) and found.proven
-    replica = replace(options, data_parallel=2, devices=None, global_batch_size=8)
-    sync = ReplicaSync(2, "ddp", 2e5, 1e-4)
+    replica = problem_of(options, stages=2, batch=8, link=pipeline_link(profile, options),
+                         sync=ReplicaSync(2, "ddp", 2e5, 1e-4))
     best = math.inf
-    for setting, size in settings_for(profile, replica, 8, sync):
+    for setting, size in settings_for(profile, replica):
         ev = brute_force(CostModel(profile.at(size), setting))
         if ev is not None:
             best = min(best, ev.step_s)
