@@ -50,7 +50,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .clock import Clock, median
 from ..models.precision import Autocast, no_autocast
-from .memory import SavedTensors, storage_key, tensor_bytes
+from ..tensor_memory import SavedTensors, storage_key, tensor_bytes
 
 Tensors = tuple[torch.Tensor, ...]
 

@@ -55,7 +55,7 @@ from .device import describe
 from .measure import (Autocast, LayerMeasurement, Runner, Timing, harness_runner, model_step_runner, optimizer_step_s,
                       peak_transient_bytes, prepare_layer, record_split, recompute_harness_runner,
                       recomputing_runner, has_weights, split_harness_runner, split_runner, time_rounds)
-from .memory import tensor_bytes, unique_bytes
+from ..tensor_memory import tensor_bytes, unique_bytes
 from .phases import announce, counted
 from .walk import walk_layers
 

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..schedules import Action, segment_actions
+from ..tensor_memory import storage_key
 from ..weight_versions import updates_per_step, version_used
 from .executor import LossFn, NativeExecutor, ReceiveQueue, Tensors, _Saved
 from .memory import ActivationMeter
@@ -246,7 +247,7 @@ class AsyncExecutor(NativeExecutor):
             xs = tuple(x.requires_grad_() if g else x for x, g in zip(xs, self.grad_inputs[chunk.index]))
         weights = self._weights_for(seg, i)
         if meter is not None and weights is not self.live:   # stashed weights are not activations
-            meter.exclude |= {w.untyped_storage().data_ptr() for w in weights}
+            meter.exclude |= {storage_key(w) for w in weights}
         with self._metering(meter, chunk, i, xs):
             if weights is self.live:
                 outputs = chunk.module(*xs)

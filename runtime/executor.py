@@ -48,7 +48,8 @@ import torch
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from ..schedules import Action, in_flight
-from .memory import ActivationMeter, element_bytes
+from ..tensor_memory import element_bytes
+from .memory import ActivationMeter
 from .p2p import ACTIVATION, GRADIENT, Neighbours, PendingReceive
 from .stage import Chunk, TensorMeta
 from .timing import SpanRecorder

@@ -7,8 +7,8 @@ process's resident size mixes in the PyTorch runtime and the whole model every r
 so we measure each part directly:
 
 - parameters, gradients, optimizer state and buffers: the bytes of those very tensors;
-- activations: the bytes autograd saves for backward (``saved_tensors_hooks``, the profiler's
-  own definition; parameters excluded), summed over the (chunk, micro-batch) pairs whose
+- activations: the bytes autograd saves for backward, counted by the profiler's own meter
+  (gpipe_plan/tensor_memory.py, ``SavedTensors``: parameters and buffers excluded), summed over the (chunk, micro-batch) pairs whose
   backward has not finished yet (under a split backward, until the weight half W: the graph
   I leaves behind holds them), at its largest. A chunk that recomputes keeps only its inputs
   per micro-batch, plus one micro-batch's activations while it recomputes; we measure that
@@ -32,14 +32,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..cudamemory import outside_allocator_bytes
+from ..tensor_memory import SavedTensors, StorageKey, element_bytes, storage_key
 
 
 Key = tuple[int, int]   # (chunk, micro-batch)
-
-
-def element_bytes(t: torch.Tensor) -> int:
-    """Bytes of one tensor's elements (profiles.memory.tensor_bytes sums a list of them)."""
-    return t.numel() * t.element_size()
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -56,47 +52,34 @@ def local_bytes(t: torch.Tensor) -> int:
 class ActivationMeter:
     """Live bytes saved for backward, per (chunk, micro-batch) in flight, and their peak."""
 
-    exclude: set[int] = field(default_factory=set)   # storages not to count (parameters)
+    exclude: set[StorageKey] = field(default_factory=set)   # storages never counted (parameters, buffers)
     live: dict[Key, int] = field(default_factory=dict)
     peak_bytes: int = 0           # most bytes held at once by the micro-batches in flight
     transient_bytes: int = 0      # recomputing stages: one micro-batch's activations
-    # Whose parameters are never activations, looked at when a forward saves its first tensor:
-    # under fsdp the parameters a forward uses are gathered for the step (other storages than
-    # the shards the meter was made with), and they are parameters, not activations.
+    # Whose parameters and buffers are never activations, looked at when a forward saves its first
+    # tensor: under fsdp the parameters a forward uses are gathered for the step (other storages
+    # than the shards the meter was made with), and they are parameters, not activations.
     module: nn.Module | None = None
+    device: torch.device | None = None   # count only storages on the run's device (as the profile)
 
     @property
     def total_bytes(self) -> int:
         return self.peak_bytes + self.transient_bytes
 
     @classmethod
-    def for_module(cls, module: nn.Module) -> "ActivationMeter":
-        return cls(exclude=parameter_storages(module), module=module)
+    def for_module(cls, module: nn.Module, device: torch.device | None = None) -> "ActivationMeter":
+        return cls(exclude=module_storages(module), module=module, device=device)
 
     @contextlib.contextmanager
     def forward(self, key: Key) -> Iterator[None]:
-        """Count what autograd saves during this (chunk, micro-batch)'s forward."""
-        seen: set[tuple[int, int]] = set()
-        total = 0
-        exclude: set[int] | None = None
+        """Count what autograd saves during this (chunk, micro-batch)'s forward (each storage once)."""
+        def never() -> set[StorageKey]:
+            return self.exclude | (module_storages(self.module) if self.module is not None else set())
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            nonlocal total, exclude
-            if exclude is None:   # the parameters as this forward uses them (gathered, under fsdp)
-                exclude = self.exclude | (parameter_storages(self.module) if self.module is not None else set())
-            storage = t.untyped_storage()
-            key = (storage.data_ptr(), storage.nbytes())
-            # Count each storage once (a tensor saved by two operations is held once).
-            if key not in seen and key[0] not in exclude:
-                seen.add(key)
-                total += storage.nbytes()
-            # Detached: a saved output returned as itself would hold its own graph through
-            # its grad_fn (a reference cycle that outlives the backward until gc runs).
-            return t.detach()
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        saved = SavedTensors(exclude=never, device=self.device)
+        with saved.recording():
             yield
-        self.hold(key, total)
+        self.hold(key, saved.nbytes)
 
     def hold(self, key: Key, nbytes: int) -> None:
         self.live[key] = self.live.get(key, 0) + nbytes
@@ -107,18 +90,15 @@ class ActivationMeter:
 
     def measure_once(self, fn: Callable[..., object], *xs: torch.Tensor) -> int:
         """Bytes ``fn(*xs)`` saves for backward (run with gradients, then thrown away)."""
-        meter = ActivationMeter(exclude=self.exclude, module=self.module)
+        meter = ActivationMeter(exclude=self.exclude, module=self.module, device=self.device)
         with meter.forward((0, 0)):
             fn(*xs)
         return meter.peak_bytes
 
 
-def parameter_storages(module: nn.Module) -> set[int]:
-    """Data pointers of the storages holding the module's parameters (a DTensor's: its local shard's)."""
-    out = set()
-    for p in module.parameters():
-        out.add(local_tensor(p).untyped_storage().data_ptr())   # a DTensor (fsdp) has no storage of its own
-    return out
+def module_storages(module: nn.Module) -> set[StorageKey]:
+    """The storages holding the module's parameters and buffers (a DTensor's: its local shard's)."""
+    return {storage_key(local_tensor(t)) for t in (*module.parameters(), *module.buffers())}
 
 
 def static_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None,

@@ -52,7 +52,8 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from ..artifacts import BadInput
 from ..schedules import Action
 from .executor import LossFn, Tensors
-from .memory import ActivationMeter, element_bytes
+from ..tensor_memory import element_bytes
+from .memory import ActivationMeter
 from .stage import Chunk
 from .timing import SpanRecorder
 from .watchdog import doing

@@ -288,7 +288,7 @@ def _run_steps(run: _Training) -> _History:
     if run.reporter:
         for note in run.start_notes:
             progress.note(note)
-    meter = ActivationMeter.for_module(stage.module)
+    meter = ActivationMeter.for_module(stage.module, run.device)
     if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(run.device)
     history = _History()

@@ -133,7 +133,8 @@ def train_replica(sync: Any, stage: StageChunks, rank: int, run_step: Any) -> di
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sync.after_optimizer()
-    from gpipe_plan.runtime.memory import element_bytes, local_bytes, static_bytes
+    from gpipe_plan.runtime.memory import local_bytes, static_bytes
+    from gpipe_plan.tensor_memory import element_bytes
 
     whole_bytes, shard_bytes = sum(element_bytes(p) for p in shards), sum(local_bytes(p) for p in shards)
     held = shard_bytes / whole_bytes

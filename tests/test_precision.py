@@ -28,7 +28,7 @@ from gpipe_plan.models import AsTuple, Precision, model_spec
 from gpipe_plan.planner.command import solve_file
 from gpipe_plan.profiles.measure import Runner, prepare_layer, time_rounds
 from gpipe_plan.profiles.clock import CpuClock
-from gpipe_plan.profiles.memory import SavedTensors
+from gpipe_plan.tensor_memory import SavedTensors
 from gpipe_plan.profiles.profiler import ProfileRequest, profile_model
 from handplan import hand_plan
 from gpipe_plan.runtime.loss_scale import LossScaler

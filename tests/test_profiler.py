@@ -22,7 +22,7 @@ from gpipe_plan.collectives import ring_allreduce_s
 from gpipe_plan.profiles.command import parse_sizes
 from gpipe_plan.profiles.link import fit_line, fit_ring, measure_link
 from gpipe_plan.profiles.measure import prepare_layer
-from gpipe_plan.profiles.memory import SavedTensors
+from gpipe_plan.tensor_memory import SavedTensors
 from gpipe_plan.profiles.profiler import ProfileRequest, default_sizes, profile_model
 from gpipe_plan.profiles.show import render_profile
 from gpipe_plan.schema import FORMAT_VERSIONS, PROFILE_FORMAT, read_artifact, validate

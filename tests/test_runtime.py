@@ -88,7 +88,7 @@ def test_the_executors_deepest_stash_is_the_cost_models_in_flight(tmp_path: Path
                                                     schedule=schedule, virtual_stages=virtual)))
     model = build_model(TINY_GPT, seed=5)
     stage = build_stage_chunks(model, plan, 0)
-    meter = ActivationMeter.for_module(stage)
+    meter = ActivationMeter.for_module(stage.module)
     deepest = 0
     hold = meter.hold
 

@@ -1,4 +1,8 @@
-"""Bytes a computation keeps for its backward pass, counted exactly.
+"""What tensors take in memory: their bytes, and the bytes a computation keeps for its backward.
+
+One home for both, since the profile's prediction and the run's measurement must count alike:
+``profile`` weighs each layer with :class:`SavedTensors` (profiles/measure.py), and ``run``'s
+activation meter counts each micro-batch's forward with the same class (runtime/memory.py).
 
 During the forward pass autograd stores, for every operation, the tensors its backward needs
 (a linear layer keeps its input to compute the weight gradient; a ReLU keeps its output).
@@ -10,8 +14,8 @@ Two rules make the count mean memory:
 
 - count each storage once: several saved tensors are often views of one buffer (the three
   parts of a fused q/k/v projection), and memory holds the buffer once;
-- leave parameters out: a stage holds its weights whatever the micro-batch, and the memory
-  model counts them separately.
+- leave parameters (and buffers) out: a stage holds them whatever the micro-batch, and the
+  memory model counts them separately.
 
 A layer's input, when saved, counts: it is memory the layer keeps alive for its backward.
 Only storages on the profiled device count: on CUDA the attention kernels save two 8-byte
@@ -28,22 +32,33 @@ own, and an alias still alive after I is one the retained graph holds (:meth:`Sa
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
 
 
-class SavedTensors:
-    """Collects the storages autograd saves inside :meth:`recording`; :attr:`nbytes` totals them."""
+StorageKey = tuple[str, int]   # (device, data pointer): one storage, however many tensors view it
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = (), device: torch.device | None = None) -> None:
-        self._excluded = {storage_key(t) for t in exclude}
+
+class SavedTensors:
+    """Collects the storages autograd saves inside :meth:`recording`; :attr:`nbytes` totals them.
+
+    ``exclude``: tensors whose storages are never counted (a layer's parameters and buffers), or
+    a function giving their storage keys, called when the first tensor is saved: under fsdp the
+    parameters a forward uses are gathered for it, other storages than the shards it started
+    with. ``device``: count only storages on that device type (None: every one).
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] | Callable[[], set[StorageKey]] = (),
+                 device: torch.device | None = None) -> None:
+        self._exclude = exclude if callable(exclude) else None
+        self._excluded: set[StorageKey] | None = None if callable(exclude) else {storage_key(t) for t in exclude}
         self._device = device
-        self._storages: dict[tuple[str, int], int] = {}
+        self._storages: dict[StorageKey, int] = {}
         # The alias handed to autograd for each saved tensor counted, by storage: it lives as
         # long as the graph node that saved it, and nothing else holds it.
-        self._aliases: list[tuple[tuple[str, int], weakref.ref[torch.Tensor]]] = []
+        self._aliases: list[tuple[StorageKey, weakref.ref[torch.Tensor]]] = []
 
     @contextmanager
     def recording(self) -> Iterator["SavedTensors"]:
@@ -51,6 +66,8 @@ class SavedTensors:
             yield self
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._excluded is None:
+            self._excluded = self._exclude()
         key = storage_key(tensor)
         on_device = self._device is None or tensor.device.type == self._device.type
         # A detached alias: the same storage, nothing moved or copied. Handing autograd the
@@ -89,19 +106,25 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+def storage_key(tensor: torch.Tensor) -> StorageKey:
+    """Which storage ``tensor`` views (a DTensor has none of its own: pass its local shard)."""
     storage = tensor.untyped_storage()
     return (str(storage.device), storage.data_ptr())
 
 
+def element_bytes(t: torch.Tensor) -> int:
+    """Bytes of one tensor's elements."""
+    return t.numel() * t.element_size()
+
+
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the tensors' elements, as they would be sent over a link."""
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(element_bytes(t) for t in tensors)
 
 
 def unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of distinct tensors (a parameter used twice counts once)."""
     seen: dict[int, int] = {}
     for t in tensors:
-        seen[id(t)] = t.numel() * t.element_size()
+        seen[id(t)] = element_bytes(t)
     return sum(seen.values())
