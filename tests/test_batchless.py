@@ -15,8 +15,8 @@ import torch
 
 from gpipe_plan.artifacts import BadInput, write_json_atomic
 from gpipe_plan.models import build_model, model_spec
-from handplan import hand_plan
-from test_runtime_multiproc import assert_same_parameters, run_in_one_group, unsplit_training
+from helpers.handplan import hand_plan
+from helpers.ranks import assert_same_parameters, run_in_one_group, unsplit_training
 
 TABLES = """
     import torch
@@ -134,7 +134,7 @@ def test_a_tensor_with_its_batch_elsewhere_is_refused_in_one_line(folder: Path,
 
 
 def test_the_profile_records_which_outputs_carry_the_batch(folder: Path) -> None:
-    from test_runtime_multiproc import gpipe_plan
+    from helpers.cli_process import gpipe_plan
 
     result = gpipe_plan("profile", "tables:sequential", "--input-shape", "8", "--input-dtype", "int64",
                         "--vocab-size", "50", "--num-classes", "4", "--micro-batch-sizes", "1,2", "--warmup", "1",

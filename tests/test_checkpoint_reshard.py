@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 import torch
 
-from cli_process import BIN, gpipe_plan
+from helpers.cli_process import BIN, gpipe_plan
 from gpipe_plan.artifacts import BadInput, write_json_atomic
 from gpipe_plan.models import build_model, model_spec
 from gpipe_plan.runtime import checkpoint, init_from
 from gpipe_plan.runtime.data import step_generator
-from handplan import hand_plan
+from helpers.handplan import hand_plan
 from gpipe_plan.runtime.options import RunOptions, check_options
 from gpipe_plan.runtime.plan import load_plan
 from gpipe_plan.runtime.stage import build_chunk

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_process import BIN, gpipe_plan
+from helpers.cli_process import BIN, gpipe_plan
 from gpipe_plan.artifacts import write_json_atomic
 from gpipe_plan.models import Precision, model_spec
 from gpipe_plan.profiles.profiler import ProfileRequest, profile_model
-from handplan import hand_plan
+from helpers.handplan import hand_plan
 from gpipe_plan.runtime.timing import SpanRecorder
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -15,7 +15,7 @@ from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.profile import Profile
 from gpipe_plan.schedules import SCHEDULES
 
-from planner_helpers import profile_doc
+from helpers.planner import profile_doc
 
 SIZES = [1, 2, 4, 8, 16]
 

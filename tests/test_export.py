@@ -9,8 +9,8 @@ import pytest
 
 from gpipe_plan.schedules import all_actions, check_actions, from_csv
 
-from plan_docs import as_version_4, chunked_plan
-from planner_helpers import cli
+from helpers.plan_docs import as_version_4, chunked_plan
+from helpers.planner import cli
 
 SHAPES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zb-h1", 1), ("zb-v", 2)]
 

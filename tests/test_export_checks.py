@@ -26,9 +26,9 @@ from typing import Any
 import pytest
 
 from gpipe_plan.models import build_model, model_spec
-from handplan import hand_plan
-from planner_helpers import cli
-from test_export_targets import GPT, _llama, write
+from helpers.handplan import hand_plan
+from helpers.planner import cli
+from helpers.exports import GPT, _llama, write
 
 NOT_INSTALLED = "not installed: pip install -e '.[export-check]' to check the export with its own code"
 

@@ -14,28 +14,16 @@ from typing import Any
 import pytest
 import torch
 
-from gpipe_plan.models import build_model, model_spec
+from gpipe_plan.models import build_model
 from gpipe_plan.planner.export.expressible import nearest_split
 from gpipe_plan.planner.baselines import uniform
-from handplan import hand_plan
+from helpers.handplan import hand_plan
 
-from planner_helpers import cli
-from test_runtime_multiproc import LR, assert_same_parameters, unsplit_training
+from helpers.planner import cli
+from helpers.ranks import LR, assert_same_parameters, unsplit_training
+from helpers.exports import _llama, GPT, write
 
-GPT = model_spec("gpt", layers=4, width=32, heads=2, seq_len=8, vocab_size=64)
 TARGETS = ("torch", "torchtitan", "megatron", "deepspeed")
-
-
-def _llama() -> dict[str, Any]:
-    pytest.importorskip("transformers")
-    from hf_models import SEQ, VOCAB
-
-    return model_spec("hf_models:make_llama_4", input_shape=[SEQ], vocab_size=VOCAB, loss="lm")
-
-
-def write(path: Path, doc: dict[str, Any]) -> str:
-    path.write_text(json.dumps(doc))
-    return path.name
 
 
 def layout_parts(layout: str) -> list[list[str]]:
@@ -115,7 +103,7 @@ def test_the_torchtitan_export_is_torchtitans_config_key_for_key(user_dir: Path,
     torchtitan does) or its CSV runtime with the CSV written."""
     from torch.distributed.pipelining.schedules import get_schedule_class
 
-    from torchtitan_config import SECTIONS, annotation_type, conforms, recorded
+    from helpers.torchtitan_config import SECTIONS, annotation_type, conforms, recorded
 
     fields = recorded()
     plan = write(user_dir / "plan.json", hand_plan(GPT, balance, micro_batches=4, micro_batch_size=2,
@@ -135,7 +123,7 @@ def test_the_torchtitan_export_is_torchtitans_config_key_for_key(user_dir: Path,
 
 
 def test_the_types_check_refuses_what_torchtitan_would() -> None:
-    from torchtitan_config import annotation_type, conforms
+    from helpers.torchtitan_config import annotation_type, conforms
 
     assert conforms([["embed", "blocks.0"]], annotation_type("list[list[str]] | None"))
     assert conforms(None, annotation_type("list[list[str]] | None"))
@@ -150,7 +138,7 @@ def test_the_torchtitan_record_is_the_installed_torchtitans() -> None:
     """Where torchtitan is installed (the export-check extra): the record the default suite
     checks against is its config classes (else: python tests/torchtitan_config.py)."""
     pytest.importorskip("torchtitan.config")
-    from torchtitan_config import record, recorded
+    from helpers.torchtitan_config import record, recorded
 
     assert record() == recorded()
 
@@ -233,7 +221,7 @@ def test_bad_requests_are_one_line_and_write_nothing(user_dir: Path, args: list[
 
 @pytest.mark.parametrize("target", ["torch", "torchtitan", "megatron"])
 def test_a_pipedream_plan_has_no_module_names_to_export(user_dir: Path, target: str) -> None:
-    from plan_docs import chunked_plan
+    from helpers.plan_docs import chunked_plan
 
     doc = chunked_plan("1f1b", 2)
     doc["model"] = {"source": "pipedream", "name": "vgg16"}
@@ -338,7 +326,7 @@ def test_the_torch_script_needs_gpipe_plan_in_its_three_functions_only(user_dir:
 def test_the_nearest_split_comes_with_the_planners_prediction(user_dir: Path, replicas: list[str]) -> None:
     """A plan that cuts between Llama's final norm and its output layer: Megatron keeps them
     together, so the export moves the cut and prices the split it exported with the profile."""
-    from planner_helpers import profile_doc, write_json
+    from helpers.planner import profile_doc, write_json
 
     names = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]
     doc = profile_doc(L=5, forward_per_sample=[1e-3, 1e-3, 1e-3, 1e-3, 4e-3],

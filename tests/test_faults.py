@@ -22,14 +22,14 @@ from pathlib import Path
 
 import pytest
 
-from cli_process import BIN, gpipe_plan
+from helpers.cli_process import BIN, gpipe_plan
 from gpipe_plan.artifacts import HOST_TAG, BadInput, Outputs, check_output_paths, write_bytes_atomic, write_json_atomic, write_text_atomic
 from gpipe_plan.runtime import checkpoint_dir
 from gpipe_plan.runtime.options import RunOptions, check_options
 
-from handplan import hand_plan
-from planner_helpers import cli, profile_doc, write_json
-from test_runtime_multiproc import GPT
+from helpers.handplan import hand_plan
+from helpers.planner import cli, profile_doc, write_json
+from helpers.ranks import GPT
 
 
 
@@ -301,7 +301,7 @@ def test_replicas_start_from_replica_zeros_weights(user_module, user_dir: Path) 
     """Seen: a factory whose initialisation is not torch's seeded generator gave each replica its
     own weights, exited 0, and --save kept replica 0's."""
     from gpipe_plan.models import model_spec
-    from test_runtime_replicas import data_parallel_plan
+    from helpers.ranks import data_parallel_plan
 
     spec = model_spec(f"{user_module(NON_TORCH_INIT)}:make", input_shape=[6], num_classes=3)
     write_json(user_dir / "dp.json", data_parallel_plan(spec, [4], 2, micro_batches=2, micro_batch_size=2,

@@ -28,7 +28,7 @@ from gpipe_plan.schedules import SPLIT_BACKWARD, chunks_per_stage, problem, stag
 
 from hypothesis import given
 
-from planner_helpers import hyp, instances, make_figures, profile_doc
+from helpers.planner import hyp, instances, make_figures, profile_doc
 
 FIXED = FixedCosts(forward_s=1e-4, backward_s=2e-4, backward_input_s=3e-4, backward_weight_s=5e-5,
                    send_s=7e-4, receive_s=4e-4)
@@ -217,7 +217,7 @@ def test_calibrate_scales_the_layers_by_what_is_left_of_both_times(tmp_path: Pat
     from gpipe_plan.plan_layout import plan_chunks
     from gpipe_plan.profiles.overhead import fixed_in_times
 
-    from test_calibrate import profile_doc as calibrate_profile, report_doc
+    from helpers.calibration import profile_doc as calibrate_profile, report_doc
 
     doc = calibrate_profile()
     doc["fixed_costs"] = {"forward_s": 1e-3, "backward_s": 2e-3, "backward_input_s": 1.5e-3, "backward_weight_s": 5e-4,

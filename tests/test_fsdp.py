@@ -26,12 +26,12 @@ import torch.distributed as dist
 from gpipe_plan.artifacts import BadInput, write_json_atomic
 from gpipe_plan.models import build_model, model_spec
 from gpipe_plan.runtime.data import step_generator
-from handplan import hand_plan
+from helpers.handplan import hand_plan
 from gpipe_plan.runtime.loss_scale import LossScaler
 from gpipe_plan.runtime.plan import load_plan
 from gpipe_plan.runtime.stage import StageChunks, build_stage_chunks
-from rank_pool import run_on_ranks
-from test_runtime_multiproc import GPT, LR, assert_same_parameters, run_in_one_group, unsplit_training
+from helpers.rank_pool import run_on_ranks
+from helpers.ranks import GPT, LR, assert_same_parameters, run_in_one_group, unsplit_training
 
 REPLICAS = 2
 MICRO_BATCHES = 2
@@ -287,7 +287,7 @@ def tied_gpt2() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """K = 2 stages x d = 2 replicas with gradient_sync fsdp, 4 gloo ranks in one group."""
-    from test_runtime_replicas import data_parallel_plan
+    from helpers.ranks import data_parallel_plan
 
     folder = tmp_path_factory.mktemp("fsdp-run")
     jobs = []

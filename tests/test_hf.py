@@ -14,12 +14,12 @@ pytest.importorskip("transformers")
 
 from gpipe_plan.artifacts import BadInput, write_json_atomic  # noqa: E402
 from gpipe_plan.models import build_model, model_spec  # noqa: E402
-from handplan import hand_plan  # noqa: E402
+from helpers.handplan import hand_plan  # noqa: E402
 from hf_models import SEQ, VOCAB  # noqa: E402
-from test_runtime_multiproc import BIN, LR, assert_same_parameters, gpipe_plan, run_in_one_group, unsplit_training  # noqa: E402
+from helpers.cli_process import BIN, gpipe_plan  # noqa: E402
+from helpers.ranks import LR, assert_same_parameters, run_in_one_group, unsplit_training  # noqa: E402
+from helpers.hf_specs import GPT2, LLAMA  # noqa: E402
 
-GPT2 = model_spec("hf_models:make_gpt2", input_shape=[SEQ], vocab_size=VOCAB, loss="lm")
-LLAMA = model_spec("hf_models:make_llama", input_shape=[SEQ], vocab_size=VOCAB, loss="lm")
 STEPS = 3
 
 

@@ -15,8 +15,9 @@ import torch
 from gpipe_plan.artifacts import BadInput, write_json_atomic
 from gpipe_plan.models import build_model, model_spec
 from gpipe_plan.models.hooks import DataStream
-from handplan import hand_plan
-from test_runtime_multiproc import assert_same_parameters, gpipe_plan, run_in_one_group
+from helpers.handplan import hand_plan
+from helpers.cli_process import gpipe_plan
+from helpers.ranks import assert_same_parameters, run_in_one_group
 
 # A teacher the model must learn: 4 classes, the argmax of a fixed random linear map of x.
 TASK = """

@@ -18,7 +18,7 @@ from gpipe_plan.planner.profile import Profile
 from gpipe_plan.profiles.issue import IssueTiming, backlog_timings, record_issue
 from gpipe_plan.profiles.measure import LayerMeasurement
 
-from planner_helpers import make_figures, profile_doc
+from helpers.planner import make_figures, profile_doc
 
 
 class FakeDevice:

@@ -24,10 +24,10 @@ from gpipe_plan.models import build_model, model_spec
 from gpipe_plan.planner.costmodel import CostModel, Setting
 from gpipe_plan.planner.replicas import factorisations
 
-from planner_helpers import cli, make_figures, profile_doc, write_json
-from test_runtime_multiproc import run_in_one_group
-from test_runtime_replicas import data_parallel_plan
-from user_models import TEACHER_DATA_AND_LOSS, spec_in, user_module_dir
+from helpers.planner import cli, make_figures, profile_doc, write_json
+from helpers.ranks import run_in_one_group
+from helpers.ranks import data_parallel_plan
+from helpers.user_models import TEACHER_DATA_AND_LOSS, spec_in, user_module_dir
 
 LR = 0.05
 # The user's model, data and loss (--data, --loss): 4 classes of a fixed random linear map of x.

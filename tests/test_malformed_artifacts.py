@@ -34,8 +34,8 @@ from gpipe_plan.plan_layout import plan_chunks
 from gpipe_plan.runtime.plan import load_plan
 from gpipe_plan.schema import FORMAT_VERSIONS, PROFILE_FORMAT, REPORT_FORMAT
 
-from cli_process import gpipe_plan
-from planner_helpers import profile_doc
+from helpers.cli_process import gpipe_plan
+from helpers.planner import profile_doc
 
 # planner/ilp.py uses pulp APIs that pulp deprecates for its 4.0 (thousands of warnings a run).
 pytestmark = pytest.mark.filterwarnings("ignore:.*PuLP 4:DeprecationWarning")

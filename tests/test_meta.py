@@ -17,7 +17,7 @@ from gpipe_plan.models import (AsTuple, Classification, LayeredModel, Precision,
 from gpipe_plan.profiles import profiler
 from gpipe_plan.profiles.kinds import layer_kind
 from gpipe_plan.profiles.profiler import ProfileRequest, profile_model
-from handplan import hand_plan
+from helpers.handplan import hand_plan
 from gpipe_plan.runtime.plan import load_plan
 from gpipe_plan.runtime.stage import build_chunk
 

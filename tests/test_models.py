@@ -13,7 +13,7 @@ from gpipe_plan.artifacts import BadInput
 from gpipe_plan.models import Classification, LayeredModel, build_model, is_language_model, model_spec
 from gpipe_plan.models.user import split
 
-from user_models import SKIP_NET
+from helpers.user_models import SKIP_NET
 
 TINY_GPT = {"layers": 2, "width": 32, "heads": 2, "seq_len": 8, "vocab_size": 256}
 TINY_RESNET = {"blocks": [1, 1], "width": 8, "image_size": 8, "num_classes": 5}

@@ -21,8 +21,9 @@ import torch
 from gpipe_plan.artifacts import write_json_atomic
 from gpipe_plan.runtime.launch import free_port
 
-from test_runtime_multiproc import BIN, GPT, LR, assert_same_parameters, unsplit_training
-from test_runtime_replicas import data_parallel_plan
+from helpers.cli_process import BIN
+from helpers.ranks import GPT, LR, assert_same_parameters, unsplit_training
+from helpers.ranks import data_parallel_plan
 
 STEPS = 2
 

@@ -17,7 +17,7 @@ from gpipe_plan.profiles.contention import cycle_ratios, measure_contention, rec
 from gpipe_plan.profiles.profiler import ProfileRequest, profile_model
 from gpipe_plan.schema import FORMAT_VERSIONS, PROFILE_FORMAT
 
-from planner_helpers import profile_doc
+from helpers.planner import profile_doc
 
 TINY_GPT = model_spec("gpt", layers=2, width=16, heads=2, seq_len=8, vocab_size=64)
 

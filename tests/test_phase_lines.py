@@ -14,7 +14,7 @@ import textwrap
 import threading
 from pathlib import Path
 
-from test_runtime_multiproc import BIN
+from helpers.cli_process import BIN
 
 # A model whose factory waits for a file: the profile cannot get past building it until the
 # test says so, so a line seen before that was said when the phase began, not after it.

@@ -26,7 +26,7 @@ from gpipe_plan.schema import validate
 from gpipe_plan.weight_versions import (ASYNC_SCHEDULES, staleness, stashed_versions, updates_per_step,
                                         weight_copies)
 
-from planner_helpers import cli, make_figures, profile_doc, write_json
+from helpers.planner import cli, make_figures, profile_doc, write_json
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*PuLP 4:DeprecationWarning")
 

@@ -20,14 +20,8 @@ from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.profile import Profile
 from gpipe_plan.planner.search import SolveOptions, search
 
-from planner_helpers import make_figures, profile_doc, schedule_case
-
-CHUNKED = [("interleaved", 2), ("zb-h1", 1), ("zb-v", 1)]
-
-
-def random_case(rng: random.Random, schedule: str, v: int):
-    """A small random instance: L <= 8 layers, K = 2, a memory limit now and then."""
-    return schedule_case(rng, schedule, v, stages=(2,), max_extra_layers=6, every_feature=False, issue=True)
+from helpers.planner import make_figures, profile_doc
+from helpers.planner import CHUNKED, random_case
 
 
 @pytest.mark.parametrize("schedule,v", CHUNKED)

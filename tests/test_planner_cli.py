@@ -19,9 +19,9 @@ from gpipe_plan.planner.plan import MAX_RUNNERS_UP
 from gpipe_plan.schedules import (SPLIT_BACKWARD, all_actions, chunks_of_stage, chunks_per_stage, in_flight,
                                   stage_of_chunk)
 
-from plan_docs import as_version_4, chunked_plan
-from cli_process import gpipe_plan
-from planner_helpers import cli, REPO, profile_doc, table_rows, write_json
+from helpers.plan_docs import as_version_4, chunked_plan
+from helpers.cli_process import gpipe_plan
+from helpers.planner import cli, REPO, profile_doc, table_rows, write_json
 
 # planner/ilp.py uses pulp APIs that pulp deprecates for its 4.0 (thousands of warnings a run).
 pytestmark = pytest.mark.filterwarnings("ignore:.*PuLP 4:DeprecationWarning")

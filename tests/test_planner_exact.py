@@ -29,7 +29,7 @@ from gpipe_plan.planner.profile import Profile, interpolate
 from gpipe_plan.planner.search import SolveOptions, schedule_shapes, search
 from gpipe_plan.schedules import problem
 
-from planner_helpers import close, hyp, instances, make_figures, profile_doc, ref_brute, ref_evaluate
+from helpers.planner import close, hyp, instances, make_figures, profile_doc, ref_brute, ref_evaluate
 
 # planner/ilp.py uses pulp APIs that pulp deprecates for its 4.0 (thousands of warnings a run).
 pytestmark = pytest.mark.filterwarnings("ignore:.*PuLP 4:DeprecationWarning")

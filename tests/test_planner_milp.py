@@ -22,7 +22,7 @@ from gpipe_plan.planner.search import SolveOptions, search
 from gpipe_plan.planner.solvers import solve_cost_model
 from gpipe_plan.schema import BOUND_METHODS
 
-from planner_helpers import profile_doc, schedule_case, write_json
+from helpers.planner import profile_doc, schedule_case, write_json
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*PuLP 4:DeprecationWarning")
 
@@ -163,7 +163,7 @@ def test_a_cutoff_below_the_optimum_proves_only_the_cutoff(schedule, v, seed):
 def _gnmt() -> Profile:
     from gpipe_plan.planner.pipedream import import_pipedream
 
-    from planner_helpers import PIPEDREAM_DIR
+    from helpers.planner import PIPEDREAM_DIR
 
     return Profile(import_pipedream(str(PIPEDREAM_DIR / "gnmt.graph.txt"), batch_size=64), where="gnmt")
 

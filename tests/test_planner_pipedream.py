@@ -22,7 +22,7 @@ from gpipe_plan.planner.onefoneb import OneFOneBSolver
 from gpipe_plan.planner.pipedream import import_pipedream
 from gpipe_plan.planner.profile import Profile
 
-from planner_helpers import PIPEDREAM_DIR, close
+from helpers.planner import PIPEDREAM_DIR, close
 
 # planner/ilp.py uses pulp APIs that pulp deprecates for its 4.0 (thousands of warnings a run).
 pytestmark = pytest.mark.filterwarnings("ignore:.*PuLP 4:DeprecationWarning")

@@ -30,7 +30,7 @@ from gpipe_plan.planner.search import ReplicaSync, SolveOptions, search, setting
 from gpipe_plan.schedules import problem
 from gpipe_plan.schema import FORMAT_VERSIONS, PLAN_FORMAT, validate
 
-from planner_helpers import STATE_MULT, cli, close, hyp, instances, make_figures, profile_doc, write_json
+from helpers.planner import STATE_MULT, cli, close, hyp, instances, make_figures, profile_doc, write_json
 
 
 def ring_by_hand(nbytes: float, d: int, bandwidth: float, latency: float) -> float:

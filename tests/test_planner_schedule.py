@@ -16,7 +16,7 @@ from gpipe_plan.planner.onefoneb import OneFOneBSolver
 from gpipe_plan.planner.simulator import ChunkTimes, Timeline, gpipe_makespan, simulate_plan
 from gpipe_plan.schedules import all_actions
 
-from planner_helpers import (bounds_strategy, close, hyp, instances, make_figures, ref_evaluate,
+from helpers.planner import (bounds_strategy, close, hyp, instances, make_figures, ref_evaluate,
                              ref_gpipe_closed_form, ref_makespan, ref_stage)
 
 _t = st.floats(0.0, 0.01, allow_nan=False)

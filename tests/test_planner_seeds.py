@@ -17,7 +17,7 @@ from gpipe_plan.planner.profile import Profile
 from gpipe_plan.planner.search import solve_setting
 from gpipe_plan.schedules import chunks_per_stage, problem
 
-from planner_helpers import PIPEDREAM_DIR, make_figures
+from helpers.planner import PIPEDREAM_DIR, make_figures
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*PuLP 4:DeprecationWarning")
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-from cli_process import BIN, gpipe_plan
+from helpers.cli_process import BIN, gpipe_plan
 from gpipe_plan.artifacts import BadInput, check_precision, write_json_atomic
 from gpipe_plan.models import AsTuple, Precision, model_spec
 from gpipe_plan.planner.command import solve_file
@@ -30,10 +30,10 @@ from gpipe_plan.profiles.measure import Runner, prepare_layer, time_rounds
 from gpipe_plan.profiles.clock import CpuClock
 from gpipe_plan.profiles.memory import SavedTensors
 from gpipe_plan.profiles.profiler import ProfileRequest, profile_model
-from handplan import hand_plan
+from helpers.handplan import hand_plan
 from gpipe_plan.runtime.loss_scale import LossScaler
 
-from planner_helpers import cli, profile_doc
+from helpers.planner import cli, profile_doc
 
 TINY = model_spec("gpt", layers=2, width=32, heads=2, seq_len=16, vocab_size=256)
 TEXT = "the quick brown fox jumps over the lazy dog; " * 400

@@ -19,7 +19,7 @@ from gpipe_plan.models import model_spec
 from gpipe_plan.profiles.profiler import ProfileRequest, profile_model
 from gpipe_plan.schema import validate
 
-from planner_helpers import cli, profile_doc
+from helpers.planner import cli, profile_doc
 
 
 def _sample(wall: float, busy: float, own: float, steal: float = 0.0, cores: int = 2) -> CpuSample:

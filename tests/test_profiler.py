@@ -27,8 +27,8 @@ from gpipe_plan.profiles.profiler import ProfileRequest, default_sizes, profile_
 from gpipe_plan.profiles.show import render_profile
 from gpipe_plan.schema import FORMAT_VERSIONS, PROFILE_FORMAT, read_artifact, validate
 
-from planner_helpers import profile_doc
-from user_models import SKIP_NET
+from helpers.planner import profile_doc
+from helpers.user_models import SKIP_NET
 
 # The fixed-cost probe (a 2-process pipeline, seconds) has its own tests (tests/test_fixed_costs.py).
 FAST = ["--warmup", "0", "--repeats", "1", "--no-fixed-costs"]

@@ -23,7 +23,7 @@ from gpipe_plan.planner.profile import Profile
 from gpipe_plan.profiles.calibrate import calibrate
 from gpipe_plan.profiles.profiler import ProfileRequest, profile_model
 
-from planner_helpers import profile_doc
+from helpers.planner import profile_doc
 
 TINY_GPT = model_spec("gpt", layers=2, width=32, heads=2, seq_len=16, vocab_size=64)
 

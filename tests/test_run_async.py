@@ -29,10 +29,11 @@ from gpipe_plan.runtime.async_reference import reference_run
 from gpipe_plan.runtime.data import batch_source
 from gpipe_plan.runtime.optim import learning_rate
 from gpipe_plan.runtime.options import RunOptions, async_problem
-from handplan import hand_plan
-from test_runtime_multiproc import BIN, assert_same_parameters, run_in_one_group
-from test_runtime_replicas import data_parallel_plan
-from user_models import SKIP_NET, SKIP_NET_INPUTS, TEACHER_DATA_AND_LOSS, spec_in, user_module_dir
+from helpers.handplan import hand_plan
+from helpers.cli_process import BIN
+from helpers.ranks import assert_same_parameters, run_in_one_group
+from helpers.ranks import data_parallel_plan
+from helpers.user_models import SKIP_NET, SKIP_NET_INPUTS, TEACHER_DATA_AND_LOSS, spec_in, user_module_dir
 
 # The skip net with its own data (a fixed teacher's classes) and loss, as --data and --loss name them.
 TASK = SKIP_NET + TEACHER_DATA_AND_LOSS + """

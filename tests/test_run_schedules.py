@@ -23,24 +23,12 @@ import torch
 
 from gpipe_plan.artifacts import write_json_atomic
 from gpipe_plan.models import model_spec
-from handplan import hand_plan
+from helpers.handplan import hand_plan
 
-from test_runtime_multiproc import assert_same_parameters, run_in_one_group, unsplit_training
+from helpers.ranks import assert_same_parameters, run_in_one_group, unsplit_training
+from helpers.schedule_runs import even_balance, GPT, SCHEDULES, STEPS
 
-# 8 layers (embedding, 6 blocks, head): enough for 2 chunks on each of 4 stages.
-GPT = model_spec("gpt", layers=6, width=16, heads=2, seq_len=8, vocab_size=64)
-LAYERS = 8
-STEPS = 3
 LR = 1e-3
-
-# schedule, chunks per stage
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)]
-
-
-def even_balance(chunks: int) -> list[int]:
-    """LAYERS layers in ``chunks`` runs, as even as they go (the first ones longer)."""
-    base, extra = divmod(LAYERS, chunks)
-    return [base + (1 if c < extra else 0) for c in range(chunks)]
 
 
 def train_every_schedule(folder: Path, stages: int, micro_batches: int,

@@ -27,8 +27,8 @@ from gpipe_plan.runtime.stage import build_chunk
 from gpipe_plan.runtime.trace import chrome_trace
 from gpipe_plan.runtime.timing import Span
 
-from handplan import hand_plan
-from planner_helpers import make_figures
+from helpers.handplan import hand_plan
+from helpers.planner import make_figures
 
 TINY_GPT = model_spec("gpt", layers=2, width=16, heads=2, seq_len=8, vocab_size=256)
 

@@ -11,28 +11,23 @@ import json
 import os
 import subprocess
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from cli_process import BIN, gpipe_plan, leftover_processes
-from gpipe_plan.artifacts import BadInput, RunFailure, write_json_atomic
-from gpipe_plan.models import build_model, model_spec
-from gpipe_plan.runtime.data import step_generator
-from handplan import hand_plan
+from helpers.cli_process import BIN, gpipe_plan, leftover_processes
+from gpipe_plan.artifacts import write_json_atomic
+from gpipe_plan.models import model_spec
+from helpers.handplan import hand_plan
 from gpipe_plan.runtime.launch import free_port
 from gpipe_plan.schema import REPORT_FORMAT
 
-from rank_pool import discard, run_on_ranks
-from user_models import SKIP_NET, SKIP_NET_CLASSES, SKIP_NET_INPUTS, spec_in, user_module_dir
+from helpers.ranks import GPT, LR, STEPS, assert_same_parameters, run_in_one_group, unsplit_training
+from helpers.user_models import SKIP_NET, SKIP_NET_CLASSES, SKIP_NET_INPUTS, spec_in, user_module_dir
 
-GPT = model_spec("gpt", layers=2, width=16, heads=2, seq_len=8, vocab_size=256)
 RESNET = model_spec("resnet", blocks=[1, 1], width=8, image_size=8, num_classes=5)
-STEPS = 3
-LR = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -43,74 +38,6 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def user_spec(workdir: Path) -> dict[str, Any]:
     return spec_in(workdir, "skipnet:make", input_shape=[SKIP_NET_INPUTS], num_classes=SKIP_NET_CLASSES)
-
-
-def unsplit_training(spec: dict[str, Any], global_batch: int, steps: int = STEPS, seed: int = 0,
-                     optimizer: str = "adam", lr: float = LR, grad_clip: float | None = None,
-                     norms: list[float] | None = None) -> dict[str, torch.Tensor]:
-    """The reference: the whole model, whole batches, plain PyTorch (K = 1, M = 1). ``norms``, if
-    given, gets each step's squared gradient norm (before clipping)."""
-    torch.set_num_threads(1)
-    model = build_model(spec, seed=seed)
-    kind = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}[optimizer]
-    optimizer_ = kind(model.module.parameters(), lr=lr)
-    for step in range(steps):
-        inputs, targets = model.synthetic_batch(global_batch, step_generator(seed, step))
-        model.loss(model.forward(*inputs), targets).backward()
-        if norms is not None:
-            norms.append(float(sum((p.grad * p.grad).sum() for p in model.module.parameters())))
-        if grad_clip is not None:  # module.parameters() holds a tied parameter once
-            torch.nn.utils.clip_grad_norm_(model.module.parameters(), grad_clip)
-        optimizer_.step()
-        optimizer_.zero_grad()
-    return model.module.state_dict()
-
-
-def assert_same_parameters(saved: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], atol: float) -> None:
-    assert list(saved) == list(reference), "keys or their order differ from the unsplit model's"
-    worst = max(float((saved[k].float() - reference[k].float()).abs().max()) for k in reference)
-    assert worst <= atol, f"largest difference {worst:.3g} > {atol:g}"
-
-
-# ---------------------------------------------------------------------- one group, many runs
-def _train_jobs(rank: int, world_size: int, jobs: list[dict[str, Any]], outcome: str, cwd: str) -> None:
-    """One rank of the session's group (tests/rank_pool.py): train every job in turn."""
-    from gpipe_plan.runtime.distributed import World
-    from gpipe_plan.runtime.options import RunOptions, check_options
-    from gpipe_plan.runtime.train import train
-
-    os.chdir(cwd)
-    world = World(rank, world_size, rank, world_size, "test")
-    results = {}
-    for job in jobs:
-        job = dict(job)
-        fault = job.pop("fault", None)
-        if fault:
-            os.environ["GPIPE_PLAN_FAULT"] = fault
-        try:
-            train(check_options(RunOptions(**job)), world)
-            results[job["save"]] = "ok"
-        except (BadInput, RunFailure) as exc:
-            results[job["save"]] = f"{type(exc).__name__}: {exc}"
-        finally:
-            os.environ.pop("GPIPE_PLAN_FAULT", None)
-    if rank == 0:
-        Path(outcome).write_text(json.dumps(results))
-
-
-def run_in_one_group(jobs: list[dict[str, Any]], cwd: Path, world_size: int = 2) -> dict[str, str]:
-    """Train ``jobs`` one after another on ``world_size`` ranks that are already in one group
-    (started once per world size for the session: tests/rank_pool.py); each job's outcome by
-    its ``save``: "ok" or the one line that stopped it. A job refused or stopped half-way may
-    leave messages in flight: then the group is not reused (the next call starts a fresh one)."""
-    outcome = cwd / f"outcome-{uuid.uuid4().hex[:6]}.json"
-    try:
-        run_on_ranks(_train_jobs, (jobs, str(outcome), str(cwd)), world_size)
-    finally:
-        results = json.loads(outcome.read_text()) if outcome.exists() else None
-        if results is None or any(said != "ok" for said in results.values()):
-            discard(world_size)
-    return results
 
 
 CASES = [  # model, schedule, executor, recompute per stage

@@ -15,41 +15,22 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import pytest
 import torch
 
 from gpipe_plan.artifacts import BadInput
-from gpipe_plan.planner.replicas import rank_grid
 from gpipe_plan.runtime.plan import load_plan
 
-from handplan import hand_plan
-from planner_helpers import write_json
+from helpers.handplan import hand_plan
+from helpers.planner import write_json
 
-from test_runtime_multiproc import GPT, LR, assert_same_parameters, gpipe_plan, run_in_one_group, unsplit_training
+from helpers.cli_process import gpipe_plan
+from helpers.ranks import GPT, LR, assert_same_parameters, run_in_one_group, unsplit_training
+from helpers.ranks import data_parallel_plan
 
 STEPS = 3
-
-
-def data_parallel_plan(spec: dict[str, Any], balance: Sequence[int], replicas: int, micro_batches: int,
-                       micro_batch_size: int, schedule: str = "1f1b", order: str = "pipeline-inner",
-                       gradient_sync: str = "ddp", ranks: list[list[int]] | None = None) -> dict[str, Any]:
-    """A hand plan of K = len(balance) stages run by ``replicas`` replicas (plan format 6's keys).
-
-    ``order``: ``pipeline-inner`` puts stage k of replica r on rank r·K + k, ``data-inner`` on
-    k·d + r; ``ranks`` (ranks[k][r]) overrides both.
-    """
-    doc = hand_plan(spec, balance, micro_batches=micro_batches, micro_batch_size=micro_batch_size, schedule=schedule)
-    K, d = len(doc["stages"]), replicas
-    if ranks is None:
-        ranks = [list(row) for row in rank_grid(K, d, order)]
-    doc["data_parallel"] = d
-    doc["gradient_sync"] = gradient_sync
-    doc["global_batch_size"] = d * micro_batches * micro_batch_size
-    doc["placement"] = {"nodes": 1, "devices_per_node": K * d, "order": order, "ranks": ranks,
-                        "reason": "written by hand for a test"}
-    return doc
 
 
 # ---------------------------------------------------------------------- reading the plan

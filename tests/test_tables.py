@@ -24,8 +24,8 @@ from gpipe_plan.profiles.show import render_profile
 from gpipe_plan.runtime.report import print_summary
 from gpipe_plan.schema import FORMAT_VERSIONS, PROFILE_FORMAT
 
-from planner_helpers import profile_doc, table_rows, write_json
-from test_trainer_messages import report_doc
+from helpers.planner import profile_doc, table_rows, write_json
+from helpers.reports import report_doc
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*PuLP 4:DeprecationWarning")
 

@@ -23,8 +23,8 @@ from gpipe_plan.planner.simulator import ChunkTimes, simulate_plan
 from gpipe_plan.planner.timeshare import concurrent_ranks_of, time_shared_makespan
 from gpipe_plan.schedules import chunks_per_stage, problem
 
-from planner_helpers import cli, hyp, instances, make_figures, profile_doc
-from test_planner_chunked import CHUNKED, random_case
+from helpers.planner import cli, hyp, instances, make_figures, profile_doc
+from helpers.planner import CHUNKED, random_case
 
 SHAPES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zb-h1", 1), ("zb-v", 1)]
 

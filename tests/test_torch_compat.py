@@ -15,7 +15,7 @@ import torch
 
 from gpipe_plan.artifacts import BadInput, write_json_atomic
 from gpipe_plan.models import build_model, model_spec
-from handplan import hand_plan
+from helpers.handplan import hand_plan
 from gpipe_plan.runtime.plan import load_plan
 from gpipe_plan.runtime.stage import build_chunk
 from gpipe_plan.runtime.torch_executor import check_features, pipeline_stage_arguments, pipelining_features

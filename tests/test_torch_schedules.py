@@ -20,14 +20,14 @@ import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from gpipe_plan.artifacts import write_json_atomic
-from handplan import hand_plan
+from helpers.handplan import hand_plan
 from gpipe_plan.runtime.torch_executor import torch_actions
 from gpipe_plan.schedules import SCHEDULES, all_actions, chunks_per_stage, problem, stage_of_chunk
 
-from test_run_schedules import GPT, STEPS, even_balance
-from test_run_schedules import SCHEDULES as PLANNED   # (schedule, chunks per stage)
-from test_runtime_multiproc import assert_same_parameters, run_in_one_group
-from test_runtime_multiproc import unsplit_training as unsplit_reference
+from helpers.schedule_runs import GPT, STEPS, even_balance
+from helpers.schedule_runs import SCHEDULES as PLANNED   # (schedule, chunks per stage)
+from helpers.ranks import assert_same_parameters, run_in_one_group
+from helpers.ranks import unsplit_training as unsplit_reference
 
 # Plain SGD: Adam divides each gradient by its own size, so it would not see gradients that
 # are all M times too large (or small); SGD moves by the gradient itself.
@@ -118,7 +118,7 @@ def test_a_parameter_two_chunks_of_one_stage_share_is_counted_once(tmp_path: Pat
     gradients by M after its last backward, which would divide this one twice; the executor
     starts each backward from loss / M instead."""
     pytest.importorskip("transformers")
-    from test_hf import GPT2
+    from helpers.hf_specs import GPT2
 
     runs = torch_jobs(tmp_path, 2, [("gpt2-zb-v", GPT2, 4, 2, {"balance": [2, 1, 1, 2], "schedule": "zb-v"})])
     assert_every_job_trains_like_one(runs, unsplit_training(GPT2, global_batch=8))

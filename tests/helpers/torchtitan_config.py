@@ -7,7 +7,7 @@ extra's tests. What
 the default suite keeps is its config classes' fields and their annotations, recorded from
 torchtitan by :func:`record` into tests/data/torchtitan-config.json: every key the export writes
 must be a field of the class its section is, with a value of that field's type. Where torchtitan
-is installed, a test checks the record against it (``python tests/torchtitan_config.py`` writes
+is installed, a test checks the record against it (``python tests/helpers/torchtitan_config.py`` writes
 a new one).
 """
 
@@ -19,7 +19,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-RECORD = Path(__file__).parent / "data" / "torchtitan-config.json"
+RECORD = Path(__file__).parents[1] / "data" / "torchtitan-config.json"
 # The TOML section the export writes -> the config class torchtitan reads it into.
 SECTIONS = {"parallelism": "ParallelismConfig", "training": "TrainingConfig"}
 

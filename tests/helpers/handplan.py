@@ -7,8 +7,8 @@ left out, so that ``run`` reports measured figures only. ``balance`` counts the 
 chunk, in pipeline order; the schedule places the chunks on stages (``gpipe_plan.schedules``).
 
 It lives with the tests, not in the package: a user's plans come from ``solve``. The tests
-import it as ``handplan`` (their folder is on the path, as for ``planner_helpers``), the
-benchmarks as ``tests.handplan`` (they run from the repository's root). What it writes is
+import it as ``helpers.handplan`` (tests/ is on their path), the benchmarks as
+``tests.helpers.handplan`` (they run from the repository's root). What it writes is
 checked against the plan schema (``gpipe_plan.schema``) before it is returned.
 """
 

@@ -1,6 +1,6 @@
 """``gpipe-plan`` in a child process, as a user runs it: the one helper for every test that does.
 
-In-process runs (click's runner) are ``planner_helpers.cli``; a child process is needed where the
+In-process runs (click's runner) are ``helpers.planner.cli``; a child process is needed where the
 command starts ranks of its own, or its exit status and streams must be the real ones.
 """
 

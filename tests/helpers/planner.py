@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import random
 import re
 from pathlib import Path
 from typing import Any, Sequence
@@ -22,7 +23,7 @@ from gpipe_plan.planner.fixedcosts import FixedCosts
 from gpipe_plan.planner.profile import LayerFigures
 from gpipe_plan.schema import PROFILE_FORMAT, check_built
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PIPEDREAM_DIR = REPO / "data" / "pipedream-profiles"
 
 STATE_MULT = {"adam": 2, "momentum": 1, "sgd": 0}   # docs/planner.md: Adam 2x, momentum 1x
@@ -462,3 +463,11 @@ def table_rows(text: str, heading: str) -> list[list[str]]:
             break
         rows.append(re.split(r"\s{2,}", line.strip()))
     return rows
+
+
+CHUNKED = [("interleaved", 2), ("zb-h1", 1), ("zb-v", 1)]
+
+
+def random_case(rng: random.Random, schedule: str, v: int):
+    """A small random instance: L <= 8 layers, K = 2, a memory limit now and then."""
+    return schedule_case(rng, schedule, v, stages=(2,), max_extra_layers=6, every_feature=False, issue=True)
