@@ -390,7 +390,7 @@ def test_a_crafted_checkpoint_runs_no_code(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- the GPU machine's image
 def test_gpu_tests_collect_without_pulp(tmp_path: Path) -> None:
     """The GPU machine's image has no pulp: `pytest -m gpu` must still collect every module."""
-    tests = Path(__file__).parent
+    tests = Path(__file__).parents[1]
     code = ("import sys; sys.modules['pulp'] = None; import pytest; "
             f"sys.exit(pytest.main(['--collect-only', '-q', '-m', 'gpu', '-p', 'no:cacheprovider', {str(tests)!r}]))")
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,

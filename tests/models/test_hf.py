@@ -124,7 +124,7 @@ def test_two_stages_train_gpt2_and_llama_exactly_like_the_unsplit_model(tmp_path
 
 def test_profile_solve_run_a_hugging_face_model_from_the_command_line(tmp_path: Path) -> None:
     """As a user would: the factory by import path, --loss lm; the tie is in the profile."""
-    (tmp_path / "hf_models.py").write_text((Path(__file__).parent / "hf_models.py").read_text())
+    (tmp_path / "hf_models.py").write_text((Path(__file__).parents[1] / "helpers" / "user_modules" / "hf_models.py").read_text())
     profile = gpipe_plan("profile", "hf_models:make_gpt2", "--input-shape", str(SEQ), "--vocab-size", str(VOCAB),
                          "--loss", "lm", "--micro-batch-sizes", "1,2", "--warmup", "1", "--repeats", "2",
                          "--contention-processes", "0", "--no-recompute-timing", "--no-fixed-costs", "-o", "profile.json", "-q",
