@@ -478,7 +478,7 @@ def test_the_demo_text_is_shipped_with_its_source_and_licence() -> None:
 
 def test_the_demo_recipe_learns_the_shipped_text() -> None:
     """The demo's recipe (Adam, warm-up, clipping) on a small gpt, one process: the loss falls well
-    below ln 256 = 5.55 in 40 steps. One process computes what K stages do (test_runtime_multiproc)."""
+    below ln 256 = 5.55 in 40 steps. One process computes what K stages do (runtime/test_train.py)."""
     import torch
 
     from gpipe_plan.models import build_model, model_spec

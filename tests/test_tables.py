@@ -29,7 +29,7 @@ from helpers.reports import report_doc
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*PuLP 4:DeprecationWarning")
 
-# The module paths Hugging Face models give their layers (tests/test_hf.py cuts them so).
+# The module paths Hugging Face models give their layers (tests/models/test_hf.py cuts them so).
 LLAMA = ["model.embed_tokens", *(f"model.layers.{i}" for i in range(16)), "model.norm", "lm_head"]
 GPT2 = ["transformer.wte", "transformer.wpe", *(f"transformer.h.{i}" for i in range(12)), "transformer.ln_f",
         "lm_head"]

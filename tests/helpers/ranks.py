@@ -57,7 +57,7 @@ def assert_same_parameters(saved: dict[str, torch.Tensor], reference: dict[str, 
 
 # ---------------------------------------------------------------------- one group, many runs
 def _train_jobs(rank: int, world_size: int, jobs: list[dict[str, Any]], outcome: str, cwd: str) -> None:
-    """One rank of the session's group (tests/rank_pool.py): train every job in turn."""
+    """One rank of the session's group (helpers/rank_pool.py): train every job in turn."""
     from gpipe_plan.runtime.distributed import World
     from gpipe_plan.runtime.options import RunOptions, check_options
     from gpipe_plan.runtime.train import train
@@ -83,7 +83,7 @@ def _train_jobs(rank: int, world_size: int, jobs: list[dict[str, Any]], outcome:
 
 def run_in_one_group(jobs: list[dict[str, Any]], cwd: Path, world_size: int = 2) -> dict[str, str]:
     """Train ``jobs`` one after another on ``world_size`` ranks that are already in one group
-    (started once per world size for the session: tests/rank_pool.py); each job's outcome by
+    (started once per world size for the session: helpers/rank_pool.py); each job's outcome by
     its ``save``: "ok" or the one line that stopped it. A job refused or stopped half-way may
     leave messages in flight: then the group is not reused (the next call starts a fresh one)."""
     outcome = cwd / f"outcome-{uuid.uuid4().hex[:6]}.json"

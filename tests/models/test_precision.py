@@ -113,7 +113,7 @@ def test_the_plan_records_the_profiles_precision(tmp_path: Path) -> None:
 def test_run_refuses_a_precision_other_than_the_plans(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Refused by the launcher, before any rank starts: checked in this process (click's runner,
     stdout and stderr together: the one line is all it says). The real process's refusal, its
-    exit status and stderr, is test_run_async's test_the_command_refuses_the_torch_executor_before_starting_ranks."""
+    exit status and stderr, is runtime/test_async_executor.py's test_the_command_refuses_the_torch_executor_before_starting_ranks."""
     plan = hand_plan(TINY, [2, 2], micro_batches=2, micro_batch_size=2, precision="bf16")
     write_json_atomic(tmp_path / "plan.json", plan)
     monkeypatch.chdir(tmp_path)

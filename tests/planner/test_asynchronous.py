@@ -165,7 +165,7 @@ def test_memory_counts_the_stashed_versions_and_k_minus_k_in_flight(schedule):
     for k, (st, base) in enumerate(zip(ev.stages, sync.stages)):
         p = sum(params[bounds[k]:bounds[k + 1]])
         # The live weights and a stashed copy per version in flight (the last stage's forward
-        # and backward adjacent): what the executor holds (test_run_async replays it).
+        # and backward adjacent): what the executor holds (runtime/test_async_executor.py replays it).
         versions = stashed_versions(schedule, k, K) + (1 if k < K - 1 else 0)
         assert versions == weight_copies(schedule, k, K)
         assert st.params_bytes == pytest.approx(versions * p)

@@ -1,7 +1,7 @@
 """The runtime's fixed costs per action and message (planner/fixedcosts.py), as the planner charges them.
 
 The solvers' exactness with fixed costs is checked against brute force where the solvers are
-(tests/test_planner_exact.py, tests/test_planner_chunked.py draw them); here: the rule itself,
+(tests/planner/test_solvers.py, tests/planner/test_chunked.py draw them); here: the rule itself,
 against a reference written from docs/planner.md, on every schedule; that more chunks per stage
 pay for their actions; what a plan records and warns; and how the calibrated overhead relates.
 """

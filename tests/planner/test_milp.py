@@ -30,7 +30,7 @@ SHAPES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("z
 
 
 def random_case(rng: random.Random, schedule: str, v: int, max_extra_layers: int = 4):
-    """A small instance with every feature drawn on or off (planner_helpers.schedule_case)."""
+    """A small instance with every feature drawn on or off (helpers.planner.schedule_case)."""
     return schedule_case(rng, schedule, v, max_extra_layers=max_extra_layers)
 
 

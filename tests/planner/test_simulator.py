@@ -1,5 +1,5 @@
 """The schedules: GPipe's closed form, the event simulator, operation orders, bubble, memory,
-and the 1F1B lower bound. The reference model in planner_helpers is written from docs/planner.md."""
+and the 1F1B lower bound. The reference model in helpers.planner is written from docs/planner.md."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Brute force (planner.brute) tries every partition and every per-stage recompute choice, so
 agreeing with it also proves the solvers' per-stage recompute rule. Brute force itself is
-held to an independent reference model (tests/planner_helpers.py, written from docs/planner.md),
+held to an independent reference model (tests/helpers/planner.py, written from docs/planner.md),
 so a bug shared by the cost model and every solver would still show.
 
 Also here: interpolation of a profile between micro-batch sizes, and the search over

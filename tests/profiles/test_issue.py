@@ -1,7 +1,7 @@
 """The CPU-issue bound (CUDA): a pass costs the larger of its kernels' GPU time and the CPU's time
 to issue them. The measurement (profiles/issue.py) runs here against a fake device, a queue of
 kernels with a clock of its own; the planner's rule against a reference; the solvers' exactness
-under it is in the brute-force tests (planner_helpers.instances draws issue times).
+under it is in the brute-force tests (helpers.planner.instances draws issue times).
 
 Not validated on a GPU in this session: bench/gpu_issue.py is the check to run there.
 """

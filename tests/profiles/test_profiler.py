@@ -30,7 +30,7 @@ from gpipe_plan.schema import FORMAT_VERSIONS, PROFILE_FORMAT, read_artifact, va
 from helpers.planner import profile_doc
 from helpers.user_models import SKIP_NET
 
-# The fixed-cost probe (a 2-process pipeline, seconds) has its own tests (tests/test_fixed_costs.py).
+# The fixed-cost probe (a 2-process pipeline, seconds) has its own tests (tests/planner/test_fixedcosts.py).
 FAST = ["--warmup", "0", "--repeats", "1", "--no-fixed-costs"]
 
 

@@ -5,7 +5,7 @@ backward use the weights ``weight_versions.version_used`` gives (weight stashing
 stage updates its newest weights per micro-batch (pipedream) or once a step (2bw). The one-
 process :func:`gpipe_plan.runtime.async_reference.reference_run` computes the same numbers with
 no pipeline; a run must end at its parameters (1e-5). The model is a user's own (the skip net
-of tests/user_models.py, whose cut after fc2 carries two tensors) with its own data and loss.
+of tests/helpers/user_models.py, whose cut after fc2 carries two tensors) with its own data and loss.
 
 Each group of ranks costs seconds to start, so one group of two ranks runs every K = 2 (and
 K = 1 x 2 replicas) case and the refusals, one group of three the K = 3 cases, and one group

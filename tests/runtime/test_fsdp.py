@@ -148,7 +148,7 @@ def train_replica(sync: Any, stage: StageChunks, rank: int, run_step: Any) -> di
 
 
 def _replica_main(rank: int, world_size: int, folder: str) -> None:
-    """One replica, a rank of the session's group of REPLICAS (tests/rank_pool.py): shard the
+    """One replica, a rank of the session's group of REPLICAS (tests/helpers/rank_pool.py): shard the
     stage, train on its half of each batch, save what it saw."""
     from torch.distributed.device_mesh import init_device_mesh
 

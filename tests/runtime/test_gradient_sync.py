@@ -3,7 +3,7 @@
 A plan of format 6 with ``data_parallel`` d runs d copies of its pipeline; replica r trains on
 its 1/d of each step's batch and the replicas of each stage average their gradients (ddp) before
 the optimizer. The result must be the unsplit model's training on the whole batch: the tests
-compare with :func:`test_runtime_multiproc.unsplit_training`, the one reference.
+compare with :func:`helpers.ranks.unsplit_training`, the one reference.
 :func:`data_parallel_plan` adds the version-6 keys to a hand plan, so that no test here depends
 on what ``solve`` chooses.
 4-process runs are slow on 2 cores: the models are tiny, the steps few, and the trainings

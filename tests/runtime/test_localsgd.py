@@ -143,7 +143,7 @@ def test_explore_takes_sync_every_with_devices_and_localsgd_only(tmp_path: Path)
 # ---------------------------------------------------------------------- the runtime
 @pytest.fixture(scope="module")
 def task_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Not "task": test_hooks.py's own, kept in the pytest process, has no `loss` (user_module_dir).
+    # Not "task": models/test_hooks.py's own, kept in the pytest process, has no `loss` (user_module_dir).
     return user_module_dir(tmp_path_factory, "localsgd_task", TASK)
 
 

@@ -1,7 +1,7 @@
 """Runtime, in one process: schedules, plan checks, stages, data, checkpoints' bookkeeping.
 
 The multi-process behaviour (equivalence with the unsplit model, faults, resume, torchrun)
-is in test_runtime_multiproc.py.
+is in runtime/test_train.py.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ may read our lists differently from how we wrote them, or fail to place their me
 its own bookkeeping (dividing gradients by M per chunk, handing tensors between two chunks of
 one rank) may not give the gradient of the mean. The first is checked on the lists alone, the
 second by training: after a few steps every schedule must reach the parameters of one process
-training on whole batches, as the native executor does (tests/test_run_schedules.py).
+training on whole batches, as the native executor does (tests/runtime/test_executor.py).
 """
 
 from __future__ import annotations

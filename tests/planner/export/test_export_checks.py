@@ -9,7 +9,7 @@
 
 Each test skips, saying so, where its package is not installed (the ``test`` extra leaves them
 out: they are large and need nothing else of the project). torchtitan's own config classes read
-its export in tests/test_export_targets.py.
+its export in tests/planner/export/test_export_targets.py.
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ def test_the_types_check_refuses_what_torchtitan_would() -> None:
 
 def test_the_torchtitan_record_is_the_installed_torchtitans() -> None:
     """Where torchtitan is installed (the export-check extra): the record the default suite
-    checks against is its config classes (else: python tests/torchtitan_config.py)."""
+    checks against is its config classes (else: python tests/helpers/torchtitan_config.py)."""
     pytest.importorskip("torchtitan.config")
     from helpers.torchtitan_config import record, recorded
 
