@@ -1,8 +1,9 @@
 """Training on real ranks, for the tests that check a pipeline against the unsplit model.
 
 :func:`unsplit_training` is the reference (the whole model, whole batches, plain PyTorch),
-:func:`assert_same_parameters` the comparison, and :func:`run_in_one_group` trains a list of
-jobs on a group of ranks that the session keeps (helpers/rank_pool.py).
+:func:`assert_same_parameters` the comparison, :func:`run_in_one_group` trains a list of jobs
+on a group of ranks that the session keeps (helpers/rank_pool.py), and :func:`data_parallel_plan`
+writes a hand plan run by several replicas.
 """
 
 from __future__ import annotations

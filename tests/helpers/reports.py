@@ -8,6 +8,7 @@ from gpipe_plan.plan_layout import plan_chunks
 from gpipe_plan.runtime.report import headline
 from gpipe_plan.schema import FORMAT_VERSIONS, REPORT_FORMAT
 
+
 def report_doc(plan: dict, factor: float = 1.0, step_times: list[float] | None = None,
                speed_ratio: float | None = None, bubble: float = 0.2) -> dict:
     """What a run of ``plan`` reports if every chunk ran ``factor`` times its prediction."""
