@@ -622,7 +622,7 @@ def render(doc: dict[str, Any], args: argparse.Namespace) -> str:
         "The seed comparison of Randomized PipeDream (arXiv:2606.03498, code vectozavr/randomized-pipedream) "
         "on this package's references: `runtime/async_reference.reference_run` for pipedream and pipedream-2bw, "
         "`localsgd_reference` for LocalSGD and for synchronous SGD (one worker, averaged every step). Those "
-        "compute what a real run computes (tests/test_async_reference.py, tests of the runs at 1e-5), so this "
+        "compute what a real run computes (tests/runtime/test_async_reference.py, tests of the runs at 1e-5), so this "
         "part trains in one process and starts none. Synchronous 1F1B trains mini-batch SGD on the step's mean "
         "gradient whatever K, so its one run serves every S, which changes only its time; so does pipedream-2bw's "
         "(every stage one update stale whatever K: W(t+1) = W(t) - lr grad f(W(t-1)); trained at the most stages, "

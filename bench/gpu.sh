@@ -61,9 +61,9 @@ fi
 if [[ -n "${GPU_CPU_TESTS:-}" ]]; then
     read -r -a TESTS <<< "$GPU_CPU_TESTS"     # e.g. a rerun of the ones that failed
 elif [[ $DRY -eq 1 ]]; then
-    TESTS=(tests/test_torch_compat.py)
+    TESTS=(tests/runtime/test_torch_compat.py)
 else
-    TESTS=(tests/test_torch_compat.py tests/test_precision.py tests/test_runtime.py tests/test_runtime_multiproc.py)
+    TESTS=(tests/runtime/test_torch_compat.py tests/models/test_precision.py tests/runtime/test_runtime.py tests/runtime/test_train.py)
 fi
 step "the runtime's CPU tests under torch $("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null)" 150 \
     "$PYTHON" -m pytest -q -p no:cacheprovider "${TESTS[@]}"

@@ -13,7 +13,7 @@ rank:
   ``solve`` on the calibrated profile, ``run``;
 - the hand-tuned grid: equal layer counts (and, with ``--shifts 1``, the splits one layer either
   side), GPipe, every M dividing the batch (the M the planner also considers), written with
-  ``hand_plan`` (tests/handplan.py) and run by ``gpipe-plan run``.
+  ``hand_plan`` (tests/helpers/handplan.py) and run by ``gpipe-plan run``.
 
 Each round re-profiles and runs every configuration once (the grid in a rotated order); the
 figures are medians over rounds. "Best grid point" is the grid point with the highest median
@@ -35,7 +35,7 @@ from gpipe_plan.planner.costmodel import CostModel
 from gpipe_plan.planner.settings import cost_setting
 from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.profile import Profile
-from tests.handplan import hand_plan  # the hand-written plans are the tests' helper
+from tests.helpers.handplan import hand_plan  # the hand-written plans are the tests' helper
 
 from .common import (COLOURS, RESULTS, Ledger, bars_svg, cli, divisors, git_revision, machine, measured_or_saved,
                      med, publish, read_json, rng, run_plan, table, write_svg)

@@ -3,7 +3,7 @@
     python -m bench runtime            # minutes (docs/benchmarks.md: how long it took)
     python -m bench runtime --quick    # one round, a rough figure
 
-(from the repository root: the hand-written plans are the tests' helper, tests/handplan.py)
+(from the repository root: the hand-written plans are the tests' helper, tests/helpers/handplan.py)
 
 Runs ``gpipe-plan run`` (as a user would: separate processes, gloo) on hand-written plans of a
 compute-heavy, balanced model (:func:`token_mlp`: 8 identical residual MLP blocks over 64
@@ -85,7 +85,7 @@ def write_plan(folder: Path, factory: str, shape: list[int], balance: list[int],
                name: str) -> Path:
     from gpipe_plan.artifacts import write_json_atomic
     from gpipe_plan.models import model_spec
-    from tests.handplan import hand_plan  # the hand-written plans are the tests' helper
+    from tests.helpers.handplan import hand_plan  # the hand-written plans are the tests' helper
 
     spec = model_spec(factory, input_shape=shape, num_classes=10 if factory.endswith("token_mlp") else 8)
     path = folder / name

@@ -31,9 +31,9 @@ def user_module(user_dir: Path) -> Callable[[str], str]:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Stop the session's groups of ranks (tests/rank_pool.py), if any test started one."""
+    """Stop the session's groups of ranks (tests/helpers/rank_pool.py), if any test started one."""
     import sys
 
-    pool = sys.modules.get("rank_pool")
+    pool = sys.modules.get("helpers.rank_pool")
     if pool is not None:
         pool.close_all()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import gpipe_plan.demo as demo
-from planner_helpers import cli
+from helpers.planner import cli
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from gpipe_plan.artifacts import BadInput
 from gpipe_plan.plan_layout import CHUNK_KEYS, plan_chunks
 from gpipe_plan.schema import validate
 
-from plan_docs import chunked_plan
+from helpers.plan_docs import chunked_plan
 
 
 def version_4_plan() -> dict[str, Any]:

@@ -21,7 +21,7 @@ from gpipe_plan.planner.simulator import ChunkTimes, simulate_plan
 from gpipe_plan.schedules import (SCHEDULES, SPLIT_BACKWARD, all_actions, check_actions, chunks_per_stage, problem,
                                   stage_of_chunk)
 
-from planner_helpers import make_figures
+from helpers.planner import make_figures
 
 SHAPES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zb-h1", 1), ("zb-v", 1)]
 

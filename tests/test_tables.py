@@ -24,12 +24,12 @@ from gpipe_plan.profiles.show import render_profile
 from gpipe_plan.runtime.report import print_summary
 from gpipe_plan.schema import FORMAT_VERSIONS, PROFILE_FORMAT
 
-from planner_helpers import profile_doc, table_rows, write_json
-from test_trainer_messages import report_doc
+from helpers.planner import profile_doc, table_rows, write_json
+from helpers.reports import report_doc
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*PuLP 4:DeprecationWarning")
 
-# The module paths Hugging Face models give their layers (tests/test_hf.py cuts them so).
+# The module paths Hugging Face models give their layers (tests/models/test_hf.py cuts them so).
 LLAMA = ["model.embed_tokens", *(f"model.layers.{i}" for i in range(16)), "model.norm", "lm_head"]
 GPT2 = ["transformer.wte", "transformer.wpe", *(f"transformer.h.{i}" for i in range(12)), "transformer.ln_f",
         "lm_head"]

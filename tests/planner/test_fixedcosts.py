@@ -1,0 +1,356 @@
+"""The runtime's fixed costs per action and message (planner/fixedcosts.py), as the planner charges them.
+
+The solvers' exactness with fixed costs is checked against brute force where the solvers are
+(tests/planner/test_solvers.py, tests/planner/test_chunked.py draw them); here: the rule itself,
+against a reference written from docs/planner.md, on every schedule; that more chunks per stage
+pay for their actions; what a plan records and warns; and how the calibrated overhead relates.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from gpipe_plan.cli import main
+from gpipe_plan.planner.costmodel import CostModel, Setting
+from gpipe_plan.planner.export.setting import plan_setting
+from gpipe_plan.plan_view import read_plan
+from gpipe_plan.planner.fixedcosts import FixedCosts, between_actions_s
+from gpipe_plan.planner.objective import evaluate
+from gpipe_plan.planner.profile import Profile
+from gpipe_plan.planner.problem import SolveOptions
+from gpipe_plan.planner.search import search
+from gpipe_plan.schedules import SPLIT_BACKWARD, chunks_per_stage, problem, stage_of_chunk
+
+from hypothesis import given
+
+from helpers.planner import hyp, instances, make_figures, profile_doc
+
+FIXED = FixedCosts(forward_s=1e-4, backward_s=2e-4, backward_input_s=3e-4, backward_weight_s=5e-5,
+                   send_s=7e-4, receive_s=4e-4)
+SHAPES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zb-h1", 1), ("zb-v", 1)]
+
+
+def reference_fixed(schedule: str, K: int, v: int, c: int, overhead: float, f: FixedCosts) -> dict[str, float]:
+    """Chunk c's fixed part per action, straight from docs/planner.md ("Fixed costs"): each kind its
+    own plus the overhead between actions; a message to or from a chunk on another stage costs
+    the sender ``send_s`` and the receiver ``receive_s`` (a zb-v stage's own pair: nothing);
+    chunk 0's I under a split backward computes nothing (its messages and the overhead only)."""
+    C = K * chunks_per_stage(schedule, v)
+    where = [stage_of_chunk(schedule, x, K) for x in range(C)]
+    up = c < C - 1 and where[c + 1] != where[c]       # F sends, B/I receives
+    down = c > 0 and where[c - 1] != where[c]         # F receives, B/I sends
+    backward_messages = f.send_s * down + f.receive_s * up
+    out = {"F": overhead + f.forward_s + f.send_s * up + f.receive_s * down,
+           "B": overhead + f.backward_s + backward_messages,
+           "I": overhead + f.backward_input_s + backward_messages,
+           "W": overhead + f.backward_weight_s}
+    if schedule in SPLIT_BACKWARD and c == 0:
+        out["I"] = overhead + backward_messages
+    return out
+
+
+@pytest.mark.parametrize("schedule,v", SHAPES)
+def test_every_action_pays_its_kind_and_its_messages(schedule: str, v: int) -> None:
+    rng = random.Random(schedule + str(v))
+    for K in (1, 2, 3, 4):
+        C = K * chunks_per_stage(schedule, v)
+        L = C + 3
+        if problem(schedule, K, 4 * K, v):
+            continue
+        fig = make_figures([rng.uniform(1e-3, 3e-3) for _ in range(L)], [rng.uniform(2e-3, 5e-3) for _ in range(L)])
+        overhead = 1e-5
+        cm = CostModel(fig, Setting(stages=K, micro_batches=4 * K, schedule=schedule, virtual_stages=v,
+                                    overhead_s=overhead, fixed_costs=FIXED))
+        bare = CostModel(fig, Setting(stages=K, micro_batches=4 * K, schedule=schedule, virtual_stages=v))
+        bounds = sorted(rng.sample(range(1, L), C - 1))
+        bounds = (0, *bounds, L)
+        for c in range(C):
+            s, e = bounds[c], bounds[c + 1]
+            want = reference_fixed(schedule, K, v, c, overhead, FIXED)
+            got = dict(zip("FBIW", cm.chunk_times(c, s, e, False)))
+            plain = dict(zip("FBIW", bare.chunk_times(c, s, e, False)))
+            for kind in ("F", "I", "W") if schedule in SPLIT_BACKWARD else ("F", "B"):
+                assert got[kind] - plain[kind] == pytest.approx(want[kind], abs=1e-15), (schedule, K, c, kind)
+                assert cm.chunk_fixed(kind, c) == pytest.approx(want[kind], abs=1e-15)
+            if schedule in SPLIT_BACKWARD:
+                assert got["B"] == pytest.approx(got["I"] + got["W"], rel=1e-15)
+            # what the plan shows and the simulator plays is the same figure
+            chunk = cm.chunk(c, s, e, False)
+            assert chunk.forward_s == got["F"] and chunk.backward_s == got["B"]
+
+
+@hyp(250)
+@given(instances(schedule="gpipe", max_layers=9, max_stages=5, fixed=True))
+def test_gpipe_dp_equals_brute_force_whatever_each_stage_pays(instance) -> None:
+    """The DP's greedy probe cuts each stage with its own class's fixed part (the ends exchange
+    fewer messages): always on here, so that every way it hands over to the exact sweep runs."""
+    from gpipe_plan.planner.brute import brute_force
+    from gpipe_plan.planner.gpipe_solver import GPipeSolver
+
+    fig, setting = instance
+    cm = CostModel(fig, setting)
+    best, got = brute_force(cm), GPipeSolver(cm).solve()
+    if best is None:
+        assert got is None
+        return
+    assert got is not None and got.proven and got.evaluation.fits
+    assert got.evaluation.step_s == pytest.approx(best.step_s, rel=1e-9)
+
+
+def test_zb_v_hands_its_own_pair_over_without_a_message() -> None:
+    """The bottom of the V (chunks K-1 and K, both on the last stage) pays no message; the
+    chunks on either side of a cut between stages do."""
+    fig = make_figures([1e-3] * 8, [2e-3] * 8)
+    cm = CostModel(fig, Setting(stages=2, micro_batches=4, schedule="zb-v", fixed_costs=FixedCosts(send_s=1.0)))
+    # chunk: 0 (stage 0) -> 1 (stage 1) -> 2 (stage 1) -> 3 (stage 0)
+    assert [cm.forward_messages[c] for c in range(4)] == [1.0, 0.0, 1.0, 0.0]
+    assert [cm.backward_messages[c] for c in range(4)] == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_more_chunks_per_stage_pay_for_their_actions() -> None:
+    """Interleaving halves the bubble but runs v times the actions: with no fixed costs the
+    planner finds v = 3 faster than 1F1B; with fixed costs of the size the runtime pays on a CPU
+    (docs/benchmarks/fidelity.md) per action and message, 1F1B wins, as it does when both run."""
+    fig = make_figures([1e-4] + [1.6e-3] * 4 + [5e-4], [1.6e-4] + [2.6e-3] * 4 + [7e-4])
+    fixed = FixedCosts(forward_s=3e-4, backward_s=3e-4, send_s=1e-4, receive_s=1e-4)
+
+    def best(schedule: str, v: int, costs: FixedCosts) -> float:
+        from gpipe_plan.planner.brute import brute_force
+
+        return brute_force(CostModel(fig, Setting(stages=2, micro_batches=4, schedule=schedule, virtual_stages=v,
+                                                  fixed_costs=costs))).step_s
+
+    assert best("interleaved", 3, FixedCosts()) < best("1f1b", 1, FixedCosts())
+    assert best("interleaved", 3, fixed) > best("1f1b", 1, fixed)
+    # each F and B of each chunk, and each message, counted once per micro-batch
+    ev = evaluate(CostModel(fig, Setting(stages=2, micro_batches=4, schedule="interleaved", virtual_stages=3,
+                                         fixed_costs=fixed)), (0, 1, 2, 3, 4, 5, 6))
+    bare = evaluate(CostModel(fig, Setting(stages=2, micro_batches=4, schedule="interleaved", virtual_stages=3)),
+                    (0, 1, 2, 3, 4, 5, 6))
+    busy, busy0 = ev.busy_s(4), bare.busy_s(4)
+    # stage 0 runs chunks 0, 2, 4: 3 F and 3 B per micro-batch, 5 sends and 5 receives among them
+    assert busy[0] - busy0[0] == pytest.approx(4 * (3 * 3e-4 + 3 * 3e-4 + 5 * 1e-4 + 5 * 1e-4))
+
+
+def test_the_calibrated_overhead_replaces_the_profiled_one_never_adds() -> None:
+    assert between_actions_s(None, 2e-5, 2) == 2e-5
+    assert between_actions_s(5e-5, 2e-5, 2) == 5e-5       # a run's own measurement wins
+    assert between_actions_s(5e-5, 2e-5, 1) == 5e-5       # profile-time costs: every K
+    assert between_actions_s(5e-5, None, 1) == 0.0        # an older profile: several stages only,
+    assert between_actions_s(5e-5, None, 3) == 5e-5       # as it always was
+    assert between_actions_s(None, None, 3) == 0.0
+
+
+def _profile_with_fixed_costs(tmp_path: Path, fixed: dict | None, calibrated: float | None = None) -> Path:
+    doc = profile_doc(L=6, batch_size=8)
+    if fixed is not None:
+        doc["fixed_costs"] = fixed
+    if calibrated is not None:
+        doc["overhead"] = {"per_microbatch_s": calibrated}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+FIXED_RECORD = {"forward_s": 3e-4, "backward_s": 3e-4, "backward_input_s": 4e-4, "backward_weight_s": 1e-4,
+                "send_s": 1e-4, "receive_s": 2e-4, "between_actions_s": 2e-5}
+
+
+def test_a_plan_records_what_it_charged_and_export_rebuilds_it(tmp_path: Path) -> None:
+    profile = _profile_with_fixed_costs(tmp_path, FIXED_RECORD, calibrated=5e-5)
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(main, ["solve", str(profile), "--stages", "2", "--micro-batches", "4",
+                                       "--schedule", "interleaved", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(out.read_text())
+    charged = plan["options"]["fixed_costs"]
+    assert charged == {k: v for k, v in FIXED_RECORD.items() if k != "between_actions_s"}
+    assert plan["options"]["per_microbatch_overhead_s"] == 5e-5     # the calibrated figure, not 2e-5
+    assert not any("fixed costs" in w for w in plan["warnings"])
+    setting = plan_setting(read_plan(str(out)))
+    assert setting.fixed_costs == FixedCosts.from_record(FIXED_RECORD) and setting.overhead_s == 5e-5
+    # the rebuilt cost model predicts the plan's own step
+    cm = CostModel(Profile(json.loads(profile.read_text())).at(plan["micro_batch_size"]), setting)
+    bounds = [0]
+    for n in plan["balance"]:
+        bounds.append(bounds[-1] + n)
+    recompute = [plan["chunks"][stage["chunks"][0]]["recompute"] for stage in plan["stages"]]
+    assert evaluate(cm, bounds, recompute).step_s == pytest.approx(plan["predicted"]["step_s"], rel=1e-12)
+
+
+def test_a_profile_without_fixed_costs_plans_as_before_and_the_plan_says_so(tmp_path: Path) -> None:
+    profile = _profile_with_fixed_costs(tmp_path, None)
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(main, ["solve", str(profile), "--stages", "2", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(out.read_text())
+    assert plan["options"]["fixed_costs"] is None
+    assert any("measured no fixed costs" in w for w in plan["warnings"])
+
+
+def test_fixed_costs_change_the_choice_the_search_makes() -> None:
+    """The same profile, with and without fixed costs: the search's best interleaved v and its
+    predicted step move the way the actions count says."""
+    doc = profile_doc(L=8, batch_size=8)
+    plain = search(Profile(doc), SolveOptions(stages=2, micro_batches=4, schedule="interleaved", time_budget_s=10))
+    doc["fixed_costs"] = {**FIXED_RECORD, "forward_s": 5e-3, "backward_s": 5e-3}
+    costly = search(Profile(doc), SolveOptions(stages=2, micro_batches=4, schedule="interleaved", time_budget_s=10))
+    assert costly.best.step_s > plain.best.step_s
+    assert costly.best.setting.virtual_stages <= plain.best.setting.virtual_stages
+    assert costly.best.setting.virtual_stages == 2          # the fewest chunks interleaving allows
+    assert math.isfinite(costly.best.step_s)
+
+
+# --------------------------------------------------------------------------- calibration
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
+def test_calibrate_scales_the_layers_by_what_is_left_of_both_times(tmp_path: Path, schedule: str) -> None:
+    """A plan's chunk times include every fixed cost it charged; a run's spans include the kind's
+    own and the sends, not the receives or the time between actions. A run whose layers took
+    ``factor`` times their profiled time is calibrated to exactly that factor: the fixed costs
+    are taken off both sides, never rescaled as if they were layers."""
+    from gpipe_plan.planner.command import solve_file
+    from gpipe_plan.plan_layout import plan_chunks
+    from gpipe_plan.profiles.overhead import fixed_in_times
+
+    from helpers.calibration import profile_doc as calibrate_profile, report_doc
+
+    doc = calibrate_profile()
+    doc["fixed_costs"] = {"forward_s": 1e-3, "backward_s": 2e-3, "backward_input_s": 1.5e-3, "backward_weight_s": 5e-4,
+                          "send_s": 5e-4, "receive_s": 3e-4, "between_actions_s": 1e-4}
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(doc))
+    plan = solve_file(str(profile), str(tmp_path / "plan.json"), stages=2, micro_batches=4, schedule=schedule)
+    factors = [1.3, 0.8]
+    report = report_doc(plan, [1.0, 1.0], [1.0, 1.0], None)
+    report.update(schedule=schedule, num_stages=2, micro_batches=4)
+    fixed = fixed_in_times(doc, report)
+    for chunk, stage, factor in zip(plan_chunks(plan, "plan"), report["stages"], factors):
+        for kind in ("forward", "backward"):
+            in_prediction, in_span = fixed.of(chunk["index"], kind)
+            layers = chunk[f"{kind}_s"] - in_prediction
+            assert layers > 0
+            stage[f"measured_{kind}_s"] = layers * factor + in_span
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    result = CliRunner().invoke(main, ["calibrate", str(tmp_path / "report.json"), "--profile", str(profile)])
+    assert result.exit_code == 0, result.output
+    rounds = json.loads((tmp_path / "profile.calibrated.json").read_text())["calibration"][-1]["chunks"]
+    assert [c["forward_scale"] for c in rounds] == pytest.approx(factors)
+    assert [c["backward_scale"] for c in rounds] == pytest.approx(factors)
+    # the sends are in the span (the sender's chunk), the receives are not
+    assert fixed.of(0, "forward")[1] == pytest.approx(1e-3 + 5e-4)
+    assert fixed.of(1, "forward") == pytest.approx((1e-4 + 1e-3 + 3e-4, 1e-3))
+
+
+# --------------------------------------------------------------------------- the measurement's fit
+def _synthetic_runs(doc: dict, truth: FixedCosts, between: float, jitter: float = 0.0):
+    """What the probe would record if the runtime cost exactly ``truth`` beyond the profile's layers:
+    each action's span its layers' time plus its kind's cost and its sends, the step the planner's
+    own simulation with every figure (profiles/fixedcosts.py's model of the probe)."""
+    from gpipe_plan.profiles.fixedcosts import KINDS, MEASURED_STEPS, ProbeRun, _ProbeModel, probes, window
+
+    rng = random.Random(0)
+    first, end = window(doc, 1)
+    runs = []
+    for probe in probes(end - first):
+        model = _ProbeModel(doc, (first, end), 1, probe)
+        step = model.step_s(truth, between)
+        spans: list[list] = [[], []]
+        for step_index in range(MEASURED_STEPS):
+            clocks = [0.0, 0.0]                   # each rank's, its spans one after the other
+            for c in range(probe.chunks):
+                rank = model.bare.stage_of_chunk[c]
+                for kind in KINDS:
+                    if (kind in ("backward_input", "backward_weight")) != model.bare.split:
+                        continue
+                    own = {"forward": truth.forward_s, "backward": truth.backward_s,
+                           "backward_input": truth.backward_input_s, "backward_weight": truth.backward_weight_s}[kind]
+                    if kind == "backward_input" and c == 0:
+                        own = 0.0
+                    duration = model.layers_s(kind, c) + own + truth.send_s * model.sends(kind, c)
+                    duration *= 1 + rng.uniform(-jitter, jitter)
+                    start = clocks[rank]
+                    spans[rank].append((step_index, kind, c, start, start + duration))
+                    clocks[rank] = start + duration + between
+        runs.append(ProbeRun(probe, [[step] * MEASURED_STEPS, [step * 0.99] * MEASURED_STEPS], spans))
+    return (first, end), runs
+
+
+def test_the_fit_recovers_the_costs_that_made_the_runs() -> None:
+    """Spans and steps made from known fixed costs (on a profile's own layers and cuts): the fit
+    gives them back, and predicts each run's step as measured."""
+    from gpipe_plan.profiles.fixedcosts import fit_fixed_costs
+
+    doc = profile_doc(L=6, batch_size=4)
+    truth = FixedCosts(forward_s=3e-4, backward_s=4e-4, backward_input_s=2.5e-4, backward_weight_s=1e-4,
+                       send_s=1.5e-4, receive_s=2e-4)
+    layers, runs = _synthetic_runs(doc, truth, between=2e-5)
+    fit = fit_fixed_costs(doc, layers, 1, runs)
+    for key in ("forward_s", "backward_s", "backward_input_s", "backward_weight_s", "send_s"):
+        assert fit[key] == pytest.approx(getattr(truth, key), rel=1e-6, abs=1e-9), key
+    assert fit["receive_s"] == pytest.approx(2e-4, rel=0.02)
+    assert fit["between_actions_s"] == pytest.approx(2e-5, rel=1e-6)
+    assert {(c["schedule"], c["virtual_stages"]) for c in fit["configurations"]} == {
+        ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("zb-v", 1), ("interleaved", 3)}
+    for c in fit["configurations"]:
+        assert c["measured_step_s"] == pytest.approx(c["predicted_step_s"], rel=0.02)
+    assert all(v == pytest.approx(0.0, abs=1e-9) for v in fit["spread"].values())    # every step alike
+
+
+def test_the_fit_never_goes_below_zero_and_says_how_much_it_spreads() -> None:
+    """A kind the runtime costs nothing for is 0, not a negative figure; noisy spans give a spread."""
+    from gpipe_plan.profiles.fixedcosts import fit_fixed_costs
+
+    doc = profile_doc(L=6, batch_size=4)
+    truth = FixedCosts(forward_s=0.0, backward_s=5e-4, send_s=0.0, receive_s=0.0)
+    layers, runs = _synthetic_runs(doc, truth, between=0.0, jitter=0.05)
+    fit = fit_fixed_costs(doc, layers, 1, runs)
+    assert all(fit[key] >= 0 for key in ("forward_s", "backward_s", "backward_input_s", "backward_weight_s",
+                                        "send_s", "receive_s"))
+    assert fit["backward_s"] == pytest.approx(5e-4, rel=0.5)
+    assert fit["spread"]["forward_s"] > 0 or fit["spread"]["backward_s"] > 0
+
+
+# --------------------------------------------------------------------------- profile, for real
+TINY = ["gpt", "--layers", "2", "--width", "16", "--heads", "2", "--seq-len", "8", "--micro-batch-sizes", "1,2",
+        "--repeats", "2", "--warmup", "1", "--contention-processes", "0", "--no-recompute-timing"]
+
+
+def test_profile_measures_the_fixed_costs_with_a_real_pipeline(tmp_path: Path) -> None:
+    """Two processes, the native executor on gloo, the model's own 4 layers at every chunk count
+    they allow (2 and 4: interleaved v=3 needs 6); a plan made from it charges what it measured."""
+    out = tmp_path / "p.json"
+    result = CliRunner().invoke(main, ["profile", *TINY, "--out", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    fixed = json.loads(out.read_text())["fixed_costs"]
+    assert (fixed["executor"], fixed["backend"], fixed["processes"]) == ("native", "gloo", 2)
+    assert fixed["layers"] == ["embed", "block0", "block1", "head"] and fixed["micro_batch_size"] == 2
+    for key in ("forward_s", "backward_s", "backward_input_s", "backward_weight_s", "send_s", "receive_s",
+                "between_actions_s"):
+        assert 0.0 <= fixed[key] < 0.05, (key, fixed[key])
+        assert fixed["spread"][key] >= 0.0
+    assert [(c["schedule"], c["chunks"]) for c in fixed["configurations"]] == [
+        ("1f1b", 2), ("zb-h1", 2), ("interleaved", 4), ("zb-v", 4)]
+    assert all(c["measured_step_s"] > 0 and c["predicted_step_s"] > 0 for c in fixed["configurations"])
+    assert 0 < fixed["seconds"] < 300
+    plan = tmp_path / "plan.json"
+    assert CliRunner().invoke(main, ["solve", str(out), "-k", "2", "--out", str(plan), "-q"]).exit_code == 0
+    charged = json.loads(plan.read_text())["options"]
+    assert charged["fixed_costs"]["send_s"] == fixed["send_s"]
+    assert charged["per_microbatch_overhead_s"] == fixed["between_actions_s"]
+
+
+def test_no_fixed_costs_leaves_them_out_and_the_plan_says_so(tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    result = CliRunner().invoke(main, ["profile", *TINY, "--no-fixed-costs", "--out", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert "fixed_costs" not in doc and doc["version"] == 9
+    plan = tmp_path / "plan.json"
+    assert CliRunner().invoke(main, ["solve", str(out), "-k", "2", "--out", str(plan), "-q"]).exit_code == 0
+    assert any("measured no fixed costs" in w for w in json.loads(plan.read_text())["warnings"])
