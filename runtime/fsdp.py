@@ -85,7 +85,7 @@ class FsdpSync:
         # FSDP2 warns when a module returns a view (a chunk ending in a reshape), because an
         # in-place op on it would skip its pre-backward hook. The executors never change a
         # chunk's outputs in place (they send them, or hand them to the next chunk as inputs),
-        # and tests/test_fsdp.py checks the gradients: the warning would only alarm every run.
+        # and tests/runtime/test_fsdp.py checks the gradients: the warning would only alarm every run.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor",
                                 category=UserWarning)
         self.units = []

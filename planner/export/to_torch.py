@@ -24,7 +24,7 @@ starts from, its data and its loss, all from the plan's model spec; so the scrip
 ``run`` does, first loss and all. Writing them out instead would make a second home for the
 cut, the per-layer initialisation and the data. The script's docstring says so, and which of
 the user's modules the spec imports through them; without gpipe-plan it stops at once in one
-line; replace the three and it needs torch alone (tests/test_export_targets.py runs both ways).
+line; replace the three and it needs torch alone (tests/planner/export/test_export_targets.py runs both ways).
 """
 
 from __future__ import annotations
