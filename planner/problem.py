@@ -29,6 +29,10 @@ from .settings import MAX_MICRO_BATCHES, ReplicaSync, micro_batch_counts, pipeli
 
 @dataclass(frozen=True)
 class SolveOptions:
+    """The user's request, parsed (planner/request.py ``SolveRequest.solve_options``): what solve
+    was asked, read by every step and recorded in the plan's ``options``, never rewritten;
+    :func:`device_memory_limit` only fills in the memory limit the user left to the device."""
+
     stages: int | None = None     # pipeline stages K; None: any K with K * d = devices
     global_batch_size: int | None = None   # samples per step over all replicas
     micro_batches: int | str = "auto"

@@ -26,6 +26,7 @@ from gpipe_plan.runtime.plan import load_plan
 from gpipe_plan.runtime.stage import build_chunk
 from gpipe_plan.runtime.trace import chrome_trace
 from gpipe_plan.runtime.timing import Span
+from gpipe_plan.tensor_memory import SavedTensors
 
 from helpers.handplan import hand_plan
 from helpers.planner import make_figures
@@ -346,3 +347,26 @@ def test_demo_draws_the_predicted_timeline() -> None:
     # Stage 1 starts one forward late; stage 0 waits for stage 1's backwards: the bubble.
     assert first == "stage 0 |F0F1......B0==B1==|"
     assert second == "stage 1 |..F0F1B0==B1==....|"
+
+
+def test_the_run_counts_saved_bytes_as_the_profile_does():
+    """One meter for the profile and the run (gpipe_plan/tensor_memory.py): a buffer autograd
+    saves is the module's, held whatever the micro-batch, not an activation; nor is a weight."""
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+            self.register_buffer("scale", torch.full((8,), 2.0))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x) * self.scale   # mul saves the buffer for its backward
+
+    module = Scaled()
+    x = torch.randn(4, 8, requires_grad=True)
+    meter = ActivationMeter.for_module(module)
+    with meter.forward((0, 0)):
+        module(x)
+    profiled = SavedTensors(exclude=[*module.parameters(), *module.buffers()])
+    with profiled.recording():
+        module(x)
+    assert meter.peak_bytes == profiled.nbytes == x.numel() * x.element_size()   # the input alone
