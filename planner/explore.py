@@ -298,17 +298,18 @@ def _solve_point(grid: _Grid, shape: _Shape, M: int, size: int, schedule: str, r
     seeds = [gpipe_partition] if gpipe_partition else []
     sol, fits, v = None, True, 1
     for limit in ([grid.memory_limit_bytes, None] if grid.memory_limit_bytes else [None]):
-        if schedule in ("gpipe", "1f1b") or schedule in ASYNC_SCHEDULES:
-            if schedule not in ASYNC_SCHEDULES or not problem(schedule, K, M):
-                cm = CostModel(profile.at(size), grid.setting(shape, M, schedule, recompute, limit))
-                # 1F1B's tables depend on the layer times and links: shared only alike.
+        if schedule in ("gpipe", "1f1b") or (schedule in ASYNC_SCHEDULES and not problem(schedule, K, M)):
+            cm = CostModel(profile.at(size), grid.setting(shape, M, schedule, recompute, limit))
+            suffix_tables = None
+            if schedule == "1f1b":
+                # Its tables depend on the layer times and links: shared only alike.
                 st = cm.setting
                 key = (M, size, recompute, limit, st.compute_scale, st.link_bandwidth_bytes_per_s,
                        st.link_latency_s, st.data_parallel, st.sync_bandwidth_bytes_per_s,
                        st.sync_latency_s, st.gradient_sync, st.sync_every, st.overhead_s, st.fixed_costs)
-                sol = solve_cost_model(cm, "exact", budget_s, seeds,
-                                       suffix_tables=tables.setdefault(key, {}) if schedule == "1f1b" else None)
-        else:
+                suffix_tables = tables.setdefault(key, {})
+            sol = solve_cost_model(cm, "exact", budget_s, seeds, suffix_tables=suffix_tables)
+        elif schedule not in ASYNC_SCHEDULES:
             sol, v = _chunked(profile.at(size), K, M, schedule, profile.num_layers, budget_s,
                               lambda vs: grid.setting(shape, M, schedule, recompute, limit, vs), seeds)
         if sol is not None:

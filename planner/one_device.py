@@ -1,9 +1,7 @@
-"""The one-device plan every solve is compared with: what a pipeline must beat.
+"""The one-device plan every solve is compared with: what a pipeline must beat (:class:`OneStage`).
 
-A pipeline pays for its stages with a bubble, sends and, on one host, neighbours that slow
-each other down; for a small or unbalanced model one device is as fast. So every solve also
-solves the same global batch on one stage of one device, at that device's own best M, and the
-plan records the comparison (planner/plan.py).
+Every solve also solves the same global batch on one stage of one device, at that device's own
+best M, and the plan records the comparison (planner/plan.py).
 """
 
 from __future__ import annotations

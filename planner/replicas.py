@@ -352,7 +352,7 @@ def _keep_best(entry: Factorisation, searched: list[tuple[tuple[int, int], Place
     entry.lower_bound_s, entry.bound_by = weakest.lower_bound_s, weakest.bound_by
 
 
-def _replica_problem(profile: Profile, options: SolveOptions, batch: int, K: int, d: int, placement: Placement,
+def _replica_problem(options: SolveOptions, batch: int, K: int, d: int, placement: Placement,
                      time_budget_s: float) -> PipelineProblem:
     """The search of one replica's pipeline: K stages on the global batch / d, the placement's
     pipeline link, each stage's gradient sync over the d replicas as the placement gives it."""
@@ -382,7 +382,7 @@ def search_devices(profile: Profile, options: SolveOptions, progress: Progress |
     # Best first, by GPipe's cheap first pass, so that the placements searched later stop as soon
     # as they are proven unable to beat the best plan found (the cutoff below).
     if len(jobs) > 1:
-        first = [first_pass_step(profile, _replica_problem(profile, options, batch, K, d, p, options.time_budget_s))
+        first = [first_pass_step(profile, _replica_problem(options, batch, K, d, p, options.time_budget_s))
                  for K, d, p in jobs]
         jobs = [job for _, _, job in sorted(zip(first, range(len(jobs)), jobs), key=lambda item: item[:2])]
     result = DevicesResult(options, batch, devices, topology)
@@ -397,7 +397,7 @@ def search_devices(profile: Profile, options: SolveOptions, progress: Progress |
     for K, d, placement in jobs:
         share = share_of_budget(options.time_budget_s, started, len(jobs) - done, least_s=LEAST_PLACEMENT_S)
         work_share = max(LEAST_PLACEMENT_S, (options.time_budget_s - work_spent) / (len(jobs) - done))
-        replica = _replica_problem(profile, options, batch, K, d, placement, share)
+        replica = _replica_problem(options, batch, K, d, placement, share)
         label = f"{K}x{d} {placement.order}"
 
         def inner(i: int, n: int, what: str, label: str = label) -> None:

@@ -8,9 +8,9 @@ so we measure each part directly:
 
 - parameters, gradients, optimizer state and buffers: the bytes of those very tensors;
 - activations: the bytes autograd saves for backward, counted by the profiler's own meter
-  (gpipe_plan/tensor_memory.py, ``SavedTensors``: parameters and buffers excluded), summed over the (chunk, micro-batch) pairs whose
-  backward has not finished yet (under a split backward, until the weight half W: the graph
-  I leaves behind holds them), at its largest. A chunk that recomputes keeps only its inputs
+  (gpipe_plan/tensor_memory.py, ``SavedTensors``: parameters and buffers excluded), summed
+  over the (chunk, micro-batch) pairs whose backward has not finished yet (under a split
+  backward, until the weight half W: the graph I leaves behind holds them), at its largest. A chunk that recomputes keeps only its inputs
   per micro-batch, plus one micro-batch's activations while it recomputes; we measure that
   one once.
 
