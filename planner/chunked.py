@@ -54,7 +54,7 @@ from typing import Iterable, Sequence
 from ..schedules import all_actions
 from .budgets import SOLVER_TIME_BUDGET_S, WORK_PER_SECOND
 from .costmodel import CostModel
-from .objective import Incumbent, Solution
+from .objective import Incumbent, Solution, evaluate
 
 INF = math.inf
 _KIND = {"F": 0, "B": 1, "I": 1, "W": 2}    # forward, the backward the previous chunk waits for, W
@@ -322,8 +322,6 @@ class ChunkedSolver:
                 out_of_time = True
                 open_bound = min(open_bound, self.bound(cuts, recompute))
                 return
-            k = self.stage_of[j]
-            completes = self.last_chunk_of[k] == j
             ends = [L] if j == C - 1 else range(s + 1, L - (C - 1 - j) + 1)
             children = []
             for e in ends:
@@ -333,14 +331,10 @@ class ChunkedSolver:
                     out_of_time = True
                     open_bound = min(open_bound, self.bound(cuts, recompute))
                     break
-                child_cuts = cuts + [e]
-                child_recompute = recompute
-                if completes:
-                    r = cm.choose_stage_recompute(k, cm.spans(child_cuts, k))
-                    if r is None:
-                        continue
-                    child_recompute = recompute.copy()
-                    child_recompute[k] = r
+                child = self._child(cuts, recompute, e)
+                if child is None:
+                    continue
+                child_cuts, child_recompute = child
                 b = self.bound(child_cuts, child_recompute)
                 if b < incumbent():
                     children.append((b, e, child_cuts, child_recompute))
@@ -358,6 +352,13 @@ class ChunkedSolver:
 
         if global_bound < incumbent():
             dfs([0], [None] * K)
+        if found.best is None and (self.cutoff_s < INF or out_of_time):
+            # Nothing found, but not because nothing fits: the cutoff pruned every branch, or the
+            # budget ended the search first. A setting with no plan reads as one that does not
+            # fit (a runner-up "does not fit in memory"), so find any cut that fits.
+            fitting = self._first_fit()
+            if fitting is not None:
+                consider(fitting)
         if found.best is None:
             return None
         lower = found.lower_bound(global_bound, open_bound)
@@ -365,6 +366,54 @@ class ChunkedSolver:
                         f"{cm.schedule} event simulation; per-stage lower bounds + branch and bound over the chunk cuts",
                         {"simulations": self.simulations, "nodes": self.nodes, "work": round(self.work_done),
                          "seconds": round(time.perf_counter() - started, 3)})
+
+    def _first_fit(self) -> tuple[int, ...] | None:
+        """A cut that fits in memory, whatever its step (None: none found within a budget of its own).
+
+        Depth first, each node's children in the order of their bound, so that the first cut
+        that fits is a good one; a stage's memory is checked as its last chunk is cut (as the
+        search does), and a cut of every chunk is evaluated. Its work is counted against a
+        budget of its own, the setting's work budget again, so a solve that ends here still
+        ends, at most twice its budget, and the same way on every run."""
+        cm, L, C = self.cm, self.L, self.C
+        budget = self.work_done + self.work_budget
+
+        def dfs(cuts: list[int], recompute: list[bool | None]) -> tuple[int, ...] | None:
+            j = len(cuts) - 1
+            children = []
+            for e in ([L] if j == C - 1 else range(cuts[-1] + 1, L - (C - 1 - j) + 1)):
+                if self.work_done >= budget:
+                    return None
+                child = self._child(cuts, recompute, e)
+                if child is not None:
+                    children.append((self.bound(*child), e, *child))
+            for _, _, child_cuts, child_recompute in sorted(children, key=lambda item: item[:2]):
+                if j == C - 1:
+                    self.work_done += self.simulation_work
+                    if evaluate(cm, child_cuts).fits:
+                        return tuple(child_cuts)
+                    continue
+                fitting = dfs(child_cuts, child_recompute)
+                if fitting is not None or self.work_done >= budget:
+                    return fitting
+            return None
+
+        return dfs([0], [None] * self.K)
+
+    def _child(self, cuts: list[int], recompute: list[bool | None], e: int) -> tuple[list[int], list[bool | None]] | None:
+        """The next chunk cut to end at layer ``e``, and the recomputation per stage: chosen
+        once the cut completes a stage (its last chunk), None when that stage fits in no way."""
+        child_cuts = cuts + [e]
+        j = len(cuts) - 1
+        k = self.stage_of[j]
+        if self.last_chunk_of[k] != j:
+            return child_cuts, recompute
+        r = self.cm.choose_stage_recompute(k, self.cm.spans(child_cuts, k))
+        if r is None:
+            return None
+        child_recompute = recompute.copy()
+        child_recompute[k] = r
+        return child_cuts, child_recompute
 
     def _heuristic_seeds(self) -> list[tuple[int, ...]]:
         """First incumbents: chunks of equal work, and of equal layer counts."""

@@ -31,7 +31,8 @@ from helpers.planner import profile_doc
 from helpers.user_models import SKIP_NET
 
 # The fixed-cost probe (a 2-process pipeline, seconds) has its own tests (tests/planner/test_fixedcosts.py).
-FAST = ["--warmup", "0", "--repeats", "1", "--no-fixed-costs"]
+# (contention, about 7 s of 2 processes by design, has its own tests: tests/profiles/test_contention.py)
+FAST = ["--warmup", "0", "--repeats", "1", "--no-fixed-costs", "--contention-processes", "0"]
 
 
 def profile(spec: dict, sizes: list[int], device: str = "cpu") -> dict:
