@@ -131,10 +131,15 @@ def test_run_refuses_a_precision_other_than_the_plans(tmp_path: Path, monkeypatc
 
 
 # --------------------------------------------------------------------------- training
-def _train(tmp_path: Path, name: str, balance: list[int], precision: str, steps: int, executor: str = "native",
-           lr: str = "3e-3") -> dict[str, Any]:
+def _write_plan(tmp_path: Path, name: str, balance: list[int], precision: str) -> None:
+    """The plan every training run of this file trains: TINY, 2 micro-batches of 4."""
     write_json_atomic(tmp_path / f"{name}.json",
                       hand_plan(TINY, balance, micro_batches=2, micro_batch_size=4, precision=precision))
+
+
+def _train(tmp_path: Path, name: str, balance: list[int], precision: str, steps: int, executor: str = "native",
+           lr: str = "3e-3") -> dict[str, Any]:
+    _write_plan(tmp_path, name, balance, precision)
     result = gpipe_plan("run", f"{name}.json", "--steps", str(steps), "--lr", lr, "--data", "text.txt",
                         "--executor", executor, "--save", f"{name}.pt", "--report", f"{name}-report.json", "-q",
                         cwd=tmp_path)
@@ -170,8 +175,7 @@ def test_bf16_pipeline_learns_and_matches_one_stage(tmp_path: Path) -> None:
     # the session's two ranks (the runs above came in by the command line).
     jobs = []
     for name, precision, executor in (("k2-fp32", "fp32", "native"), ("k2-torch", "bf16", "torch")):
-        write_json_atomic(tmp_path / f"{name}.json",
-                          hand_plan(TINY, [2, 2], micro_batches=2, micro_batch_size=4, precision=precision))
+        _write_plan(tmp_path, name, [2, 2], precision)
         jobs.append({"plan": f"{name}.json", "steps": 30, "lr": 3e-3, "data": "text.txt", "executor": executor,
                      "save": f"{name}.pt", "report": f"{name}-report.json", "quiet": True})
     outcome = run_in_one_group(jobs, tmp_path)
