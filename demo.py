@@ -22,13 +22,16 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
 from .artifacts import BadInput
 from .runtime.options import RunOptions, check_options
 from .schema import write_artifact
+
+if TYPE_CHECKING:
+    from .plan_view import PlanView
 
 GLOBAL_BATCH = 32
 MICRO_BATCH_SIZES = [1, 2, 4, 8, 16, 32]
@@ -157,14 +160,16 @@ def loss_line(report_path: Path) -> str:
 
 def _show_plan(console: Console, plan_path: Path, plan: dict[str, Any]) -> None:
     from .artifacts import write_text_atomic
+    from .plan_view import view_of
     from .planner.render import plan_timeline_svg, render_plan
 
-    render_plan(plan, console)
-    console.print(text_timeline(plan), highlight=False)
-    write_text_atomic(plan_path.with_suffix(".svg"), plan_timeline_svg(plan))
+    view = view_of(plan)
+    render_plan(view, console)
+    console.print(text_timeline(view), highlight=False)
+    write_text_atomic(plan_path.with_suffix(".svg"), plan_timeline_svg(view))
 
 
-def text_timeline(plan: dict[str, Any], width: int = 72) -> str:
+def text_timeline(view: PlanView, width: int = 72) -> str:
     """The plan's predicted step, one row of characters per stage.
 
     ``F3==`` is the forward of micro-batch 3, ``B3====`` its backward (``I3`` and ``W3`` its
@@ -173,10 +178,10 @@ def text_timeline(plan: dict[str, Any], width: int = 72) -> str:
     """
     from .planner.render import plan_timeline
 
-    timeline = plan_timeline(plan)
+    timeline = plan_timeline(view)
     span = timeline.step_s or 1.0
     rows = []
-    for k in range(len(plan["stages"])):
+    for k in range(view.num_stages):
         cells = ["."] * width
         for event in timeline.events:
             if event.stage != k or event.kind == "send":

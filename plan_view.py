@@ -9,7 +9,8 @@ code reads (``schema.read_artifact``), each key checked on its own (``schema.val
 they fit together and every older version's shape settled once (``gpipe_plan.plan_layout``:
 a plan of format 4 and before, whose stages each held one run of layers, reads as one chunk
 per stage), and what comes out is one :class:`PlanView`, the same for all of them, so none
-adapts a version or re-checks a key. A hand-edited or truncated plan is refused here, in one
+adapts a version or re-checks a key (``solve`` sees the plan it has just made the same way,
+through :func:`view_of`). A hand-edited or truncated plan is refused here, in one
 line that names the key, before any process starts; checks that need the model (do the layer
 names match it?) happen on each rank, in ``runtime/stage.py``.
 
@@ -52,6 +53,8 @@ class ChunkPlan:
     backward_s: float | None         # the whole backward B (with recomputation); I + W when split
     backward_input_s: float | None   # I: the gradient of the chunk's input
     backward_weight_s: float | None  # W: the gradient of the chunk's weights
+    recompute_s: float | None        # the forward again before the backward, when it recomputes
+    send_s: float | None             # sending its output on to the next chunk's stage
     output_shapes: tuple[tuple[int, ...], ...] | None   # per sample; None: derive by running
     output_dtypes: tuple[str, ...] | None
     # Per output: True (the default) when it is made per sample, its shape above without the
@@ -72,15 +75,104 @@ class StagePlan:
     idle_fraction: float | None
     in_flight: int | None = None     # most micro-batches whose activations it holds at once
     gradient_sync_s: float | None = None   # predicted time per step of its replicas' gradient sync (format 6)
+    busy_s: float | None = None      # predicted time per step it computes
+    optimizer_s: float | None = None  # predicted time of its optimizer step
+    # An asynchronous schedule's (format 8): the updates its gradients lag the weights they are
+    # applied to, and the weight versions it stashes; a synchronous one's are 0 and 1.
+    staleness_updates: int = 0
+    weight_versions: int = 1
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the planner predicted for the whole step (``predicted``; None: not recorded)."""
+
+    step_s: float | None = None
+    bubble_fraction: float | None = None
+    samples_per_s: float | None = None
+    peak_memory_bytes: float | None = None
+    gradient_sync_s: float | None = None     # what the gradient syncs add to the step (format 6)
+    # The best plan of the same batch on one device (format 4); compared: the plan records it.
+    one_stage_compared: bool = False
+    one_stage_fits: bool | None = None
+    one_stage_step_s: float | None = None
+    one_stage_peak_memory_bytes: float | None = None
+    speedup_over_one_stage: float | None = None
+    # How far chance alone may move a run from step_s, and from what (planner/plan.py).
+    noise_fraction: float | None = None
+    noise_sources: dict[str, float] | None = None
+    # An asynchronous schedule's (format 8): step_s is M periods of the steady state, plus the
+    # fill and drain paid once per run.
+    steady_state_period_s: float | None = None
+    fill_drain_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Optimality:
+    """Whether the search proved the plan the fastest (``optimality``), and how."""
+
+    proven: bool
+    method: str | None
+    settings_searched: int | None
+    gap: float | None                # to the proven lower bound, when not proven
+
+
+@dataclass(frozen=True)
+class RunnerUp:
+    """A setting (M, schedule) of the chosen stages and replicas that ``solve`` tried and
+    found slower (``runners_up``)."""
+
+    micro_batches: int
+    micro_batch_size: int
+    schedule: str
+    virtual_stages: int
+    fits: bool
+    step_s: float | None
+    bubble_fraction: float | None
+    peak_memory_bytes: float | None
+    balance: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Factorisation:
+    """One (stages, replicas) pair ``solve --devices`` searched (``factorisations``)."""
+
+    stages: int
+    data_parallel: int
+    order: str | None
+    fits: bool
+    step_s: float | None
+    samples_per_s: float | None
+    reason: str | None               # why it lost, or cannot run
+
+
+@dataclass(frozen=True)
+class Charged:
+    """What the solver charged that a reader needs again (``options`` and ``placement``):
+    to print the plan (``show``) and to rebuild its cost model (``export``)."""
+
+    memory_limit_bytes: float | None = None
+    memory_limit_source: str | None = None   # "device" | "host" | None (the user's)
+    global_batch_size_source: str | None = None
+    recompute: str = "auto"
+    compute_scale: float = 1.0       # layer times x this: neighbours computing side by side
+    concurrent_ranks: float | None = None    # the ranks the host ran at once (None: a core each)
+    per_microbatch_overhead_s: float = 0.0
+    fixed_costs: dict[str, Any] | None = None   # planner/fixedcosts.py's record
+    # The pipeline's sends (None bandwidth: a free link): the placement's (format 6), else the link.
+    pipeline_bandwidth_bytes_per_s: float | None = None
+    pipeline_latency_s: float = 0.0
+    # The replicas' gradient syncs (format 6).
+    sync_bandwidth_bytes_per_s: float | None = None
+    sync_latency_s: float = 0.0
 
 
 @dataclass(frozen=True)
 class PlanView:
     """A plan file as every reader sees it (:func:`read_plan`)."""
 
-    path: str
+    path: str                        # the file read ("" for the plan solve has just made)
     sha256: str
-    doc: dict[str, Any]
     model: dict[str, Any]
     chunks: tuple[ChunkPlan, ...]
     stages: tuple[StagePlan, ...]
@@ -89,9 +181,7 @@ class PlanView:
     global_batch_size: int
     schedule: str
     virtual_stages: int              # chunks per stage: v for interleaved, 2 for zb-v, else 1
-    predicted_step_s: float | None
-    predicted_bubble_fraction: float | None
-    predicted_samples_per_s: float | None
+    predicted: Prediction
     profile_device: dict[str, Any]
     optimizer: str | None            # the optimizer the plan's memory model counted
     precision: str = "fp32"          # the compute dtype the profile measured (artifacts.PRECISIONS)
@@ -105,6 +195,33 @@ class PlanView:
     devices_per_node: int | None = None   # the placement's, when the plan says (format 6)
     placement_order: str = "pipeline-inner"    # how the plan laid ranks out (plan_layout.PLACEMENT_ORDERS)
     nodes: int = 1                   # machines the placement spreads the ranks over
+    placement_reason: str | None = None
+    # The profile the plan was made from, where the plan records it.
+    profile_path: str | None = None
+    profile_sha256: str | None = None
+    charged: Charged = Charged()
+    updates_per_step: int = 1        # each stage's updates a step (asynchronous schedules: format 8)
+    optimality: Optimality | None = None
+    runners_up: tuple[RunnerUp, ...] = ()
+    factorisations: tuple[Factorisation, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def predicted_step_s(self) -> float | None:
+        return self.predicted.step_s
+
+    @property
+    def predicted_bubble_fraction(self) -> float | None:
+        return self.predicted.bubble_fraction
+
+    @property
+    def predicted_samples_per_s(self) -> float | None:
+        return self.predicted.samples_per_s
+
+    @property
+    def model_name(self) -> str:
+        """The model's name as printed: its name, else its factory."""
+        return self.model.get("name") or self.model.get("factory") or "model"
 
     @property
     def num_stages(self) -> int:
@@ -176,12 +293,18 @@ def read_plan(path: str | os.PathLike[str], what: str = "plan") -> PlanView:
     """Read and check a plan file; raise :class:`BadInput` naming the first problem.
 
     ``what``: the schema's kind to check it as: "plan" (what run and export need), or "solved
-    plan" (what show renders: the planner's predictions too). Each key on its own is the
-    schema's to check (gpipe_plan/schema.py), how the keys fit together plan_layout's; what is
-    left here is to turn the document into plain attributes.
+    plan" (what show renders: the planner's predictions too).
     """
-    where = f"plan '{path}'"
-    doc = read_artifact(path, PLAN_FORMAT)
+    return view_of(read_artifact(path, PLAN_FORMAT), what, f"plan '{path}'", os.fspath(path), file_sha256(path))
+
+
+def view_of(doc: dict[str, Any], what: str = "solved plan", where: str = "plan", path: str = "",
+            sha256: str = "") -> PlanView:
+    """Check a plan document and see it as a :class:`PlanView`: a file :func:`read_plan` has
+    read, or the plan ``solve`` has just made (``path`` and ``sha256``: the file's, where it is
+    one). Each key on its own is the schema's to check (gpipe_plan/schema.py), how the keys fit
+    together plan_layout's; what is left here is to turn the document into plain attributes.
+    """
     validate(doc, what, where)
     precision, param_dtype = precision_of(doc, where)
     # Each of the d replicas runs M micro-batches of b samples (together the global batch), on
@@ -193,12 +316,11 @@ def read_plan(path: str | os.PathLike[str], what: str = "plan") -> PlanView:
     entries = doc.get("chunks") or doc["stages"]
     chunks = tuple(_chunk_plan(raw, _modules(entry, tuple(raw["layers"]), model, where))
                    for raw, entry in zip(plan_chunks(doc, where), entries))
-    predicted = _section(doc, "predicted")
     placement = _section(doc, "placement")
+    source = _section(doc, "profile")
     return PlanView(
-        path=os.fspath(path),
-        sha256=file_sha256(path),
-        doc=doc,
+        path=path,
+        sha256=sha256,
         model=model,
         chunks=chunks,
         stages=_stage_plans(doc),
@@ -207,10 +329,8 @@ def read_plan(path: str | os.PathLike[str], what: str = "plan") -> PlanView:
         global_batch_size=doc["global_batch_size"],
         schedule=doc["schedule"],
         virtual_stages=virtual_stages(doc),
-        predicted_step_s=json_number(predicted.get("step_s")),
-        predicted_bubble_fraction=json_number(predicted.get("bubble_fraction")),
-        predicted_samples_per_s=json_number(predicted.get("samples_per_s")),
-        profile_device=_section(_section(doc, "profile"), "device"),
+        predicted=_prediction(_section(doc, "predicted")),
+        profile_device=_section(source, "device"),
         optimizer=_text_or_none(_section(doc, "options").get("optimizer")),
         precision=precision,
         param_dtype=param_dtype,
@@ -221,7 +341,75 @@ def read_plan(path: str | os.PathLike[str], what: str = "plan") -> PlanView:
         devices_per_node=_int_or_none(placement.get("devices_per_node")),
         placement_order=str(placement.get("order") or "pipeline-inner"),
         nodes=int(placement.get("nodes") or 1),
+        placement_reason=_text_or_none(placement.get("reason")),
+        profile_path=_text_or_none(source.get("path")),
+        profile_sha256=_text_or_none(source.get("sha256")),
+        charged=_charged(_section(doc, "options"), placement),
+        updates_per_step=doc.get("updates_per_step") or 1,
+        optimality=_optimality(_section(doc, "optimality")),
+        runners_up=tuple(_runner_up(row) for row in doc.get("runners_up") or ()),
+        factorisations=tuple(_factorisation(row) for row in doc.get("factorisations") or ()),
+        warnings=tuple(doc.get("warnings") or ()),
     )
+
+
+def _prediction(predicted: dict[str, Any]) -> Prediction:
+    """The plan's ``predicted`` (every figure optional: a plan that only ``run`` reads may have none)."""
+    sources = predicted.get("noise_sources")
+    number = {key: json_number(predicted.get(key)) for key in (
+        "step_s", "bubble_fraction", "samples_per_s", "peak_memory_bytes", "gradient_sync_s", "one_stage_step_s",
+        "one_stage_peak_memory_bytes", "speedup_over_one_stage", "noise_fraction", "steady_state_period_s",
+        "fill_drain_s")}
+    return Prediction(**number, one_stage_compared="one_stage_fits" in predicted,
+                      one_stage_fits=bool(predicted.get("one_stage_fits")),
+                      noise_sources=dict(sources) if isinstance(sources, dict) else None)
+
+
+def _charged(options: dict[str, Any], placement: dict[str, Any]) -> Charged:
+    """What the plan's setting charged (``options``, and ``placement`` since format 6)."""
+    # The pipeline's sends: the placement's (format 6), else the link of ``options``.
+    charged = placement if "pipeline_bandwidth_bytes_per_s" in placement else {
+        "pipeline_bandwidth_bytes_per_s": options.get("link_bandwidth_bytes_per_s"),
+        "pipeline_latency_s": options.get("link_latency_s")}
+    return Charged(
+        memory_limit_bytes=json_number(options.get("memory_limit_bytes")),
+        memory_limit_source=_text_or_none(options.get("memory_limit_source")),
+        global_batch_size_source=_text_or_none(options.get("global_batch_size_source")),
+        recompute=str(options.get("recompute") or "auto"),
+        compute_scale=float(options.get("compute_scale") or 1.0),
+        concurrent_ranks=json_number(options.get("concurrent_ranks")),
+        per_microbatch_overhead_s=float(options.get("per_microbatch_overhead_s") or 0.0),
+        fixed_costs=options.get("fixed_costs"),
+        pipeline_bandwidth_bytes_per_s=json_number(charged.get("pipeline_bandwidth_bytes_per_s")),
+        pipeline_latency_s=float(charged.get("pipeline_latency_s") or 0.0),
+        sync_bandwidth_bytes_per_s=json_number(placement.get("sync_bandwidth_bytes_per_s")),
+        sync_latency_s=float(placement.get("sync_latency_s") or 0.0),
+    )
+
+
+def _optimality(record: dict[str, Any]) -> Optimality | None:
+    """The plan's ``optimality``; None where it has none."""
+    if not record:
+        return None
+    return Optimality(proven=bool(record.get("proven")), method=_text_or_none(record.get("method")),
+                      settings_searched=_int_or_none(record.get("settings_searched")),
+                      gap=json_number(record.get("gap")))
+
+
+def _runner_up(row: dict[str, Any]) -> RunnerUp:
+    return RunnerUp(micro_batches=row["micro_batches"], micro_batch_size=row["micro_batch_size"],
+                    schedule=row["schedule"], virtual_stages=row.get("virtual_stages") or 1,
+                    fits=bool(row.get("fits")), step_s=json_number(row.get("step_s")),
+                    bubble_fraction=json_number(row.get("bubble_fraction")),
+                    peak_memory_bytes=json_number(row.get("peak_memory_bytes")),
+                    balance=tuple(row.get("balance") or ()))
+
+
+def _factorisation(row: dict[str, Any]) -> Factorisation:
+    return Factorisation(stages=row["stages"], data_parallel=row["data_parallel"],
+                         order=_text_or_none(row.get("order")), fits=bool(row.get("fits")),
+                         step_s=json_number(row.get("step_s")), samples_per_s=json_number(row.get("samples_per_s")),
+                         reason=_text_or_none(row.get("reason")))
 
 
 def _chunk_plan(raw: dict[str, Any], modules: tuple[str | None, ...]) -> ChunkPlan:
@@ -238,6 +426,8 @@ def _chunk_plan(raw: dict[str, Any], modules: tuple[str | None, ...]) -> ChunkPl
         backward_s=json_number(raw["backward_s"]),
         backward_input_s=json_number(raw["backward_input_s"]),
         backward_weight_s=json_number(raw["backward_weight_s"]),
+        recompute_s=json_number(raw["recompute_s"]),
+        send_s=json_number(raw["send_s"]),
         output_shapes=tuple(tuple(int(size) for size in shape) for shape in shapes) if shapes is not None else None,
         # plan_chunks gives a dtype per shape whenever there are shapes.
         output_dtypes=tuple(str(dtype) for dtype in raw["output_dtypes"]) if shapes is not None else None,
@@ -259,6 +449,10 @@ def _stage_plans(doc: dict[str, Any]) -> tuple[StagePlan, ...]:
         idle_fraction=json_number(raw.get("idle_fraction")),
         in_flight=_int_or_none(raw.get("in_flight")),
         gradient_sync_s=json_number(raw.get("gradient_sync_s")),
+        busy_s=json_number(raw.get("busy_s")),
+        optimizer_s=json_number(raw.get("optimizer_s")),
+        staleness_updates=raw.get("staleness_updates", 0),
+        weight_versions=raw.get("weight_versions", 1),
     ) for k, raw in enumerate(raw_stages))
 
 

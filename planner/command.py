@@ -12,6 +12,7 @@ from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Ta
 from rich.text import Text
 
 from ..artifacts import BadInput, Outputs, check_output_paths, dumps, file_sha256
+from ..plan_view import read_plan, view_of
 from ..schema import MAX_SECONDS, PROFILE_FORMAT, read_artifact, write_artifact
 from ..schedules import PLANNABLE_SCHEDULES, SCHEDULES
 from .budgets import LEAST_ONE_DEVICE_S
@@ -93,27 +94,26 @@ def solve_command(profile: str, **options: Any) -> None:
     check_output_paths({"--out": out, "--timeline": timeline}, inputs=(profile,))   # both files or neither
     with Outputs() as outputs:   # the plan and its timeline: both or neither
         plan = solve_request(profile, command, out, progress=not quiet and sys.stderr.isatty(), outputs=outputs)
+        view = view_of(plan)
         if timeline:
-            outputs.add(timeline, plan_timeline_svg(plan), "--timeline")
+            outputs.add(timeline, plan_timeline_svg(view), "--timeline")
     console = Console()
     if quiet:
-        console.print(f"{out}: predicted step {format_seconds(plan['predicted']['step_s'])}, {batch_line(plan)}",
+        console.print(f"{out}: predicted step {format_seconds(view.predicted.step_s)}, {batch_line(view)}",
                       highlight=False)
         return
-    render_plan(plan, console)
+    render_plan(view, console)
     console.print(f"wrote {out}" + (f" and {timeline}" if timeline else "")
                   + f" in {time.perf_counter() - started:.2f} s", highlight=False)
 
 
 def show_plan(path: str, timeline: str | None = None) -> None:
     check_output_paths({"--timeline": timeline}, inputs=(path,))
-    from ..plan_view import read_plan
-
-    plan = read_plan(path, "solved plan").doc    # gpipe_plan/schema.py: what render_plan reads
-    render_plan(plan, Console(), f"plan '{path}'")
+    view = read_plan(path, "solved plan")    # gpipe_plan/schema.py: with what render_plan prints
+    render_plan(view, Console())
     if timeline:
         with Outputs() as outputs:
-            outputs.add(timeline, plan_timeline_svg(plan, f"plan '{path}'"), "--timeline")
+            outputs.add(timeline, plan_timeline_svg(view), "--timeline")
         Console().print(f"wrote {timeline}", highlight=False)
 
 

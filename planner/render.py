@@ -1,22 +1,22 @@
-"""Show a plan on the terminal (rich) and redraw its timeline, from the plan document alone.
+"""Show a plan on the terminal (rich) and redraw its timeline, from the plan alone.
 
-A plan of format 5 lists its chunks (runs of layers) and its stages (devices, each holding
-one or more chunks); an older plan's stages are each one chunk (gpipe_plan/plan_layout.py
-reads both alike). ``show`` prints one table of each: what a chunk costs per micro-batch, and
-what a device holds and how busy it is. The timeline is the planner's own simulator replaying
-the plan's schedule over the chunks' predicted times, so the picture is the prediction.
+What is shown is the plan's :class:`~gpipe_plan.plan_view.PlanView`, the one view every reader
+of a plan has (``show`` reads the file through ``read_plan``, ``solve`` sees the plan it has
+just made through ``view_of``), so every plan version reads alike here. ``show`` prints one
+table of each: what a chunk costs per micro-batch, and what a device holds and how busy it is.
+The timeline is the planner's own simulator replaying the plan's schedule over the chunks'
+predicted times, so the picture is the prediction.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Sequence
 
 from rich.console import Console
 
-from ..artifacts import BadInput, json_number, precision_label
-from ..plan_layout import check_replicas, data_parallel, gradient_sync, plan_chunks, sync_every, virtual_stages
+from ..artifacts import BadInput, precision_label
+from ..plan_view import ChunkPlan, Factorisation, PlanView, Prediction, RunnerUp, StagePlan
 from ..schedules import label as schedule_label
-from ..schedules import SPLIT_BACKWARD
 from ..weight_versions import ASYNC_SCHEDULES
 from .simulator import ChunkTimes, Event, Timeline, simulate_plan
 from .timeshare import time_shared_makespan
@@ -26,29 +26,32 @@ from ..tables import NarrowTable, narrow_table
 from ..units import BYTE_UNITS, TIME_UNITS, column_unit, format_bytes, format_figure, format_percent, format_seconds
 
 
-def timed_chunks(plan: dict[str, Any], where: str) -> list[dict[str, Any]]:
-    """The plan's chunks (:func:`~gpipe_plan.plan_layout.plan_chunks`), with the times its
-    schedule runs: a schedule that splits the backward needs each chunk's I and W."""
-    chunks = plan_chunks(plan, where)
-    if plan["schedule"] in SPLIT_BACKWARD:
-        for c in chunks:
-            for key in ("backward_input_s", "backward_weight_s"):
-                if c[key] is None:
-                    raise BadInput(f"{where}: {plan['schedule']} runs the backward as I and W, but "
-                                   f"'chunks[{c['index']}].{key}' is missing: solve the profile again")
-    return chunks
+def check_split_times(view: PlanView) -> None:
+    """A schedule that splits the backward needs each chunk's I and W to be drawn or simulated."""
+    if not view.split_backward:
+        return
+    for c in view.chunks:
+        for key in ("backward_input_s", "backward_weight_s"):
+            if getattr(c, key) is None:
+                raise BadInput(f"{_where(view)}: {view.schedule} runs the backward as I and W, but "
+                               f"'chunks[{c.index}].{key}' is missing: solve the profile again")
 
 
-def chunk_times(chunk: dict[str, Any]) -> ChunkTimes:
+def _where(view: PlanView) -> str:
+    """The plan as errors name it: its file, or "plan" for the one solve has just made."""
+    return f"plan '{view.path}'" if view.path else "plan"
+
+
+def chunk_times(chunk: ChunkPlan) -> ChunkTimes:
     """A chunk's predicted times per micro-batch, as the simulator takes them (a schedule
     that runs B never asks for I and W, which such a plan may leave out)."""
     return ChunkTimes(
-        forward_s=chunk["forward_s"],
-        backward_s=chunk["backward_s"],
-        backward_input_s=chunk["backward_input_s"] or 0.0,
-        backward_weight_s=chunk["backward_weight_s"] or 0.0,
-        send_s=chunk["send_s"] or 0.0,
-        recompute_s=chunk["recompute_s"] or 0.0,
+        forward_s=chunk.forward_s or 0.0,
+        backward_s=chunk.backward_s or 0.0,
+        backward_input_s=chunk.backward_input_s or 0.0,
+        backward_weight_s=chunk.backward_weight_s or 0.0,
+        send_s=chunk.send_s or 0.0,
+        recompute_s=chunk.recompute_s or 0.0,
     )
 
 
@@ -56,25 +59,25 @@ def chunk_times(chunk: dict[str, Any]) -> ChunkTimes:
 STEADY_STATE_STEPS = 3
 
 
-def plan_timeline(plan: dict[str, Any], where: str = "plan") -> Timeline:
+def plan_timeline(view: PlanView) -> Timeline:
     """Re-simulate the plan's schedule from its per-chunk predictions (no profile needed); a
     plan whose ranks share the host's cores (``options.concurrent_ranks``) on shared cores. An
     asynchronous schedule never flushes, so one step alone is not what it runs: its picture is
     the steady state, the middle step of a :data:`STEADY_STATE_STEPS`-step segment
     (planner/asynchronous.py, ``steady_window``)."""
-    chunks = timed_chunks(plan, where)
-    K, M, v = len(plan["stages"]), plan["micro_batches"], virtual_stages(plan)
-    times = [chunk_times(c) for c in chunks]
-    if plan["schedule"] in ASYNC_SCHEDULES:
+    check_split_times(view)
+    K, M, v = view.num_stages, view.micro_batches, view.virtual_stages
+    times = [chunk_times(c) for c in view.chunks]
+    if view.schedule in ASYNC_SCHEDULES:
         from .asynchronous import steady_window
 
-        return steady_window(plan["schedule"], K, M, times, STEADY_STATE_STEPS)
-    timeline = simulate_plan(plan["schedule"], K, M, v, times, [st.get("optimizer_s") or 0.0 for st in plan["stages"]],
+        return steady_window(view.schedule, K, M, times, STEADY_STATE_STEPS)
+    timeline = simulate_plan(view.schedule, K, M, v, times, [st.optimizer_s or 0.0 for st in view.stages],
                              record=True)
-    concurrent = json_number((plan.get("options") or {}).get("concurrent_ranks"))
+    concurrent = view.charged.concurrent_ranks
     if concurrent is None or concurrent <= 0:
         return timeline
-    makespan, events = time_shared_makespan(plan["schedule"], K, M, v, times, concurrent, record=True)
+    makespan, events = time_shared_makespan(view.schedule, K, M, v, times, concurrent, record=True)
     makespan = max(makespan, timeline.makespan_s)
     events += [Event(e.stage, e.kind, e.micro_batch, makespan, makespan + e.end_s - e.start_s, e.chunk)
                for e in timeline.events if e.kind == "optimizer"]
@@ -82,119 +85,106 @@ def plan_timeline(plan: dict[str, Any], where: str = "plan") -> Timeline:
                     events=events, optimizer_tail_s=timeline.optimizer_tail_s)
 
 
-def plan_timeline_svg(plan: dict[str, Any], where: str = "plan") -> str:
-    model = plan.get("model", {})
-    name = model.get("name") or model.get("factory") or "model"
-    pred = plan["predicted"]
-    v = virtual_stages(plan)
-    title = (f"{name}: {len(plan['stages'])} stages, M = {plan['micro_batches']} x {plan['micro_batch_size']}, "
-             f"{schedule_label(plan['schedule'], v)}; predicted step {format_seconds(pred['step_s'])}, "
-             f"bubble {format_percent(pred['bubble_fraction'], 1)}")
-    if plan["schedule"] in ASYNC_SCHEDULES:
+def plan_timeline_svg(view: PlanView) -> str:
+    """The plan's predicted step as an SVG picture (planner/timeline.py)."""
+    pred = view.predicted
+    title = (f"{view.model_name}: {view.num_stages} stages, M = {view.micro_batches} x {view.micro_batch_size}, "
+             f"{schedule_label(view.schedule, view.virtual_stages)}; predicted step {format_seconds(pred.step_s)}, "
+             f"bubble {format_percent(pred.bubble_fraction, 1)}")
+    if view.schedule in ASYNC_SCHEDULES:
         title += f" (steady state: step {STEADY_STATE_STEPS // 2 + 1} of a {STEADY_STATE_STEPS}-step segment, no flush)"
-    chunks = plan_chunks(plan, where)
     labels = []
-    for k in range(len(plan["stages"])):
-        held = [c for c in chunks if c["stage"] == k]
-        label = f"stage {k}" + (" (rc)" if any(c["recompute"] for c in held) else "")
-        labels.append(label if len(held) == 1 else f"{label} [{', '.join(str(c['index']) for c in held)}]")
-    return timeline_svg(plan_timeline(plan, where), title, labels)
+    for k in range(view.num_stages):
+        held = view.chunks_of(k)
+        label = f"stage {k}" + (" (rc)" if any(c.recompute for c in held) else "")
+        labels.append(label if len(held) == 1 else f"{label} [{', '.join(str(c.index) for c in held)}]")
+    return timeline_svg(plan_timeline(view), title, labels)
 
 
-def render_plan(plan: dict[str, Any], console: Console, where: str = "plan") -> None:
-    """Print the plan: its chunks, its stages, the schedule and what it predicts.
-
-    ``where`` names the plan in the one-line error if its chunks and stages do not fit together.
-    """
-    model = plan.get("model", {})
-    name = model.get("name") or model.get("factory") or "model"
-    options = plan.get("options", {})
-    limit = options.get("memory_limit_bytes")
-    pred = plan["predicted"]
-    K = len(plan["stages"])
-    chunks = timed_chunks(plan, where)
-    check_replicas(plan, where)
-    device = plan.get("profile", {}).get("device", {})
-    d = data_parallel(plan)
+def render_plan(view: PlanView, console: Console) -> None:
+    """Print the plan: its chunks, its stages, the schedule and what it predicts."""
+    charged, pred = view.charged, view.predicted
+    limit = charged.memory_limit_bytes
+    K, d = view.num_stages, view.data_parallel
+    check_split_times(view)
+    device = view.profile_device
     console.print(
-        f"[bold]{name}[/bold] on {K} stage{'s' if K > 1 else ''}"
-        + (f" x {d} replicas ({K * d} devices)" if d > 1 else "") + f", {batch_line(plan)} "
+        f"[bold]{view.model_name}[/bold] on {K} stage{'s' if K > 1 else ''}"
+        + (f" x {d} replicas ({K * d} devices)" if d > 1 else "") + f", {batch_line(view)} "
         f"(profile: {device.get('type', '?')}, {device.get('name', '?')}; "
-        f"{precision_label(plan.get('precision', 'fp32'), plan.get('param_dtype', 'fp32'))})")
-    note = batch_source_note(plan)
+        f"{precision_label(view.precision, view.param_dtype)})")
+    note = batch_source_note(view)
     if note:
         console.print(note, highlight=False)
-    console.print(chunk_table(chunks, split=plan["schedule"] in SPLIT_BACKWARD))
-    asynchronous = plan["schedule"] in ASYNC_SCHEDULES
-    console.print(stage_table(plan["stages"], chunks, limit, sync=d > 1, versions=asynchronous))
-    for line in replica_lines(plan):
+    console.print(chunk_table(view.chunks, split=view.split_backward))
+    asynchronous = view.schedule in ASYNC_SCHEDULES
+    console.print(stage_table(view.stages, limit, sync=d > 1, versions=asynchronous))
+    for line in replica_lines(view):
         console.print(line, highlight=False)
-    samples = pred.get("samples_per_s")
-    v = virtual_stages(plan)
+    samples = pred.samples_per_s
     console.print(
-        f"micro-batches [bold]{plan['micro_batches']}[/bold] x {plan['micro_batch_size']} samples, "
-        f"schedule [bold]{schedule_label(plan['schedule'], v)}[/bold]"
-        + (f" ({len(chunks)} chunks, {len(chunks) // K} per stage)" if len(chunks) > K else "")
+        f"micro-batches [bold]{view.micro_batches}[/bold] x {view.micro_batch_size} samples, "
+        f"schedule [bold]{schedule_label(view.schedule, view.virtual_stages)}[/bold]"
+        + (f" ({view.num_chunks} chunks, {view.num_chunks // K} per stage)" if view.num_chunks > K else "")
         + (f"; memory limit {format_bytes(limit)}" if limit else "")
         + {"device": " (the card's usable memory)", "host": " (this host's memory shared by its ranks)"}.get(
-            options.get("memory_limit_source") if limit else None, ""))
-    scale = options.get("compute_scale") or 1.0
+            charged.memory_limit_source if limit else None, ""))
+    scale = charged.compute_scale
     if scale != 1.0:
         console.print(f"layer times x{scale:.3f}: stages computing side by side are slower than the profile's "
                       "one process (its measured 'contention')", highlight=False)
     console.print(
-        f"predicted step [bold]{format_seconds(pred['step_s'])}[/bold], "
-        f"bubble {format_percent(pred['bubble_fraction'], 1)}, "
+        f"predicted step [bold]{format_seconds(pred.step_s)}[/bold], "
+        f"bubble {format_percent(pred.bubble_fraction, 1)}, "
         + (f"throughput {samples:,.1f} samples/s" if samples else "throughput not defined (a zero step time)"),
         highlight=False)
     if asynchronous:
-        console.print(asynchronous_line(plan), highlight=False)
-    comparison = one_device_line(plan)
+        console.print(asynchronous_line(view), highlight=False)
+    comparison = one_device_line(pred, K * d, replicated=d > 1)
     if comparison:
         console.print(comparison, highlight=False)
-    opt = plan.get("optimality", {})
-    if opt.get("proven"):
-        searched = opt.get("settings_searched")
+    opt = view.optimality
+    if opt is not None and opt.proven:
+        searched = opt.settings_searched
         # Optimal among plans of K stages: whether K stages pay at all is the line above.
-        rows = plan.get("factorisations") or []
+        rows = view.factorisations
         what = (f"[green]proven optimal[/green] for {K * d} devices over {len(rows)} (stages, replicas) pairs"
                 if len(rows) > 1 else f"[green]proven optimal[/green] for {K} stage{'s' if K > 1 else ''}"
                 + (f" x {d} replicas" if d > 1 else ""))
         settings = f"{searched} setting{'s' if searched != 1 else ''} of M and schedule"
         console.print(f"{what} and {settings}" if searched and len(rows) > 1 else
                       f"{what} over {settings}" if searched else what,
-                      f"({opt.get('method')})", highlight=False)
-    elif opt:
-        gap = opt.get("gap")
-        console.print(f"[yellow]not proven optimal[/yellow]: within {gap:.2%} of the lower bound"
-                      if gap is not None else "[yellow]not proven optimal[/yellow]")
-    runners = plan.get("runners_up") or []
-    if runners:
-        console.print(runners_up_table(runners, pred["step_s"]))
-    factorisations = plan.get("factorisations") or []
-    if len(factorisations) > 1:
-        console.print(factorisation_table(factorisations, K, d))
-    for w in plan.get("warnings") or []:
+                      f"({opt.method})", highlight=False)
+    elif opt is not None:
+        console.print(f"[yellow]not proven optimal[/yellow]: within {opt.gap:.2%} of the lower bound"
+                      if opt.gap is not None else "[yellow]not proven optimal[/yellow]")
+    if view.runners_up:
+        console.print(runners_up_table(view.runners_up, pred.step_s))
+    if len(view.factorisations) > 1:
+        console.print(factorisation_table(view.factorisations, K, d))
+    for w in view.warnings:
         console.print(f"[yellow]warning:[/yellow] {w}")
 
 
-def runners_up_table(runners: list[dict[str, Any]], best_step_s: float) -> NarrowTable:
+def runners_up_table(runners: Sequence[RunnerUp], best_step_s: float | None) -> NarrowTable:
     """The settings of the chosen (K, d) that lost, best first, against the plan's step."""
-    fitting = [r for r in runners if r.get("fits")]
-    unit, size = column_unit((r["step_s"] for r in fitting), TIME_UNITS)
-    memory_unit, memory_size = column_unit((r["peak_memory_bytes"] for r in fitting), BYTE_UNITS)
+    fitting = [r for r in runners if r.fits]
+    unit, size = column_unit((r.step_s for r in fitting), TIME_UNITS)
+    memory_unit, memory_size = column_unit((r.peak_memory_bytes for r in fitting), BYTE_UNITS)
     table = narrow_table("runners-up", ("M", "size", "schedule", f"step {unit}", "vs best", "bubble",
                                         f"peak {memory_unit}", "balance"),
                          left=("schedule", "balance"))
     for r in runners:
-        if not r.get("fits"):
-            table.add_row(str(r["micro_batches"]), str(r["micro_batch_size"]), runner_schedule(r),
+        schedule = schedule_label(r.schedule, r.virtual_stages)
+        if not r.fits:
+            table.add_row(str(r.micro_batches), str(r.micro_batch_size), schedule,
                           "[red]does not fit[/red]", "", "", "", "")
             continue
-        versus = format_percent(r["step_s"] / best_step_s - 1, 1, sign=True) if best_step_s > 0 else "-"
-        table.add_row(str(r["micro_batches"]), str(r["micro_batch_size"]), runner_schedule(r),
-                      format_figure(r["step_s"], size), versus, format_percent(r["bubble_fraction"], 1),
-                      format_figure(r["peak_memory_bytes"], memory_size), balance_text(r.get("balance", [])))
+        versus = format_percent(r.step_s / best_step_s - 1, 1, sign=True) \
+            if best_step_s and best_step_s > 0 and r.step_s is not None else "-"
+        table.add_row(str(r.micro_batches), str(r.micro_batch_size), schedule,
+                      format_figure(r.step_s, size), versus, format_percent(r.bubble_fraction, 1),
+                      format_figure(r.peak_memory_bytes, memory_size), balance_text(r.balance))
     return table
 
 
@@ -203,7 +193,7 @@ def runners_up_table(runners: list[dict[str, Any]], best_step_s: float) -> Narro
 BALANCE_CHARS = 17
 
 
-def balance_text(balance: list[int], width: int = BALANCE_CHARS) -> str:
+def balance_text(balance: Sequence[int], width: int = BALANCE_CHARS) -> str:
     """Layers per chunk, ``5 6``; cut at a number with `` …`` beyond ``width`` characters."""
     text = " ".join(map(str, balance))
     if len(text) <= width:
@@ -211,76 +201,74 @@ def balance_text(balance: list[int], width: int = BALANCE_CHARS) -> str:
     return text[:text.rfind(" ", 0, width - 1)] + " …"
 
 
-def replica_lines(plan: dict[str, Any]) -> list[str]:
+def replica_lines(view: PlanView) -> list[str]:
     """With replicas or several nodes: the placement and its reason, and what the syncs cost."""
-    d = data_parallel(plan)
-    placement = plan.get("placement") or {}
+    d = view.data_parallel
     lines = []
-    if d > 1 or (placement.get("nodes") or 1) > 1:
-        if placement.get("reason"):
-            lines.append(f"placement: {placement['reason']}")
-        exposed = (plan.get("predicted") or {}).get("gradient_sync_s")
-        syncs = [st.get("gradient_sync_s") or 0.0 for st in plan["stages"]]
-        if d > 1 and gradient_sync(plan) == "localsgd":
-            H = sync_every(plan)
+    if d > 1 or view.nodes > 1:
+        if view.placement_reason:
+            lines.append(f"placement: {view.placement_reason}")
+        exposed = view.predicted.gradient_sync_s
+        syncs = [st.gradient_sync_s or 0.0 for st in view.stages]
+        if d > 1 and view.gradient_sync == "localsgd":
+            H = view.sync_every
             lines.append(f"gradient sync (localsgd) over {d} replicas: no gradient all-reduce; the parameters "
                          f"averaged every {H} step{'s' if H != 1 else ''}, charged 1/{H} of it per step: up to "
                          f"{format_seconds(max(syncs), 3)} per stage"
                          + (f"; adds {format_seconds(exposed, 3)} to the step (the rest hides in the next "
                             "step's fill)" if exposed is not None else ""))
         elif d > 1:
-            lines.append(f"gradient sync ({gradient_sync(plan)}) over {d} replicas: up to "
+            lines.append(f"gradient sync ({view.gradient_sync}) over {d} replicas: up to "
                          f"{format_seconds(max(syncs), 3)} per stage, after its last backward"
                          + (f"; adds {format_seconds(exposed, 3)} to the step (the rest hides in the next "
                             "step's fill)" if exposed is not None else ""))
     return lines
 
 
-def factorisation_table(rows: list[dict[str, Any]], stages: int, replicas: int) -> NarrowTable:
+def factorisation_table(rows: Sequence[Factorisation], stages: int, replicas: int) -> NarrowTable:
     """Every (K, d) searched, best first: the chosen one marked, why the others lost or cannot run."""
-    unit, size = column_unit((r.get("step_s") for r in rows if r.get("fits")), TIME_UNITS)
+    unit, size = column_unit((r.step_s for r in rows if r.fits), TIME_UNITS)
     table = narrow_table("stages x replicas", ("K", "d", "order", f"step {unit}", "samples/s", "", "why not"),
                          left=("order", "", "why not"), wrap=("why not",))
     for r in rows:
-        chosen = r["stages"] == stages and r["data_parallel"] == replicas
-        step = format_figure(r["step_s"], size) if r.get("fits") and r.get("step_s") is not None else "-"
-        rate = f"{r['samples_per_s']:,.1f}" if r.get("samples_per_s") else "-"
-        table.add_row(str(r["stages"]), str(r["data_parallel"]), r.get("order") or "-", step, rate,
-                      "[green]chosen[/green]" if chosen else "", r.get("reason") or "")
+        chosen = r.stages == stages and r.data_parallel == replicas
+        step = format_figure(r.step_s, size) if r.fits and r.step_s is not None else "-"
+        rate = f"{r.samples_per_s:,.1f}" if r.samples_per_s else "-"
+        table.add_row(str(r.stages), str(r.data_parallel), r.order or "-", step, rate,
+                      "[green]chosen[/green]" if chosen else "", r.reason or "")
     return table
 
 
-def chunk_table(chunks: list[dict[str, Any]], split: bool) -> NarrowTable:
+def chunk_table(chunks: Sequence[ChunkPlan], split: bool) -> NarrowTable:
     """Per chunk: where it runs, its layers, and what one micro-batch costs on it.
 
     ``split``: the schedule runs the backward as I (input gradient) and W (weight gradient),
     which are shown apart; else as one B. The times are in one unit, the largest's.
     """
     kinds = ("backward_input_s", "backward_weight_s") if split else ("backward_s",)
-    unit, size = column_unit((c[key] for c in chunks for key in ("forward_s", "send_s", *kinds)), TIME_UNITS)
+    unit, size = column_unit((getattr(c, key) for c in chunks for key in ("forward_s", "send_s", *kinds)), TIME_UNITS)
     backward = ("I", "W") if split else ("backward",)
     halves = "I: input gradient, W: weight gradient; " if split else ""
     table = narrow_table(f"per chunk and micro-batch, in {unit} ({halves}rc: recomputes)",
                          ("chunk", "stage", "layers", "#", "forward", *backward, "rc", "send"), left=("layers", "rc"))
-    naming = LayerNames(name for c in chunks for name in c["layers"])
+    naming = LayerNames(name for c in chunks for name in c.layers)
     for c in chunks:
         table.add_row(
-            str(c["index"]), str(c["stage"]), naming.span(c["layers"], count=False), str(len(c["layers"])),
-            format_figure(c["forward_s"], size), *(format_figure(c[key], size) for key in kinds),
-            "rc" if c["recompute"] else "-",
-            format_figure(c["send_s"], size) if c["send_s"] else "-",
+            str(c.index), str(c.stage), naming.span(list(c.layers), count=False), str(len(c.layers)),
+            format_figure(c.forward_s, size), *(format_figure(getattr(c, key), size) for key in kinds),
+            "rc" if c.recompute else "-",
+            format_figure(c.send_s, size) if c.send_s else "-",
         )
     table.note = naming.note()
     return table
 
 
-def asynchronous_line(plan: dict[str, Any]) -> str:
+def asynchronous_line(view: PlanView) -> str:
     """What an asynchronous plan's step means: M steady-state periods, the one-time fill and
     drain beside it, and how often each stage updates."""
-    pred = plan["predicted"]
-    period, fill = pred.get("steady_state_period_s"), pred.get("fill_drain_s")
-    updates = plan.get("updates_per_step") or 1
-    return (f"no flush: the step is {plan['micro_batches']} steady-state periods"
+    period, fill = view.predicted.steady_state_period_s, view.predicted.fill_drain_s
+    updates = view.updates_per_step
+    return (f"no flush: the step is {view.micro_batches} steady-state periods"
             + (f" of {format_seconds(period)}" if period is not None else "")
             + (f", plus {format_seconds(fill)} of fill and drain once per run (and per checkpoint)" if fill is not None
                else "")
@@ -288,55 +276,49 @@ def asynchronous_line(plan: dict[str, Any]) -> str:
             "'stale' updates behind the weights they are applied to (the stage table)")
 
 
-def stage_table(stages: list[dict[str, Any]], chunks: list[dict[str, Any]], limit: float | None,
-                sync: bool = False, versions: bool = False) -> NarrowTable:
+def stage_table(stages: Sequence[StagePlan], limit: float | None, sync: bool = False,
+                versions: bool = False) -> NarrowTable:
     """Per stage (device): the chunks it holds, its peak memory (against the limit), the
     micro-batches whose activations it holds at once, and how busy it is in a step;
     ``sync``: also its gradient sync over the replicas (per rank, each replica alike);
     ``versions``: its gradients' staleness in updates and the weight versions it stashes (an
     asynchronous schedule's)."""
-    memory_unit, memory_size = column_unit((st.get("memory_bytes") for st in stages), BYTE_UNITS)
-    time_unit, time_size = column_unit((st.get(key) for st in stages for key in ("busy_s", "gradient_sync_s")),
+    memory_unit, memory_size = column_unit((st.memory_bytes for st in stages), BYTE_UNITS)
+    time_unit, time_size = column_unit((value for st in stages for value in (st.busy_s, st.gradient_sync_s)),
                                        TIME_UNITS)
     columns = ("stage", "chunks", f"memory {memory_unit}", "in flight", f"busy {time_unit}", "idle")
     table = narrow_table(None, columns + ((f"sync {time_unit}",) if sync else ())
                          + (("stale", "versions") if versions else ()), left=("chunks",))
-    for k, st in enumerate(stages):
-        mem = format_figure(st.get("memory_bytes"), memory_size)
-        if limit and st.get("memory_bytes") is not None:
-            share = st["memory_bytes"] / limit
+    for st in stages:
+        mem = format_figure(st.memory_bytes, memory_size)
+        if limit and st.memory_bytes is not None:
+            share = st.memory_bytes / limit
             colour = "red" if share > 1 else ("yellow" if share > 0.9 else "green")
             mem = f"[{colour}]{mem} ({share:.0%})[/{colour}]"
-        held = ", ".join(str(c["index"]) for c in chunks if c["stage"] == k)
-        in_flight = st.get("in_flight")
-        table.add_row(str(k), held, mem, "-" if in_flight is None else str(in_flight),
-                      format_figure(st.get("busy_s"), time_size), format_percent(st.get("idle_fraction") or 0.0, 1),
-                      *((format_figure(st.get("gradient_sync_s") or 0.0, time_size),) if sync else ()),
-                      *((str(st.get("staleness_updates", 0)), str(st.get("weight_versions", 1))) if versions else ()))
+        held = ", ".join(str(c) for c in st.chunks)
+        table.add_row(str(st.index), held, mem, "-" if st.in_flight is None else str(st.in_flight),
+                      format_figure(st.busy_s, time_size), format_percent(st.idle_fraction or 0.0, 1),
+                      *((format_figure(st.gradient_sync_s or 0.0, time_size),) if sync else ()),
+                      *((str(st.staleness_updates), str(st.weight_versions)) if versions else ()))
     return table
 
 
-def runner_schedule(runner: dict[str, Any]) -> str:
-    """A runner-up's schedule, with its chunks per stage when it is interleaved."""
-    return schedule_label(runner["schedule"], runner.get("virtual_stages") or 1)
-
-
-def batch_line(plan: dict[str, Any]) -> str:
+def batch_line(view: PlanView) -> str:
     """``global batch 32 = 8 micro-batches of 4``: the batch a plan is for, and how it is split.
 
     Said first, because every figure of the plan holds for that batch only.
     """
-    M, size, batch = plan["micro_batches"], plan["micro_batch_size"], plan["global_batch_size"]
-    d = data_parallel(plan)
+    M, size, batch = view.micro_batches, view.micro_batch_size, view.global_batch_size
+    d = view.data_parallel
     replicas = f"{d} replicas x " if d > 1 else ""
     return f"global batch {batch} = {replicas}{M} micro-batch{'es' if M != 1 else ''} of {size}"
 
 
-def batch_source_note(plan: dict[str, Any]) -> str | None:
+def batch_source_note(view: PlanView) -> str | None:
     """A warning when the global batch is a stand-in: an older profile that records none."""
-    if (plan.get("options") or {}).get("global_batch_size_source") != "largest micro-batch":
+    if view.charged.global_batch_size_source != "largest micro-batch":
         return None
-    return (f"[yellow]note:[/yellow] global batch {plan['global_batch_size']} is the profile's largest micro-batch "
+    return (f"[yellow]note:[/yellow] global batch {view.global_batch_size} is the profile's largest micro-batch "
             "(the profile records no global batch): give --global-batch-size for the batch you train with")
 
 
@@ -345,28 +327,26 @@ def batch_source_note(plan: dict[str, Any]) -> str | None:
 AS_FAST = 0.01
 
 
-def one_device_line(plan: dict[str, Any]) -> str | None:
+def one_device_line(pred: Prediction, devices: int, replicated: bool = False) -> str | None:
     """The plan against the best one-device plan of the same batch, in one line (None: K = 1 or unknown).
 
     A pipeline pays a bubble, sends and, on one host, neighbours for its speed; whether that
     pays is a comparison with one device, which the plan records (plan version 4). The line
     says which is faster and by how much; a pipeline ahead by no more than the prediction's
     own noise (``predicted.noise_fraction``) does not pay either, and the line says the gap is
-    within that noise.
+    within that noise. ``devices``: the plan's (stages x replicas); ``replicated``: it has replicas.
     """
-    pred = plan["predicted"]
-    K = len(plan["stages"]) * data_parallel(plan)     # devices
-    if K == 1 or "one_stage_fits" not in pred:
+    if devices == 1 or not pred.one_stage_compared:
         return None
-    step, mine = pred.get("one_stage_step_s"), pred["step_s"]
-    one_memory = format_bytes(pred.get("one_stage_peak_memory_bytes"))
-    memory = (f"{format_bytes(pred['peak_memory_bytes'])} per device on "
-              f"{K} {'devices' if data_parallel(plan) > 1 else 'stages'}")
-    if not pred["one_stage_fits"] or step is None:
+    step, mine = pred.one_stage_step_s, pred.step_s
+    one_memory = format_bytes(pred.one_stage_peak_memory_bytes)
+    memory = (f"{format_bytes(pred.peak_memory_bytes)} per device on "
+              f"{devices} {'devices' if replicated else 'stages'}")
+    if not pred.one_stage_fits or step is None:
         return (f"one device does not fit: it needs {one_memory} ({memory}); "
                 f"pipelining is what makes this plan possible")
-    speedup = pred.get("speedup_over_one_stage") or 0.0
-    band = pred.get("noise_fraction")
+    speedup = pred.speedup_over_one_stage or 0.0
+    band = pred.noise_fraction
     noise = max(band or 0.0, AS_FAST)
     times = f"{format_seconds(step)} vs {format_seconds(mine)}"
     memories = f"memory {one_memory} on one device, {memory}"

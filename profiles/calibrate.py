@@ -220,7 +220,7 @@ def chunks_with_layers(report: dict[str, Any], report_path: str) -> list[dict[st
 
 def plan_of_report(report: dict[str, Any], report_path: str) -> str:
     """The plan the report's run ran, as the report names it: found, and unchanged since."""
-    return named_file(report, "plan", f"report '{report_path}'", report_path, "a run of plan",
+    return named_file(*recorded_file(report, "plan"), "plan", f"report '{report_path}'", report_path, "a run of plan",
                       hint="keep the plan beside the report: its chunks say which layers each measured time is for")
 
 
@@ -276,17 +276,24 @@ def shrink(ratio: float, spread: float | None) -> float:
     return 1.0 + deviation * max(0.0, 1.0 - (spread / deviation) ** 2)
 
 
-def named_file(doc: dict[str, Any], key: str, label: str, doc_path: str, relation: str, hint: str) -> str:
-    """The file ``doc[key]`` names (``path``, ``sha256``), found and unchanged; else one line ending in ``hint``."""
-    recorded = doc.get(key) if isinstance(doc.get(key), dict) else {}
-    if not recorded.get("path"):
+def named_file(recorded_path: str | None, recorded_sha256: str | None, key: str, label: str, doc_path: str,
+               relation: str, hint: str) -> str:
+    """The ``key`` file an artifact at ``doc_path`` names (its recorded path and SHA-256), found
+    and unchanged; else one line ending in ``hint``."""
+    if not recorded_path:
         raise BadInput(f"{label} does not name its {key}: {hint}")
-    path = locate(recorded["path"], doc_path)
+    path = locate(recorded_path, doc_path)
     if path is None:
-        raise BadInput(f"{label} is {relation} '{recorded['path']}', which is gone: {hint}")
-    if recorded.get("sha256") and file_sha256(path) != recorded["sha256"]:
+        raise BadInput(f"{label} is {relation} '{recorded_path}', which is gone: {hint}")
+    if recorded_sha256 and file_sha256(path) != recorded_sha256:
         raise BadInput(f"{key} '{path}' has changed since {label} was made from it: {hint}")
     return path
+
+
+def recorded_file(doc: dict[str, Any], key: str) -> tuple[str | None, str | None]:
+    """The path and SHA-256 an artifact records of the file under ``key`` (a report's plan)."""
+    recorded = doc.get(key) if isinstance(doc.get(key), dict) else {}
+    return recorded.get("path"), recorded.get("sha256")
 
 
 def locate(recorded: str, named_by: str) -> str | None:

@@ -11,7 +11,7 @@ from ..layer_names import LayerNames
 from ..tables import NarrowTable, narrow_table
 from ..plan_view import read_plan
 from ..schema import read_report, write_artifact
-from .calibrate import calibrate, locate, named_file
+from .calibrate import calibrate, locate, named_file, recorded_file
 
 
 def calibrate_command(report: str, profile: str | None, out: str | None, speed_correction: bool = False,
@@ -93,9 +93,11 @@ def profile_of_report(report_path: str) -> str:
     nothing for another's.
     """
     report = read_report(report_path)
-    plan_path = named_file(report, "plan", f"report '{report_path}'", report_path, "a run of plan", hint=PROFILE_HINT)
-    plan = read_plan(plan_path).doc
-    return named_file(plan, "profile", f"plan '{plan_path}'", plan_path, "made from profile", hint=PROFILE_HINT)
+    plan_path = named_file(*recorded_file(report, "plan"), "plan", f"report '{report_path}'", report_path,
+                           "a run of plan", hint=PROFILE_HINT)
+    plan = read_plan(plan_path)
+    return named_file(plan.profile_path, plan.profile_sha256, "profile", f"plan '{plan_path}'", plan_path,
+                      "made from profile", hint=PROFILE_HINT)
 
 
 def check_profile_of_plan(report_path: str, profile_path: str) -> None:
@@ -110,9 +112,8 @@ def check_profile_of_plan(report_path: str, profile_path: str) -> None:
     plan_path = locate(recorded["path"], report_path) if isinstance(recorded.get("path"), str) else None
     if plan_path is None:
         return
-    plan = read_plan(plan_path).doc
-    source = plan.get("profile") if isinstance(plan.get("profile"), dict) else {}
-    expected = source.get("sha256")
-    if isinstance(expected, str) and file_sha256(profile_path) != expected:
+    plan = read_plan(plan_path)
+    expected = plan.profile_sha256
+    if expected is not None and file_sha256(profile_path) != expected:
         raise BadInput(f"profile '{profile_path}' is not the one plan '{plan_path}' was made from (its SHA-256 "
-                       f"differs): calibrate with that profile ('{source.get('path')}'), or leave --profile out")
+                       f"differs): calibrate with that profile ('{plan.profile_path}'), or leave --profile out")

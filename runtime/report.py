@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
-from ..artifacts import json_number
 from ..layer_names import LayerNames
 from ..tables import narrow_table
 from ..schedules import label as schedule_label
@@ -148,7 +147,7 @@ def build_report(plan: PlanView, results: list[RankResult], *, losses: dict[int,
         # syncs add to the step (hidden, where the next step's fill leaves room).
         "predicted_gradient_sync_s": _slowest([sp.gradient_sync_s for sp in plan.stages]),
         "measured_gradient_sync_s": _slowest([st["measured_gradient_sync_s"] for st in stages]),
-        "predicted_exposed_gradient_sync_s": json_number((plan.doc.get("predicted") or {}).get("gradient_sync_s")),
+        "predicted_exposed_gradient_sync_s": plan.predicted.gradient_sync_s,
         "micro_batches": plan.micro_batches,
         "micro_batch_size": plan.micro_batch_size,
         "global_batch_size": B,
@@ -161,7 +160,7 @@ def build_report(plan: PlanView, results: list[RankResult], *, losses: dict[int,
         if measured_step and plan.predicted_step_s else None,
         "speed": speed,
         "host_load": load,
-        "headline": headline(plan.predicted_step_s, (plan.doc.get("predicted") or {}).get("noise_sources"), speed,
+        "headline": headline(plan.predicted_step_s, plan.predicted.noise_sources, speed,
                              measured_step, load),
         "measured_step_s_per_step": {str(s): results[0].step_s[s] for s in sorted(results[0].step_s)},
         "predicted_bubble_fraction": plan.predicted_bubble_fraction,

@@ -10,6 +10,7 @@ import math
 import re
 import statistics
 import xml.etree.ElementTree as ET
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from rich.console import Console
 from rich.progress import Progress, TimeRemainingColumn
 
 from gpipe_plan.artifacts import BadInput
+from gpipe_plan.plan_view import Prediction, view_of
 from gpipe_plan.planner.command import CountColumn, solve_file
 from gpipe_plan.planner.explore import explore
 from gpipe_plan.planner.explore_view import exploration_chart, never_fitting
@@ -119,7 +121,7 @@ def test_plan_compares_itself_with_the_best_one_device_plan(user_dir: Path) -> N
     assert f"{pred['speedup_over_one_stage']:.2f}x faster than one device" in shown.stdout
     # a one-stage plan is its own baseline and says nothing about pipelining
     assert one["predicted"]["speedup_over_one_stage"] == 1.0
-    assert one_device_line(one) is None
+    assert one_device_line(view_of(one).predicted, 1) is None
 
 
 def test_when_one_device_is_faster_solve_says_so(user_dir: Path) -> None:
@@ -136,15 +138,15 @@ def test_when_one_device_is_faster_solve_says_so(user_dir: Path) -> None:
 
 def test_one_device_as_fast_is_said_plainly() -> None:
     """The issue's case: 33.35 ms on 2 stages against 33.22 ms on one."""
-    plan = {"stages": [{}, {}], "predicted": {
-        "step_s": 0.03335, "peak_memory_bytes": 70 * 2**20, "one_stage_step_s": 0.03322, "one_stage_fits": True,
-        "one_stage_peak_memory_bytes": 130 * 2**20, "speedup_over_one_stage": 0.03322 / 0.03335}}
-    line = one_device_line(plan)
+    pred = Prediction(step_s=0.03335, peak_memory_bytes=70 * 2**20, one_stage_step_s=0.03322, one_stage_compared=True,
+                      one_stage_fits=True, one_stage_peak_memory_bytes=130 * 2**20,
+                      speedup_over_one_stage=0.03322 / 0.03335)
+    line = one_device_line(pred, 2)
     assert line is not None and "one device is as fast" in line
     assert "33.220 ms vs 33.350 ms" in line and "pipelining does not pay here" in line
     assert "130.00 MiB on one device" in line and "70.00 MiB per device on 2 stages" in line
-    plan["predicted"].update(one_stage_step_s=0.05, speedup_over_one_stage=0.05 / 0.03335)
-    assert one_device_line(plan).startswith("1.50x faster than one device")
+    pred = replace(pred, one_stage_step_s=0.05, speedup_over_one_stage=0.05 / 0.03335)
+    assert one_device_line(pred, 2).startswith("1.50x faster than one device")
 
 
 def test_when_one_device_does_not_fit_solve_says_so(user_dir: Path) -> None:
@@ -403,7 +405,7 @@ def test_explore_chart_gives_each_line_its_colour_and_lists_what_never_fits() ->
 
 def test_timeline_last_axis_label_has_room(user_dir: Path) -> None:
     write_json(user_dir / "profile.json", balanced())
-    svg = plan_timeline_svg(solve_file("profile.json", None, stages=2, micro_batches=4))
+    svg = plan_timeline_svg(view_of(solve_file("profile.json", None, stages=2, micro_batches=4)))
     root = ET.fromstring(svg)
     ns = "{http://www.w3.org/2000/svg}"
     labels = [t for t in root.iter(f"{ns}text") if t.get("text-anchor") == "middle" and t.text

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from gpipe_plan.planner.explore_view import render_exploration
 from gpipe_plan.planner.profile import Profile
 from gpipe_plan.planner.render import one_device_line, plan_timeline_svg, render_plan
 from gpipe_plan.plan_layout import plan_chunks
+from gpipe_plan.plan_view import Prediction, view_of
 from gpipe_plan.profiles.calibrate import calibrate
 from gpipe_plan.profiles.command_calibrate import round_table
 from gpipe_plan.profiles.show import render_profile
@@ -100,7 +102,7 @@ def test_a_plan_of_an_hf_model_keeps_one_row_per_line_at_80_columns(user_dir: Pa
                                                                       schedule: str) -> None:
     write_json(user_dir / "profile.json", hf_profile())
     plan = solve_file("profile.json", None, stages=stages, schedule=schedule, micro_batches=4)
-    text = at_80(lambda console: render_plan(plan, console))
+    text = at_80(lambda console: render_plan(view_of(plan), console))
     chunks = table_rows(text, "chunk  stage")
     assert len(chunks) == len(plan_chunks(plan, "plan"))           # a line per chunk: none wrapped
     assert all(".." in row[2] or re.fullmatch(r"[\w.]+", row[2]) for row in chunks)
@@ -174,15 +176,16 @@ def test_a_runner_up_equal_but_for_the_last_bits_is_the_winner_again() -> None:
 
 def test_one_device_faster_says_by_how_much_and_the_noise() -> None:
     """The issue's case: 1.690 s on one device against 2.256 s on the pipeline, called "as fast"."""
-    pred = {"step_s": 2.256, "peak_memory_bytes": 2**30, "one_stage_step_s": 1.690, "one_stage_fits": True,
-            "one_stage_peak_memory_bytes": 2**31, "speedup_over_one_stage": 1.690 / 2.256, "noise_fraction": 0.3}
-    line = one_device_line({"stages": [{}, {}], "predicted": pred})
+    pred = Prediction(step_s=2.256, peak_memory_bytes=2**30, one_stage_step_s=1.690, one_stage_compared=True,
+                      one_stage_fits=True, one_stage_peak_memory_bytes=2**31, speedup_over_one_stage=1.690 / 2.256,
+                      noise_fraction=0.3)
+    line = one_device_line(pred, 2)
     assert "one device is faster" in line and "25% less time per step" in line
     assert "within the prediction's noise of ±30%" in line
-    pred["noise_fraction"] = 0.05                   # beyond the noise: no band to mention
-    assert "within" not in one_device_line({"stages": [{}, {}], "predicted": pred})
-    pred.update(one_stage_step_s=2.37, speedup_over_one_stage=2.37 / 2.256, noise_fraction=0.08)
-    line = one_device_line({"stages": [{}, {}], "predicted": pred})   # ahead, but by less than the noise
+    pred = replace(pred, noise_fraction=0.05)       # beyond the noise: no band to mention
+    assert "within" not in one_device_line(pred, 2)
+    pred = replace(pred, one_stage_step_s=2.37, speedup_over_one_stage=2.37 / 2.256, noise_fraction=0.08)
+    line = one_device_line(pred, 2)                 # ahead, but by less than the noise
     assert "the pipeline is faster" in line and "5% less time per step" in line and "±8%" in line
 
 
@@ -211,5 +214,5 @@ def test_the_optimizer_wait_warning_says_what_it_costs_or_stays_quiet(user_dir: 
 
 def test_the_timeline_axis_starts_at_a_plain_zero(user_dir: Path) -> None:
     write_json(user_dir / "profile.json", hf_profile())
-    svg = plan_timeline_svg(solve_file("profile.json", None, stages=2, micro_batches=2))
+    svg = plan_timeline_svg(view_of(solve_file("profile.json", None, stages=2, micro_batches=2)))
     assert ">0</text>" in svg and ">0 µs<" not in svg and " 0 µs to" not in svg      # axis and tooltips

@@ -56,9 +56,8 @@ def predicted_cost(view: PlanView, balance: list[int]) -> SplitCost:
 
 def _profile_path(view: PlanView) -> Path | None:
     """The plan's profile, where it can be found unchanged (same sha256), else None."""
-    source = view.doc.get("profile") or {}
-    path, digest = source.get("path"), source.get("sha256")
-    if not isinstance(path, str) or not isinstance(digest, str):
+    path, digest = view.profile_path, view.profile_sha256
+    if path is None or digest is None:
         return None
     for candidate in (Path(path), Path(view.path).parent / path):
         try:

@@ -71,9 +71,10 @@ def test_the_step_is_m_times_the_slowest_stages_work_on_a_hand_made_profile(prof
 
 
 def evaluate_chunk(chunk: dict):
-    from gpipe_plan.planner.render import chunk_times
+    from gpipe_plan.planner.simulator import ChunkTimes
 
-    return chunk_times({**chunk, "backward_input_s": 0.0, "backward_weight_s": 0.0})
+    return ChunkTimes(forward_s=chunk["forward_s"], backward_s=chunk["backward_s"], backward_input_s=0.0,
+                      backward_weight_s=0.0, send_s=chunk["send_s"] or 0.0, recompute_s=chunk["recompute_s"] or 0.0)
 
 
 def test_the_period_on_one_stage_per_micro_batch_and_the_updates_it_charges():
@@ -262,10 +263,11 @@ def test_the_plan_records_staleness_and_versions_validates_and_shows(profile_pat
 
 
 def test_the_steady_window_is_one_step_of_events_from_zero(profile_path):
+    from gpipe_plan.plan_view import view_of
     from gpipe_plan.planner.render import plan_timeline
 
     plan = solve("--stages", "3", "--schedule", "pipedream", "--micro-batches", "4")
-    timeline = plan_timeline(plan)
+    timeline = plan_timeline(view_of(plan))
     assert timeline.events and min(e.start_s for e in timeline.events) == 0.0
     assert max(e.end_s for e in timeline.events) <= timeline.step_s + 1e-12
     forwards = [e for e in timeline.events if e.kind == "forward" and e.stage == 0 and e.start_s < timeline.step_s]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, strategies as st
 
+from gpipe_plan.plan_view import view_of
 from gpipe_plan.planner.brute import brute_force
 from gpipe_plan.planner.chunked import ChunkedSolver
 from gpipe_plan.planner.costmodel import CostModel, Setting
@@ -179,7 +180,7 @@ def test_a_plan_of_more_ranks_than_cores_is_played_out_on_them_and_says_so(user_
     # GPipe with M = 8 keeps all four ranks busy at once in its fill: sharing lengthens its step
     pred = gpipe["predicted"]
     assert pred["dedicated_step_s"] < pred["step_s"] * (1 - 1e-3), pred
-    assert plan_timeline(gpipe).step_s == pytest.approx(pred["step_s"], rel=1e-12)
+    assert plan_timeline(view_of(gpipe)).step_s == pytest.approx(pred["step_s"], rel=1e-12)
     assert two["predicted"]["dedicated_step_s"] is None
     # an older profile, or one whose host is not known: a core each, as before
     assert cli("solve", "unknown.json", "-k", "4", "--out", "old.json").exit_code == 0

@@ -338,12 +338,14 @@ def test_run_help_does_not_import_torch() -> None:
 
 def test_demo_draws_the_predicted_timeline() -> None:
     from gpipe_plan.demo import text_timeline
+    from gpipe_plan.plan_view import view_of
 
-    plan = {"schedule": "gpipe", "micro_batches": 2, "balance": [1, 1],
-             "chunks": [{"layers": ["a"], "forward_s": 1.0, "backward_s": 2.0},
-                        {"layers": ["b"], "forward_s": 1.0, "backward_s": 2.0}],
-             "stages": [{"optimizer_s": 0.0}, {}]}
-    _, first, second = text_timeline(plan, width=18).splitlines()  # 9 s: 2 characters a second
+    plan = {"model": {}, "schedule": "gpipe", "micro_batches": 2, "micro_batch_size": 1, "global_batch_size": 2,
+            "balance": [1, 1],
+            "chunks": [{"layers": ["a"], "forward_s": 1.0, "backward_s": 2.0},
+                       {"layers": ["b"], "forward_s": 1.0, "backward_s": 2.0}],
+            "stages": [{"optimizer_s": 0.0}, {}]}
+    _, first, second = text_timeline(view_of(plan, "plan"), width=18).splitlines()  # 9 s: 2 characters a second
     # Stage 1 starts one forward late; stage 0 waits for stage 1's backwards: the bubble.
     assert first == "stage 0 |F0F1......B0==B1==|"
     assert second == "stage 1 |..F0F1B0==B1==....|"
