@@ -4,9 +4,9 @@ A setting (M, schedule, v, recomputation) is a cost model; its best cut comes fr
 
 - **GPipe**: the threshold search (planner/gpipe_solver.py), exact and fast.
 - **1F1B, interleaved, zb-h1, zb-v**: the branch and bound (planner/onefoneb.py, planner/chunked.py)
-  first, on :data:`budgets.BRANCH_AND_BOUND_SHARE` of the budget: it proves the easy settings in
-  moments. If it stops with a gap, the schedule MILP (planner/milp.py), warm-started from its best
-  plan, gets the rest: it proves what the branch and bound cannot (its bound after branching
+  first, on its share of the budget (:func:`budgets.branch_and_bound_share`): it proves the easy
+  settings in moments. If it stops with a gap, the schedule MILP (planner/milp.py), warm-started
+  from its best plan, gets the rest: it proves what the branch and bound cannot (its bound after branching
   knows where the heavy layers went), or at least lifts the bound. Without pulp (the GPU image)
   or for a programme too large to build, the branch and bound gets the whole budget.
 - **pipedream, pipedream-2bw**: no flush, so the step is M times a steady-state period that
@@ -33,7 +33,7 @@ import time
 from typing import Sequence
 
 from . import milp, milp_solve
-from .budgets import BRANCH_AND_BOUND_SHARE, WALL_SAFETY, WORK_PER_SECOND
+from .budgets import WALL_SAFETY, WORK_PER_SECOND, branch_and_bound_share
 from .chunked import ChunkedSolver
 from .costmodel import CostModel
 from .gpipe_solver import GPipeSolver
@@ -74,9 +74,10 @@ def solve_cost_model(cm: CostModel, solver: str, time_budget_s: float, seeds: Se
     # For the work-budgeted searches the wall clock is a safety net: past the setting's share only
     # where the work is far from done (GPipe's search and the ILP keep the clock as their budget).
     time_budget_s = max(time_budget_s, WALL_SAFETY * work_s)
+    share = branch_and_bound_share(cm.schedule)
     follow = (milp.available() is not None and milp.applicable(cm)
-              and work_s * (1 - BRANCH_AND_BOUND_SHARE) >= 1.5 * milp.fixed_cost_s(cm))
-    share = BRANCH_AND_BOUND_SHARE if follow else 1.0
+              and work_s * (1 - share) >= 1.5 * milp.fixed_cost_s(cm))
+    share = share if follow else 1.0
     if cm.schedule in ("gpipe", "1f1b"):
         search = OneFOneBSolver(cm, seeds=seeds, time_budget_s=time_budget_s * share, cutoff_s=cutoff_s,
                                 work_budget_s=work_s * share,
