@@ -147,9 +147,10 @@ class Factorisation:
 
 
 @dataclass(frozen=True)
-class Charged:
-    """What the solver charged that a reader needs again (``options`` and ``placement``):
-    to print the plan (``show``) and to rebuild its cost model (``export``)."""
+class PlanOptions:
+    """What ``solve`` was asked and what its setting charged, as far as a reader needs them again:
+    to print the plan (``show``) and to rebuild its cost model (``export``). From the plan's
+    ``options``, and ``placement`` for what its sends and syncs were charged (format 6)."""
 
     memory_limit_bytes: float | None = None
     memory_limit_source: str | None = None   # "device" | "host" | None (the user's)
@@ -199,7 +200,7 @@ class PlanView:
     # The profile the plan was made from, where the plan records it.
     profile_path: str | None = None
     profile_sha256: str | None = None
-    charged: Charged = Charged()
+    options: PlanOptions = PlanOptions()
     updates_per_step: int = 1        # each stage's updates a step (asynchronous schedules: format 8)
     optimality: Optimality | None = None
     runners_up: tuple[RunnerUp, ...] = ()
@@ -344,7 +345,7 @@ def view_of(doc: dict[str, Any], what: str = "solved plan", where: str = "plan",
         placement_reason=_text_or_none(placement.get("reason")),
         profile_path=_text_or_none(source.get("path")),
         profile_sha256=_text_or_none(source.get("sha256")),
-        charged=_charged(_section(doc, "options"), placement),
+        options=_options(_section(doc, "options"), placement),
         updates_per_step=doc.get("updates_per_step") or 1,
         optimality=_optimality(_section(doc, "optimality")),
         runners_up=tuple(_runner_up(row) for row in doc.get("runners_up") or ()),
@@ -365,13 +366,13 @@ def _prediction(predicted: dict[str, Any]) -> Prediction:
                       noise_sources=dict(sources) if isinstance(sources, dict) else None)
 
 
-def _charged(options: dict[str, Any], placement: dict[str, Any]) -> Charged:
-    """What the plan's setting charged (``options``, and ``placement`` since format 6)."""
+def _options(options: dict[str, Any], placement: dict[str, Any]) -> PlanOptions:
+    """The plan's :class:`PlanOptions`: its ``options``, and ``placement`` since format 6."""
     # The pipeline's sends: the placement's (format 6), else the link of ``options``.
     charged = placement if "pipeline_bandwidth_bytes_per_s" in placement else {
         "pipeline_bandwidth_bytes_per_s": options.get("link_bandwidth_bytes_per_s"),
         "pipeline_latency_s": options.get("link_latency_s")}
-    return Charged(
+    return PlanOptions(
         memory_limit_bytes=json_number(options.get("memory_limit_bytes")),
         memory_limit_source=_text_or_none(options.get("memory_limit_source")),
         global_batch_size_source=_text_or_none(options.get("global_batch_size_source")),

@@ -74,7 +74,7 @@ def plan_timeline(view: PlanView) -> Timeline:
         return steady_window(view.schedule, K, M, times, STEADY_STATE_STEPS)
     timeline = simulate_plan(view.schedule, K, M, v, times, [st.optimizer_s or 0.0 for st in view.stages],
                              record=True)
-    concurrent = view.charged.concurrent_ranks
+    concurrent = view.options.concurrent_ranks
     if concurrent is None or concurrent <= 0:
         return timeline
     makespan, events = time_shared_makespan(view.schedule, K, M, v, times, concurrent, record=True)
@@ -103,8 +103,8 @@ def plan_timeline_svg(view: PlanView) -> str:
 
 def render_plan(view: PlanView, console: Console) -> None:
     """Print the plan: its chunks, its stages, the schedule and what it predicts."""
-    charged, pred = view.charged, view.predicted
-    limit = charged.memory_limit_bytes
+    options, pred = view.options, view.predicted
+    limit = options.memory_limit_bytes
     K, d = view.num_stages, view.data_parallel
     check_split_times(view)
     device = view.profile_device
@@ -128,8 +128,8 @@ def render_plan(view: PlanView, console: Console) -> None:
         + (f" ({view.num_chunks} chunks, {view.num_chunks // K} per stage)" if view.num_chunks > K else "")
         + (f"; memory limit {format_bytes(limit)}" if limit else "")
         + {"device": " (the card's usable memory)", "host": " (this host's memory shared by its ranks)"}.get(
-            charged.memory_limit_source if limit else None, ""))
-    scale = charged.compute_scale
+            options.memory_limit_source if limit else None, ""))
+    scale = options.compute_scale
     if scale != 1.0:
         console.print(f"layer times x{scale:.3f}: stages computing side by side are slower than the profile's "
                       "one process (its measured 'contention')", highlight=False)
@@ -316,7 +316,7 @@ def batch_line(view: PlanView) -> str:
 
 def batch_source_note(view: PlanView) -> str | None:
     """A warning when the global batch is a stand-in: an older profile that records none."""
-    if view.charged.global_batch_size_source != "largest micro-batch":
+    if view.options.global_batch_size_source != "largest micro-batch":
         return None
     return (f"[yellow]note:[/yellow] global batch {view.global_batch_size} is the profile's largest micro-batch "
             "(the profile records no global batch): give --global-batch-size for the batch you train with")

@@ -18,23 +18,23 @@ from ...plan_view import PlanView
 
 def plan_setting(view: PlanView) -> Setting:
     """The plan's Setting."""
-    charged = view.charged
+    options = view.options
     return Setting(
         stages=view.num_stages, micro_batches=view.micro_batches, schedule=view.schedule,
-        recompute=charged.recompute,
-        memory_limit_bytes=charged.memory_limit_bytes,
-        link_bandwidth_bytes_per_s=_bandwidth(charged.pipeline_bandwidth_bytes_per_s),
-        link_latency_s=charged.pipeline_latency_s,
+        recompute=options.recompute,
+        memory_limit_bytes=options.memory_limit_bytes,
+        link_bandwidth_bytes_per_s=_bandwidth(options.pipeline_bandwidth_bytes_per_s),
+        link_latency_s=options.pipeline_latency_s,
         optimizer=view.optimizer or "adam",
-        overhead_s=charged.per_microbatch_overhead_s,
-        fixed_costs=FixedCosts.from_record(charged.fixed_costs),
-        compute_scale=charged.compute_scale,
+        overhead_s=options.per_microbatch_overhead_s,
+        fixed_costs=FixedCosts.from_record(options.fixed_costs),
+        compute_scale=options.compute_scale,
         virtual_stages=view.virtual_stages,
         data_parallel=view.data_parallel,
-        sync_bandwidth_bytes_per_s=_bandwidth(charged.sync_bandwidth_bytes_per_s),
-        sync_latency_s=charged.sync_latency_s,
+        sync_bandwidth_bytes_per_s=_bandwidth(options.sync_bandwidth_bytes_per_s),
+        sync_latency_s=options.sync_latency_s,
         gradient_sync=view.gradient_sync,
-        concurrent_ranks=charged.concurrent_ranks or math.inf,
+        concurrent_ranks=options.concurrent_ranks or math.inf,
     )
 
 
