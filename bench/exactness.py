@@ -236,7 +236,8 @@ def section(rows, baseline, gnmt, scale, budget_s: float, loads: list[float]) ->
         "",
         "'Proven' is `optimality.proven` (no plan of the setting space is faster); the gap of an unproven "
         "plan is `step / lower bound - 1`. 'Before' is the planner of the baseline file "
-        "(same cases, same machine, recorded with `--record`). 'Solve' is wall time, 'CPU' the process's CPU "
+        "(same cases, recorded with `--record`; the searches are budgeted in work, so its plans do not depend "
+        "on the machine that recorded them). 'Solve' is wall time, 'CPU' the process's CPU "
         "time (the searches run on one thread, so other load moves it little); the budget is work "
         "(planner/budgets.py), so a solve takes its budget in CPU time, and on a busy machine more in wall time, "
         f"up to budgets.WALL_SAFETY = 3 times it, where the clock stops it ({_past_the_net(rows, budget_s)}).",
