@@ -220,6 +220,11 @@ class PlanView:
         return self.predicted.samples_per_s
 
     @property
+    def where(self) -> str:
+        """The plan as its one-line errors name it: its file, or "plan" for one solve has just made."""
+        return f"plan '{self.path}'" if self.path else "plan"
+
+    @property
     def model_name(self) -> str:
         """The model's name as printed: its name, else its factory."""
         return self.model.get("name") or self.model.get("factory") or "model"
@@ -247,7 +252,7 @@ class PlanView:
         for k, row in enumerate(self.ranks or tuple((k,) for k in range(self.num_stages))):
             if rank in row:
                 return k, row.index(rank)
-        raise BadInput(f"plan '{self.path}' places no stage on rank {rank}: it runs on {self.world_size} ranks")
+        raise BadInput(f"{self.where} places no stage on rank {rank}: it runs on {self.world_size} ranks")
 
     def replica_ranks(self, replica: int) -> list[int]:
         """The ranks of ``replica``'s stages, in stage order (its pipeline)."""

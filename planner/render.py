@@ -33,13 +33,8 @@ def check_split_times(view: PlanView) -> None:
     for c in view.chunks:
         for key in ("backward_input_s", "backward_weight_s"):
             if getattr(c, key) is None:
-                raise BadInput(f"{_where(view)}: {view.schedule} runs the backward as I and W, but "
+                raise BadInput(f"{view.where}: {view.schedule} runs the backward as I and W, but "
                                f"'chunks[{c.index}].{key}' is missing: solve the profile again")
-
-
-def _where(view: PlanView) -> str:
-    """The plan as errors name it: its file, or "plan" for the one solve has just made."""
-    return f"plan '{view.path}'" if view.path else "plan"
 
 
 def chunk_times(chunk: ChunkPlan) -> ChunkTimes:
