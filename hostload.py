@@ -167,7 +167,8 @@ def busy_hosts(load: dict[str, Any] | None) -> list[dict[str, Any]]:
 
 # What each phase of a profile's measurement was doing, as a sentence says it (profiles/profiler.py).
 PROFILE_PHASES = {"layers": "while it timed the layers", "contention": "while it timed its processes side by side",
-                  "fixed_costs": "while it timed the fixed costs' pipeline"}
+                  "fixed_costs": "while it timed the fixed costs' pipeline",
+                  "shared_cores": "while it timed ranks sharing its cores"}
 
 
 def busy_phases(load: dict[str, Any] | None) -> list[dict[str, Any]]:

@@ -158,6 +158,8 @@ class PlanOptions:
     recompute: str = "auto"
     compute_scale: float = 1.0       # layer times x this: neighbours computing side by side
     concurrent_ranks: float | None = None    # the ranks the host ran at once (None: a core each)
+    shared_core_slowdown: float = 1.0        # ... and every action's time x this there (format 9)
+    shared_core_action_s: float = 0.0        # ... plus this
     per_microbatch_overhead_s: float = 0.0
     fixed_costs: dict[str, Any] | None = None   # planner/fixedcosts.py's record
     # The pipeline's sends (None bandwidth: a free link): the placement's (format 6), else the link.
@@ -384,6 +386,8 @@ def _options(options: dict[str, Any], placement: dict[str, Any]) -> PlanOptions:
         recompute=str(options.get("recompute") or "auto"),
         compute_scale=float(options.get("compute_scale") or 1.0),
         concurrent_ranks=json_number(options.get("concurrent_ranks")),
+        shared_core_slowdown=float(options.get("shared_core_slowdown") or 1.0),
+        shared_core_action_s=float(options.get("shared_core_action_s") or 0.0),
         per_microbatch_overhead_s=float(options.get("per_microbatch_overhead_s") or 0.0),
         fixed_costs=options.get("fixed_costs"),
         pipeline_bandwidth_bytes_per_s=json_number(charged.get("pipeline_bandwidth_bytes_per_s")),

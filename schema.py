@@ -81,6 +81,10 @@ REPORT_FORMAT = "gpipe-plan.report"
 #      and its ``device.cores``: the CPUs the ranks share (more ranks than cores time-share them).
 #      ``host_load``: per phase of the measurement, the cores other processes used and took from
 #      it; a plan from a profile measured on a busy host says so.
+#  10  ``fixed_costs.shared_cores``: on a CPU host that runs at most 4 ranks at once, the probe
+#      pipeline again on twice as many processes as it runs at once, and how much slower every
+#      action runs when ranks share cores (``slowdown``, ``per_action_s``), which a plan of more
+#      ranks than cores charges (planner/timeshare.py).
 # Plan
 #   2  ``options.compute_scale``.
 #   3  the precision (``precision``, ``param_dtype``; before it, fp32).
@@ -102,6 +106,9 @@ REPORT_FORMAT = "gpipe-plan.report"
 #      ``updates_per_step``; per stage ``staleness_updates`` and ``weight_versions``;
 #      ``predicted.steady_state_period_s`` and ``fill_drain_s`` (null for a synchronous
 #      schedule). A plan before it is synchronous: 1 update a step, staleness 0, one version.
+#   9  ``options.shared_core_slowdown`` and ``shared_core_action_s``: where the ranks share cores,
+#      the factor charged on every action's time and the cost added to each (absent or null: 1
+#      and 0, as before).
 # Report
 #   2  the run's precision and, on CUDA, the allocator's reserved memory and what lies outside it.
 #   3  the per-micro-batch times move into ``chunks`` (with the halves of a split backward); its
@@ -114,9 +121,9 @@ REPORT_FORMAT = "gpipe-plan.report"
 #      it only where the probe held steady (``at_run_speed``, else ``speed_left_out``) and
 #      ``host_busy``. A version-4 headline (its prediction the speed-adjusted one) is read and
 #      shown as version 5 would make it from the report's own fields.
-FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 9, PLAN_FORMAT: 8, REPORT_FORMAT: 5}
-READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8, 9),
-                                                 PLAN_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8),
+FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 10, PLAN_FORMAT: 9, REPORT_FORMAT: 5}
+READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8, 9, 10),
+                                                 PLAN_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8, 9),
                                                  REPORT_FORMAT: (1, 2, 3, 4, 5)}
 
 
@@ -147,6 +154,9 @@ MILP_SOLVERS = ("HiGHS", "CBC")
 #   a CPU's ``device.memory_bytes`` (before 9): a CPU plan has no memory limit but ``--memory-limit``.
 #   a CPU's ``device.cores`` (before 9): its ranks are taken to have a core each (no time-sharing).
 #   ``host_load`` (before 9): how busy the host was is not known, and nothing is said of it.
+#   ``fixed_costs.shared_cores`` (before 10; ``profile --no-shared-cores``; a host that runs more
+#   than 4 ranks at once): ranks that share cores are charged no slowdown beyond the sharing
+#   itself, and a plan of more ranks than cores says so.
 RECOMPUTE_FIELDS = ("recompute_forward_s", "recompute_backward_s")
 SPLIT_FIELDS = ("backward_input_s", "backward_weight_s", "weight_kept_bytes")
 ISSUE_FIELDS = ("issue_forward_s", "issue_backward_s")          # version 9, CUDA profiles
@@ -535,6 +545,19 @@ FIXED_COSTS = Object({
     "layers": may(Items(Text(), nullable=True)),
     "configurations": may(Items(Anything(), nullable=True)),
     "seconds": may(_seconds(nullable=True)),
+    # Version 10 (profiles/fixedcosts.py, measure_shared_cores): null or absent, not measured.
+    "shared_cores": may(Object({
+        "slowdown": need(Number(1.0, MAX_RATIO)),
+        "per_action_s": may(_seconds(nullable=True)),
+        "spread": may(Table(Number(0.0, MAX_RATIO), nullable=True)),
+        "processes": need(_count(2)),
+        "concurrent_ranks": may(Number(0.0, MAX_RATIO, nullable=True)),
+        "threads_per_process": may(_count(1, nullable=True)),
+        "micro_batch_size": may(_count(1, nullable=True)),
+        "layers": may(Items(Text(), nullable=True)),
+        "configurations": may(Items(Anything(), nullable=True)),
+        "seconds": may(_seconds(nullable=True)),
+    }, nullable=True)),
 }, nullable=True)
 
 PROFILE = Object({
@@ -728,6 +751,9 @@ def _plan(solved: bool, chunked: bool) -> Object:
             "compute_scale": may(Number(0.0, MAX_RATIO, nullable=True)),
             # Version 7: the ranks the host ran at once, when fewer than K (planner/timeshare.py).
             "concurrent_ranks": may(Number(0.0, MAX_RATIO, nullable=True)),
+            # Version 9: the factor charged on every action there (profile fixed_costs.shared_cores).
+            "shared_core_slowdown": may(Number(1.0, MAX_RATIO, nullable=True)),
+            "shared_core_action_s": may(_seconds(nullable=True)),
             "devices": may(_count(1, nullable=True)),
             "data_parallel": may(Anything()),        # an integer >= 1 or "auto", as asked: only printed
             "nodes": may(_count(1, nullable=True)),

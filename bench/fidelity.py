@@ -18,8 +18,10 @@ Per cell: measured / predicted; per model and K: the default plan's measured ste
 fastest measured plan's. One profile per model serves every K (its neighbours' slowdown measured
 with as many processes as the host runs at once, ``profile``'s default). With K = 4 the 4 ranks
 share this machine's 2 cores: the plans are predicted on shared cores (planner/timeshare.py,
-docs/planner.md "More ranks than cores"), and the section gives their figures apart from those of
-K = 2, where each rank has a core, as well as together.
+docs/planner.md "More ranks than cores"), with what the profile measured of ranks sharing its
+cores (``fixed_costs.shared_cores``: every action's factor and added cost, given beside each
+model's fixed costs), and the section gives their figures apart from those of K = 2, where each
+rank has a core, as well as together.
 """
 
 from __future__ import annotations
@@ -274,7 +276,7 @@ def render(data: dict[str, Any]) -> str:
                             f"({fixed.get('executor')} executor, {fixed.get('backend')}, micro-batch "
                             f"{fixed.get('micro_batch_size')}); neighbours' slowdown {cell['contention']:.2f}; "
                             f"{'busy host: ' + busy_profile_text(busy) if busy else 'no busy phase'}. "
-                            f"Fixed costs: {figures}.\n")
+                            f"Fixed costs: {figures}." + _shared_text(fixed.get("shared_cores")) + "\n")
             for name, why in (cell.get("cannot_run") or {}).items():
                 text.append(f"{name}: not run ({why}).\n")
             mine = [c for c in rows if c["model"] == model and c["K"] == int(K)]
@@ -289,6 +291,19 @@ def render(data: dict[str, Any]) -> str:
                                   f"{c['ratio']:.3f}"] for c in mine]))
     text.append("\n![predicted vs measured](benchmarks/fidelity.svg)\n")
     return "\n".join(text) + "\n"
+
+
+def _shared_text(shared: dict[str, Any] | None) -> str:
+    """What the profile measured of ranks sharing its cores (profile format 10), as a sentence."""
+    if not shared:
+        return ""
+    fit = ", ".join(f"{c['schedule']} {c['measured_step_s'] / c['predicted_step_s']:.2f}"
+                    for c in shared.get("configurations") or [] if c.get("predicted_step_s"))
+    spread = shared.get("spread") or {}
+    return (f" Shared cores ({shared['processes']} processes, {shared.get('seconds', 0):.0f} s): every action "
+            f"{shared['slowdown']:.3f}x ± {spread.get('slowdown', 0):.3f} plus "
+            f"{(shared.get('per_action_s') or 0) * 1e6:.0f} ± {spread.get('per_action_s', 0) * 1e6:.0f} µs "
+            f"(measured / fitted step: {fit}).")
 
 
 def picture(data: dict[str, Any]) -> str:

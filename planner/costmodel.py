@@ -146,6 +146,11 @@ class Setting:
     # More ranks than cores (planner/timeshare.py): how many of the K ranks the host runs at
     # full speed at once; inf: each has cores of its own (a GPU each, or enough CPU cores).
     concurrent_ranks: float = math.inf
+    # ... and what every action costs there beyond its time on a core of its own: that time
+    # times ``shared_core_slowdown`` (the optimizer step's too), plus ``shared_core_action_s``
+    # (profile ``fixed_costs.shared_cores``); charged only when ``time_shared``.
+    shared_core_slowdown: float = 1.0
+    shared_core_action_s: float = 0.0
 
     @property
     def comm_on(self) -> bool:
@@ -156,6 +161,17 @@ class Setting:
         """Whether the K ranks share fewer cores than they are: the step is then played out on
         shared cores (planner/timeshare.py), not on a core per rank."""
         return self.concurrent_ranks < self.stages
+
+    @property
+    def action_slowdown(self) -> float:
+        """The factor on every action's and optimizer step's time: ``shared_core_slowdown`` where
+        the ranks share cores, else 1."""
+        return max(1.0, self.shared_core_slowdown) if self.time_shared else 1.0
+
+    @property
+    def action_added_s(self) -> float:
+        """What every action costs besides: ``shared_core_action_s`` where the ranks share cores, else 0."""
+        return max(0.0, self.shared_core_action_s) if self.time_shared else 0.0
 
 
 def charged_static_bytes(params_bytes: float, optimizer: str, data_parallel: int = 1,
@@ -393,8 +409,12 @@ class CostModel:
         reason = problem(setting.schedule, setting.stages, setting.micro_batches, setting.virtual_stages)
         if reason:
             raise ValueError(reason)
-        if setting.compute_scale != 1.0:
-            figures = figures.times_scaled(setting.compute_scale)
+        # The neighbours' slowdown, and sharing cores where the ranks do, slow every layer alike;
+        # sharing slows the runtime's own work per action too (its fixed costs, below), and adds
+        # a cost of its own to every action (with the cost between actions).
+        slowdown = setting.action_slowdown
+        if setting.compute_scale * slowdown != 1.0:
+            figures = figures.times_scaled(setting.compute_scale * slowdown)
         self.figures = figures
         self.setting = setting
         self.L = figures.num_layers
@@ -408,7 +428,7 @@ class CostModel:
         # Costs are clamped to >= 0 (NaN to 0) here, where every solver reads them: the solvers'
         # loops step through thresholds that only grow with a stage, and a negative cost would
         # let them walk forever (a negative calibrated overhead once did). See _cost.
-        self.overhead = _cost(setting.overhead_s)
+        self.overhead = _cost(setting.overhead_s * slowdown + setting.action_added_s)
         self.limit = setting.memory_limit_bytes
         # Prefix sums: the sum over layers [s, e) is pre[e] - pre[s].
         self.pf = _prefix(figures.forward_s)
@@ -427,7 +447,7 @@ class CostModel:
         self.overhead_recompute = self.overhead + call
         # Fixed costs per action kind (planner/fixedcosts.py), each with the cost between
         # actions; zero when the profile measured none, which leaves every figure as before.
-        fixed = setting.fixed_costs
+        fixed = setting.fixed_costs.scaled(slowdown)
         self.forward_fixed = self.overhead + _cost(fixed.forward_s)
         self.backward_fixed = {False: self.overhead + _cost(fixed.backward_s)}
         self.backward_fixed[True] = self.backward_fixed[False] + call

@@ -306,7 +306,8 @@ def _solve_point(grid: _Grid, shape: _Shape, M: int, size: int, schedule: str, r
                 st = cm.setting
                 key = (M, size, recompute, limit, st.compute_scale, st.link_bandwidth_bytes_per_s,
                        st.link_latency_s, st.data_parallel, st.sync_bandwidth_bytes_per_s,
-                       st.sync_latency_s, st.gradient_sync, st.sync_every, st.overhead_s, st.fixed_costs)
+                       st.sync_latency_s, st.gradient_sync, st.sync_every, st.overhead_s, st.fixed_costs,
+                       st.action_slowdown, st.action_added_s)
                 suffix_tables = tables.setdefault(key, {})
             sol = solve_cost_model(cm, "exact", budget_s, seeds, suffix_tables=suffix_tables)
         elif schedule not in ASYNC_SCHEDULES:

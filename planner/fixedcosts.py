@@ -58,6 +58,12 @@ class FixedCosts:
     send_s: float = 0.0
     receive_s: float = 0.0
 
+    def scaled(self, factor: float) -> "FixedCosts":
+        """Every cost times ``factor`` (ranks that share cores: planner/timeshare.py)."""
+        if factor == 1.0:
+            return self
+        return FixedCosts(**{f.name: getattr(self, f.name) * factor for f in fields(self)})
+
     @property
     def any(self) -> bool:
         return any(getattr(self, f.name) for f in fields(self))

@@ -114,6 +114,9 @@ def options_section(profile: Profile, request: SolveOptions, result: SearchResul
         "compute_scale": setting.compute_scale,
         # More ranks than cores (planner/timeshare.py): the ranks the host ran at once (null: a core each).
         "concurrent_ranks": setting.concurrent_ranks if setting.time_shared else None,
+        # ... and what every action was charged there beyond its time on a core of its own.
+        "shared_core_slowdown": setting.action_slowdown if setting.time_shared else None,
+        "shared_core_action_s": setting.action_added_s if setting.time_shared else None,
         "optimizer": request.optimizer,
         "solver": request.solver,
         "virtual_stages": request.virtual_stages,
@@ -285,13 +288,19 @@ def plan_warnings(profile: Profile, best: Candidate, ev: Evaluation, proven: boo
             "without --no-fixed-costs")
     if setting.time_shared:
         ranks = setting.stages * setting.data_parallel
+        measured = profile.shared_core_slowdown is not None
+        slower = (f"every action {setting.action_slowdown:.2f}x slower than on a core of its own and "
+                  f"{format_seconds(setting.action_added_s)} longer, as the profile measured with ranks sharing its "
+                  "cores" if measured else
+                  "the profile did not measure how much slower ranks run there (profile format 10, "
+                  "'--shared-cores'), so it runs slower than predicted")
         warnings.append(
             f"the {ranks} ranks share {profile.host_cores} core{'s' if profile.host_cores != 1 else ''} of the "
             f"profiled host, which runs {setting.concurrent_ranks * setting.data_parallel:g} at once: the step is "
             f"predicted with the cores shared fairly among the ranks computing ({format_seconds(ev.step_s)}, against "
-            f"{format_seconds(ev.dedicated_step_s or ev.step_s)} with a core each), which the kernel does in slices "
-            "the model does not see, so it runs slower than predicted (docs/planner.md, \"More ranks than "
-            "cores\"); as many stages as cores, or fewer, avoid it")
+            f"{format_seconds(ev.dedicated_step_s or ev.step_s)} were no more of them computing at once than it "
+            f"runs), {slower} (docs/planner.md, \"More ranks than cores\"); as many stages as cores, or fewer, "
+            "avoid it")
     busy = busy_phases(profile.doc.get("host_load"))
     if busy:
         warnings.append(

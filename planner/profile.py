@@ -155,6 +155,10 @@ class Profile:
         self.fixed_costs: FixedCosts | None = FixedCosts.from_record(fixed) if isinstance(fixed, dict) else None
         between = fixed.get("between_actions_s") if isinstance(fixed, dict) else None
         self.between_actions_s: float | None = float(between) if between is not None else None
+        # How much slower every action runs where ranks share cores (version 10; None: not measured).
+        shared = fixed.get("shared_cores") if isinstance(fixed, dict) else None
+        self.shared_core_slowdown: float | None = float(shared["slowdown"]) if isinstance(shared, dict) else None
+        self.shared_core_action_s: float = float(shared.get("per_action_s") or 0.0) if isinstance(shared, dict) else 0.0
         self.contention_slowdown, self.contention_processes = _contention(doc, where)
         self.recompute_call_s = _recompute_call(doc, where, self.layers)
         self.precision, self.param_dtype = precision_of(doc, where)

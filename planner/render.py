@@ -128,6 +128,10 @@ def render_plan(view: PlanView, console: Console) -> None:
     if scale != 1.0:
         console.print(f"layer times x{scale:.3f}: stages computing side by side are slower than the profile's "
                       "one process (its measured 'contention')", highlight=False)
+    if options.shared_core_slowdown != 1.0 or options.shared_core_action_s:
+        console.print(f"every action x{options.shared_core_slowdown:.3f} + {format_seconds(options.shared_core_action_s)}: "
+                      "the ranks share the host's cores, where each runs slower than on a core of its own (the "
+                      "profile's measured 'shared_cores')", highlight=False)
     console.print(
         f"predicted step [bold]{format_seconds(pred.step_s)}[/bold], "
         f"bubble {format_percent(pred.bubble_fraction, 1)}, "

@@ -136,7 +136,9 @@ def cost_setting(profile: Profile, *, stages: int, micro_batches: int, schedule:
     from a profile without fixed costs, with several stages only); every layer time is scaled
     for the processes computing beside it on the host, the stages of all the replicas there
     (``sync.neighbours``), of which no more than the host's cores run at once; where the host
-    has fewer cores than ranks, the ranks share them (planner/timeshare.py, ``concurrent_ranks``);
+    has fewer cores than ranks, the ranks share them (planner/timeshare.py, ``concurrent_ranks``)
+    and every action runs as much slower as the profile measured there (``shared_core_slowdown``,
+    ``shared_core_action_s``);
     and each stage's gradient sync as ``sync`` says.
     """
     on_host = sync.neighbours(stages)
@@ -159,6 +161,8 @@ def cost_setting(profile: Profile, *, stages: int, micro_batches: int, schedule:
         gradient_sync=sync.gradient_sync,
         sync_every=sync.sync_every,
         concurrent_ranks=concurrent_ranks_of(profile.host_cores, profile.threads_per_rank, on_host, stages),
+        shared_core_slowdown=profile.shared_core_slowdown or 1.0,
+        shared_core_action_s=profile.shared_core_action_s,
     )
 
 

@@ -27,9 +27,12 @@ program), so:
 
 The step adds the optimizer's tail as the dedicated model computes it (the next step's fill
 hides what it hides there; the optimizer steps are a small part of a step and their sharing is
-not modelled). The kernel shares in slices of a few milliseconds rather than fluidly, and a
-rank woken by a message may wait for a slice to end, so real runs take longer than this model
-(docs/benchmarks/fidelity.md measures by how much); a plan that time-shares says so.
+not modelled). Sharing also costs more than the share itself: a rank's caches are cold when it
+gets its core back, the kernel hands cores over in slices of milliseconds, and a rank woken by a
+message may wait for one to end. That is measured, not modelled here: the profile times ranks
+sharing its cores (``fixed_costs.shared_cores``, profiles/fixedcosts.py) and the cost model
+charges every action what it found (``Setting.shared_core_slowdown`` and
+``shared_core_action_s``) before this plays the step out; a plan that time-shares says so.
 """
 
 from __future__ import annotations

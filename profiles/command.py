@@ -65,7 +65,7 @@ def profile_command(model: str, **options: Any) -> None:
                              split_backward=o.split_backward_timing,
                              precision=chosen, share_figures=not o.measure_every_layer,
                              whole_model_check=o.whole_model_check, layer_by_layer=o.layer_by_layer,
-                             fixed_costs=o.fixed_costs)
+                             fixed_costs=o.fixed_costs, shared_cores=o.shared_cores)
 
     err = Console(stderr=True)
     try:

@@ -37,6 +37,19 @@ The spread of each figure is that of the same fit on each measured step alone (i
 the fitted model explains the very runs it came from.
 
 It takes seconds: the processes start once and run every configuration in turn.
+
+Ranks that share cores (:func:`measure_shared_cores`, the profile's ``fixed_costs.shared_cores``).
+A plan of more ranks than its host runs at once is played out on shared cores
+(planner/timeshare.py), and the runs are slower still than that sharing: a rank's caches are
+cold when it gets its core back, and the kernel hands cores over in slices. So on a CPU host
+that runs at most half of :data:`MAX_SHARED_PROCESSES` ranks at once, the same probe runs again
+on twice as many processes as it runs at once (one chunk each: 1F1B, zb-h1, GPipe; its steps
+back to back, as a run takes them, since a rank that is done with a step competes for the
+cores with the ranks still in it), and
+:func:`fit_shared_slowdown` finds what every action costs there beyond its time on a core of
+its own (layers and fixed costs as a core of its own measured them): that time times a factor,
+plus a cost of its own, the pair that makes the planner's time-shared steps of those runs
+match the measured ones. Plans of more ranks than cores charge both.
 """
 
 from __future__ import annotations
@@ -65,6 +78,17 @@ WARMUP_STEPS = 3
 MEASURED_STEPS = 8
 # The receive figure is searched in [0, this]: far above what a message costs on any machine.
 MAX_RECEIVE_S = 0.05
+# Ranks that share cores (measure_shared_cores): twice as many processes as the host runs at
+# once, on hosts that run at most half this many (more would take longer than the figure is
+# worth: a plan of more stages than such a host's cores is rare); these schedules (one chunk per
+# stage: a window of a few layers cut into twice the host's cores); the slowdown searched in
+# [1, MAX_SHARED_SLOWDOWN], the cost added to each action in [0, MAX_SHARED_ACTION_S].
+MAX_SHARED_PROCESSES = 8
+SHARED_CONFIGURATIONS = (("1f1b", 1), ("zb-h1", 1), ("gpipe", 1))
+MAX_SHARED_SLOWDOWN = 4.0
+MAX_SHARED_ACTION_S = 0.005
+# Steps back to back vary more than steps after a barrier: twice as many measured.
+SHARED_MEASURED_STEPS = 16
 IQR_PER_SIGMA = 1.349
 KINDS = ("forward", "backward", "backward_input", "backward_weight")
 
@@ -76,30 +100,37 @@ class Probe:
     schedule: str
     virtual_stages: int
     bounds: tuple[int, ...]        # chunk boundaries within the window: 0 = b0 < ... < bC = layers
+    stages: int = STAGES
+    # Steps back to back, as `run` takes them (no barrier between two: a rank starts its next
+    # step once it is done with this one), rather than each after a barrier.
+    back_to_back: bool = False
+    measured_steps: int = MEASURED_STEPS
 
     @property
     def chunks(self) -> int:
         return len(self.bounds) - 1
 
 
-def probes(layers: int) -> list[Probe]:
-    """The runs for a window of ``layers`` layers: each configuration whose chunks have a layer
-    each, cut into chunks of (nearly) equal layer counts."""
+def probes(layers: int, stages: int = STAGES, configurations=CONFIGURATIONS, back_to_back: bool = False,
+           measured_steps: int = MEASURED_STEPS) -> list[Probe]:
+    """The runs for a window of ``layers`` layers on ``stages`` processes: each configuration
+    whose chunks have a layer each, cut into chunks of (nearly) equal layer counts."""
     out = []
-    for schedule, v in CONFIGURATIONS:
-        C = STAGES * chunks_per_stage(schedule, v)
+    for schedule, v in configurations:
+        C = stages * chunks_per_stage(schedule, v)
         if C <= layers:
-            out.append(Probe(schedule, v, tuple(c * layers // C for c in range(C + 1))))
+            out.append(Probe(schedule, v, tuple(c * layers // C for c in range(C + 1)), stages, back_to_back,
+                             measured_steps))
     return out
 
 
-def window(doc: dict[str, Any], size_index: int) -> tuple[int, int]:
-    """The layers [first, end) the probe runs: the whole model when it has at most
-    :data:`MAX_LAYERS` layers, else the run of that many whose forward and backward take least
-    (the cheapest: the probe stays short whatever the model; the first layer's inputs are then
-    activations, made by running the layers before it once)."""
+def window(doc: dict[str, Any], size_index: int, layers: int = MAX_LAYERS) -> tuple[int, int]:
+    """The layers [first, end) the probe runs: the whole model when it has at most ``layers``
+    layers, else the run of that many whose forward and backward take least (the cheapest:
+    the probe stays short whatever the model; the first layer's inputs are then activations,
+    made by running the layers before it once)."""
     L = len(doc["layers"])
-    n = min(L, MAX_LAYERS)
+    n = min(L, layers)
     work = [layer["forward_s"][size_index] + layer["backward_s"][size_index] for layer in doc["layers"]]
     first = min(range(L - n + 1), key=lambda a: (sum(work[a:a + n]), a))
     return first, first + n
@@ -131,6 +162,45 @@ def measure_fixed_costs(spec: dict[str, Any], doc: dict[str, Any], threads: int 
                  micro_batch_size=sizes[size_index], layers=[layer["name"] for layer in doc["layers"][first:end]],
                  seconds=time.perf_counter() - started)
     return fixed
+
+
+def shared_processes(cores: int | None, threads: int, layers: int) -> int:
+    """How many processes :func:`measure_shared_cores` runs on a host of ``cores`` (each process
+    ``threads`` threads) for a model of ``layers`` layers: twice as many as the host runs at
+    once; 0 where it measures nothing (cores not known, more than :data:`MAX_SHARED_PROCESSES`
+    needed, or fewer layers than processes: each process holds one chunk of a layer or more)."""
+    if not cores:
+        return 0
+    processes = 2 * max(1, cores // max(1, threads))
+    return processes if processes <= MAX_SHARED_PROCESSES and processes <= layers else 0
+
+
+def measure_shared_cores(spec: dict[str, Any], doc: dict[str, Any], processes: int, threads: int = 1,
+                         seed: int = 0, precision: Precision | None = None, timeout_s: float = 300.0
+                         ) -> dict[str, Any]:
+    """The profile's ``fixed_costs.shared_cores``: the probe pipeline on ``processes`` processes,
+    twice as many as the host runs at once (:func:`shared_processes`), and
+    :func:`fit_shared_slowdown` on it; after :func:`measure_fixed_costs` (``doc["fixed_costs"]``
+    is what a core of its own costs, and this measures what sharing adds). CPU only (gloo, the
+    native executor): a GPU per rank shares nothing."""
+    started = time.perf_counter()
+    sizes = doc["micro_batch_sizes"]
+    size_index = len(sizes) // 2
+    first, end = window(doc, size_index, max(MAX_LAYERS, processes))
+    runs = probes(end - first, processes, SHARED_CONFIGURATIONS, back_to_back=True, measured_steps=SHARED_MEASURED_STEPS)
+    if not runs:
+        raise ValueError(f"a window of {end - first} layers cannot be cut for {processes} processes")
+    returned = run_workers(_worker, processes, (_free_port(), spec, seed, precision or Precision(), threads,
+                                                (first, end), sizes[size_index], runs, "gloo", "native", 0),
+                           timeout_s, f"timing ranks that share cores in a {processes}-process pipeline")
+    if len(returned) != processes:
+        raise RuntimeError(f"{processes - len(returned)} of the {processes} processes timing shared cores "
+                           "returned nothing")
+    measured = [ProbeRun.merge(p, [r[1][i] for r in sorted(returned, key=lambda r: r[0])]) for i, p in enumerate(runs)]
+    shared = fit_shared_slowdown(doc, (first, end), size_index, measured)
+    shared.update(processes=processes, threads_per_process=threads, micro_batch_size=sizes[size_index],
+                  layers=[layer["name"] for layer in doc["layers"][first:end]], seconds=time.perf_counter() - started)
+    return shared
 
 
 @dataclass
@@ -175,8 +245,55 @@ def fit_fixed_costs(doc: dict[str, Any], layers: tuple[int, int], size_index: in
     return {**whole, "spread": spread, "compute_scale": models[0].scale, "configurations": configurations}
 
 
+def fit_shared_slowdown(doc: dict[str, Any], layers: tuple[int, int], size_index: int,
+                        runs: Sequence[ProbeRun]) -> dict[str, Any]:
+    """What every action costs on shared cores beyond its time on a core of its own (its layers
+    and its fixed costs, ``doc["fixed_costs"]`` as a core of its own measured them): that time
+    times ``slowdown`` (never below 1: a cache a rank finds cold, bandwidth it shares), plus
+    ``per_action_s`` (never below 0: the core handed back to a rank that blocked at the end of
+    an action). The pair that makes the planner's time-shared steps of ``runs``
+    (planner/timeshare.py) match their measured steps best, in the least squares of the
+    logarithm of their ratio; with its spread (the same fit on each measured step alone) and
+    each run's measured and predicted step at that pair. The runs tell the two apart by their
+    actions: zb-h1 cuts the same work into three actions per micro-batch where 1F1B and GPipe
+    cut it into two."""
+    from ..planner.fixedcosts import FixedCosts
+
+    record = doc.get("fixed_costs") or {}
+    fixed = FixedCosts.from_record(record)
+    between = float(record.get("between_actions_s") or 0.0)
+    models = [_ProbeModel(doc, layers, size_index, run.probe) for run in runs]
+
+    def fit(step: int | None) -> tuple[float, float]:
+        def misfit(slowdown: float, added: float) -> float:
+            return sum(math.log(model.step_s(fixed, between, slowdown, added) / run.measured_step_s(step)) ** 2
+                       for model, run in zip(models, runs) if run.measured_step_s(step) > 0)
+
+        def best_slowdown(added: float) -> float:
+            return _golden_minimum(lambda x: misfit(x, added), 1.0, MAX_SHARED_SLOWDOWN, iterations=14)
+
+        added = _golden_minimum(lambda a: misfit(best_slowdown(a), a), 0.0, MAX_SHARED_ACTION_S, iterations=14)
+        return best_slowdown(added), added
+
+    slowdown, added = fit(None)
+    steps = runs[0].steps()
+    per_step = [fit(step) for step in steps] if len(steps) >= SPREAD_STEPS else []
+    configurations = [{"schedule": run.probe.schedule, "virtual_stages": run.probe.virtual_stages,
+                       "chunks": run.probe.chunks, "micro_batches": MICRO_BATCHES,
+                       "measured_step_s": run.measured_step_s(),
+                       "predicted_step_s": model.step_s(fixed, between, slowdown, added)}
+                      for model, run in zip(models, runs)]
+    return {"concurrent_ranks": models[0].concurrent_ranks, "slowdown": slowdown, "per_action_s": added,
+            "spread": {"slowdown": _spread([f[0] for f in per_step]), "per_action_s": _spread([f[1] for f in per_step])},
+            "configurations": configurations}
+
+
+# A spread needs the fits of this many steps at least (an IQR of fewer says nothing): 0 below.
+SPREAD_STEPS = 4
+
+
 def _spread(values: list[float]) -> float:
-    if len(values) < 4:
+    if len(values) < SPREAD_STEPS:
         return 0.0
     q1, _, q3 = statistics.quantiles(values, n=4)
     return max(0.0, (q3 - q1) / IQR_PER_SIGMA)
@@ -295,12 +412,14 @@ class _ProbeModel:
         link = self.profile.link_bandwidth_bytes_per_s
         # What a plan of this run would be charged besides its layers (the neighbours' slowdown,
         # the link, shared cores on a host of one), with the fixed costs being fitted.
-        charged = cost_setting(self.profile, stages=STAGES, micro_batches=MICRO_BATCHES, schedule=probe.schedule,
+        charged = cost_setting(self.profile, stages=probe.stages, micro_batches=MICRO_BATCHES, schedule=probe.schedule,
                                virtual_stages=probe.virtual_stages, recompute="never", memory_limit_bytes=None,
                                link_bandwidth_bytes_per_s=link or math.inf,
                                link_latency_s=self.profile.link_latency_s if link else 0.0, optimizer="adam")
         self.scale = charged.compute_scale
-        self._setting = lambda fixed, overhead: replace(charged, overhead_s=overhead, fixed_costs=fixed)
+        self.concurrent_ranks = charged.concurrent_ranks
+        self._setting = lambda fixed, overhead, slowdown=1.0, added=0.0: replace(
+            charged, overhead_s=overhead, fixed_costs=fixed, shared_core_slowdown=slowdown, shared_core_action_s=added)
         self._cost_model = CostModel
         self.bare = CostModel(self.profile.at(self.size), self._setting(_zero(), 0.0))
         self._layer_times = {c: self.bare.chunk_times(c, probe.bounds[c], probe.bounds[c + 1], False)
@@ -316,12 +435,15 @@ class _ProbeModel:
         m = self.bare.messages[chunk]
         return bool(m.forward_sends if kind == "forward" else m.backward_sends if kind != "backward_weight" else 0)
 
-    def step_s(self, fixed: Any, between_s: float) -> float:
-        """The planner's makespan of this run with these fixed costs (the probe runs no optimizer)."""
+    def step_s(self, fixed: Any, between_s: float, shared_slowdown: float = 1.0, shared_added_s: float = 0.0) -> float:
+        """The planner's makespan of this run with these fixed costs (the probe runs no optimizer),
+        every action ``shared_slowdown`` times slower and ``shared_added_s`` longer where its
+        processes share cores."""
         from ..planner.objective import evaluate
 
-        cm = self._cost_model(self.profile.at(self.size), self._setting(fixed, between_s))
-        return evaluate(cm, self.probe.bounds, [False] * STAGES).makespan_s
+        cm = self._cost_model(self.profile.at(self.size),
+                              self._setting(fixed, between_s, shared_slowdown, shared_added_s))
+        return evaluate(cm, self.probe.bounds, [False] * self.probe.stages).makespan_s
 
 
 def _zero():
@@ -354,7 +476,7 @@ def _worker(rank: int, port: int, spec: dict[str, Any], seed: int, precision: Pr
         else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=STAGES)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=runs[0].stages)
     try:
         model = build_model(spec, seed=seed, materialize=())
         precision.cast(model)
@@ -400,31 +522,33 @@ def _cut_metas(model: Any, layers: tuple[int, int], xs: tuple[torch.Tensor, ...]
 def _run(rank: int, probe: Probe, model: Any, first: int, metas: list, inputs: tuple[torch.Tensor, ...],
          targets: torch.Tensor, loss_fn: Any, precision: Precision, device: torch.device, executor: str,
          Chunk: Any, ChunkModule: Any, SpanRecorder: Any) -> dict[str, Any]:
-    """One probe run on this rank: warm-up steps, then measured steps, each after a barrier."""
+    """One probe run on this rank: warm-up steps, then measured steps, each after a barrier (or,
+    ``back_to_back``, one after the other, each timed from the end of the one before on this rank)."""
     import torch.distributed as dist
 
     C = probe.chunks
     chunks = []
     for c in range(C):
-        if stage_of_chunk(probe.schedule, c, STAGES) != rank:
+        if stage_of_chunk(probe.schedule, c, probe.stages) != rank:
             continue
         s, e = probe.bounds[c], probe.bounds[c + 1]
         layers = [model.layers[first + i] for i in range(s, e)]
         module = ChunkModule(layers, autocast=lambda: precision.autocast(device.type))
         chunks.append(Chunk(index=c, num_chunks=C, stage=rank, module=module, input_meta=metas[s],
                             output_meta=metas[e], global_to_local={}, unowned={}))
-    actions = all_actions(probe.schedule, STAGES, MICRO_BATCHES, probe.virtual_stages)
+    actions = all_actions(probe.schedule, probe.stages, MICRO_BATCHES, probe.virtual_stages)
     recorder = SpanRecorder(rank, device)
-    run = _executor(executor, chunks, actions, rank, loss_fn, device, recorder)
+    run = _executor(executor, chunks, actions, rank, probe.stages, loss_fn, device, recorder)
     holds_first = any(c.is_first for c in chunks)
     holds_last = any(c.is_last for c in chunks)
     step_s: list[float] = []
     dist.barrier()
     recorder.start_clock()
-    for step in range(WARMUP_STEPS + MEASURED_STEPS):
+    for step in range(WARMUP_STEPS + probe.measured_steps):
         measured = step - WARMUP_STEPS
         recorder.step = measured
-        dist.barrier()
+        if not probe.back_to_back or step == 0:
+            dist.barrier()
         start = recorder.now()
         run.step(inputs if holds_first else None, targets if holds_last else None)
         step_s.append(recorder.now() - start)
@@ -435,7 +559,7 @@ def _run(rank: int, probe: Probe, model: Any, first: int, metas: list, inputs: t
     return {"step_s": step_s[WARMUP_STEPS:], "spans": spans}
 
 
-def _executor(name: str, chunks: list, actions: list, rank: int, loss_fn: Any, device: torch.device,
+def _executor(name: str, chunks: list, actions: list, rank: int, stages: int, loss_fn: Any, device: torch.device,
               recorder: Any) -> Any:
     """The executor ``run`` would use here (runtime/train.py: native on gloo, torch's on CUDA)."""
     if name == "torch":
@@ -445,6 +569,6 @@ def _executor(name: str, chunks: list, actions: list, rank: int, loss_fn: Any, d
     from ..runtime.executor import NativeExecutor
     from ..runtime.p2p import Neighbours
 
-    return NativeExecutor(chunks, actions, rank, MICRO_BATCHES, loss_fn, Neighbours(rank, STAGES, device, 120.0),
+    return NativeExecutor(chunks, actions, rank, MICRO_BATCHES, loss_fn, Neighbours(rank, stages, device, 120.0),
                           recorder)
 

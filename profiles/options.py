@@ -96,6 +96,11 @@ class ProfileOptions:
         "--fixed-costs/--no-fixed-costs", default=True, show_default=True,
         help="Also run a short 2-process pipeline of the model's layers to measure what the runtime costs per "
              "action and message, which plans charge (seconds; see docs/profile-format.md).")
+    shared_cores: bool = option(
+        "--shared-cores/--no-shared-cores", default=True, show_default=True,
+        help="With --fixed-costs, on a CPU host that runs at most 4 ranks at once: run that pipeline again on twice "
+             "as many processes as the host runs at once, to measure how much slower ranks run where they share "
+             "cores, which plans of more stages than cores charge (seconds).")
     layer_by_layer: bool | None = option(
         "--layer-by-layer/--whole-model",
         help="Layer by layer: only the layer being measured is in memory, and layers that are alike (same code, "

@@ -89,6 +89,9 @@ class ProfileRequest:
     # Also run a short 2-process pipeline of the model's layers to measure the runtime's fixed
     # costs per action and message (profiles/fixedcosts.py; the CLI's default, off here).
     fixed_costs: bool = False
+    # ... and, on a CPU host that runs at most 4 ranks at once, again on twice as many processes
+    # as it runs at once: how much slower ranks run where they share cores (the CLI's default).
+    shared_cores: bool = False
     precision: Precision = field(default_factory=Precision)
     # Warm up for at least this long (None: 1 s on a GPU, whose clock ramps up under load; 0 on a CPU).
     warmup_s: float | None = None
@@ -186,7 +189,7 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
     split_units = 6 * len(sizes) * rounds * sum(1 for i in walk.measured if i > 0) if request.split_backward else 0
     progress.begin(len(walk.measured) * (len(sizes) * rounds * units_per_size + 1) + split_units
                    + (len(sizes) * rounds * 2 if check_whole else 0)
-                   + (1 if request.measure_link else 0) + (1 if contention else 0) + (1 if request.fixed_costs else 0))
+                   + (1 if request.measure_link else 0) + (1 if contention else 0) + _fixed_cost_phases(request, model))
     clock = clock_for(device, request.threads)
     measured = {i: _measure_layer(model, i, walk.inputs.pop(i), [t for _, t in batches], sizes, request, clock,
                                   progress) for i in walk.measured}
@@ -252,6 +255,11 @@ def _finish(doc: dict[str, Any], request: ProfileRequest, progress: Progress, pr
         started = host_sample(children=True)
         _measure_fixed_costs(doc, request, progress)
         loads.add("fixed_costs", started, STAGES * request.threads)
+        processes = _shared_processes(request, len(doc["layers"]))
+        if processes:
+            started = host_sample(children=True)
+            _measure_shared_cores(doc, request, progress, processes)
+            loads.add("shared_cores", started, processes * request.threads)
     if loads.phases:
         doc["host_load"] = {"phases": loads.phases}
     if context_bytes is not None:
@@ -290,6 +298,35 @@ def _measure_fixed_costs(doc: dict[str, Any], request: ProfileRequest, progress:
                                              request.device)
 
 
+def _shared_processes(request: ProfileRequest, layers: int) -> int:
+    """The processes the shared-cores measurement runs (profiles/fixedcosts.py,
+    ``shared_processes``); 0: it does not run (not asked, not a CPU, or a host or model it does
+    not fit)."""
+    if not (request.fixed_costs and request.shared_cores) or request.device.type != "cpu":
+        return 0
+    from ..hostload import usable_cores
+    from .fixedcosts import shared_processes
+
+    return shared_processes(usable_cores(), request.threads, layers)
+
+
+def _fixed_cost_phases(request: ProfileRequest, model: LayeredModel) -> int:
+    """The progress units of the fixed-cost measurements: one per pipeline they run."""
+    if not request.fixed_costs:
+        return 0
+    return 1 + (1 if _shared_processes(request, len(model.layers)) else 0)
+
+
+def _measure_shared_cores(doc: dict[str, Any], request: ProfileRequest, progress: Progress, processes: int) -> None:
+    """How much slower ranks run where they share the host's cores (profiles/fixedcosts.py), after
+    the fixed costs: the same pipeline on ``processes`` processes, twice what the host runs at once."""
+    from .fixedcosts import measure_shared_cores
+
+    progress.step(f"shared cores: the pipeline again on {processes} processes, twice what this host runs at once")
+    doc["fixed_costs"]["shared_cores"] = measure_shared_cores(request.spec, doc, processes, request.threads,
+                                                              request.seed, request.precision)
+
+
 def _layer_by_layer(request: ProfileRequest, model: LayeredModel) -> bool:
     if request.layer_by_layer is not None:
         return request.layer_by_layer
@@ -322,7 +359,7 @@ def _profile_in_memory(model: LayeredModel, request: ProfileRequest, progress: P
     runs_per_round = len(model.layers) + 2 + (len(model.layers) + 1 if request.recompute else 0)
     split_runs_per_round = len(model.layers) if request.split_backward else 0   # the harness, layers 1..
     progress.begin(len(sizes) * rounds * (2 * runs_per_round + 3 * split_runs_per_round) + 1 + (1 if request.measure_link else 0)
-                   + (1 if contention else 0) + (1 if request.fixed_costs else 0))
+                   + (1 if contention else 0) + _fixed_cost_phases(request, model))
     # Every size is prepared first and all are timed in the same rounds (see _time_sizes).
     announce(f"measuring {counted(len(model.layers), 'layer')} at sizes {','.join(map(str, sizes))}: memory, "
              f"then {rounds} timed round{'s' if rounds != 1 else ''}")

@@ -67,6 +67,9 @@ def render_profile(doc: dict[str, Any], console: Console) -> None:
     fixed = _fixed_costs_line(doc.get("fixed_costs"))
     if fixed:
         console.print(fixed, highlight=False)
+    shared = _shared_cores_line(doc.get("fixed_costs"))
+    if shared:
+        console.print(shared, highlight=False)
     busy = _host_load_line(doc.get("host_load"))
     if busy:
         console.print(busy, highlight=False)
@@ -103,6 +106,21 @@ def _fixed_costs_line(fixed: Any) -> str | None:
             f"{format_seconds(fixed.get('between_actions_s'))}; per message sent "
             f"{format_seconds(fixed.get('send_s'))}, received {format_seconds(fixed.get('receive_s'))}; plans charge "
             f"them on every action" + (f" (measured / fitted step of the runs: {fit})" if fit else ""))
+
+
+def _shared_cores_line(fixed: Any) -> str | None:
+    """How much slower ranks ran where they shared the host's cores (profile version 10)."""
+    shared = fixed.get("shared_cores") if isinstance(fixed, dict) else None
+    if not isinstance(shared, dict):
+        return None
+    fit = ", ".join(f"{r['schedule']} {r['measured_step_s'] / r['predicted_step_s']:.2f}"
+                    for r in shared.get("configurations") or [] if r.get("predicted_step_s"))
+    at_once = shared.get("concurrent_ranks")
+    return (f"shared cores: {shared.get('processes')} processes where the host runs "
+            f"{'?' if at_once is None else format(at_once, 'g')} at once ({format_seconds(shared.get('seconds'))} to measure): "
+            f"every action {shared['slowdown']:.2f}x its time on a core of its own plus "
+            f"{format_seconds(shared.get('per_action_s') or 0.0)}; plans of more ranks than cores charge them"
+            + (f" (measured / fitted step: {fit})" if fit else ""))
 
 
 def _sharing_line(layers: list[dict[str, Any]]) -> str | None:

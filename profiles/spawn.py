@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from multiprocessing.connection import wait as wait_for
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
@@ -18,6 +19,8 @@ from ..lifeline import Tethered
 
 # Shared objects a worker needs (a barrier) must come from the context the workers start in.
 SPAWN = mp.get_context("spawn")
+# How often the parent looks for results while its workers run.
+POLL_S = 0.05
 
 
 def run_workers(target: Callable[..., None], count: int, shared: tuple, timeout_s: float, what: str) -> list[Any]:
@@ -44,14 +47,23 @@ def run_workers(target: Callable[..., None], count: int, shared: tuple, timeout_
         else:
             os.environ["PYTHONWARNINGS"] = previous
     deadline = time.monotonic() + timeout_s
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
+    out: list[Any] = []
+    # Read what the workers put while they run: a worker writing more than the pipe holds (64 KiB
+    # on Linux) blocks until it is read, and would never exit for a join to see.
+    while True:
+        while not results.empty():
+            out.append(results.get())
+        alive = [p for p in procs if p.is_alive()]
+        if not alive or time.monotonic() >= deadline:
+            break
+        wait_for([p.sentinel for p in alive], timeout=POLL_S)
     for p in procs:
         if p.is_alive():
             p.kill()
+        p.join()
+    # A worker killed or failed may have left half a message: read on only after clean exits.
     if any(p.exitcode != 0 for p in procs):
         raise RuntimeError(f"the {count} processes {what} failed (exit codes {[p.exitcode for p in procs]})")
-    out = []
     while not results.empty():
         out.append(results.get())
     return out

@@ -2,7 +2,7 @@
 
 A plan's ``options`` keep every figure the solver charged (the link, the per-micro-batch
 overhead and the fixed costs per action and message, the neighbours' compute scale, the ranks
-the host ran at once, the memory limit, the optimizer) and its
+the host ran at once and how much slower they ran, the memory limit, the optimizer) and its
 ``placement`` what the gradient syncs of its replicas were charged: with the profile's layers
 they give back the very cost model that chose the plan, to price another split.
 """
@@ -35,6 +35,8 @@ def plan_setting(view: PlanView) -> Setting:
         sync_latency_s=options.sync_latency_s,
         gradient_sync=view.gradient_sync,
         concurrent_ranks=options.concurrent_ranks or math.inf,
+        shared_core_slowdown=options.shared_core_slowdown,
+        shared_core_action_s=options.shared_core_action_s,
     )
 
 

@@ -316,6 +316,38 @@ def test_the_fit_never_goes_below_zero_and_says_how_much_it_spreads() -> None:
     assert fit["spread"]["forward_s"] > 0 or fit["spread"]["backward_s"] > 0
 
 
+def test_the_shared_fit_recovers_the_costs_that_made_the_runs() -> None:
+    """Runs on 4 processes of a 2-core host whose steps are the planner's own time-shared steps
+    with every action 1.35x slower, or 1.2x slower and 0.4 ms longer: the fit gives them back
+    (zb-h1's three actions per micro-batch against two tell the two figures apart); runs faster
+    than sharing alone can explain give 1 and 0, never less."""
+    from gpipe_plan.profiles.fixedcosts import (MEASURED_STEPS, SHARED_CONFIGURATIONS, ProbeRun, _ProbeModel,
+                                                fit_shared_slowdown, probes, shared_processes, window)
+
+    doc = profile_doc(L=6, batch_size=4, device={"type": "cpu", "name": "synthetic", "threads": 1, "cores": 2},
+                      fixed_costs=FIXED_RECORD)
+    assert shared_processes(2, 1, 6) == 4 and shared_processes(2, 2, 6) == 2
+    assert shared_processes(8, 1, 64) == 0 and shared_processes(2, 1, 3) == 0 and shared_processes(None, 1, 6) == 0
+    first, end = window(doc, 1, 6)
+    fixed = FixedCosts.from_record(FIXED_RECORD)
+    for slowdown, added, scale, want in ((1.35, 0.0, 1.0, (1.35, 0.0)), (1.2, 4e-4, 1.0, (1.2, 4e-4)),
+                                         (1.0, 0.0, 0.8, (1.0, 0.0))):
+        runs = []
+        for probe in probes(end - first, 4, SHARED_CONFIGURATIONS):
+            model = _ProbeModel(doc, (first, end), 1, probe)
+            step = model.step_s(fixed, FIXED_RECORD["between_actions_s"], slowdown, added)
+            # one step's spans: too few for a spread, which the fit then leaves at 0 unmeasured
+            runs.append(ProbeRun(probe, [[step * scale] * MEASURED_STEPS] * 4, [[(0, "forward", 0, 0.0, 0.0)]] * 4))
+        assert [r.probe.schedule for r in runs] == ["1f1b", "zb-h1", "gpipe"]
+        fit = fit_shared_slowdown(doc, (first, end), 1, runs)
+        assert fit["concurrent_ranks"] == 2
+        assert fit["slowdown"] == pytest.approx(want[0], rel=0.01), fit
+        assert fit["per_action_s"] == pytest.approx(want[1], abs=2e-5), fit
+        assert fit["spread"] == pytest.approx({"slowdown": 0.0, "per_action_s": 0.0}, abs=1e-6)
+        for c in fit["configurations"]:
+            assert c["measured_step_s"] == pytest.approx(c["predicted_step_s"] * scale, rel=2e-3)
+
+
 # --------------------------------------------------------------------------- profile, for real
 TINY = ["gpt", "--layers", "2", "--width", "16", "--heads", "2", "--seq-len", "8", "--micro-batch-sizes", "1,2",
         "--repeats", "2", "--warmup", "1", "--contention-processes", "0", "--no-recompute-timing"]
@@ -338,6 +370,20 @@ def test_profile_measures_the_fixed_costs_with_a_real_pipeline(tmp_path: Path) -
         ("1f1b", 2), ("zb-h1", 2), ("interleaved", 4), ("zb-v", 4)]
     assert all(c["measured_step_s"] > 0 and c["predicted_step_s"] > 0 for c in fixed["configurations"])
     assert 0 < fixed["seconds"] < 300
+    # ... and again on twice the processes this host runs at once, where it runs at most 4
+    from gpipe_plan.hostload import usable_cores
+    from gpipe_plan.profiles.fixedcosts import shared_processes
+
+    processes = shared_processes(usable_cores(), 1, 4)
+    shared = fixed.get("shared_cores")
+    if processes:
+        assert shared["processes"] == processes and shared["concurrent_ranks"] == processes / 2
+        assert 1.0 <= shared["slowdown"] <= 4.0 and 0.0 <= shared["per_action_s"] <= 0.005
+        assert set(shared["spread"]) == {"slowdown", "per_action_s"} and min(shared["spread"].values()) >= 0.0
+        assert [c["schedule"] for c in shared["configurations"]] == ["1f1b", "zb-h1", "gpipe"]
+        assert all(c["measured_step_s"] > 0 and c["predicted_step_s"] > 0 for c in shared["configurations"])
+    else:
+        assert shared is None
     plan = tmp_path / "plan.json"
     assert CliRunner().invoke(main, ["solve", str(out), "-k", "2", "--out", str(plan), "-q"]).exit_code == 0
     charged = json.loads(plan.read_text())["options"]
@@ -350,7 +396,7 @@ def test_no_fixed_costs_leaves_them_out_and_the_plan_says_so(tmp_path: Path) -> 
     result = CliRunner().invoke(main, ["profile", *TINY, "--no-fixed-costs", "--out", str(out), "-q"])
     assert result.exit_code == 0, result.output
     doc = json.loads(out.read_text())
-    assert "fixed_costs" not in doc and doc["version"] == 9
+    assert "fixed_costs" not in doc and doc["version"] == 10
     plan = tmp_path / "plan.json"
     assert CliRunner().invoke(main, ["solve", str(out), "-k", "2", "--out", str(plan), "-q"]).exit_code == 0
     assert any("measured no fixed costs" in w for w in json.loads(plan.read_text())["warnings"])

@@ -94,7 +94,8 @@ def test_the_ranks_a_host_runs_at_once() -> None:
 
 # ------------------------------------------------------------------ the solvers stay exact
 def time_shared(setting, rng: random.Random):
-    return replace(setting, concurrent_ranks=rng.choice([1, 1.5, setting.stages - 0.5]))
+    return replace(setting, concurrent_ranks=rng.choice([1, 1.5, setting.stages - 0.5]),
+                   shared_core_slowdown=rng.choice([1.0, 1.3]), shared_core_action_s=rng.choice([0.0, 2e-4]))
 
 
 @pytest.mark.parametrize("schedule,v", CHUNKED)
@@ -113,10 +114,11 @@ def test_the_chunked_search_equals_brute_force_on_shared_cores(schedule, v, seed
 
 
 @hyp(60)
-@given(instances(schedule="1f1b", max_stages=3, max_layers=7), st.sampled_from([1.0, 1.5, 2.5]))
-def test_1f1b_equals_brute_force_on_shared_cores(instance, concurrent) -> None:
+@given(instances(schedule="1f1b", max_stages=3, max_layers=7), st.sampled_from([1.0, 1.5, 2.5]),
+       st.sampled_from([1.0, 1.4]))
+def test_1f1b_equals_brute_force_on_shared_cores(instance, concurrent, slowdown) -> None:
     fig, setting = instance
-    cm = CostModel(fig, replace(setting, concurrent_ranks=concurrent))
+    cm = CostModel(fig, replace(setting, concurrent_ranks=concurrent, shared_core_slowdown=slowdown))
     want = brute_force(cm)
     got = OneFOneBSolver(cm, time_budget_s=60).solve()
     assert (got is None) == (want is None)
@@ -157,11 +159,48 @@ def test_the_dedicated_optimum_is_not_always_the_time_shared_one() -> None:
     assert lost > 0
 
 
+def test_ranks_that_share_cores_pay_the_measured_slowdown_on_every_action() -> None:
+    """Every layer, fixed cost and optimizer step takes the slowdown where the ranks share cores
+    (a message on a link does not: it is no rank's work); nowhere else."""
+    from gpipe_plan.planner.fixedcosts import FixedCosts
+
+    rng = random.Random("slowdown")
+    fig = make_figures([rng.uniform(1e-3, 3e-3) for _ in range(8)], [rng.uniform(1e-3, 5e-3) for _ in range(8)])
+    base = Setting(stages=4, micro_batches=4, schedule="zb-h1", overhead_s=2e-5, compute_scale=1.1,
+                   fixed_costs=FixedCosts(3e-4, 2e-4, 1e-4, 1e-4, 5e-5, 6e-5), link_bandwidth_bytes_per_s=1e9,
+                   concurrent_ranks=2)
+    bounds = (0, 2, 4, 6, 8)
+    plain = evaluate(CostModel(fig, base), bounds)
+    slow = evaluate(CostModel(fig, replace(base, shared_core_slowdown=1.5)), bounds)
+    for a, b in zip(plain.chunks, slow.chunks):
+        for key in ("forward_s", "backward_s", "backward_input_s", "backward_weight_s"):
+            assert getattr(b, key) == pytest.approx(1.5 * getattr(a, key), rel=1e-12), key
+        assert b.send_s == a.send_s
+    for a, b in zip(plain.stages, slow.stages):
+        assert b.optimizer_s == pytest.approx(1.5 * a.optimizer_s, rel=1e-12)
+    assert slow.step_s > plain.step_s * 1.3
+    # ... and the cost added to every action, on top
+    added = evaluate(CostModel(fig, replace(base, shared_core_slowdown=1.5, shared_core_action_s=1e-4)), bounds)
+    for a, b in zip(slow.chunks, added.chunks):
+        for key in ("forward_s", "backward_input_s", "backward_weight_s"):
+            assert getattr(b, key) == pytest.approx(getattr(a, key) + 1e-4, rel=1e-12), key
+        assert b.backward_s == pytest.approx(a.backward_s + 2e-4, rel=1e-12)     # I and W
+    # with a core per rank the figure is not charged, nor below 1 where it is
+    dedicated = replace(base, concurrent_ranks=math.inf)
+    assert evaluate(CostModel(fig, replace(dedicated, shared_core_slowdown=1.5, shared_core_action_s=1e-4)),
+                    bounds).step_s == evaluate(CostModel(fig, dedicated), bounds).step_s
+    assert evaluate(CostModel(fig, replace(base, shared_core_slowdown=0.5)), bounds).step_s == plain.step_s
+
+
 # ------------------------------------------------------------------ plans and profiles
-def _cpu_profile(cores: int | None) -> dict:
+def _cpu_profile(cores: int | None, shared_slowdown: float | None = None) -> dict:
     device = {"type": "cpu", "name": "synthetic", "threads": 1, **({"cores": cores} if cores else {})}
-    return profile_doc(L=8, batch_size=8, version=9, device=device,
-                       contention={"processes": 2, "slowdown": 1.2})
+    extra = {} if shared_slowdown is None else {"fixed_costs": {
+        **dict.fromkeys(("forward_s", "backward_s", "backward_input_s", "backward_weight_s", "send_s", "receive_s",
+                         "between_actions_s"), 1e-5),
+        "shared_cores": {"slowdown": shared_slowdown, "per_action_s": 1e-4, "processes": 4, "concurrent_ranks": 2}}}
+    return profile_doc(L=8, batch_size=8, version=9 if shared_slowdown is None else 10, device=device,
+                       contention={"processes": 2, "slowdown": 1.2}, **extra)
 
 
 def test_a_plan_of_more_ranks_than_cores_is_played_out_on_them_and_says_so(user_dir: Path) -> None:
@@ -195,3 +234,41 @@ def test_profile_refuses_more_contention_processes_than_the_host_runs_at_once(us
     result = cli("profile", "gpt", "--layers", "1", "--contention-processes", str(cores + 1), "-o", "p.json")
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
     assert f"needs {cores + 1} cores and this host has {cores}" in result.output and not Path("p.json").exists()
+
+
+def test_a_plan_charges_the_slowdown_the_profile_measured_on_shared_cores(user_dir: Path) -> None:
+    """A version-10 profile's ``fixed_costs.shared_cores``: a plan of more ranks than cores charges
+    its slowdown on every action, records it, says so, and export rebuilds the same step; a plan
+    of as many ranks as cores charges nothing of it."""
+    from gpipe_plan.planner.export.setting import plan_setting
+    from gpipe_plan.planner.profile import Profile
+
+    Path("measured.json").write_text(json.dumps(_cpu_profile(2, shared_slowdown=1.3)))
+    Path("no-slower.json").write_text(json.dumps(_cpu_profile(2, shared_slowdown=1.0)))
+    for profile in ("measured", "no-slower"):
+        for k in (2, 4):
+            result = cli("solve", f"{profile}.json", "-k", str(k), "--schedule", "1f1b", "-m", "4",
+                         "--out", f"{profile}-{k}.json")
+            assert result.exit_code == 0, result.output
+    plans = {(p, k): json.loads(Path(f"{p}-{k}.json").read_text()) for p in ("measured", "no-slower") for k in (2, 4)}
+    four = plans["measured", 4]
+    assert four["options"]["shared_core_slowdown"] == 1.3 and four["options"]["shared_core_action_s"] == 1e-4
+    assert plans["measured", 2]["options"]["shared_core_slowdown"] is None
+    assert [w for w in four["warnings"] if "1.30x slower than on a core of its own" in w], four["warnings"]
+    assert plans["measured", 2]["predicted"]["step_s"] == plans["no-slower", 2]["predicted"]["step_s"]
+    assert four["predicted"]["step_s"] > plans["no-slower", 4]["predicted"]["step_s"] * 1.2
+    setting = plan_setting(view_of(four))
+    assert setting.shared_core_slowdown == 1.3 and setting.shared_core_action_s == 1e-4
+    cm = CostModel(Profile(json.loads(Path("measured.json").read_text())).at(four["micro_batch_size"]), setting)
+    bounds = [0]
+    for n in four["balance"]:
+        bounds.append(bounds[-1] + n)
+    assert evaluate(cm, bounds).step_s == pytest.approx(four["predicted"]["step_s"], rel=1e-12)
+    shown = cli("show", "measured-4.json")
+    assert shown.exit_code == 0 and "every action x1.300" in shown.output, shown.output
+    # a profile that did not measure it (before version 10): the plan says what it leaves out
+    Path("older.json").write_text(json.dumps(_cpu_profile(2)))
+    assert cli("solve", "older.json", "-k", "4", "--out", "older-4.json").exit_code == 0
+    older = json.loads(Path("older-4.json").read_text())
+    assert older["options"]["shared_core_slowdown"] == 1.0 and older["options"]["shared_core_action_s"] == 0.0
+    assert [w for w in older["warnings"] if "did not measure how much slower ranks run there" in w], older["warnings"]

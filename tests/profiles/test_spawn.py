@@ -1,0 +1,32 @@
+"""The helper processes of a measurement (profiles/spawn.py): what they put comes back, however
+much it is, and a failed or stuck helper ends the measurement with one line, not a hang."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from gpipe_plan.profiles.spawn import run_workers
+
+BIG = 1 << 20     # far more than a pipe holds (64 KiB on Linux)
+
+
+def put_payload(rank: int, size: int, results) -> None:
+    results.put((rank, b"x" * size))
+
+
+def fail(rank: int, results) -> None:
+    raise SystemExit(3)
+
+
+def test_what_the_workers_put_comes_back_however_much_it_is() -> None:
+    started = time.monotonic()
+    out = sorted(run_workers(put_payload, 2, (BIG,), 60.0, "putting a megabyte each"))
+    assert [(rank, len(payload)) for rank, payload in out] == [(0, BIG), (1, BIG)]
+    assert time.monotonic() - started < 30      # read while they ran: no wait for the deadline
+
+
+def test_a_failed_worker_is_one_error_naming_what_they_did() -> None:
+    with pytest.raises(RuntimeError, match=r"the 2 processes failing on purpose failed \(exit codes \[3, 3\]\)"):
+        run_workers(fail, 2, (), 60.0, "failing on purpose")
