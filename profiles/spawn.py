@@ -63,7 +63,8 @@ def run_workers(target: Callable[..., None], count: int, shared: tuple, timeout_
         p.join()
     # A worker killed or failed may have left half a message: read on only after clean exits.
     if any(p.exitcode != 0 for p in procs):
-        raise RuntimeError(f"the {count} processes {what} failed (exit codes {[p.exitcode for p in procs]})")
+        raise RuntimeError(f"the {count} process{'es' if count != 1 else ''} {what} failed "
+                           f"(exit code{'s' if count != 1 else ''} {[p.exitcode for p in procs]})")
     while not results.empty():
         out.append(results.get())
     return out
