@@ -35,7 +35,6 @@ On a GPU each stage owns its device, so this is measured on CPU only.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Callable

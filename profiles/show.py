@@ -22,7 +22,7 @@ from ..hostload import busy_phases, busy_profile_text
 from ..schema import layers_sharing_figures, recompute_timed, slowdown_of_slowest, split_backward_timed
 from ..layer_names import LayerNames
 from ..tables import NarrowTable, narrow_table
-from ..units import BYTE_UNITS, TIME_UNITS, column_unit, format_bytes, format_figure, format_seconds
+from ..units import BYTE_UNITS, TIME_UNITS, column_unit, format_figure, format_seconds
 
 
 def render_profile(doc: dict[str, Any], console: Console) -> None:

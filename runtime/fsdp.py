@@ -56,7 +56,6 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..artifacts import BadInput
-from .memory import local_tensor
 from .optim import squared_grad_norm
 from .stage import StageChunks
 

@@ -4,7 +4,6 @@ line in every table, solve's messages that say whether to act, and the timeline'
 from __future__ import annotations
 
 import io
-import json
 import re
 from dataclasses import replace
 from pathlib import Path

@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers.cli_process import BIN, gpipe_plan
+from helpers.cli_process import gpipe_plan
 from gpipe_plan.artifacts import BadInput, check_precision, write_json_atomic
 from gpipe_plan.models import AsTuple, Precision, model_spec
 from gpipe_plan.planner.command import solve_file

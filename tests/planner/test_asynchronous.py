@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gpipe_plan.planner.asynchronous import AsyncSolver, evaluate_async, steady_period_s
+from gpipe_plan.planner.asynchronous import AsyncSolver, steady_period_s
 from gpipe_plan.planner.brute import brute_force
 from gpipe_plan.planner.costmodel import CostModel, Setting
 from gpipe_plan.planner.objective import evaluate

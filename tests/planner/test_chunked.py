@@ -15,7 +15,6 @@ from gpipe_plan.cli import main
 from gpipe_plan.planner.brute import brute_force, partitions
 from gpipe_plan.planner.chunked import ChunkedSolver
 from gpipe_plan.planner.costmodel import CostModel, Setting
-from gpipe_plan.planner.fixedcosts import FixedCosts
 from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.profile import Profile
 from gpipe_plan.planner.problem import SolveOptions

@@ -9,7 +9,6 @@ from __future__ import annotations
 import queue
 import re
 import subprocess
-import sys
 import textwrap
 import threading
 from pathlib import Path

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from helpers.cli_process import BIN, gpipe_plan
+from helpers.cli_process import gpipe_plan
 from gpipe_plan.artifacts import BadInput, write_json_atomic
 from gpipe_plan.models import build_model, model_spec
 from gpipe_plan.runtime import checkpoint, init_from

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.cli_process import BIN, gpipe_plan
+from helpers.cli_process import gpipe_plan
 from gpipe_plan.artifacts import write_json_atomic
 from gpipe_plan.models import Precision, model_spec
 from gpipe_plan.profiles.profiler import ProfileRequest, profile_model

@@ -17,11 +17,10 @@ from typing import Any
 import pytest
 import torch
 
-from helpers.cli_process import BIN, gpipe_plan, leftover_processes
+from helpers.cli_process import BIN, gpipe_plan
 from gpipe_plan.artifacts import write_json_atomic
 from gpipe_plan.models import model_spec
 from helpers.handplan import hand_plan
-from gpipe_plan.runtime.launch import free_port
 from gpipe_plan.schema import REPORT_FORMAT
 
 from helpers.ranks import GPT, LR, STEPS, assert_same_parameters, run_in_one_group, unsplit_training
