@@ -144,24 +144,41 @@ def measure_fixed_costs(spec: dict[str, Any], doc: dict[str, Any], threads: int 
     ``doc`` is the profile measured so far (its layers' times, ``contention``, ``link``)."""
     started = time.perf_counter()
     device = device or torch.device("cpu")
-    sizes = doc["micro_batch_sizes"]
-    size_index = len(sizes) // 2
+    size_index = len(doc["micro_batch_sizes"]) // 2
     first, end = window(doc, size_index)
     runs = probes(end - first)
     backend = "nccl" if device.type == "cuda" else "gloo"
     executor = "torch" if device.type == "cuda" else "native"
-    returned = run_workers(_worker, STAGES, (_free_port(), spec, seed, precision or Precision(), threads,
-                                             (first, end), sizes[size_index], runs, backend, executor,
-                                             device.index or 0), timeout_s,
-                           "timing the runtime's fixed costs in a 2-process pipeline")
-    if len(returned) != STAGES:
-        raise RuntimeError(f"{STAGES - len(returned)} of the {STAGES} processes timing the fixed costs returned nothing")
-    measured = [ProbeRun.merge(p, [r[1][i] for r in sorted(returned, key=lambda r: r[0])]) for i, p in enumerate(runs)]
+    measured = _run_probes(spec, doc, (first, end), size_index, runs, threads, seed, precision, backend, executor,
+                           device.index or 0, timeout_s, "timing the runtime's fixed costs in a 2-process pipeline",
+                           "timing the fixed costs")
     fixed = fit_fixed_costs(doc, (first, end), size_index, measured)
-    fixed.update(executor=executor, backend=backend, processes=STAGES, threads_per_process=threads,
-                 micro_batch_size=sizes[size_index], layers=[layer["name"] for layer in doc["layers"][first:end]],
-                 seconds=time.perf_counter() - started)
+    fixed.update(executor=executor, backend=backend, **_what_ran(doc, (first, end), size_index, STAGES, threads, started))
     return fixed
+
+
+def _run_probes(spec: dict[str, Any], doc: dict[str, Any], layers: tuple[int, int], size_index: int,
+                runs: list[Probe], threads: int, seed: int, precision: Precision | None, backend: str, executor: str,
+                gpu: int, timeout_s: float, what: str, doing: str) -> list[ProbeRun]:
+    """``runs`` (each on as many processes as its ``stages``) on the window ``layers`` at the
+    profile's ``size_index``-th micro-batch size, one process per stage: what each measured."""
+    processes = runs[0].stages
+    returned = run_workers(_worker, processes, (_free_port(), spec, seed, precision or Precision(), threads, layers,
+                                                doc["micro_batch_sizes"][size_index], runs, backend, executor, gpu),
+                           timeout_s, what)
+    if len(returned) != processes:
+        raise RuntimeError(f"{processes - len(returned)} of the {processes} processes {doing} returned nothing")
+    by_rank = [r[1] for r in sorted(returned, key=lambda r: r[0])]
+    return [ProbeRun.merge(p, [mine[i] for mine in by_rank]) for i, p in enumerate(runs)]
+
+
+def _what_ran(doc: dict[str, Any], layers: tuple[int, int], size_index: int, processes: int, threads: int,
+              started: float) -> dict[str, Any]:
+    """The record's keys that say what a probe measurement ran, and how long it took."""
+    first, end = layers
+    return {"processes": processes, "threads_per_process": threads,
+            "micro_batch_size": doc["micro_batch_sizes"][size_index],
+            "layers": [layer["name"] for layer in doc["layers"][first:end]], "seconds": time.perf_counter() - started}
 
 
 def shared_processes(cores: int | None, threads: int, layers: int) -> int:
@@ -184,22 +201,16 @@ def measure_shared_cores(spec: dict[str, Any], doc: dict[str, Any], processes: i
     is what a core of its own costs, and this measures what sharing adds). CPU only (gloo, the
     native executor): a GPU per rank shares nothing."""
     started = time.perf_counter()
-    sizes = doc["micro_batch_sizes"]
-    size_index = len(sizes) // 2
+    size_index = len(doc["micro_batch_sizes"]) // 2
     first, end = window(doc, size_index, max(MAX_LAYERS, processes))
     runs = probes(end - first, processes, SHARED_CONFIGURATIONS, back_to_back=True, measured_steps=SHARED_MEASURED_STEPS)
     if not runs:
         raise ValueError(f"a window of {end - first} layers cannot be cut for {processes} processes")
-    returned = run_workers(_worker, processes, (_free_port(), spec, seed, precision or Precision(), threads,
-                                                (first, end), sizes[size_index], runs, "gloo", "native", 0),
-                           timeout_s, f"timing ranks that share cores in a {processes}-process pipeline")
-    if len(returned) != processes:
-        raise RuntimeError(f"{processes - len(returned)} of the {processes} processes timing shared cores "
-                           "returned nothing")
-    measured = [ProbeRun.merge(p, [r[1][i] for r in sorted(returned, key=lambda r: r[0])]) for i, p in enumerate(runs)]
+    measured = _run_probes(spec, doc, (first, end), size_index, runs, threads, seed, precision, "gloo", "native", 0,
+                           timeout_s, f"timing ranks that share cores in a {processes}-process pipeline",
+                           "timing shared cores")
     shared = fit_shared_slowdown(doc, (first, end), size_index, measured)
-    shared.update(processes=processes, threads_per_process=threads, micro_batch_size=sizes[size_index],
-                  layers=[layer["name"] for layer in doc["layers"][first:end]], seconds=time.perf_counter() - started)
+    shared.update(**_what_ran(doc, (first, end), size_index, processes, threads, started))
     return shared
 
 
