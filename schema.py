@@ -121,10 +121,15 @@ REPORT_FORMAT = "gpipe-plan.report"
 #      it only where the probe held steady (``at_run_speed``, else ``speed_left_out``) and
 #      ``host_busy``. A version-4 headline (its prediction the speed-adjusted one) is read and
 #      shown as version 5 would make it from the report's own fields.
-FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 10, PLAN_FORMAT: 9, REPORT_FORMAT: 5}
+#   6  whether the plan's ranks shared the host's cores and what it charged every action there
+#      (``concurrent_ranks``, ``shared_core_slowdown``, ``shared_core_action_s``: the plan's
+#      options; null, 1 and 0 where they did not): calibrate refuses such a round unless forced,
+#      and takes the charges off what it compares. Before it: read from the plan the report names
+#      where that is at hand, else a core per rank.
+FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 10, PLAN_FORMAT: 9, REPORT_FORMAT: 6}
 READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8, 9, 10),
                                                  PLAN_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8, 9),
-                                                 REPORT_FORMAT: (1, 2, 3, 4, 5)}
+                                                 REPORT_FORMAT: (1, 2, 3, 4, 5, 6)}
 
 
 # What can give a searched setting its lower bound, as a plan's ``optimality.bound_by`` names it
@@ -882,6 +887,11 @@ REPORT = Object({
     "schedule": may(Text(nullable=True)),
     "virtual_stages": may(_count(1, nullable=True)),
     "num_stages": may(_count(1, nullable=True)),
+    # Version 6: the plan's options.concurrent_ranks, shared_core_slowdown and shared_core_action_s
+    # (null, 1 and 0: a core per rank).
+    "concurrent_ranks": may(Number(0.0, MAX_RATIO, nullable=True)),
+    "shared_core_slowdown": may(Number(1.0, MAX_RATIO, nullable=True)),
+    "shared_core_action_s": may(_seconds(nullable=True)),
     "data_parallel": may(_count(1, nullable=True)),            # version 4 (absent: 1)
     "gradient_sync": may(Text(choices=GRADIENT_SYNCS, nullable=True)),   # null with one replica
     "predicted_gradient_sync_s": may(_seconds(nullable=True)),  # the slowest stage's, as measured below

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import copy
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,9 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
     # The plan's chunk times include the fixed costs it charged (the per-action overhead and,
     # from a version-9 profile, each kind's and each message's), some of which the run measures
     # in its spans and some between them: the layers' ratio is of what is left of both.
-    fixed = fixed_in_times(profile, report)
+    sharing = plan_sharing(report, report_path)
+    shared_cores = (sharing.slowdown, sharing.action_s)
+    fixed = fixed_in_times(profile, report, shared_cores)
 
     ratios: list[Ratio] = []   # every ratio folded in, checked before the round is kept
 
@@ -154,8 +157,8 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
         chunk_rounds.append(entry)
     if not measured_any:
         raise BadInput(f"'{report_path}' has no per-stage measurements to calibrate with")
-    forced = check_round(report, report_path, ratios, force)
-    overhead = measure_overhead(report)
+    forced = check_round(report, report_path, ratios, force, sharing.concurrent_ranks)
+    overhead = measure_overhead(report, shared_cores)
     if overhead.per_microbatch_s is not None:
         out["overhead"] = {**(out.get("overhead") or {}), "per_microbatch_s": overhead.per_microbatch_s}
     history = list(profile.get("calibration") or [])
@@ -216,6 +219,29 @@ def chunks_with_layers(report: dict[str, Any], report_path: str) -> list[dict[st
             raise BadInput(f"report '{report_path}': stage {k}'s layers are not those of its chunks in {source}: "
                            "calibrate with the plan the run ran")
     return chunks
+
+
+@dataclass(frozen=True)
+class PlanSharing:
+    """Whether the run's plan had its ranks share the host's cores, and what it charged there."""
+
+    concurrent_ranks: float | None = None   # the ranks the host ran at once; None: a core each
+    slowdown: float = 1.0                   # every action's time charged this many times over
+    action_s: float = 0.0                   # ... plus this
+
+
+def plan_sharing(report: dict[str, Any], report_path: str) -> PlanSharing:
+    """What the run's plan said of its ranks sharing cores. A version-6 report says; an older
+    one's plan does, where it is at hand and unchanged; else a core per rank (as calibrate took
+    every run before)."""
+    if report.get("version", 0) >= 6:
+        return PlanSharing(report.get("concurrent_ranks"), float(report.get("shared_core_slowdown") or 1.0),
+                           float(report.get("shared_core_action_s") or 0.0))
+    try:
+        options = read_plan(plan_of_report(report, report_path)).options
+    except BadInput:
+        return PlanSharing()
+    return PlanSharing(options.concurrent_ranks, options.shared_core_slowdown, options.shared_core_action_s)
 
 
 def plan_of_report(report: dict[str, Any], report_path: str) -> str:

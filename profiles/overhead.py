@@ -64,8 +64,13 @@ class OverheadMeasurement:
                             "per_action_s": g.per_action_s} for g in self.stages]}
 
 
-def measure_overhead(report: dict[str, Any]) -> OverheadMeasurement:
+def measure_overhead(report: dict[str, Any], shared_cores: tuple[float, float] = (1.0, 0.0)) -> OverheadMeasurement:
     """The runtime's cost per action in the run ``report`` describes (a validated report).
+
+    ``shared_cores``: what the run's plan charged every action for its ranks sharing cores
+    (slowdown, added seconds). A plan charges the cost between actions times that slowdown, plus
+    the added cost (planner/costmodel.py), so a run on shared cores measures it so: the figure is
+    taken back to a core of its own, ``(per action - added) / slowdown``, as a profile records it.
 
     Not measured, with the reason, when the report lacks what it takes: the step time, the
     schedule's shape (schedule, stages, micro-batches), or a stage's busy or waiting time.
@@ -92,7 +97,9 @@ def measure_overhead(report: dict[str, Any]) -> OverheadMeasurement:
         gaps.append(StageGap(k, step_s - busy - wait - apart, actions))
     if not gaps:
         return OverheadMeasurement(None, reason="the report has no stages")
-    return OverheadMeasurement(statistics.median(g.per_action_s for g in gaps), tuple(gaps))
+    slowdown, added = shared_cores
+    per_action = statistics.median(g.per_action_s for g in gaps)
+    return OverheadMeasurement(max(0.0, (per_action - added) / max(1.0, slowdown)), tuple(gaps))
 
 
 def overheads_in_prediction(schedule: str | None, kind: str) -> int:
@@ -119,6 +126,10 @@ class FixedInTimes:
     between_s: float                 # charged once per action
     fixed: Any                       # planner.fixedcosts.FixedCosts
     messages: tuple[Any, ...]        # planner.fixedcosts.ChunkMessages per chunk
+    # Where the plan's ranks shared cores (planner/costmodel.py): every action's time charged
+    # this many times over, and this much added to each (with the cost between actions).
+    shared_core_slowdown: float = 1.0
+    shared_core_action_s: float = 0.0
 
     def of(self, chunk: int, kind: str) -> tuple[float, float]:
         """(in the prediction, in the measured span) of chunk ``chunk``'s ``forward`` or ``backward``
@@ -131,13 +142,21 @@ class FixedInTimes:
         else:
             sends, receives = (m.backward_sends, m.backward_receives) if m else (0, 0)
             own = (f.backward_weight_s + (f.backward_input_s if chunk > 0 else 0.0)) if split else f.backward_s
-        in_span = own + sends * f.send_s
-        return self.between_s * overheads_in_prediction(self.schedule, kind) + in_span + receives * f.receive_s, in_span
+        actions = overheads_in_prediction(self.schedule, kind)
+        # On shared cores the run's spans are as much slower as the plan's layers: the factor is
+        # on both sides, the added cost (between actions, as the overhead) on the prediction's.
+        in_span = (own + sends * f.send_s) * self.shared_core_slowdown
+        in_prediction = ((self.between_s * actions + own + sends * f.send_s + receives * f.receive_s)
+                         * self.shared_core_slowdown + self.shared_core_action_s * actions)
+        return in_prediction, in_span
 
 
-def fixed_in_times(profile: dict[str, Any], report: dict[str, Any]) -> FixedInTimes:
+def fixed_in_times(profile: dict[str, Any], report: dict[str, Any],
+                   shared_cores: tuple[float, float] = (1.0, 0.0)) -> FixedInTimes:
     """The fixed costs the run's plan charged, as the planner charges them from ``profile`` (the
-    profile the plan was made from, before this round) for the report's schedule and stages."""
+    profile the plan was made from, before this round) for the report's schedule and stages;
+    ``shared_cores``: what the plan charged every action for its ranks sharing cores (slowdown,
+    added seconds: profiles/calibrate.py, ``plan_shared_cores``)."""
     from ..planner.fixedcosts import FixedCosts, between_actions_s, messages
 
     schedule, stages = report.get("schedule"), report.get("num_stages") or len(report["stages"])
@@ -147,4 +166,4 @@ def fixed_in_times(profile: dict[str, Any], report: dict[str, Any]) -> FixedInTi
     between = between_actions_s(calibrated, recorded.get("between_actions_s") if recorded else None, stages)
     shape_ok = schedule in SCHEDULES and isinstance(stages, int) and stages >= 1 and isinstance(v, int) and v >= 1
     chunk_messages = messages(schedule, stages, v) if recorded and shape_ok else ()
-    return FixedInTimes(schedule, between, FixedCosts.from_record(recorded), chunk_messages)
+    return FixedInTimes(schedule, between, FixedCosts.from_record(recorded), chunk_messages, *shared_cores)

@@ -9,6 +9,9 @@ it, and what to do:
   processes took cores the run needed, so its stages ran slow by their load, not by their
   layers. A round that would slow the profile down by more than :data:`SLOW_MARGIN` is then
   refused: what it would fold in is that load; rerun on a quiet machine, or ``--force``;
+- **ranks that shared the host's cores** (the plan's ``concurrent_ranks``, report version 6):
+  each span holds its rank's waits for a core, which no ratio tells from its layers' time;
+  refused, ``--force`` takes it (with what the plan charged for sharing taken off both sides);
 - **a ratio outside** :data:`PLAUSIBLE` (0.2-5x, where a correct run of a plan from this
   profile does not fall): refused with what explains it, when something does (the machine's
   speed against the profile's, by the speed probe; a busy host) and otherwise as what it most
@@ -44,11 +47,14 @@ class Ratio:
     value: float
 
 
-def check_round(report: dict[str, Any], report_path: str, ratios: list[Ratio], force: bool) -> list[str]:
+def check_round(report: dict[str, Any], report_path: str, ratios: list[Ratio], force: bool,
+                concurrent_ranks: float | None = None) -> list[str]:
     """Refuse a round whose ratios are not the model's (one line: what explains them, what to do),
-    unless ``force``; return what ``force`` let through, one sentence each (empty: nothing)."""
+    unless ``force``; return what ``force`` let through, one sentence each (empty: nothing).
+    ``concurrent_ranks``: the ranks the run's host ran at once where its plan had them share the
+    host's cores (None: a core each)."""
     forced = []
-    for problem in (_busy_host(report, ratios), _implausible(report, ratios)):
+    for problem in (_shared_cores(report, concurrent_ranks), _busy_host(report, ratios), _implausible(report, ratios)):
         if problem is None:
             continue
         what, advice = problem
@@ -56,6 +62,20 @@ def check_round(report: dict[str, Any], report_path: str, ratios: list[Ratio], f
             raise BadInput(f"'{report_path}': {what}: {advice}, or pass --force to fold it in anyway")
         forced.append(what)
     return forced
+
+
+def _shared_cores(report: dict[str, Any], concurrent_ranks: float | None) -> tuple[str, str] | None:
+    """(what is wrong, what to do) with folding in a run whose ranks shared the host's cores; None:
+    a core each. Each of its spans holds the time its rank waited for a core, by how many others
+    ran at that moment, which no per-chunk ratio can tell from its layers' time (and its optimizer
+    steps, all at once, run as many times slower as ranks share a core)."""
+    if concurrent_ranks is None:
+        return None
+    stages = report.get("num_stages") or len(report["stages"])
+    ranks = stages * (report.get("data_parallel") or 1)
+    return (f"its {ranks} ranks shared the host's cores ({concurrent_ranks:g} of each pipeline's {stages} ran at "
+            "once), so each measured time holds the waits for a core beside the layers' own",
+            "calibrate with a run of one core per rank (fewer stages, or a host with more cores)")
 
 
 def _busy_host(report: dict[str, Any], ratios: list[Ratio]) -> tuple[str, str] | None:

@@ -141,6 +141,11 @@ def build_report(plan: PlanView, results: list[RankResult], *, losses: dict[int,
         "schedule": plan.schedule,
         "virtual_stages": plan.virtual_stages,
         "num_stages": K,
+        # Whether the ranks shared the host's cores, and what the plan charged each action for it
+        # (calibrate: profiles/plausibility.py and profiles/overhead.py).
+        "concurrent_ranks": plan.options.concurrent_ranks,
+        "shared_core_slowdown": plan.options.shared_core_slowdown,
+        "shared_core_action_s": plan.options.shared_core_action_s,
         "data_parallel": plan.data_parallel,
         "gradient_sync": plan.gradient_sync if plan.data_parallel > 1 else None,
         # The slowest stage's sync, predicted and measured alike; and what the plan says the

@@ -247,6 +247,83 @@ def test_calibrate_scales_the_layers_by_what_is_left_of_both_times(tmp_path: Pat
     assert fixed.of(1, "forward") == pytest.approx((1e-4 + 1e-3 + 3e-4, 1e-3))
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
+def test_calibrate_on_shared_cores_takes_off_what_the_plan_charged_for_sharing(tmp_path: Path, schedule: str) -> None:
+    """Two ranks on one core: the plan charged every action ``slowdown`` times its time on a core
+    of its own plus ``added``. A run whose layers took ``factor`` times their profiled time there
+    (its spans: the layers and the fixed costs they hold, all ``slowdown`` times slower) is
+    calibrated to exactly that factor, and the cost between actions it measured is taken back to a
+    core of its own."""
+    from gpipe_plan.plan_layout import plan_chunks
+
+    from helpers.calibration import profile_doc as calibrate_profile, report_doc
+
+    slowdown, added, between = 1.3, 2e-4, 1e-4
+    fixed = {"forward_s": 1e-3, "backward_s": 2e-3, "backward_input_s": 1.5e-3, "backward_weight_s": 5e-4,
+             "send_s": 5e-4, "receive_s": 3e-4, "between_actions_s": between}
+    doc = calibrate_profile()
+    doc["device"] = {**doc["device"], "cores": 1}
+    doc["fixed_costs"] = {**fixed, "shared_cores": {"slowdown": slowdown, "per_action_s": added, "processes": 2,
+                                                    "concurrent_ranks": 1}}
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(doc))
+    plan_path = tmp_path / "plan.json"
+    result = CliRunner().invoke(main, ["solve", str(profile), "-k", "2", "-m", "4", "--schedule", schedule,
+                                       "--out", str(plan_path), "-q"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(plan_path.read_text())
+    assert plan["options"]["shared_core_slowdown"] == slowdown and plan["options"]["concurrent_ranks"] == 1
+    size = doc["micro_batch_sizes"].index(plan["micro_batch_size"])
+    factors = [1.3, 0.8]
+    report = report_doc(plan, [1.0, 1.0], [1.0, 1.0], None)
+    report.update(schedule=schedule, num_stages=2, micro_batches=4, concurrent_ranks=1,
+                  shared_core_slowdown=slowdown, shared_core_action_s=added)
+    layer = {name: i for i, name in enumerate(l["name"] for l in doc["layers"])}
+    for chunk, stage, factor in zip(plan_chunks(plan, "plan"), report["stages"], factors):
+        c = chunk["index"]
+        # 2 stages: chunk 0 sends its forward's output and receives its gradient; chunk 1 the reverse
+        own = {"forward": fixed["forward_s"] + (fixed["send_s"] if c == 0 else 0.0),
+               "backward": (fixed["backward_s"] if schedule == "gpipe" else
+                            fixed["backward_weight_s"] + (fixed["backward_input_s"] if c else 0.0))
+                           + (fixed["send_s"] if c == 1 else 0.0)}
+        for kind in ("forward", "backward"):
+            layers_s = sum(doc["layers"][layer[n]][f"{kind}_s"][size] for n in chunk["layers"])
+            stage[f"measured_{kind}_s"] = slowdown * (layers_s * factor + own[kind])
+    # the cost between actions: each stage's step less its spans and waits, per action
+    actions = 16 if schedule == "gpipe" else 24
+    true_between = 3e-4
+    for stage in report["stages"]:
+        stage.update(measured_busy_s=0.05, measured_wait_s=0.01)
+    report["measured_step_s"] = 0.06 + actions / 2 * (slowdown * true_between + added)
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    # Its spans hold the waits for a core: refused in one line, and nothing written ...
+    result = CliRunner().invoke(main, ["calibrate", str(tmp_path / "report.json"), "--profile", str(profile)])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "2 ranks shared the host's cores (1 of each pipeline's 2 ran at once)" in result.output
+    assert "--force" in result.output and not (tmp_path / "profile.calibrated.json").exists()
+    # ... unless forced: then what the plan charged for sharing comes off both sides.
+    result = CliRunner().invoke(main, ["calibrate", str(tmp_path / "report.json"), "--profile", str(profile),
+                                       "--force"])
+    assert result.exit_code == 0, result.output
+    calibrated = json.loads((tmp_path / "profile.calibrated.json").read_text())
+    assert "shared the host's cores" in calibrated["calibration"][-1]["forced"][0]
+    rounds = calibrated["calibration"][-1]["chunks"]
+    assert [c["forward_scale"] for c in rounds] == pytest.approx(factors)
+    assert [c["backward_scale"] for c in rounds] == pytest.approx(factors)
+    assert calibrated["overhead"]["per_microbatch_s"] == pytest.approx(true_between)
+    # A version-5 report does not say: the plan it names does, where it is at hand; else a core each.
+    from gpipe_plan.artifacts import file_sha256
+    from gpipe_plan.profiles.calibrate import PlanSharing, plan_sharing
+
+    assert plan_sharing(report, str(tmp_path / "report.json")) == PlanSharing(1, slowdown, added)
+    older = {k: v for k, v in report.items() if k not in ("concurrent_ranks", "shared_core_slowdown",
+                                                           "shared_core_action_s")}
+    older["version"] = 5
+    assert plan_sharing(older, str(tmp_path / "report.json")) == PlanSharing()
+    older["plan"] = {"path": str(plan_path), "sha256": file_sha256(str(plan_path))}
+    assert plan_sharing(older, str(tmp_path / "report.json")) == PlanSharing(1, slowdown, added)
+
+
 # --------------------------------------------------------------------------- the measurement's fit
 def _synthetic_runs(doc: dict, truth: FixedCosts, between: float, jitter: float = 0.0):
     """What the probe would record if the runtime cost exactly ``truth`` beyond the profile's layers:

@@ -106,7 +106,9 @@ def test_four_stages_train_like_one(tmp_path: Path) -> None:
 
 def test_the_report_times_each_chunk_and_the_halves_of_a_split_backward(two_stages: dict[str, Any]) -> None:
     zbv = json.loads(Path(two_stages["jobs"]["zb-v"]["report"]).read_text())
-    assert zbv["version"] == 5 and zbv["schedule"] == "zb-v" and zbv["virtual_stages"] == 2
+    assert zbv["version"] == 6 and zbv["schedule"] == "zb-v" and zbv["virtual_stages"] == 2
+    # a plan of a core per rank charged nothing for sharing cores, and the report says so
+    assert (zbv["shared_core_slowdown"], zbv["shared_core_action_s"]) == (1.0, 0.0)
     assert [c["stage"] for c in zbv["chunks"]] == [0, 1, 1, 0]
     assert [s["chunks"] for s in zbv["stages"]] == [[0, 3], [1, 2]]
     for chunk in zbv["chunks"]:

@@ -154,7 +154,7 @@ def test_an_fsdp_checkpoint_resumes_exactly(group_runs: dict[str, Any]) -> None:
 @pytest.mark.slow
 def test_report_measures_each_stages_gradient_sync(group_runs: dict[str, Any]) -> None:
     report = json.loads(Path(group_runs["jobs"][0]["report"]).read_text())
-    assert report["version"] == 5 and report["data_parallel"] == 2 and report["gradient_sync"] == "ddp"
+    assert report["version"] == 6 and report["data_parallel"] == 2 and report["gradient_sync"] == "ddp"
     assert report["global_batch_size"] == 8 and report["run"]["ranks"] == 4
     assert sorted(r["rank"] for s in report["stages"] for r in s["replicas"]) == [0, 1, 2, 3]
     for stage in report["stages"]:

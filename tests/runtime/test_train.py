@@ -97,7 +97,7 @@ def test_two_stages_train_exactly_like_the_unsplit_model(group_runs: dict[str, A
 def test_report_compares_measured_with_predicted(group_runs: dict[str, Any]) -> None:
     jobs = group_runs["jobs"]
     gpipe, one_f_one_b = (json.loads(Path(jobs[i]["report"]).read_text()) for i in (0, 1))
-    assert gpipe["format"] == REPORT_FORMAT and gpipe["version"] == 5
+    assert gpipe["format"] == REPORT_FORMAT and gpipe["version"] == 6
     assert gpipe["steps_measured"] == STEPS - 1 and gpipe["measured_step_s"] > 0
     assert [(c["index"], c["stage"]) for c in gpipe["chunks"]] == [(0, 0), (1, 1)]
     for chunk in gpipe["chunks"]:
