@@ -156,7 +156,7 @@ def fixed_in_times(profile: dict[str, Any], report: dict[str, Any],
     """The fixed costs the run's plan charged, as the planner charges them from ``profile`` (the
     profile the plan was made from, before this round) for the report's schedule and stages;
     ``shared_cores``: what the plan charged every action for its ranks sharing cores (slowdown,
-    added seconds: profiles/calibrate.py, ``plan_shared_cores``)."""
+    added seconds: profiles/calibrate.py, ``plan_sharing``)."""
     from ..planner.fixedcosts import FixedCosts, between_actions_s, messages
 
     schedule, stages = report.get("schedule"), report.get("num_stages") or len(report["stages"])
