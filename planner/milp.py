@@ -45,10 +45,13 @@ from .costmodel import CostModel
 from .simulator import compiled_program
 
 
-# Building a programme, HiGHS's presolve and its root node (linear relaxation and cuts) took
-# 0.6-0.9 s of CPU per thousand variables and constraints on the 2-core development VM: charged
-# as work, with a margin (fixed_cost_s).
-FIXED_S_PER_THOUSAND = 1.0
+# Building a programme and HiGHS's presolve take about 0.1 s of CPU per thousand variables and
+# constraints; its root (the linear relaxation and its cut rounds) grows faster than the programme:
+# 0.3-0.8 s per thousand up to 3,500 of them, 1.2-1.9 s at 4,600-7,700 on the 2-core development VM
+# (docs/benchmarks/milp-charge.md). Charged as work, per thousand, the larger of a floor and a
+# rate that grows with the thousands (root_s_per_thousand).
+ROOT_S_PER_THOUSAND = 0.5
+ROOT_S_PER_THOUSAND_SQUARED = 0.25
 
 
 def available() -> str | None:
@@ -74,12 +77,20 @@ def size(cm: CostModel) -> int:
     return 3 * actions + 3 * max(0, cm.C - 1) * max(0, cm.L - cm.C)
 
 
+def root_s_per_thousand(thousands: float) -> float:
+    """What building a programme of ``thousands`` thousand variables and constraints and solving
+    its root are charged per thousand: :data:`ROOT_S_PER_THOUSAND`, or
+    :data:`ROOT_S_PER_THOUSAND_SQUARED` times the thousands where that is more."""
+    return max(ROOT_S_PER_THOUSAND, ROOT_S_PER_THOUSAND_SQUARED * thousands)
+
+
 def fixed_cost_s(cm: CostModel) -> float:
     """What building ``cm``'s programme, handing it over and solving its root node cost, in
-    seconds of work: :data:`FIXED_S_PER_THOUSAND` per thousand of its :func:`size`. A setting
+    seconds of work (:func:`root_s_per_thousand` per thousand of its :func:`size`). A setting
     whose budget cannot pay for it one and a half times over keeps its branch and bound's answer
     (planner/solvers.py)."""
-    return size(cm) / 1000 * FIXED_S_PER_THOUSAND
+    thousands = size(cm) / 1000
+    return thousands * root_s_per_thousand(thousands)
 
 
 def pass_terms(cm: CostModel, kind: str, chunk: int, recompute: bool) -> tuple[Sequence[float], float]:
