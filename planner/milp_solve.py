@@ -46,10 +46,6 @@ RELATIVE_GAP = 1e-6
 EARLY_NODES = 200
 EARLY_NODE_S_PER_THOUSAND = 0.005
 NODE_S_PER_THOUSAND = 0.002
-# ... per thousand of a programme of up to NODE_GROWTH_THOUSANDS thousand; a larger one's nodes cost
-# more per thousand (its relaxation takes more iterations), charged in proportion beyond it
-# (measured: 9.4 and 5.0 ms for the first and later nodes at 7,700, docs/benchmarks/milp-charge.md).
-NODE_GROWTH_THOUSANDS = 4.0
 
 
 @dataclass
@@ -111,20 +107,13 @@ def _thousands(model: _Model) -> float:
     return (model.stats["variables"] + model.stats["constraints"]) / 1000
 
 
-def _charged_thousands(model: _Model) -> float:
-    """The programme's thousands of variables and constraints, as its nodes are charged: in
-    proportion up to :data:`NODE_GROWTH_THOUSANDS`, growing faster beyond."""
-    thousands = _thousands(model)
-    return thousands * max(1.0, thousands / NODE_GROWTH_THOUSANDS)
-
-
 def nodes_cost_s(model: _Model, nodes: int) -> float:
     """What ``nodes`` branch-and-bound nodes are charged, in seconds of work: the first
     :data:`EARLY_NODES` at :data:`EARLY_NODE_S_PER_THOUSAND` per thousand variables and
     constraints, the rest at :data:`NODE_S_PER_THOUSAND` (each node re-solves the programme's
     linear relaxation; the first ones also strong-branch)."""
     early = min(nodes, EARLY_NODES)
-    return _charged_thousands(model) * (early * EARLY_NODE_S_PER_THOUSAND + (nodes - early) * NODE_S_PER_THOUSAND)
+    return _thousands(model) * (early * EARLY_NODE_S_PER_THOUSAND + (nodes - early) * NODE_S_PER_THOUSAND)
 
 
 def nodes_within(model: _Model, work_s: float) -> int:
@@ -133,8 +122,8 @@ def nodes_within(model: _Model, work_s: float) -> int:
         return 0
     early_s = nodes_cost_s(model, EARLY_NODES)
     if work_s < early_s:
-        return int(work_s / (_charged_thousands(model) * EARLY_NODE_S_PER_THOUSAND))
-    return EARLY_NODES + int((work_s - early_s) / (_charged_thousands(model) * NODE_S_PER_THOUSAND))
+        return int(work_s / (_thousands(model) * EARLY_NODE_S_PER_THOUSAND))
+    return EARLY_NODES + int((work_s - early_s) / (_thousands(model) * NODE_S_PER_THOUSAND))
 
 
 _banner_silenced = False
