@@ -85,6 +85,9 @@ REPORT_FORMAT = "gpipe-plan.report"
 #      pipeline again on twice as many processes as it runs at once, and how much slower every
 #      action runs when ranks share cores (``slowdown``, ``per_action_s``), which a plan of more
 #      ranks than cores charges (planner/timeshare.py).
+#  11  ``fixed_costs.per_micro_batch_size``: the probe pipeline at every profiled micro-batch
+#      size, each size's figures; a plan is charged those at its own size (planner/fixedcosts.py,
+#      ``figures_at``). The record's own figures stay those of the middle size.
 # Plan
 #   2  ``options.compute_scale``.
 #   3  the precision (``precision``, ``param_dtype``; before it, fp32).
@@ -126,8 +129,8 @@ REPORT_FORMAT = "gpipe-plan.report"
 #      options; null, 1 and 0 where they did not): calibrate refuses such a round unless forced,
 #      and takes the charges off what it compares. Before it: read from the plan the report names
 #      where that is at hand, else a core per rank.
-FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 10, PLAN_FORMAT: 9, REPORT_FORMAT: 6}
-READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8, 9, 10),
+FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 11, PLAN_FORMAT: 9, REPORT_FORMAT: 6}
+READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11),
                                                  PLAN_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8, 9),
                                                  REPORT_FORMAT: (1, 2, 3, 4, 5, 6)}
 
@@ -162,6 +165,8 @@ MILP_SOLVERS = ("HiGHS", "CBC")
 #   ``fixed_costs.shared_cores`` (before 10; ``profile --no-shared-cores``; a host that runs more
 #   than 4 ranks at once): ranks that share cores are charged no slowdown beyond the sharing
 #   itself, and a plan of more ranks than cores says so.
+#   ``fixed_costs.per_micro_batch_size`` (before 11): every plan is charged the figures of the one
+#   size the probe measured (``fixed_costs.micro_batch_size``), whatever its own.
 RECOMPUTE_FIELDS = ("recompute_forward_s", "recompute_backward_s")
 SPLIT_FIELDS = ("backward_input_s", "backward_weight_s", "weight_kept_bytes")
 ISSUE_FIELDS = ("issue_forward_s", "issue_backward_s")          # version 9, CUDA profiles
@@ -550,6 +555,13 @@ FIXED_COSTS = Object({
     "layers": may(Items(Text(), nullable=True)),
     "configurations": may(Items(Anything(), nullable=True)),
     "seconds": may(_seconds(nullable=True)),
+    # Version 11 (profiles/fixedcosts.py, measure_fixed_costs): the figures at each size measured.
+    "per_micro_batch_size": may(Items(Object({
+        "micro_batch_size": need(_count(1)),
+        **{key: need(_seconds()) for key in FIXED_COST_KEYS},
+        "spread": may(Table(_seconds(), nullable=True)),
+        "configurations": may(Items(Anything(), nullable=True)),
+    }), nullable=True)),
     # Version 10 (profiles/fixedcosts.py, measure_shared_cores): null or absent, not measured.
     "shared_cores": may(Object({
         "slowdown": need(Number(1.0, MAX_RATIO)),

@@ -265,18 +265,17 @@ def render(data: dict[str, Any]) -> str:
             fixed = cell["fixed_costs"]
             text.append(f"\n### {model}, K = {K}\n")
             if fixed:
-                spread = fixed.get("spread") or {}
-                figures = ", ".join(f"{key.removesuffix('_s').replace('_', ' ')} {fixed[key] * 1e6:.0f} "
-                                    f"± {spread.get(key, 0) * 1e6:.0f} µs"
-                                    for key in ("forward_s", "backward_s", "backward_input_s", "backward_weight_s",
-                                                "send_s", "receive_s", "between_actions_s"))
                 took = f"{cell['profile_s']:.0f} s" if cell.get("profile_s") else "the same profile as above"
                 busy = busy_phases(cell.get("profile_host_load"))
+                sizes = fixed.get("per_micro_batch_size") or [fixed]
                 text.append(f"Profile: {took}, of which the fixed costs {fixed.get('seconds', 0):.0f} s "
                             f"({fixed.get('executor')} executor, {fixed.get('backend')}, micro-batch "
-                            f"{fixed.get('micro_batch_size')}); neighbours' slowdown {cell['contention']:.2f}; "
+                            f"{', '.join(str(e.get('micro_batch_size')) for e in sizes)}); neighbours' slowdown "
+                            f"{cell['contention']:.2f}; "
                             f"{'busy host: ' + busy_profile_text(busy) if busy else 'no busy phase'}. "
-                            f"Fixed costs: {figures}." + _shared_text(fixed.get("shared_cores")) + "\n")
+                            + " ".join(f"Fixed costs at micro-batch {e.get('micro_batch_size')}: {_figures(e)}."
+                                       for e in sizes)
+                            + _shared_text(fixed.get("shared_cores")) + "\n")
             for name, why in (cell.get("cannot_run") or {}).items():
                 text.append(f"{name}: not run ({why}).\n")
             mine = [c for c in rows if c["model"] == model and c["K"] == int(K)]
@@ -291,6 +290,18 @@ def render(data: dict[str, Any]) -> str:
                                   f"{c['ratio']:.3f}"] for c in mine]))
     text.append("\n![predicted vs measured](benchmarks/fidelity.svg)\n")
     return "\n".join(text) + "\n"
+
+
+def _figures(fixed: dict[str, Any]) -> str:
+    """One size's fixed costs with their spread, and how well they fit that size's probe runs."""
+    spread = fixed.get("spread") or {}
+    figures = ", ".join(f"{key.removesuffix('_s').replace('_', ' ')} {fixed[key] * 1e6:.0f} "
+                        f"± {spread.get(key, 0) * 1e6:.0f} µs"
+                        for key in ("forward_s", "backward_s", "backward_input_s", "backward_weight_s",
+                                    "send_s", "receive_s", "between_actions_s"))
+    fit = ", ".join(f"{label(c['schedule'], c.get('virtual_stages', 1))} {c['measured_step_s'] / c['predicted_step_s']:.2f}"
+                    for c in fixed.get("configurations") or [] if c.get("predicted_step_s"))
+    return figures + (f" (probe runs, measured / fitted step: {fit})" if fit else "")
 
 
 def _shared_text(shared: dict[str, Any] | None) -> str:

@@ -69,7 +69,7 @@ def predict(profile_doc: dict[str, Any], balance: list[int], M: int, B: int, sch
     K = len(balance)
     setting = cost_setting(profile, stages=K, micro_batches=M, schedule=schedule, virtual_stages=1, recompute="never",
                            memory_limit_bytes=None, link_bandwidth_bytes_per_s=math.inf, link_latency_s=0.0,
-                           optimizer="adam")
+                           optimizer="adam", micro_batch_size=B / M)
     cm = CostModel(profile.at(B / M), setting)
     bounds = [0]
     for n in balance:

@@ -152,7 +152,7 @@ class _Grid:
     point_budget_s: float
 
     def setting(self, shape: _Shape, micro_batches: int, schedule: str, recompute: str, limit: int | None,
-                virtual_stages: int = 1) -> Setting:
+                virtual_stages: int = 1, micro_batch_size: float | None = None) -> Setting:
         """The cost model's setting of one cell (settings.cost_setting, as solve makes it).
 
         One replica alone: the link as given. Replicas: the placement says which link the
@@ -167,7 +167,7 @@ class _Grid:
         return cost_setting(self.profile, stages=shape.stages, micro_batches=micro_batches, schedule=schedule,
                             virtual_stages=virtual_stages, recompute=recompute, memory_limit_bytes=limit,
                             link_bandwidth_bytes_per_s=pipe_bw, link_latency_s=pipe_lat,
-                            optimizer=self.request.optimizer, sync=sync)
+                            optimizer=self.request.optimizer, sync=sync, micro_batch_size=micro_batch_size)
 
 
 def _grid(profile: Profile, request: SolveOptions, stages: Sequence[int] | None,
@@ -203,7 +203,8 @@ def _reference_step_s(grid: _Grid) -> float:
     recomputation, no memory limit."""
     one_device = _Shape(1, 1, None, "")
     reference = GPipeSolver(CostModel(grid.profile.at(grid.batch),
-                                      grid.setting(one_device, 1, "gpipe", "never", None))).solve()
+                                      grid.setting(one_device, 1, "gpipe", "never", None,
+                                                   micro_batch_size=grid.batch))).solve()
     assert reference is not None
     return reference.evaluation.step_s
 
@@ -299,7 +300,7 @@ def _solve_point(grid: _Grid, shape: _Shape, M: int, size: int, schedule: str, r
     sol, fits, v = None, True, 1
     for limit in ([grid.memory_limit_bytes, None] if grid.memory_limit_bytes else [None]):
         if schedule in ("gpipe", "1f1b") or (schedule in ASYNC_SCHEDULES and not problem(schedule, K, M)):
-            cm = CostModel(profile.at(size), grid.setting(shape, M, schedule, recompute, limit))
+            cm = CostModel(profile.at(size), grid.setting(shape, M, schedule, recompute, limit, micro_batch_size=size))
             suffix_tables = None
             if schedule == "1f1b":
                 # Its tables depend on the layer times and links: shared only alike.
@@ -312,7 +313,7 @@ def _solve_point(grid: _Grid, shape: _Shape, M: int, size: int, schedule: str, r
             sol = solve_cost_model(cm, "exact", budget_s, seeds, suffix_tables=suffix_tables)
         elif schedule not in ASYNC_SCHEDULES:
             sol, v = _chunked(profile.at(size), K, M, schedule, profile.num_layers, budget_s,
-                              lambda vs: grid.setting(shape, M, schedule, recompute, limit, vs), seeds)
+                              lambda vs: grid.setting(shape, M, schedule, recompute, limit, vs, size), seeds)
         if sol is not None:
             break
         fits = False
@@ -339,7 +340,8 @@ def _capacity_table(grid: _Grid, block: dict[str, Any] | None) -> list[Capacity]
         return []
     return [block_capacity(grid.profile, block, K, grid.micro_batches, grid.batch, capacity_schedules, recompute,
                            grid.memory_limit_bytes,
-                           lambda K, M, s, r, lim: grid.setting(_Shape(K, 1, None, ""), M, s, r, lim))
+                           lambda K, M, s, r, lim: grid.setting(_Shape(K, 1, None, ""), M, s, r, lim,
+                                                                micro_batch_size=grid.batch // M))
             for K in grid.one_replica_stages for recompute in grid.recomputes]
 
 

@@ -77,11 +77,7 @@ class FixedCosts:
         """The inverse of :meth:`record` (and the profile's ``fixed_costs``): missing or null keys are 0."""
         if not isinstance(record, dict):
             return cls()
-        values = {}
-        for key in (f.name for f in fields(cls)):
-            value = record.get(key)
-            values[key] = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
-        return cls(**values)
+        return cls(**{f.name: _seconds(record.get(f.name)) for f in fields(cls)})
 
 
 @dataclass(frozen=True)
@@ -108,6 +104,39 @@ def messages(schedule: str, stages: int, virtual_stages: int = 1) -> tuple[Chunk
         down = int(c > 0 and where[c - 1] != where[c])
         out.append(ChunkMessages(forward_sends=up, forward_receives=down, backward_sends=down, backward_receives=up))
     return tuple(out)
+
+
+# The figures a profile records per micro-batch size (its ``fixed_costs`` keys, less the spread).
+FIGURES = ("forward_s", "backward_s", "backward_input_s", "backward_weight_s", "send_s", "receive_s",
+           "between_actions_s")
+
+
+def figures_at(record: Any, micro_batch_size: float | None) -> dict[str, float] | None:
+    """A profile's fixed costs (its ``fixed_costs`` record) at ``micro_batch_size``: each figure
+    interpolated between the sizes the probe measured (``per_micro_batch_size``, profile version
+    11), piecewise-linear and extended linearly past the ends, never below zero, as the layers'
+    times are (planner/profile.py, ``interpolate``); one measured size, or a record without
+    sizes (before version 11), or no size asked: the record's own figures. None: no record."""
+    from .profile import interpolate
+
+    if not isinstance(record, dict):
+        return None
+    own = {key: _seconds(record.get(key)) for key in FIGURES}
+    entries = record.get("per_micro_batch_size")
+    if micro_batch_size is None or not isinstance(entries, list) or len(entries) < 2:
+        return own
+    entries = sorted((e for e in entries if isinstance(e, dict) and _seconds(e.get("micro_batch_size")) > 0),
+                     key=lambda e: e["micro_batch_size"])
+    if len(entries) < 2:
+        return own
+    sizes = [float(e["micro_batch_size"]) for e in entries]
+    return {key: interpolate(sizes, [_seconds(e.get(key)) for e in entries], float(micro_batch_size))
+            for key in FIGURES}
+
+
+def _seconds(value: Any) -> float:
+    """A recorded figure as a float (missing, null or not a number: 0)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
 def between_actions_s(calibrated_s: float | None, profiled_s: float | None, stages: int) -> float:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from ..artifacts import BadInput, precision_of
-from .fixedcosts import FixedCosts, between_actions_s
+from .fixedcosts import FixedCosts, between_actions_s, figures_at
 from ..schema import (ISSUE_FIELDS, PROFILE_FORMAT, RECOMPUTE_FIELDS, SPLIT_FIELDS, check_format, recompute_timed,
                       split_backward_timed, validate)
 
@@ -150,11 +150,11 @@ class Profile:
         calibrated = overhead.get("per_microbatch_s")
         self.calibrated_overhead_s: float | None = float(calibrated) if calibrated is not None else None
         # The runtime's fixed costs per action and message, measured at profile time (version 9;
-        # planner/fixedcosts.py): None when the profile measured none.
+        # planner/fixedcosts.py), per micro-batch size from version 11 (:meth:`fixed_costs_at`):
+        # None when the profile measured none.
         fixed = doc.get("fixed_costs")
+        self.fixed_costs_record: dict | None = fixed if isinstance(fixed, dict) else None
         self.fixed_costs: FixedCosts | None = FixedCosts.from_record(fixed) if isinstance(fixed, dict) else None
-        between = fixed.get("between_actions_s") if isinstance(fixed, dict) else None
-        self.between_actions_s: float | None = float(between) if between is not None else None
         # How much slower every action runs where ranks share cores (version 10; None: not measured).
         shared = fixed.get("shared_cores") if isinstance(fixed, dict) else None
         self.shared_core_slowdown: float | None = float(shared["slowdown"]) if isinstance(shared, dict) else None
@@ -178,9 +178,17 @@ class Profile:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def per_action_overhead_s(self, stages: int) -> float:
-        """The cost between actions a plan of ``stages`` is charged (planner/fixedcosts.py)."""
-        return between_actions_s(self.calibrated_overhead_s, self.between_actions_s, stages)
+    def fixed_costs_at(self, micro_batch_size: float | None) -> FixedCosts | None:
+        """The fixed costs a plan of micro-batches of ``micro_batch_size`` is charged (None: the
+        profile measured none; planner/fixedcosts.py, ``figures_at``)."""
+        figures = figures_at(self.fixed_costs_record, micro_batch_size)
+        return None if figures is None else FixedCosts.from_record(figures)
+
+    def per_action_overhead_s(self, stages: int, micro_batch_size: float | None = None) -> float:
+        """The cost between actions a plan of ``stages`` and micro-batches of ``micro_batch_size``
+        is charged (planner/fixedcosts.py)."""
+        figures = figures_at(self.fixed_costs_record, micro_batch_size)
+        return between_actions_s(self.calibrated_overhead_s, figures["between_actions_s"] if figures else None, stages)
 
     @property
     def model(self) -> dict:

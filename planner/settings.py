@@ -126,12 +126,14 @@ def virtual_stage_choices(schedule: str, virtual_stages: int | str, stages: int,
 
 def cost_setting(profile: Profile, *, stages: int, micro_batches: int, schedule: str, virtual_stages: int,
                  recompute: str, memory_limit_bytes: float | None, link_bandwidth_bytes_per_s: float,
-                 link_latency_s: float, optimizer: str, sync: ReplicaSync = ReplicaSync()) -> Setting:
+                 link_latency_s: float, optimizer: str, sync: ReplicaSync = ReplicaSync(),
+                 micro_batch_size: float | None = None) -> Setting:
     """The cost model's :class:`Setting` for one (K, M, schedule, v) of a profile: the one place
     that says what a plan is charged besides its layers (solve and explore both call it).
 
     The link's latency counts only when its bandwidth does (an infinite link is free); the
-    runtime's fixed costs per action and message as the profile measured them, and the cost
+    runtime's fixed costs per action and message as the profile measured them at the plan's
+    ``micro_batch_size`` (None: the profile's own figures, those of its middle size), and the cost
     between actions as planner/fixedcosts.py says (a calibrated figure replaces the profile's;
     from a profile without fixed costs, with several stages only); every layer time is scaled
     for the processes computing beside it on the host, the stages of all the replicas there
@@ -151,8 +153,8 @@ def cost_setting(profile: Profile, *, stages: int, micro_batches: int, schedule:
         link_bandwidth_bytes_per_s=link_bandwidth_bytes_per_s,
         link_latency_s=link_latency_s if math.isfinite(link_bandwidth_bytes_per_s) else 0.0,
         optimizer=optimizer,
-        overhead_s=profile.per_action_overhead_s(stages),
-        fixed_costs=profile.fixed_costs or FixedCosts(),
+        overhead_s=profile.per_action_overhead_s(stages, micro_batch_size),
+        fixed_costs=profile.fixed_costs_at(micro_batch_size) or FixedCosts(),
         compute_scale=neighbour_scale(profile.contention_slowdown, profile.contention_processes, computing),
         virtual_stages=virtual_stages,
         data_parallel=sync.data_parallel,
@@ -191,7 +193,8 @@ def settings_for(profile: Profile, problem: PipelineProblem) -> list[tuple[Setti
                                    virtual_stages=v, recompute=problem.recompute,
                                    memory_limit_bytes=problem.memory_limit_bytes,
                                    link_bandwidth_bytes_per_s=problem.link_bandwidth_bytes_per_s,
-                                   link_latency_s=problem.link_latency_s, optimizer=problem.optimizer, sync=sync)
+                                   link_latency_s=problem.link_latency_s, optimizer=problem.optimizer, sync=sync,
+                                   micro_batch_size=problem.batch // m)
             if setting.time_shared and schedule in ASYNC_SCHEDULES:
                 raise BadInput(f"{schedule} on ranks that share the host's cores (it runs "
                                f"{setting.concurrent_ranks:g} of the {problem.stages} stages at once) is not "

@@ -51,6 +51,7 @@ from typing import Any
 
 from ..artifacts import BadInput, file_sha256, precision_label, precision_of
 from ..plan_view import ChunkPlan, read_plan
+from ..planner.fixedcosts import figures_at
 from ..schema import read_profile, read_report, report_chunks, timing_key
 from .overhead import fixed_in_times, measure_overhead
 from .plausibility import Ratio, check_round
@@ -89,10 +90,13 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
     layers = out["layers"]
     measured_any = False
     # What plans charged between actions before this round: an earlier round's figure, else the
-    # profile's own (fixed_costs.between_actions_s), which a calibrated one replaces.
+    # profile's own at the run's micro-batch size (fixed_costs.between_actions_s), which a
+    # calibrated one replaces.
     previous_overhead = (profile.get("overhead") or {}).get("per_microbatch_s")
+    size = report.get("micro_batch_size")
+    profiled = figures_at(profile.get("fixed_costs"), size if isinstance(size, (int, float)) else None)
     previous_charged = previous_overhead if previous_overhead is not None else \
-        (profile.get("fixed_costs") or {}).get("between_actions_s")
+        (profiled["between_actions_s"] if profiled is not None else None)
     # The plan's chunk times include the fixed costs it charged (the per-action overhead and,
     # from a version-9 profile, each kind's and each message's), some of which the run measures
     # in its spans and some between them: the layers' ratio is of what is left of both.

@@ -9,10 +9,19 @@ chunk counts:
 
     1f1b and zb-h1 (2 chunks), interleaved v=2 and zb-v (4 chunks), interleaved v=3 (6 chunks)
 
-on K = 2 stages with M = 4 micro-batches, at the profile's middle micro-batch size. With a
-few layers (the whole model when it has at most :data:`MAX_LAYERS`, else the cheapest run of
-that many), these runs differ in how many actions and messages the same work is cut into,
-which is what separates the fixed costs from the layers' own time. The runtime times every
+on K = 2 stages with M = 4 micro-batches, at each of the profile's micro-batch sizes in turn
+(the processes start once). With a few layers (the whole model when it has at most
+:data:`MAX_LAYERS`, else the cheapest run of that many at the middle size), these runs differ
+in how many actions and messages the same work is cut into, which is what separates the fixed
+costs from the layers' own time.
+
+Why every size: these costs are fixed in the number of layers, not in the micro-batch size.
+A message's bytes grow with it (gloo copies them on the cores that compute), and so does what
+an action costs in a pipeline beyond its layers timed alone. On the development VM the built-in
+Llama's figures roughly doubled from micro-batch 4 to 8 (forward 0.22 to 0.53 ms, backward
+0.21 to 0.68 ms; docs/benchmarks/fidelity.md), so a plan of micro-batches of 8 charged the
+figures of 4 was charged half of them. The planner charges a plan the figures at its own size
+(interpolated between the measured ones: planner/fixedcosts.py, ``figures_at``). The runtime times every
 action as a span (runtime/timing.py: wall time on a CPU, CUDA events on a GPU), here as in a
 run, since what the planner predicts is the run's wall-clock step: a send that makes its
 sender wait for the socket, a wake-up after a receive, land in these figures as they land in a
@@ -139,37 +148,49 @@ def window(doc: dict[str, Any], size_index: int, layers: int = MAX_LAYERS) -> tu
 def measure_fixed_costs(spec: dict[str, Any], doc: dict[str, Any], threads: int = 1, seed: int = 0,
                         precision: Precision | None = None, device: torch.device | None = None,
                         timeout_s: float = 300.0) -> dict[str, Any]:
-    """The profile's ``fixed_costs``: the probe pipeline run, and :func:`fit_fixed_costs` on it.
+    """The profile's ``fixed_costs``: the probe pipeline run at every micro-batch size of the
+    profile, and :func:`fit_fixed_costs` on each size's runs.
 
-    ``doc`` is the profile measured so far (its layers' times, ``contention``, ``link``)."""
+    ``doc`` is the profile measured so far (its layers' times, ``contention``, ``link``). The
+    record's own figures are those of the middle size (what a reader of version 10 finds);
+    ``per_micro_batch_size`` holds every size's, which the planner charges at a plan's size
+    (planner/fixedcosts.py, :func:`~gpipe_plan.planner.fixedcosts.figures_at`)."""
     started = time.perf_counter()
     device = device or torch.device("cpu")
-    size_index = len(doc["micro_batch_sizes"]) // 2
-    first, end = window(doc, size_index)
+    middle = len(doc["micro_batch_sizes"]) // 2
+    first, end = window(doc, middle)
     runs = probes(end - first)
     backend = "nccl" if device.type == "cuda" else "gloo"
     executor = "torch" if device.type == "cuda" else "native"
-    measured = _run_probes(spec, doc, (first, end), size_index, runs, threads, seed, precision, backend, executor,
+    size_indices = list(range(len(doc["micro_batch_sizes"])))
+    measured = _run_probes(spec, doc, (first, end), size_indices, runs, threads, seed, precision, backend, executor,
                            device.index or 0, timeout_s, "timing the runtime's fixed costs in a 2-process pipeline",
                            "timing the fixed costs")
-    fixed = fit_fixed_costs(doc, (first, end), size_index, measured)
-    fixed.update(executor=executor, backend=backend, **_what_ran(doc, (first, end), size_index, STAGES, threads, started))
+    per_size = [{"micro_batch_size": doc["micro_batch_sizes"][i], **fit_fixed_costs(doc, (first, end), i, runs_at)}
+                for i, runs_at in zip(size_indices, measured)]
+    fixed = {key: value for key, value in per_size[middle].items() if key != "micro_batch_size"}
+    fixed.update(executor=executor, backend=backend, **_what_ran(doc, (first, end), middle, STAGES, threads, started))
+    fixed["per_micro_batch_size"] = [{key: value for key, value in entry.items() if key != "compute_scale"}
+                                     for entry in per_size]
     return fixed
 
 
-def _run_probes(spec: dict[str, Any], doc: dict[str, Any], layers: tuple[int, int], size_index: int,
+def _run_probes(spec: dict[str, Any], doc: dict[str, Any], layers: tuple[int, int], size_indices: list[int],
                 runs: list[Probe], threads: int, seed: int, precision: Precision | None, backend: str, executor: str,
-                gpu: int, timeout_s: float, what: str, doing: str) -> list[ProbeRun]:
-    """``runs`` (each on as many processes as its ``stages``) on the window ``layers`` at the
-    profile's ``size_index``-th micro-batch size, one process per stage: what each measured."""
+                gpu: int, timeout_s: float, what: str, doing: str) -> list[list[ProbeRun]]:
+    """``runs`` (each on as many processes as its ``stages``) on the window ``layers`` at each
+    of the profile's ``size_indices``-th micro-batch sizes, one process per stage (started
+    once for all of them): what each measured, per size."""
     processes = runs[0].stages
+    sizes = [doc["micro_batch_sizes"][i] for i in size_indices]
     returned = run_workers(_worker, processes, (_free_port(), spec, seed, precision or Precision(), threads, layers,
-                                                doc["micro_batch_sizes"][size_index], runs, backend, executor, gpu),
+                                                sizes, runs, backend, executor, gpu),
                            timeout_s, what)
     if len(returned) != processes:
         raise RuntimeError(f"{processes - len(returned)} of the {processes} processes {doing} returned nothing")
     by_rank = [r[1] for r in sorted(returned, key=lambda r: r[0])]
-    return [ProbeRun.merge(p, [mine[i] for mine in by_rank]) for i, p in enumerate(runs)]
+    return [[ProbeRun.merge(p, [mine[s][i] for mine in by_rank]) for i, p in enumerate(runs)]
+            for s in range(len(sizes))]
 
 
 def _what_ran(doc: dict[str, Any], layers: tuple[int, int], size_index: int, processes: int, threads: int,
@@ -206,9 +227,9 @@ def measure_shared_cores(spec: dict[str, Any], doc: dict[str, Any], processes: i
     runs = probes(end - first, processes, SHARED_CONFIGURATIONS, back_to_back=True, measured_steps=SHARED_MEASURED_STEPS)
     if not runs:
         raise ValueError(f"a window of {end - first} layers cannot be cut for {processes} processes")
-    measured = _run_probes(spec, doc, (first, end), size_index, runs, threads, seed, precision, "gloo", "native", 0,
-                           timeout_s, f"timing ranks that share cores in a {processes}-process pipeline",
-                           "timing shared cores")
+    measured = _run_probes(spec, doc, (first, end), [size_index], runs, threads, seed, precision, "gloo", "native",
+                           0, timeout_s, f"timing ranks that share cores in a {processes}-process pipeline",
+                           "timing shared cores")[0]
     shared = fit_shared_slowdown(doc, (first, end), size_index, measured)
     shared.update(**_what_ran(doc, (first, end), size_index, processes, threads, started))
     return shared
@@ -426,7 +447,8 @@ class _ProbeModel:
         charged = cost_setting(self.profile, stages=probe.stages, micro_batches=MICRO_BATCHES, schedule=probe.schedule,
                                virtual_stages=probe.virtual_stages, recompute="never", memory_limit_bytes=None,
                                link_bandwidth_bytes_per_s=link or math.inf,
-                               link_latency_s=self.profile.link_latency_s if link else 0.0, optimizer="adam")
+                               link_latency_s=self.profile.link_latency_s if link else 0.0, optimizer="adam",
+                               micro_batch_size=self.size)
         self.scale = charged.compute_scale
         self.concurrent_ranks = charged.concurrent_ranks
         self._setting = lambda fixed, overhead, slowdown=1.0, added=0.0: replace(
@@ -471,9 +493,10 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, port: int, spec: dict[str, Any], seed: int, precision: Precision, threads: int,
-            layers: tuple[int, int], size: int, runs: list[Probe], backend: str, executor: str, gpu: int,
+            layers: tuple[int, int], sizes: list[int], runs: list[Probe], backend: str, executor: str, gpu: int,
             results: Any) -> None:
-    """One stage of the probe pipeline: every run in turn, its spans and step times to ``results``."""
+    """One stage of the probe pipeline: every run in turn at each micro-batch size in turn, its
+    spans and step times to ``results`` (per size, per run)."""
     import torch.distributed as dist
 
     from ..models import build_model, forward_streamed, materialize_layers
@@ -492,21 +515,21 @@ def _worker(rank: int, port: int, spec: dict[str, Any], seed: int, precision: Pr
         model = build_model(spec, seed=seed, materialize=())
         precision.cast(model)
         first, end = layers
-        inputs, targets = model.synthetic_batch(MICRO_BATCHES * size, torch.Generator().manual_seed(seed))
-        with torch.no_grad(), precision.autocast("cpu"):
-            inputs = forward_streamed(model, inputs, range(first))      # the window's inputs: the model's, or
-        materialize_layers(model, range(first, end))                    # activations from the layers before
+        materialize_layers(model, range(first, end))
         for _, layer in model.layers[first:end]:
             layer.to(device)
-        inputs = tuple(x.to(device) for x in inputs)
-        targets = targets.to(device)
         last = end == len(model.layers)
-        metas = _cut_metas(model, (first, end), tuple(x[:size] for x in inputs), precision, device, TensorMeta)
         loss_fn = model.loss if last else _synthetic_loss
         out = []
-        for probe in runs:
-            out.append(_run(rank, probe, model, first, metas, inputs, targets, loss_fn, precision, device, executor,
-                            Chunk, ChunkModule, SpanRecorder))
+        for size in sizes:
+            inputs, targets = model.synthetic_batch(MICRO_BATCHES * size, torch.Generator().manual_seed(seed))
+            with torch.no_grad(), precision.autocast("cpu"):
+                inputs = forward_streamed(model, inputs, range(first))   # the window's inputs: the model's, or
+            inputs = tuple(x.to(device) for x in inputs)                  # activations from the layers before
+            targets = targets.to(device)
+            metas = _cut_metas(model, (first, end), tuple(x[:size] for x in inputs), precision, device, TensorMeta)
+            out.append([_run(rank, probe, model, first, metas, inputs, targets, loss_fn, precision, device, executor,
+                             Chunk, ChunkModule, SpanRecorder) for probe in runs])
         results.put((rank, out))
     finally:
         dist.destroy_process_group()

@@ -157,13 +157,15 @@ def fixed_in_times(profile: dict[str, Any], report: dict[str, Any],
     profile the plan was made from, before this round) for the report's schedule and stages;
     ``shared_cores``: what the plan charged every action for its ranks sharing cores (slowdown,
     added seconds: profiles/calibrate.py, ``plan_sharing``)."""
-    from ..planner.fixedcosts import FixedCosts, between_actions_s, messages
+    from ..planner.fixedcosts import FixedCosts, between_actions_s, figures_at, messages
 
     schedule, stages = report.get("schedule"), report.get("num_stages") or len(report["stages"])
     v = report.get("virtual_stages") if isinstance(report.get("virtual_stages"), int) else chunks_per_stage(schedule)
-    recorded = profile.get("fixed_costs") if isinstance(profile.get("fixed_costs"), dict) else None
+    size = report.get("micro_batch_size")
+    # At the run's micro-batch size, as the plan charged them (profile version 11: per size).
+    recorded = figures_at(profile.get("fixed_costs"), size if isinstance(size, (int, float)) else None)
     calibrated = (profile.get("overhead") or {}).get("per_microbatch_s")
-    between = between_actions_s(calibrated, recorded.get("between_actions_s") if recorded else None, stages)
+    between = between_actions_s(calibrated, recorded["between_actions_s"] if recorded else None, stages)
     shape_ok = schedule in SCHEDULES and isinstance(stages, int) and stages >= 1 and isinstance(v, int) and v >= 1
     chunk_messages = messages(schedule, stages, v) if recorded and shape_ok else ()
     return FixedInTimes(schedule, between, FixedCosts.from_record(recorded), chunk_messages, *shared_cores)

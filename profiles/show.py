@@ -101,11 +101,20 @@ def _fixed_costs_line(fixed: Any) -> str | None:
     fit = ", ".join(f"{r['schedule']}{' v=' + str(r['virtual_stages']) if r['schedule'] == 'interleaved' else ''} "
                     f"{r['measured_step_s'] / r['predicted_step_s']:.2f}"
                     for r in runs if r.get("predicted_step_s"))
+    sizes = [e for e in fixed.get("per_micro_batch_size") or [] if isinstance(e, dict)]
+    others = "; ".join(f"at {e.get('micro_batch_size')}: F {format_seconds(e.get('forward_s'))}, "
+                       f"B {format_seconds(e.get('backward_s'))}, sent {format_seconds(e.get('send_s'))}, "
+                       f"received {format_seconds(e.get('receive_s'))}"
+                       for e in sizes if e.get("micro_batch_size") != fixed.get("micro_batch_size"))
     return (f"fixed costs per action ({fixed.get('executor', '?')} executor, {fixed.get('backend', '?')}, "
-            f"{format_seconds(fixed.get('seconds'))} to measure): {kinds}, between actions "
+            f"{format_seconds(fixed.get('seconds'))} to measure), at micro-batch {fixed.get('micro_batch_size', '?')}: "
+            f"{kinds}, between actions "
             f"{format_seconds(fixed.get('between_actions_s'))}; per message sent "
-            f"{format_seconds(fixed.get('send_s'))}, received {format_seconds(fixed.get('receive_s'))}; plans charge "
-            f"them on every action" + (f" (measured / fitted step of the runs: {fit})" if fit else ""))
+            f"{format_seconds(fixed.get('send_s'))}, received {format_seconds(fixed.get('receive_s'))}"
+            + (f" ({others})" if others else "")
+            + ("; plans charge those at their micro-batch size on every action" if sizes
+               else "; plans charge them on every action")
+            + (f" (measured / fitted step of the runs: {fit})" if fit else ""))
 
 
 def _shared_cores_line(fixed: Any) -> str | None:

@@ -20,7 +20,7 @@ from gpipe_plan.cli import main
 from gpipe_plan.planner.costmodel import CostModel, Setting
 from gpipe_plan.planner.export.setting import plan_setting
 from gpipe_plan.plan_view import read_plan
-from gpipe_plan.planner.fixedcosts import FixedCosts, between_actions_s
+from gpipe_plan.planner.fixedcosts import FIGURES, FixedCosts, between_actions_s, figures_at
 from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.profile import Profile
 from gpipe_plan.planner.problem import SolveOptions
@@ -145,6 +145,52 @@ def test_the_calibrated_overhead_replaces_the_profiled_one_never_adds() -> None:
     assert between_actions_s(5e-5, None, 1) == 0.0        # an older profile: several stages only,
     assert between_actions_s(5e-5, None, 3) == 5e-5       # as it always was
     assert between_actions_s(None, None, 3) == 0.0
+
+
+def test_the_figures_at_a_size_are_interpolated_between_the_sizes_measured() -> None:
+    """Profile version 11: each figure piecewise-linear in the micro-batch size through the sizes
+    the probe ran, extended linearly past them and never below zero; without sizes (or one, or
+    no size asked) the record's own figures."""
+    def entry(size: int, scale: float) -> dict:
+        return {"micro_batch_size": size, **{key: scale * (i + 1) * 1e-4 for i, key in enumerate(FIGURES)}}
+
+    record = {**entry(4, 2.0), "per_micro_batch_size": [entry(8, 5.0), entry(2, 1.0), entry(4, 2.0)]}
+    assert figures_at(None, 4) is None
+    assert figures_at(record, None) == {key: record[key] for key in FIGURES}
+    assert figures_at(record, 2)["send_s"] == pytest.approx(5e-4)
+    assert figures_at(record, 3)["send_s"] == pytest.approx(7.5e-4)       # between 2 and 4
+    assert figures_at(record, 6)["forward_s"] == pytest.approx(3.5e-4)    # between 4 and 8 (2e-4, 5e-4)
+    assert figures_at(record, 16)["forward_s"] == pytest.approx(11e-4)    # past 8, on the line through 4 and 8
+    assert figures_at(record, 1)["forward_s"] == pytest.approx(0.5e-4)    # before 2, on the line through 2 and 4
+    falling = {**entry(4, 2.0), "per_micro_batch_size": [entry(2, 4.0), entry(4, 1.0)]}
+    assert figures_at(falling, 8)["forward_s"] == 0.0                      # never below zero
+    alone = {**entry(4, 2.0), "per_micro_batch_size": [entry(4, 2.0)]}
+    assert figures_at(alone, 16) == figures_at(alone, None)                # one size: its figures
+    older = entry(4, 2.0)                                                  # version 10: one size
+    assert figures_at(older, 16) == {key: older[key] for key in FIGURES}
+
+
+def test_a_plan_is_charged_the_fixed_costs_at_its_own_micro_batch_size(tmp_path: Path) -> None:
+    """The same profile solved at M = 8 and M = 2 (micro-batches of 1 and 4): each plan charges,
+    and records, the figures at its size, and its prediction is the cost model's with them."""
+    per_size = [{"micro_batch_size": b, **{key: value * b for key, value in FIXED_RECORD.items()}} for b in (1, 2, 4)]
+    profile = _profile_with_fixed_costs(tmp_path, {**per_size[1], "per_micro_batch_size": per_size})
+    for M, b in ((8, 1), (2, 4)):
+        out = tmp_path / f"plan{M}.json"
+        result = CliRunner().invoke(main, ["solve", str(profile), "--stages", "2", "--micro-batches", str(M),
+                                           "--schedule", "1f1b", "--out", str(out), "-q"])
+        assert result.exit_code == 0, result.output
+        plan = json.loads(out.read_text())
+        assert plan["micro_batch_size"] == b
+        assert plan["options"]["fixed_costs"] == pytest.approx(
+            {key: value * b for key, value in FIXED_RECORD.items() if key != "between_actions_s"})
+        assert plan["options"]["per_microbatch_overhead_s"] == pytest.approx(FIXED_RECORD["between_actions_s"] * b)
+        setting = plan_setting(read_plan(str(out)))
+        cm = CostModel(Profile(json.loads(profile.read_text())).at(b), setting)
+        bounds = [0]
+        for n in plan["balance"]:
+            bounds.append(bounds[-1] + n)
+        assert evaluate(cm, bounds).step_s == pytest.approx(plan["predicted"]["step_s"], rel=1e-12)
 
 
 def _profile_with_fixed_costs(tmp_path: Path, fixed: dict | None, calibrated: float | None = None) -> Path:
@@ -461,11 +507,21 @@ def test_profile_measures_the_fixed_costs_with_a_real_pipeline(tmp_path: Path) -
         assert all(c["measured_step_s"] > 0 and c["predicted_step_s"] > 0 for c in shared["configurations"])
     else:
         assert shared is None
-    plan = tmp_path / "plan.json"
-    assert CliRunner().invoke(main, ["solve", str(out), "-k", "2", "--out", str(plan), "-q"]).exit_code == 0
-    charged = json.loads(plan.read_text())["options"]
-    assert charged["fixed_costs"]["send_s"] == fixed["send_s"]
-    assert charged["per_microbatch_overhead_s"] == fixed["between_actions_s"]
+    # every profiled size measured; the record's own figures are the middle size's
+    sizes = [entry["micro_batch_size"] for entry in fixed["per_micro_batch_size"]]
+    assert sizes == [1, 2]
+    middle = fixed["per_micro_batch_size"][1]
+    assert all(middle[key] == fixed[key] for key in FIGURES)
+    assert all(len(entry["configurations"]) == 4 for entry in fixed["per_micro_batch_size"])
+    for M in (2, 1):    # micro-batches of 1 and of 2 (the profile's batch is 2)
+        plan = tmp_path / f"plan{M}.json"
+        assert CliRunner().invoke(main, ["solve", str(out), "-k", "2", "-m", str(M), "--out", str(plan),
+                                         "-q"]).exit_code == 0
+        doc = json.loads(plan.read_text())
+        at = fixed["per_micro_batch_size"][sizes.index(doc["micro_batch_size"])]
+        charged = doc["options"]
+        assert charged["fixed_costs"]["send_s"] == at["send_s"]
+        assert charged["per_microbatch_overhead_s"] == at["between_actions_s"]
 
 
 def test_no_fixed_costs_leaves_them_out_and_the_plan_says_so(tmp_path: Path) -> None:
@@ -473,7 +529,7 @@ def test_no_fixed_costs_leaves_them_out_and_the_plan_says_so(tmp_path: Path) -> 
     result = CliRunner().invoke(main, ["profile", *TINY, "--no-fixed-costs", "--out", str(out), "-q"])
     assert result.exit_code == 0, result.output
     doc = json.loads(out.read_text())
-    assert "fixed_costs" not in doc and doc["version"] == 10
+    assert "fixed_costs" not in doc and doc["version"] == 11
     plan = tmp_path / "plan.json"
     assert CliRunner().invoke(main, ["solve", str(out), "-k", "2", "--out", str(plan), "-q"]).exit_code == 0
     assert any("measured no fixed costs" in w for w in json.loads(plan.read_text())["warnings"])
