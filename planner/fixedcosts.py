@@ -134,6 +134,40 @@ def figures_at(record: Any, micro_batch_size: float | None) -> dict[str, float] 
             for key in FIGURES}
 
 
+# A probe run of a plan's schedule shape that ran this much slower than the fitted figures
+# predict it is worth a warning: the plan's own prediction is then likely as optimistic.
+PROBE_MISFIT_WARN = 1.05
+
+
+def probe_misfit(record: Any, schedule: str, virtual_stages: int,
+                 micro_batch_size: float | None) -> tuple[float, int] | None:
+    """How the probe's run of ``schedule`` (``virtual_stages`` chunks per stage for interleaved)
+    fared against the fitted figures: (measured / fitted step, the micro-batch size it ran at), at
+    the measured size nearest ``micro_batch_size`` (the record's own with none asked or none per
+    size); None where the probe ran no such shape (GPipe, v = 4, too few layers) or no record.
+
+    The fitted figures are one set for all the probe's runs, so a shape whose run the set explains
+    badly (on a CPU, interleaved v = 3 runs slower than fitted: docs/planner.md, "Fixed costs") is
+    predicted about as badly in a plan of it."""
+    if not isinstance(record, dict):
+        return None
+    entry = record
+    entries = [e for e in record.get("per_micro_batch_size") or [] if isinstance(e, dict)
+               and _seconds(e.get("micro_batch_size")) > 0]
+    if entries and micro_batch_size is not None:
+        entry = min(entries, key=lambda e: (abs(e["micro_batch_size"] - micro_batch_size), e["micro_batch_size"]))
+    size = entry.get("micro_batch_size")
+    for run in entry.get("configurations") or []:
+        if not isinstance(run, dict) or run.get("schedule") != schedule:
+            continue
+        if schedule == "interleaved" and run.get("virtual_stages") != virtual_stages:
+            continue
+        measured, fitted = _seconds(run.get("measured_step_s")), _seconds(run.get("predicted_step_s"))
+        if measured > 0 and fitted > 0:
+            return measured / fitted, int(size) if isinstance(size, (int, float)) else 0
+    return None
+
+
 def _seconds(value: Any) -> float:
     """A recorded figure as a float (missing, null or not a number: 0)."""
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0

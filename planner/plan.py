@@ -14,10 +14,11 @@ from typing import Any
 
 from ..hostload import busy_phases, busy_profile_text
 from ..schema import FORMAT_VERSIONS, PLAN_FORMAT
-from ..schedules import SPLIT_BACKWARD, chunks_per_stage
+from ..schedules import SPLIT_BACKWARD, chunks_per_stage, label
 from ..weight_versions import ASYNC_SCHEDULES, staleness, stashed_versions
 from . import milp
 from .costmodel import CostModel
+from .fixedcosts import PROBE_MISFIT_WARN, probe_misfit
 from .objective import Evaluation, evaluate
 from .profile import Profile
 from .replicas import DevicesResult, Factorisation, placements, Topology
@@ -286,6 +287,14 @@ def plan_warnings(profile: Profile, best: Candidate, ev: Evaluation, proven: boo
             f"{'the calibrated overhead' if profile.calibrated_overhead_s else 'nothing'} for the runtime's work "
             "per action, so schedules of many chunks (interleaved) look cheaper than they run; profile again "
             "without --no-fixed-costs")
+    misfit = probe_misfit(profile.fixed_costs_record, setting.schedule, setting.virtual_stages,
+                          best.micro_batch_size) if setting.stages > 1 else None
+    if misfit is not None and misfit[0] > PROBE_MISFIT_WARN:
+        shape = label(setting.schedule, setting.virtual_stages)
+        warnings.append(
+            f"the profile's probe ran {shape} at {misfit[0]:.2f}x the step its fitted fixed costs predict (2 stages, "
+            f"micro-batch {misfit[1]}): this plan is likely to run slower than predicted by about as much "
+            "(docs/planner.md, \"Fixed costs\"); compare it with another --schedule, or run both")
     if setting.time_shared:
         ranks = setting.stages * setting.data_parallel
         measured = profile.shared_core_slowdown is not None

@@ -20,7 +20,7 @@ from gpipe_plan.cli import main
 from gpipe_plan.planner.costmodel import CostModel, Setting
 from gpipe_plan.planner.export.setting import plan_setting
 from gpipe_plan.plan_view import read_plan
-from gpipe_plan.planner.fixedcosts import FIGURES, FixedCosts, between_actions_s, figures_at
+from gpipe_plan.planner.fixedcosts import FIGURES, FixedCosts, between_actions_s, figures_at, probe_misfit
 from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.profile import Profile
 from gpipe_plan.planner.problem import SolveOptions
@@ -191,6 +191,46 @@ def test_a_plan_is_charged_the_fixed_costs_at_its_own_micro_batch_size(tmp_path:
         for n in plan["balance"]:
             bounds.append(bounds[-1] + n)
         assert evaluate(cm, bounds).step_s == pytest.approx(plan["predicted"]["step_s"], rel=1e-12)
+
+
+def _probed(size: int, interleaved_v3: float) -> dict:
+    """One size's fixed costs whose probe ran 1F1B as fitted and interleaved v=3 at ``interleaved_v3``."""
+    runs = [{"schedule": "1f1b", "virtual_stages": 1, "chunks": 2, "micro_batches": 4,
+             "measured_step_s": 0.01, "predicted_step_s": 0.01},
+            {"schedule": "interleaved", "virtual_stages": 3, "chunks": 6, "micro_batches": 4,
+             "measured_step_s": 0.02 * interleaved_v3, "predicted_step_s": 0.02}]
+    return {"micro_batch_size": size, **FIXED_RECORD, "configurations": runs}
+
+
+def test_probe_misfit_reads_the_shape_at_the_nearest_size() -> None:
+    record = {**_probed(2, 1.0), "per_micro_batch_size": [_probed(1, 1.2), _probed(2, 1.0), _probed(4, 1.1)]}
+    assert probe_misfit(record, "interleaved", 3, 4) == (pytest.approx(1.1), 4)
+    assert probe_misfit(record, "interleaved", 3, 1) == (pytest.approx(1.2), 1)
+    assert probe_misfit(record, "interleaved", 3, 3) == (pytest.approx(1.0), 2)    # ties: the smaller size
+    assert probe_misfit(record, "interleaved", 3, None) == (pytest.approx(1.0), 2)
+    assert probe_misfit(record, "1f1b", 1, 4) == (pytest.approx(1.0), 4)
+    assert probe_misfit(record, "interleaved", 4, 4) is None                       # not probed
+    assert probe_misfit(record, "gpipe", 1, 4) is None
+    assert probe_misfit(None, "1f1b", 1, 4) is None
+
+
+@pytest.mark.parametrize("ratio,warned", [(1.12, True), (1.02, False)])
+def test_a_plan_of_a_shape_the_probe_ran_slower_than_fitted_says_so(tmp_path: Path, ratio: float,
+                                                                     warned: bool) -> None:
+    """The probe measured interleaved v=3 at ``ratio`` of its fitted step at the plan's size: a plan
+    of that shape warns that it is likely to run slower than predicted (above 5%), naming the ratio."""
+    per_size = [_probed(1, 1.0), _probed(2, ratio), _probed(4, 1.0)]
+    profile = _profile_with_fixed_costs(tmp_path, {**per_size[1], "per_micro_batch_size": per_size})
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(main, ["solve", str(profile), "--stages", "2", "--micro-batches", "4",
+                                       "--schedule", "interleaved", "--virtual-stages", "3", "--out", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(out.read_text())
+    assert plan["micro_batch_size"] == 2
+    said = [w for w in plan["warnings"] if "the profile's probe ran interleaved v=3" in w]
+    assert bool(said) == warned
+    if warned:
+        assert f"{ratio:.2f}x" in said[0] and "micro-batch 2" in said[0]
 
 
 def _profile_with_fixed_costs(tmp_path: Path, fixed: dict | None, calibrated: float | None = None) -> Path:
