@@ -18,8 +18,8 @@ costs from the layers' own time.
 Why every size: these costs are fixed in the number of layers, not in the micro-batch size.
 A message's bytes grow with it (gloo copies them on the cores that compute), and so does what
 an action costs in a pipeline beyond its layers timed alone. On the development VM the built-in
-Llama's figures roughly doubled from micro-batch 4 to 8 (forward 0.22 to 0.53 ms, backward
-0.21 to 0.68 ms; docs/benchmarks/fidelity.md), so a plan of micro-batches of 8 charged the
+gpt's forward and backward figures about doubled from micro-batch 4 to 8 (0.13 to 0.28 ms and
+0.15 to 0.32 ms; docs/benchmarks/fidelity.md), so a plan of micro-batches of 8 charged the
 figures of 4 was charged half of them. The planner charges a plan the figures at its own size
 (interpolated between the measured ones: planner/fixedcosts.py, ``figures_at``). The runtime times every
 action as a span (runtime/timing.py: wall time on a CPU, CUDA events on a GPU), here as in a
