@@ -293,7 +293,8 @@ def _measure_fixed_costs(doc: dict[str, Any], request: ProfileRequest, progress:
     runs), since the pipeline's processes take seconds to start."""
     from .fixedcosts import MAX_LAYERS, STAGES, measure_fixed_costs
 
-    progress.step(f"fixed costs: a {STAGES}-process pipeline of at most {MAX_LAYERS} layers at several chunk counts")
+    progress.step(f"fixed costs: a {STAGES}-process pipeline of at most {MAX_LAYERS} layers at several chunk counts, "
+                  "at every micro-batch size")
     doc["fixed_costs"] = measure_fixed_costs(request.spec, doc, request.threads, request.seed, request.precision,
                                              request.device)
 
