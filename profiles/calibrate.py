@@ -51,9 +51,8 @@ from typing import Any
 
 from ..artifacts import BadInput, file_sha256, precision_label, precision_of
 from ..plan_view import ChunkPlan, read_plan
-from ..planner.fixedcosts import figures_at
 from ..schema import read_profile, read_report, report_chunks, timing_key
-from .overhead import fixed_in_times, measure_overhead
+from .overhead import fixed_in_times, measure_overhead, profiled_at_run_size
 from .plausibility import Ratio, check_round
 
 
@@ -93,8 +92,7 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
     # profile's own at the run's micro-batch size (fixed_costs.between_actions_s), which a
     # calibrated one replaces.
     previous_overhead = (profile.get("overhead") or {}).get("per_microbatch_s")
-    size = report.get("micro_batch_size")
-    profiled = figures_at(profile.get("fixed_costs"), size if isinstance(size, (int, float)) else None)
+    profiled = profiled_at_run_size(profile, report)
     previous_charged = previous_overhead if previous_overhead is not None else \
         (profiled["between_actions_s"] if profiled is not None else None)
     # The plan's chunk times include the fixed costs it charged (the per-action overhead and,

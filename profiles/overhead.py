@@ -151,19 +151,26 @@ class FixedInTimes:
         return in_prediction, in_span
 
 
+def profiled_at_run_size(profile: dict[str, Any], report: dict[str, Any]) -> dict[str, float] | None:
+    """The profile's fixed costs at the run's micro-batch size, as its plan charged them (profile
+    version 11: per size; planner/fixedcosts.py, ``figures_at``); None: the profile has none."""
+    from ..planner.fixedcosts import figures_at
+
+    size = report.get("micro_batch_size")
+    return figures_at(profile.get("fixed_costs"), size if isinstance(size, (int, float)) else None)
+
+
 def fixed_in_times(profile: dict[str, Any], report: dict[str, Any],
                    shared_cores: tuple[float, float] = (1.0, 0.0)) -> FixedInTimes:
     """The fixed costs the run's plan charged, as the planner charges them from ``profile`` (the
     profile the plan was made from, before this round) for the report's schedule and stages;
     ``shared_cores``: what the plan charged every action for its ranks sharing cores (slowdown,
     added seconds: profiles/calibrate.py, ``plan_sharing``)."""
-    from ..planner.fixedcosts import FixedCosts, between_actions_s, figures_at, messages
+    from ..planner.fixedcosts import FixedCosts, between_actions_s, messages
 
     schedule, stages = report.get("schedule"), report.get("num_stages") or len(report["stages"])
     v = report.get("virtual_stages") if isinstance(report.get("virtual_stages"), int) else chunks_per_stage(schedule)
-    size = report.get("micro_batch_size")
-    # At the run's micro-batch size, as the plan charged them (profile version 11: per size).
-    recorded = figures_at(profile.get("fixed_costs"), size if isinstance(size, (int, float)) else None)
+    recorded = profiled_at_run_size(profile, report)
     calibrated = (profile.get("overhead") or {}).get("per_microbatch_s")
     between = between_actions_s(calibrated, recorded["between_actions_s"] if recorded else None, stages)
     shape_ok = schedule in SCHEDULES and isinstance(stages, int) and stages >= 1 and isinstance(v, int) and v >= 1
