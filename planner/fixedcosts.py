@@ -122,12 +122,8 @@ def figures_at(record: Any, micro_batch_size: float | None) -> dict[str, float] 
     if not isinstance(record, dict):
         return None
     own = {key: _seconds(record.get(key)) for key in FIGURES}
-    entries = record.get("per_micro_batch_size")
-    if micro_batch_size is None or not isinstance(entries, list) or len(entries) < 2:
-        return own
-    entries = sorted((e for e in entries if isinstance(e, dict) and _seconds(e.get("micro_batch_size")) > 0),
-                     key=lambda e: e["micro_batch_size"])
-    if len(entries) < 2:
+    entries = _sizes(record)
+    if micro_batch_size is None or len(entries) < 2:
         return own
     sizes = [float(e["micro_batch_size"]) for e in entries]
     return {key: interpolate(sizes, [_seconds(e.get(key)) for e in entries], float(micro_batch_size))
@@ -152,8 +148,7 @@ def probe_misfit(record: Any, schedule: str, virtual_stages: int,
     if not isinstance(record, dict):
         return None
     entry = record
-    entries = [e for e in record.get("per_micro_batch_size") or [] if isinstance(e, dict)
-               and _seconds(e.get("micro_batch_size")) > 0]
+    entries = _sizes(record)
     if entries and micro_batch_size is not None:
         entry = min(entries, key=lambda e: (abs(e["micro_batch_size"] - micro_batch_size), e["micro_batch_size"]))
     size = entry.get("micro_batch_size")
@@ -166,6 +161,13 @@ def probe_misfit(record: Any, schedule: str, virtual_stages: int,
         if measured > 0 and fitted > 0:
             return measured / fitted, int(size) if isinstance(size, (int, float)) else 0
     return None
+
+
+def _sizes(record: dict) -> list[dict]:
+    """A record's per-size entries (``per_micro_batch_size``) that name a size, ascending by it."""
+    entries = record.get("per_micro_batch_size")
+    return sorted((e for e in entries if isinstance(e, dict) and _seconds(e.get("micro_batch_size")) > 0),
+                  key=lambda e: e["micro_batch_size"]) if isinstance(entries, list) else []
 
 
 def _seconds(value: Any) -> float:
