@@ -19,6 +19,7 @@ from rich.console import Console
 
 from ..artifacts import precision_label, precision_of
 from ..hostload import busy_phases, busy_profile_text
+from ..schedules import label
 from ..schema import layers_sharing_figures, recompute_timed, slowdown_of_slowest, split_backward_timed
 from ..layer_names import LayerNames
 from ..tables import NarrowTable, narrow_table
@@ -98,8 +99,7 @@ def _fixed_costs_line(fixed: Any) -> str | None:
     kinds = ", ".join(f"{name} {format_seconds(fixed.get(key))}" for name, key in (
         ("F", "forward_s"), ("B", "backward_s"), ("I", "backward_input_s"), ("W", "backward_weight_s")))
     runs = fixed.get("configurations") or []
-    fit = ", ".join(f"{r['schedule']}{' v=' + str(r['virtual_stages']) if r['schedule'] == 'interleaved' else ''} "
-                    f"{r['measured_step_s'] / r['predicted_step_s']:.2f}"
+    fit = ", ".join(f"{label(r['schedule'], r.get('virtual_stages', 1))} {r['measured_step_s'] / r['predicted_step_s']:.2f}"
                     for r in runs if r.get("predicted_step_s"))
     sizes = [e for e in fixed.get("per_micro_batch_size") or [] if isinstance(e, dict)]
     others = "; ".join(f"at {e.get('micro_batch_size')}: F {format_seconds(e.get('forward_s'))}, "
