@@ -520,13 +520,16 @@ def _worker(rank: int, port: int, spec: dict[str, Any], seed: int, precision: Pr
             layer.to(device)
         last = end == len(model.layers)
         loss_fn = model.loss if last else _synthetic_loss
+        # The window's inputs at the largest size, once (the model's, or activations from the layers
+        # before it, which streaming makes real one at a time); each size runs on the first rows.
+        batch, all_targets = model.synthetic_batch(MICRO_BATCHES * max(sizes), torch.Generator().manual_seed(seed))
+        with torch.no_grad(), precision.autocast("cpu"):
+            batch = tuple(x.to(device) for x in forward_streamed(model, batch, range(first)))
+        all_targets = all_targets.to(device)
         out = []
         for size in sizes:
-            inputs, targets = model.synthetic_batch(MICRO_BATCHES * size, torch.Generator().manual_seed(seed))
-            with torch.no_grad(), precision.autocast("cpu"):
-                inputs = forward_streamed(model, inputs, range(first))   # the window's inputs: the model's, or
-            inputs = tuple(x.to(device) for x in inputs)                  # activations from the layers before
-            targets = targets.to(device)
+            inputs = tuple(x[:MICRO_BATCHES * size] for x in batch)
+            targets = all_targets[:MICRO_BATCHES * size]
             metas = _cut_metas(model, (first, end), tuple(x[:size] for x in inputs), precision, device, TensorMeta)
             out.append([_run(rank, probe, model, first, metas, inputs, targets, loss_fn, precision, device, executor,
                              Chunk, ChunkModule, SpanRecorder) for probe in runs])
