@@ -1,17 +1,18 @@
-"""The MILP's node charge: what HiGHS's branch-and-bound nodes cost on this machine, per size.
+"""The MILP's charge: what HiGHS's branch-and-bound nodes and simplex iterations cost on this machine, per size.
 
 The schedule MILP (planner/milp_solve.py) is budgeted in work, not in wall time: it stops after
-a number of nodes, each charged by the programme's size, so that a plan is the same on every run.
-The charge should be about what the nodes cost here, or a budget of 30 s either takes far less
-than 30 s (and proves less than it could) or more. This part measures it: for chunked settings of
-the PipeDream profiles that the default budget leaves unproven (interleaved at K = 4 and 8, zb-v
-at K = 4 and 8), it warm-starts the programme from a short search's plan and runs it four times: with a node limit
-of 0 (HiGHS then stops after its presolve, before it solves the root's linear relaxation: the
-set-up), of 1 (the root: its relaxation and cut rounds), of 200 and of 800 nodes, in CPU seconds of
-this process (HiGHS runs on one thread in it, so other load on the machine scarcely moves the
+a number of nodes set from a node charge by the programme's size, and a run is charged its
+simplex iterations, so that a plan is the same on every run. The charge should be about what the
+work costs here, or a budget of 30 s either takes far less than 30 s (and proves less than it
+could) or more. This part measures it: for chunked settings of the PipeDream profiles that the
+default budget leaves unproven (interleaved at K = 4 and 8, zb-v at K = 4 and 8), it warm-starts
+the programme from a short search's plan and runs it four times: with a node limit of 0 (HiGHS
+then stops after its presolve, before it solves the root's linear relaxation: the set-up), of 1
+(the root: its relaxation and cut rounds), of 200 and of 800 nodes, in CPU seconds of this
+process (HiGHS runs on one thread in it, so other load on the machine scarcely moves the
 figure). Per thousand variables and constraints, it reports the set-up, the root, the first 200
-nodes after it and the next 600, and the charge's ratio (CPU / charged) at the root, at 200 and at
-800 nodes.
+nodes after it and the next 600, the iterations after the root, and both charges' ratio (CPU /
+charged) at the root, at 200 and at 800 nodes.
 """
 
 from __future__ import annotations
@@ -52,9 +53,10 @@ def measure(case: str, profiles: dict) -> list[dict]:
         cpu = time.process_time()
         result = milp_solve.solve_milp(cm, start.solution.evaluation, work_budget_s=budget, time_limit_s=600)
         rows.append({"case": case, "thousands": milp_solve._thousands(model), "limit": nodes,
-                     "nodes": result.stats["nodes"], "cpu_s": time.process_time() - cpu,
-                     "charged_s": fixed + milp_solve.nodes_cost_s(model, result.stats["nodes"]),
-                     "proven": result.proven})
+                     "nodes": result.stats["nodes"], "iterations": result.stats.get("iterations"),
+                     "cpu_s": time.process_time() - cpu,
+                     "node_charge_s": fixed + milp_solve.nodes_cost_s(model, result.stats["nodes"]),
+                     "charged_s": result.work_s, "proven": result.proven})
     return rows
 
 
@@ -64,7 +66,9 @@ def section(rows: list[dict]) -> str:
     by_case: dict[str, dict[int, dict]] = {}
     for r in rows:
         by_case.setdefault(r["case"], {})[r["limit"]] = r
-    lines, roots, early, late, ratios = [], [], [], [], {1: [], 200: [], 800: []}
+    lines, roots, early, late, per_iteration = [], [], [], [], []
+    node_ratios: dict[int, list[float]] = {1: [], 200: [], 800: []}
+    ratios: dict[int, list[float]] = {1: [], 200: [], 800: []}
     for case, runs in by_case.items():
         size = runs[0]["thousands"]
         roots.append(runs[1]["cpu_s"] / size)
@@ -83,34 +87,52 @@ def section(rows: list[dict]) -> str:
             cells.append(f"{late[-1]:.1f}" + ("" if not second["proven"] else f" (proven at {second['nodes']})"))
         else:
             cells.append("-")
+        if second["iterations"] and second["iterations"] > root["iterations"]:
+            per_iteration.append((second["cpu_s"] - root["cpu_s"]) / size
+                                 / (second["iterations"] - root["iterations"]) * 1e6)
+            cells.append(f"{per_iteration[-1]:.0f}")
+        else:
+            cells.append("-")
+        cells.append(" / ".join(f"{runs[n]['cpu_s'] / runs[n]['node_charge_s']:.2f}" for n in (1, 200, 800)))
+        cells.append(" / ".join(f"{runs[n]['cpu_s'] / runs[n]['charged_s']:.2f}" for n in (1, 200, 800)))
         for n in (1, 200, 800):
-            ratio = runs[n]["cpu_s"] / runs[n]["charged_s"]
-            ratios[n].append(ratio)
-            cells.append(f"{ratio:.2f}")
+            node_ratios[n].append(runs[n]["cpu_s"] / runs[n]["node_charge_s"])
+            ratios[n].append(runs[n]["cpu_s"] / runs[n]["charged_s"])
         lines.append(cells)
     head = ["case (model:K:M:schedule:v)", "thousand vars + rows", "set-up (CPU s / thousand)",
             "root (CPU s / thousand)", "first 200 nodes (CPU ms / node / thousand)",
-            "next 600 (CPU ms / node / thousand)", "CPU / charged at the root", "at 200", "at 800"]
+            "next 600 (CPU ms / node / thousand)", "iterations after the root (CPU us / iteration / thousand)",
+            "CPU / node charge (root / 200 / 800 nodes)", "CPU / charged: iterations (root / 200 / 800)"]
     med = statistics.median
+
+    def spread(values: list[float]) -> str:
+        return f"median {med(values):.2f}, {min(values):.2f}-{max(values):.2f}"
+
+    every_node = node_ratios[1] + node_ratios[200] + node_ratios[800]
+    every = ratios[1] + ratios[200] + ratios[800]
     return "\n".join([
-        "## The MILP's node charge",
+        "## The MILP's charge",
         "",
         f"Machine: {machine()}; revision {git_revision()}. `python -m bench milp-charge`: each case's",
         "programme warm-started from a 2 s search's plan and run to its set-up (a node limit of 0), its root",
-        "(1 node), 200 and 800 branch-and-bound nodes, in CPU seconds of the process (HiGHS on one thread). Charged: "
-        f"building and the root, per thousand variables and constraints, {milp.ROOT_S_PER_THOUSAND_SQUARED:g} s times "
-        f"the thousands, within {milp.ROOT_S_PER_THOUSAND:g}-{milp.ROOT_S_PER_THOUSAND_MOST:g} s "
-        f"(`milp.root_s_per_thousand`); then {milp_solve.EARLY_NODE_S_PER_THOUSAND * 1000:g} ms per node per "
-        f"thousand for the first {milp_solve.EARLY_NODES} nodes and {milp_solve.NODE_S_PER_THOUSAND * 1000:g} ms "
-        "after (planner/milp_solve.py).",
+        "(1 node), 200 and 800 branch-and-bound nodes, in CPU seconds of the process (HiGHS on one thread). "
+        "The node limit comes from the node charge: building and the root, per thousand variables and constraints, "
+        f"{milp.ROOT_S_PER_THOUSAND_SQUARED:g} s times the thousands, within {milp.ROOT_S_PER_THOUSAND:g}-"
+        f"{milp.ROOT_S_PER_THOUSAND_MOST:g} s (`milp.root_s_per_thousand`); then "
+        f"{milp_solve.EARLY_NODE_S_PER_THOUSAND * 1000:g} ms per node per thousand for the first "
+        f"{milp_solve.EARLY_NODES} nodes and {milp_solve.NODE_S_PER_THOUSAND * 1000:g} ms after. A run is charged "
+        f"its simplex iterations: {milp_solve.SOLVE_S_PER_THOUSAND:g} s per thousand plus "
+        f"{milp_solve.ITERATION_S_PER_THOUSAND * 1e6:g} us per iteration per thousand (planner/milp_solve.py, "
+        "[Note: a MILP is charged what it did]).",
         "",
         table(head, lines),
         "",
         f"Root: median {med(roots):.2f} s per thousand (range {min(roots):.2f}-{max(roots):.2f}). "
         f"First 200 nodes: median {med(early):.1f} ms per node per thousand (range {min(early):.1f}-{max(early):.1f}); "
-        f"later nodes: median {med(late):.1f} ({min(late):.1f}-{max(late):.1f}). CPU / charged: median "
-        f"{med(ratios[200] + ratios[800]):.2f} at 200 and 800 nodes, largest {max(ratios[200] + ratios[800]):.2f}, "
-        f"at the root alone {min(ratios[1]):.2f}-{max(ratios[1]):.2f} (under "
+        f"later nodes: median {med(late):.1f} ({min(late):.1f}-{max(late):.1f}); iterations after the root: "
+        f"median {med(per_iteration):.0f} us per iteration per thousand ({min(per_iteration):.0f}-"
+        f"{max(per_iteration):.0f}). CPU / charged over the three runs of every case: by the node charge "
+        f"{spread(every_node)}; by the iterations (what a run is charged) {spread(every)} (under "
         "budgets.WALL_SAFETY = 3: the node limit, not the clock, ends a search unless the machine is about three "
         "times slower than this one).",
         "",

@@ -3,10 +3,10 @@ its answer means.
 
 HiGHS (``highspy``, handed the programme's arrays directly: pulp's HiGHS interface passes no
 warm start and fails on a node limit's status) solves it on one thread, warm-started from the
-best plan the search has, and stops after a number of branch-and-bound nodes (its work budget,
-:func:`nodes_cost_s`) or once its bound reaches a cutoff: a count, unlike the clock,
+best plan the search has, and stops after a number of branch-and-bound nodes (what its work
+budget buys, :func:`nodes_within`) or once its bound reaches a cutoff: a count, unlike the clock,
 gives the same plan and bound on every run and machine; the wall-clock limit is only a safety
-net. Without highspy the programme goes to pulp's CBC (one thread, the same node limit; CBC
+net. A run is charged its simplex iterations (:func:`iterations_cost_s`), also a count. Without highspy the programme goes to pulp's CBC (one thread, the same node limit; CBC
 through pulp reports no bound when it stops early); without either the planner plans with its
 branch and bound alone (:func:`milp.available`).
 
@@ -46,6 +46,22 @@ RELATIVE_GAP = 1e-6
 EARLY_NODES = 200
 EARLY_NODE_S_PER_THOUSAND = 0.005
 NODE_S_PER_THOUSAND = 0.002
+# [Note: a MILP is charged what it did]
+# The node limit is set before HiGHS runs, from the node charge above; what a run is charged
+# after it is its simplex iterations (all of them: the root's, its cut rounds', strong
+# branching's, every node's), which HiGHS on one thread counts the same on every run and which
+# follow its CPU time about twice as closely as the nodes do: a later node costs 0.8-4.9 ms per
+# thousand variables and constraints from one programme to another, an iteration after the root
+# 19-40 us (median 28; docs/benchmarks/milp-charge.md). Per thousand: SOLVE_S_PER_THOUSAND
+# (building, presolve, the root's cut rounds) plus ITERATION_S_PER_THOUSAND per iteration, a little
+# above the median: at 27 us the searches of the exactness bench's unproven interleaved settings
+# took 10% more CPU time than their budget (the branch and bound's and the seeds' share, besides
+# HiGHS). A run whose nodes came cheaper than the node charge leaves the rest to the settings
+# after it (planner/solvers.py) instead of paying for nodes it was not given; one whose nodes
+# came dearer pays for them. CBC through pulp reports no iterations: its runs are charged by the
+# node charge.
+SOLVE_S_PER_THOUSAND = 0.3
+ITERATION_S_PER_THOUSAND = 30e-6
 
 
 @dataclass
@@ -58,14 +74,14 @@ class MilpResult:
     proven: bool
     infeasible: bool                 # no cut fits at all
     solver: str
-    work_s: float                    # the budget it used, in seconds of work (nodes_cost_s)
+    work_s: float                    # the budget it used, in seconds of work (iterations_cost_s)
     stats: dict
 
 
 def solve_milp(cm: CostModel, start: Evaluation | None = None, cutoff_s: float = math.inf,
                work_budget_s: float = SOLVER_TIME_BUDGET_S, time_limit_s: float | None = None) -> MilpResult:
     """Solve ``cm``'s programme from the warm start ``start`` within ``work_budget_s`` seconds of
-    work (deterministic: branch-and-bound nodes) and ``time_limit_s`` of wall time (the safety
+    work (deterministic: the branch-and-bound nodes it buys; charged the iterations done) and ``time_limit_s`` of wall time (the safety
     net; default three times the work budget). ``cutoff_s``: a step achieved elsewhere: the
     search stops once its bound reaches it (no cut of this setting can be better)."""
     started = time.perf_counter()
@@ -86,7 +102,10 @@ def solve_milp(cm: CostModel, start: Evaluation | None = None, cutoff_s: float =
         status, lower, cut, stats = _run_highs(model, values, cutoff, nodes, wall)
     else:
         status, lower, cut, stats = _run_cbc(model, values, max(1, nodes), wall)
-    work = fixed + nodes_cost_s(model, min(nodes, stats["nodes"]))
+    if "iterations" in stats:
+        work = iterations_cost_s(model, stats["iterations"])
+    else:
+        work = fixed + nodes_cost_s(model, min(nodes, stats["nodes"]))
     stats = {**model.stats, **stats, "node_limit": nodes, "build_seconds": round(built, 3),
              "seconds": round(time.perf_counter() - started, 3)}
     if status == "infeasible" and not math.isfinite(cutoff):
@@ -114,6 +133,12 @@ def nodes_cost_s(model: _Model, nodes: int) -> float:
     linear relaxation; the first ones also strong-branch)."""
     early = min(nodes, EARLY_NODES)
     return _thousands(model) * (early * EARLY_NODE_S_PER_THOUSAND + (nodes - early) * NODE_S_PER_THOUSAND)
+
+
+def iterations_cost_s(model: _Model, iterations: int) -> float:
+    """What a HiGHS run of ``iterations`` simplex iterations is charged, in seconds of work
+    ([Note: a MILP is charged what it did])."""
+    return _thousands(model) * (SOLVE_S_PER_THOUSAND + ITERATION_S_PER_THOUSAND * max(0, iterations))
 
 
 def nodes_within(model: _Model, work_s: float) -> int:

@@ -19,7 +19,7 @@ Every search starts from the same seeds (planner/seeds.py): what the caller foun
 setting, then the min-max cut and its neighbours.
 
 Budgets: ``time_budget_s`` is wall time (a safety net, stretched to budgets.WALL_SAFETY times the
-work budget), ``work_budget_s`` the same in deterministic work (budgets.WORK_PER_SECOND, milp_solve.nodes_cost_s), which is what ends a search
+work budget), ``work_budget_s`` the same in deterministic work (budgets.WORK_PER_SECOND, milp_solve.iterations_cost_s), which is what ends a search
 in practice, so that a plan is the same on every run. The work a search used is in its
 ``stats["work_s"]``: what it leaves goes to the settings after it (budgets.SettingBudgets), and
 what all of them leave to :func:`tighten`, which spends it on the setting that keeps the proof

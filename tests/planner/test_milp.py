@@ -182,10 +182,10 @@ def test_a_milp_stopped_by_its_work_budget_gives_the_same_answer_twice():
            (second.bounds, second.lower_bound_s, second.stats["iterations"], second.stats["nodes"])
 
 
-def test_a_node_budget_is_what_its_nodes_are_charged():
+def test_a_node_budget_buys_nodes_and_a_run_is_charged_its_iterations():
     """The first nodes are charged more than the later ones (HiGHS strong-branches there), a
-    budget buys the most nodes it pays for, and a MILP's work is its build and root plus its
-    nodes' charge, never more than its budget."""
+    budget buys the most nodes it pays for, and a HiGHS run is charged what it did: its simplex
+    iterations ([Note: a MILP is charged what it did]), the same on every run."""
     profile = _gnmt()
     cm = CostModel(profile.at(2), Setting(4, 8, "interleaved", "never", virtual_stages=2))
     model = milp.build(cm)
@@ -202,10 +202,40 @@ def test_a_node_budget_is_what_its_nodes_are_charged():
     start = evaluate(cm, tuple(j * cm.L // cm.C for j in range(cm.C + 1)))
     budget = milp.fixed_cost_s(cm) + milp_solve.nodes_cost_s(model, 30) + 1e-9
     result = milp_solve.solve_milp(cm, start, work_budget_s=budget, time_limit_s=600)
-    assert result.stats["node_limit"] == 30
-    assert result.work_s == pytest.approx(milp.fixed_cost_s(cm) + milp_solve.nodes_cost_s(
-        model, min(30, result.stats["nodes"])), rel=1e-12)
-    assert result.work_s <= budget
+    assert result.stats["node_limit"] == 30 and result.stats["iterations"] > 0
+    assert result.work_s == pytest.approx(milp_solve.iterations_cost_s(model, result.stats["iterations"]), rel=1e-12)
+    again = milp_solve.solve_milp(cm, start, work_budget_s=budget, time_limit_s=600)
+    assert again.work_s == result.work_s
+    # More iterations cost more, from the programme's set-up up.
+    assert milp_solve.iterations_cost_s(model, 0) > 0
+    assert milp_solve.iterations_cost_s(model, 2000) > milp_solve.iterations_cost_s(model, 1000)
+
+
+def test_a_run_ended_at_its_cutoff_at_once_leaves_its_budget():
+    """A programme whose bound reaches the cutoff at its root does few iterations: it is charged
+    them, not the nodes its budget would have bought, and the search spends the rest elsewhere."""
+    profile = _gnmt()
+    cm = CostModel(profile.at(2), Setting(4, 8, "interleaved", "never", virtual_stages=2))
+    model = milp.build(cm)
+    start = evaluate(cm, tuple(j * cm.L // cm.C for j in range(cm.C + 1)))
+    budget = milp.fixed_cost_s(cm) + milp_solve.nodes_cost_s(model, 400)
+    # (a cutoff far below the optimum: no cut beats it, and the root shows it)
+    result = milp_solve.solve_milp(cm, start, cutoff_s=start.step_s / 10, work_budget_s=budget, time_limit_s=600)
+    assert result.stats.get("reached_cutoff")
+    assert result.work_s == pytest.approx(milp_solve.iterations_cost_s(model, result.stats["iterations"]), rel=1e-12)
+    assert result.work_s < budget / 2
+
+
+def test_without_highspy_cbc_is_charged_its_nodes(monkeypatch: pytest.MonkeyPatch):
+    """CBC through pulp reports no iterations: its run is charged its build, root and nodes."""
+    monkeypatch.setitem(sys.modules, "highspy", None)
+    fig, setting = random_case(random.Random("cbc-charge"), "interleaved", 2, max_extra_layers=2)
+    cm = CostModel(fig, setting)
+    model = milp.build(cm)
+    got = milp_solve.solve_milp(cm, work_budget_s=60, time_limit_s=600)
+    assert got.solver == "CBC"
+    assert got.work_s == pytest.approx(milp.fixed_cost_s(cm) + milp_solve.nodes_cost_s(
+        model, min(got.stats["node_limit"], got.stats["nodes"])), rel=1e-12)
 
 
 def test_the_search_proves_the_gnmt_1f1b_plan_of_issue_27():
