@@ -50,16 +50,17 @@ NODE_S_PER_THOUSAND = 0.002
 # The node limit is set before HiGHS runs, from the node charge above; what a run is charged
 # after it is its simplex iterations (all of them: the root's, its cut rounds', strong
 # branching's, every node's), which HiGHS on one thread counts the same on every run and which
-# follow its CPU time about twice as closely as the nodes do: a later node costs 0.8-4.9 ms per
-# thousand variables and constraints from one programme to another, an iteration after the root
-# 19-40 us (median 28; docs/benchmarks/milp-charge.md, each run alone on the machine). Per
-# thousand: SOLVE_S_PER_THOUSAND (building, presolve, the
-# root's cut rounds) plus ITERATION_S_PER_THOUSAND per iteration, the median. A root that reaches
-# the cutoff at once skips its cut rounds and is overcharged (0.7 s charged 2.6 s on a programme of
-# 6,300). A run whose nodes came cheaper than the node charge leaves the rest to the settings
-# after it (planner/solvers.py) instead of paying for nodes it was not given; one whose nodes
-# came dearer pays for them. CBC through pulp reports no iterations: its runs are charged by the
-# node charge.
+# follow its CPU time more closely than the nodes do: a later node costs 0.8-4.6 ms per thousand
+# variables and constraints from one programme to another, an iteration after the root 19-34 us
+# (median 28), and CPU / charged came to 0.68-1.71 by the iterations, 0.32-2.01 by the nodes
+# (docs/benchmarks/milp-charge.md, each run alone on the machine). Per thousand:
+# SOLVE_S_PER_THOUSAND (building, presolve, the root's cut rounds) plus ITERATION_S_PER_THOUSAND
+# per iteration, the median. A root that reaches the cutoff at once skips its cut rounds and is
+# overcharged (0.7 s charged 2.6 s on a programme of 6,300); some programmes' iterations cost more
+# than the median (44 us on nasnetamobile's, K = 4, M = 32, v = 3, whose search took 34 s of its 30).
+# A run whose nodes came cheaper than the node charge leaves the rest to the settings after it
+# (planner/solvers.py) instead of paying for nodes it was not given; one whose nodes came dearer
+# pays for them. CBC through pulp reports no iterations: its runs are charged by the node charge.
 SOLVE_S_PER_THOUSAND = 0.3
 ITERATION_S_PER_THOUSAND = 28e-6
 
