@@ -6,9 +6,10 @@ warm start and fails on a node limit's status) solves it on one thread, warm-sta
 best plan the search has, and stops after a number of branch-and-bound nodes (what its work
 budget buys, :func:`nodes_within`) or once its bound reaches a cutoff: a count, unlike the clock,
 gives the same plan and bound on every run and machine; the wall-clock limit is only a safety
-net. A run is charged its simplex iterations (:func:`iterations_cost_s`), also a count. Without highspy the programme goes to pulp's CBC (one thread, the same node limit; CBC
-through pulp reports no bound when it stops early); without either the planner plans with its
-branch and bound alone (:func:`milp.available`).
+net. A run is charged its simplex iterations (:func:`iterations_cost_s`), also a count. Without
+highspy the programme goes to pulp's CBC (one thread, the same node limit; CBC through pulp
+reports no bound when it stops early); without either the planner plans with its branch and
+bound alone (:func:`milp.available`).
 
 The answer is read back as a cut and evaluated by the cost model (:func:`objective.evaluate`),
 so a plan's step is the simulator's to the last bit; the lower bound is HiGHS's (the least bound
@@ -82,8 +83,8 @@ class MilpResult:
 def solve_milp(cm: CostModel, start: Evaluation | None = None, cutoff_s: float = math.inf,
                work_budget_s: float = SOLVER_TIME_BUDGET_S, time_limit_s: float | None = None) -> MilpResult:
     """Solve ``cm``'s programme from the warm start ``start`` within ``work_budget_s`` seconds of
-    work (deterministic: the branch-and-bound nodes it buys; charged the iterations done) and ``time_limit_s`` of wall time (the safety
-    net; default three times the work budget). ``cutoff_s``: a step achieved elsewhere: the
+    work (deterministic: the branch-and-bound nodes it buys; charged the iterations done) and
+    ``time_limit_s`` of wall time (the safety net; default three times the work budget). ``cutoff_s``: a step achieved elsewhere: the
     search stops once its bound reaches it (no cut of this setting can be better)."""
     started = time.perf_counter()
     model = build(cm)

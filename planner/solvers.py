@@ -19,8 +19,9 @@ Every search starts from the same seeds (planner/seeds.py): what the caller foun
 setting, then the min-max cut and its neighbours.
 
 Budgets: ``time_budget_s`` is wall time (a safety net, stretched to budgets.WALL_SAFETY times the
-work budget), ``work_budget_s`` the same in deterministic work (budgets.WORK_PER_SECOND, milp_solve.iterations_cost_s), which is what ends a search
-in practice, so that a plan is the same on every run. The work a search used is in its
+work budget), ``work_budget_s`` the same in deterministic work (budgets.WORK_PER_SECOND,
+milp_solve.iterations_cost_s), which is what ends a search in practice, so that a plan is the
+same on every run. The work a search used is in its
 ``stats["work_s"]``: what it leaves goes to the settings after it (budgets.SettingBudgets), and
 what all of them leave to :func:`tighten`, which spends it on the setting that keeps the proof
 open.
@@ -123,9 +124,8 @@ def tighten(candidates: Sequence, cost_model, cutoff_s: float, work_budget_s: fl
     from its best plan, with all the work left; then the next, until all are settled or the work
     is spent. A setting is tried again only when more work is left than its MILP last had: HiGHS
     starts over each time, so a retry pays for its first nodes again and proves more only with
-    the nodes beyond them (it once needed twice as much, and a budget whose last open setting had
-    had over a third of it ended with the rest unspent: inception_v3, K = 8, M = 32, used 8 of
-    its 30 s). ``candidates``: search.Candidate, updated in place;
+    the nodes beyond them (when it needed twice as much, inception_v3 at K = 8, M = 32 stopped
+    with 15 s of its 30 s budget unspent). ``candidates``: search.Candidate, updated in place;
     ``cost_model(candidate)``: its CostModel.
     """
     started = time.perf_counter()

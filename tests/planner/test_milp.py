@@ -5,6 +5,7 @@ answer on every run, and a planner that still plans without pulp or HiGHS."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from gpipe_plan.cli import main
 from gpipe_plan.planner import milp, milp_solve
 from gpipe_plan.planner.brute import brute_force
 from gpipe_plan.planner.costmodel import CostModel, Setting
-from gpipe_plan.planner.objective import evaluate
+from gpipe_plan.planner.objective import Solution, evaluate
 from gpipe_plan.planner.profile import Profile
 from gpipe_plan.planner.problem import SolveOptions
 from gpipe_plan.planner.search import search
@@ -213,7 +214,7 @@ def test_a_node_budget_buys_nodes_and_a_run_is_charged_its_iterations():
 
 def test_a_run_ended_at_its_cutoff_at_once_leaves_its_budget():
     """A programme whose bound reaches the cutoff at its root does few iterations: it is charged
-    them, not the nodes its budget would have bought, and the search spends the rest elsewhere."""
+    them, not the nodes its budget would have bought, and leaves the rest of its budget."""
     profile = _gnmt()
     cm = CostModel(profile.at(2), Setting(4, 8, "interleaved", "never", virtual_stages=2))
     model = milp.build(cm)
@@ -224,6 +225,30 @@ def test_a_run_ended_at_its_cutoff_at_once_leaves_its_budget():
     assert result.stats.get("reached_cutoff")
     assert result.work_s == pytest.approx(milp_solve.iterations_cost_s(model, result.stats["iterations"]), rel=1e-12)
     assert result.work_s < budget / 2
+
+
+def test_tighten_tries_an_open_setting_again_with_more_work_than_its_last_run():
+    """What is left goes to the setting that keeps the proof open, even when it is less than
+    twice what its last MILP had (the rule before left such budgets unspent), and never when it
+    is no more than that (the retry would only repeat the same nodes)."""
+    from gpipe_plan.planner.search import Candidate
+    from gpipe_plan.planner.solvers import tighten
+
+    profile = _gnmt()
+    cm = CostModel(profile.at(2), Setting(4, 8, "interleaved", "never", virtual_stages=2))
+    start = evaluate(cm, tuple(j * cm.L // cm.C for j in range(cm.C + 1)))
+    first = milp_solve.refine(cm, Solution(start, False, 0.0, "an even cut"),
+                              work_budget_s=0.1 + milp.fixed_cost_s(cm), time_limit_s=600)
+    before = first.stats["milp"]["work_s"]
+    assert not first.proven and before > 0
+    for left, retried in ((before, False), (1.5 * before, True)):
+        candidate = Candidate(cm.setting, 2, first)
+        spent = tighten([candidate], lambda c: cm, math.inf, left, 600)
+        assert (spent > 0) == retried
+        assert (candidate.solution is not first) == retried
+        if retried:
+            assert candidate.lower_bound_s >= first.lower_bound_s
+            assert candidate.step_s <= first.evaluation.step_s
 
 
 def test_without_highspy_cbc_is_charged_its_nodes(monkeypatch: pytest.MonkeyPatch):
