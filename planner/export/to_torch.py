@@ -221,10 +221,9 @@ def main():
     parser.add_argument("--save", default=None)
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world != {stages}:
-        raise SystemExit(f"this plan has {stages} stages: start it with torchrun --nproc-per-node {stages}")
+    # The model and data come before the process group: a rank that cannot build them exits in
+    # one line on its own, instead of leaving a peer that is still joining the group to fail in
+    # gloo's handshake (connectFullMesh: "connection closed by peer").
     torch.manual_seed(args.seed)
     try:
         layers, model = build_layers(args.seed)
@@ -233,6 +232,10 @@ def main():
         if type(exc).__name__ != "BadInput":   # gpipe-plan's one-line errors: a module it cannot import, ...
             raise
         raise SystemExit(f"error: {{exc}}") from None
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != {stages}:
+        raise SystemExit(f"this plan has {stages} stages: start it with torchrun --nproc-per-node {stages}")
     by_name = dict(layers)
     loss = loss_fn(model)
     inputs, _ = data.batch(0)
