@@ -17,11 +17,11 @@ from gpipe_plan.cli import main
 from gpipe_plan.planner import milp, milp_solve
 from gpipe_plan.planner.brute import brute_force
 from gpipe_plan.planner.costmodel import CostModel, Setting
-from gpipe_plan.planner.objective import Solution, evaluate
+from gpipe_plan.planner.objective import Evaluation, Solution, evaluate
 from gpipe_plan.planner.profile import Profile
 from gpipe_plan.planner.problem import SolveOptions
-from gpipe_plan.planner.search import search
-from gpipe_plan.planner.solvers import solve_cost_model
+from gpipe_plan.planner.search import Candidate, search
+from gpipe_plan.planner.solvers import solve_cost_model, tighten
 from gpipe_plan.schema import BOUND_METHODS
 
 from helpers.planner import profile_doc, schedule_case, write_json
@@ -170,12 +170,16 @@ def _gnmt() -> Profile:
     return Profile(import_pipedream(str(PIPEDREAM_DIR / "gnmt.graph.txt"), batch_size=64), where="gnmt")
 
 
+def _gnmt_interleaved() -> tuple[CostModel, Evaluation]:
+    """gnmt, K = 4, M = 8, interleaved v = 2, and its even cut's evaluation: a programme that stops
+    unproven after about 15 nodes (under a second a run), the warm start the tests give it."""
+    cm = CostModel(_gnmt().at(2), Setting(4, 8, "interleaved", "never", virtual_stages=2))
+    return cm, evaluate(cm, tuple(j * cm.L // cm.C for j in range(cm.C + 1)))
+
+
 def test_a_milp_stopped_by_its_work_budget_gives_the_same_answer_twice():
     """The budget is branch-and-bound nodes, not seconds: two runs stop at the same point."""
-    profile = _gnmt()
-    # (a programme that stops unproven after about 15 nodes: under a second each run)
-    cm = CostModel(profile.at(2), Setting(4, 8, "interleaved", "never", virtual_stages=2))
-    start = evaluate(cm, tuple(j * cm.L // cm.C for j in range(cm.C + 1)))
+    cm, start = _gnmt_interleaved()
     first = milp_solve.solve_milp(cm, start, work_budget_s=0.1 + milp.fixed_cost_s(cm), time_limit_s=600)
     second = milp_solve.solve_milp(cm, start, work_budget_s=0.1 + milp.fixed_cost_s(cm), time_limit_s=600)
     assert not first.proven      # it did stop at its budget
@@ -187,8 +191,7 @@ def test_a_node_budget_buys_nodes_and_a_run_is_charged_its_iterations():
     """The first nodes are charged more than the later ones (HiGHS strong-branches there), a
     budget buys the most nodes it pays for, and a HiGHS run is charged what it did: its simplex
     iterations ([Note: a MILP is charged what it did]), the same on every run."""
-    profile = _gnmt()
-    cm = CostModel(profile.at(2), Setting(4, 8, "interleaved", "never", virtual_stages=2))
+    cm, start = _gnmt_interleaved()
     model = milp.build(cm)
     cost = [milp_solve.nodes_cost_s(model, n) for n in range(milp_solve.EARLY_NODES + 3)]
     steps = [b - a for a, b in zip(cost, cost[1:])]
@@ -200,7 +203,6 @@ def test_a_node_budget_buys_nodes_and_a_run_is_charged_its_iterations():
             model, milp_solve.EARLY_NODES)
         assert milp_solve.nodes_within(model, paid + late / 2) == n
     assert milp_solve.nodes_within(model, -1.0) == 0
-    start = evaluate(cm, tuple(j * cm.L // cm.C for j in range(cm.C + 1)))
     budget = milp.fixed_cost_s(cm) + milp_solve.nodes_cost_s(model, 30) + 1e-9
     result = milp_solve.solve_milp(cm, start, work_budget_s=budget, time_limit_s=600)
     assert result.stats["node_limit"] == 30 and result.stats["iterations"] > 0
@@ -215,10 +217,8 @@ def test_a_node_budget_buys_nodes_and_a_run_is_charged_its_iterations():
 def test_a_run_ended_at_its_cutoff_at_once_leaves_its_budget():
     """A programme whose bound reaches the cutoff at its root does few iterations: it is charged
     them, not the nodes its budget would have bought, and leaves the rest of its budget."""
-    profile = _gnmt()
-    cm = CostModel(profile.at(2), Setting(4, 8, "interleaved", "never", virtual_stages=2))
+    cm, start = _gnmt_interleaved()
     model = milp.build(cm)
-    start = evaluate(cm, tuple(j * cm.L // cm.C for j in range(cm.C + 1)))
     budget = milp.fixed_cost_s(cm) + milp_solve.nodes_cost_s(model, 400)
     # (a cutoff far below the optimum: no cut beats it, and the root shows it)
     result = milp_solve.solve_milp(cm, start, cutoff_s=start.step_s / 10, work_budget_s=budget, time_limit_s=600)
@@ -231,12 +231,7 @@ def test_tighten_tries_an_open_setting_again_with_more_work_than_its_last_run():
     """What is left goes to the setting that keeps the proof open, even when it is less than
     twice what its last MILP had (the rule before left such budgets unspent), and never when it
     is no more than that (the retry would only repeat the same nodes)."""
-    from gpipe_plan.planner.search import Candidate
-    from gpipe_plan.planner.solvers import tighten
-
-    profile = _gnmt()
-    cm = CostModel(profile.at(2), Setting(4, 8, "interleaved", "never", virtual_stages=2))
-    start = evaluate(cm, tuple(j * cm.L // cm.C for j in range(cm.C + 1)))
+    cm, start = _gnmt_interleaved()
     first = milp_solve.refine(cm, Solution(start, False, 0.0, "an even cut"),
                               work_budget_s=0.1 + milp.fixed_cost_s(cm), time_limit_s=600)
     before = first.stats["milp"]["work_s"]
