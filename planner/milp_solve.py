@@ -58,7 +58,7 @@ NODE_S_PER_THOUSAND = 0.002
 # SOLVE_S_PER_THOUSAND (building, presolve, the root's cut rounds) plus ITERATION_S_PER_THOUSAND
 # per iteration, the median. A root that reaches the cutoff at once skips its cut rounds and is
 # overcharged (0.7 s charged 2.6 s on a programme of 6,300); some programmes' iterations cost more
-# than the median (44 us on nasnetamobile's, K = 4, M = 32, v = 3, whose search took 34 s of its 30).
+# than the median (39 us on nasnetamobile's, K = 4, M = 32, v = 3, whose search took 34 s of its 30).
 # A run whose nodes came cheaper than the node charge leaves the rest to the settings after it
 # (planner/solvers.py) instead of paying for nodes it was not given; one whose nodes came dearer
 # pays for them. CBC through pulp reports no iterations: its runs are charged by the node charge.
