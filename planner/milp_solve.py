@@ -28,6 +28,7 @@ from typing import Sequence
 from ..artifacts import BadInput
 from .budgets import SOLVER_TIME_BUDGET_S
 from .costmodel import CostModel
+from . import milp
 from .milp import _Model, available, build, fixed_cost_s
 from .objective import Evaluation, Solution, evaluate, proven_optimal
 
@@ -145,12 +146,22 @@ def iterations_cost_s(model: _Model, iterations: int) -> float:
 
 def nodes_within(model: _Model, work_s: float) -> int:
     """The most nodes ``work_s`` seconds of work pay for (:func:`nodes_cost_s`)."""
+    return _nodes_within(_thousands(model), work_s)
+
+
+def nodes_affordable(cm: CostModel, work_s: float) -> int:
+    """About how many nodes a MILP of ``cm`` given ``work_s`` seconds of work would get, before
+    building it (its size counted, :func:`milp.size`; its set-up and root paid first)."""
+    return _nodes_within(milp.size(cm) / 1000, work_s - milp.fixed_cost_s(cm))
+
+
+def _nodes_within(thousands: float, work_s: float) -> int:
     if work_s <= 0:
         return 0
-    early_s = nodes_cost_s(model, EARLY_NODES)
+    early_s = thousands * EARLY_NODES * EARLY_NODE_S_PER_THOUSAND
     if work_s < early_s:
-        return int(work_s / (_thousands(model) * EARLY_NODE_S_PER_THOUSAND))
-    return EARLY_NODES + int((work_s - early_s) / (_thousands(model) * NODE_S_PER_THOUSAND))
+        return int(work_s / (thousands * EARLY_NODE_S_PER_THOUSAND))
+    return EARLY_NODES + int((work_s - early_s) / (thousands * NODE_S_PER_THOUSAND))
 
 
 _banner_silenced = False

@@ -5,10 +5,13 @@ A setting (M, schedule, v, recomputation) is a cost model; its best cut comes fr
 - **GPipe**: the threshold search (planner/gpipe_solver.py), exact and fast.
 - **1F1B, interleaved, zb-h1, zb-v**: the branch and bound (planner/onefoneb.py, planner/chunked.py)
   first, on its share of the budget (:func:`budgets.branch_and_bound_share`): it proves the easy
-  settings in moments. If it stops with a gap, the schedule MILP (planner/milp.py), warm-started
-  from its best plan, gets the rest: it proves what the branch and bound cannot (its bound after branching
-  knows where the heavy layers went), or at least lifts the bound. Without pulp (the GPU image)
-  or for a programme too large to build, the branch and bound gets the whole budget.
+  settings in moments. If it stops with a gap, an iterated local search (planner/local_search.py)
+  improves its best plan on its own share (budgets.LOCAL_SEARCH_SHARE; only where the MILP's share
+  would buy few nodes, budgets.LOCAL_SEARCH_BELOW_NODES), and the schedule MILP
+  (planner/milp.py), warm-started from that plan, gets the rest: it proves what the branch and
+  bound cannot (its bound after branching knows where the heavy layers went), or at least lifts
+  the bound. Without pulp (the GPU image) or for a programme too large to build, the branch and
+  bound gets the budget but the local search's share.
 - **pipedream, pipedream-2bw**: no flush, so the step is M times a steady-state period that
   is a min-max over the cuts: one exact dynamic programme (planner/asynchronous.py), whatever
   the solver.
@@ -34,10 +37,12 @@ import time
 from typing import Sequence
 
 from . import milp, milp_solve
-from .budgets import WALL_SAFETY, WORK_PER_SECOND, branch_and_bound_share
+from .budgets import (LOCAL_SEARCH_BELOW_NODES, LOCAL_SEARCH_SHARE, WALL_SAFETY, WORK_PER_SECOND,
+                      branch_and_bound_share)
 from .chunked import ChunkedSolver
 from .costmodel import CostModel
 from .gpipe_solver import GPipeSolver
+from .local_search import LocalSearch
 from .objective import Solution, proven_optimal
 from .onefoneb import OneFOneBSolver
 from .seeds import seed_cuts
@@ -78,7 +83,7 @@ def solve_cost_model(cm: CostModel, solver: str, time_budget_s: float, seeds: Se
     share = branch_and_bound_share(cm.schedule)
     follow = (milp.available() is not None and milp.applicable(cm)
               and work_s * (1 - share) >= 1.5 * milp.fixed_cost_s(cm))
-    share = share if follow else 1.0
+    share = share if follow else 1.0 - LOCAL_SEARCH_SHARE
     if cm.schedule in ("gpipe", "1f1b"):
         search = OneFOneBSolver(cm, seeds=seeds, time_budget_s=time_budget_s * share, cutoff_s=cutoff_s,
                                 work_budget_s=work_s * share,
@@ -88,11 +93,31 @@ def solve_cost_model(cm: CostModel, solver: str, time_budget_s: float, seeds: Se
                                work_budget_s=work_s * share)
     solution = search.solve()
     used = search.work_done / WORK_PER_SECOND
+    if solution is None or settled(solution, cutoff_s):
+        return _used(solution, used)
+    if not follow or milp_solve.nodes_affordable(cm, work_s - used) < LOCAL_SEARCH_BELOW_NODES:
+        solution, more = improve(cm, solution, work_s * LOCAL_SEARCH_SHARE)
+        used += more
     if not follow or settled(solution, cutoff_s):
         return _used(solution, used)
     wall_left = max(0.05, time_budget_s - (time.perf_counter() - started))
     refined = milp_solve.refine(cm, solution, cutoff_s, max(0.0, work_s - used), wall_left)
     return _used(refined, used + (refined.stats["milp"]["work_s"] if refined and "milp" in refined.stats else 0.0))
+
+
+def improve(cm: CostModel, solution: Solution, work_s: float) -> tuple[Solution, float]:
+    """``solution`` with a better plan where the local search finds one within ``work_s``
+    seconds of work (its bound stays: it bounds every plan of the setting); and the work used."""
+    search = LocalSearch(cm, work_s)
+    found = search.run(solution.evaluation)
+    stats = {**solution.stats, "local_search": {"evaluations": search.evaluations,
+                                                "work_s": round(search.work_s, 3)}}
+    if found is solution.evaluation or found.step_s >= solution.evaluation.step_s:
+        return Solution(solution.evaluation, solution.proven, solution.lower_bound_s, solution.method,
+                        stats, solution.bound_by), search.work_s
+    return Solution(found, proven_optimal(found.step_s, solution.lower_bound_s), solution.lower_bound_s,
+                    f"{solution.method}; iterated local search from its best plan", stats,
+                    solution.bound_by), search.work_s
 
 
 def settled(solution: Solution | None, cutoff_s: float) -> bool:
