@@ -316,7 +316,9 @@ def test_the_torch_script_needs_gpipe_plan_in_its_three_functions_only(user_dir:
     assert "error: this script builds the plan's model, data and loss with gpipe-plan, which this Python cannot " \
            "import (No module named 'gpipe_plan')" in as_exported.stderr, as_exported.stderr[-3000:]
     ranks_said = as_exported.stderr.split("failed (exitcode")[0]        # before torchrun's own report
-    assert ranks_said.count("error: this script") == 2 and "Traceback" not in ranks_said, ranks_said
+    # Each rank says it in its one line; torchrun stops the other rank as soon as one fails, so the
+    # slower one may be stopped before it gets there (CI saw one line of two).
+    assert 1 <= ranks_said.count("error: this script") <= 2 and "Traceback" not in ranks_said, ranks_said
     own = subprocess.run([*torchrun, "own.py", "--steps", "2"], env=env, capture_output=True, text=True, timeout=300)
     assert own.returncode == 0, own.stderr[-3000:]
     assert re.search(r"step 2: loss \d+\.\d+", own.stdout), own.stdout
