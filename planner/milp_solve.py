@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..artifacts import BadInput
+from . import milp
 from .budgets import SOLVER_TIME_BUDGET_S
 from .costmodel import CostModel
-from . import milp
 from .milp import _Model, available, build, fixed_cost_s
 from .objective import Evaluation, Solution, evaluate, proven_optimal
 
