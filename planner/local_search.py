@@ -24,7 +24,7 @@ counted in evaluations, so the plan is the same on every run and machine.
 from __future__ import annotations
 
 import random
-from typing import Callable, Sequence
+from typing import Sequence
 
 from .costmodel import CostModel
 from .objective import RELATIVE_SLACK, Evaluation, evaluate
@@ -44,9 +44,14 @@ EVALUATION_S_PER_ACTION = 0.3e-6
 STALL_KICKS = 20
 
 
+def _better(a: Evaluation, b: Evaluation) -> bool:
+    """Whether plan ``a`` fits and beats ``b`` (any plan that fits beats one that does not)."""
+    return a.fits and (not b.fits or a.step_s < b.step_s * (1 - RELATIVE_SLACK))
+
+
 def evaluation_cost_s(cm: CostModel) -> float:
     """What one evaluation of ``cm``'s step is charged, in seconds of work."""
-    actions = sum(len(ops) for ops in compiled_program(cm.schedule, cm.K, cm.M, cm.virtual_stages).ops)
+    actions = compiled_program(cm.schedule, cm.K, cm.M, cm.virtual_stages).actions
     return EVALUATION_S + EVALUATION_S_PER_CHUNK * cm.C + EVALUATION_S_PER_ACTION * actions
 
 
@@ -91,7 +96,7 @@ class LocalSearch:
             self.seen[bounds] = ev
         return ev
 
-    def descend(self, start: Evaluation, better: Callable[[Evaluation, Evaluation], bool]) -> Evaluation:
+    def descend(self, start: Evaluation) -> Evaluation:
         """Take moves that lower the step until none does or the budget ends."""
         current = start
         improved = True
@@ -101,7 +106,7 @@ class LocalSearch:
                 if self._spent():
                     break
                 ev = self._evaluate(bounds)
-                if better(ev, current):
+                if _better(ev, current):
                     current, improved = ev, True
                     break           # the scan starts again from the better plan
         return current
@@ -117,14 +122,11 @@ class LocalSearch:
 
     def run(self, start: Evaluation) -> Evaluation:
         """The best plan found from ``start`` (``start`` itself when none is better)."""
-        def better(a: Evaluation, b: Evaluation) -> bool:
-            return a.fits and (not b.fits or a.step_s < b.step_s * (1 - RELATIVE_SLACK))
-
-        best = self.descend(start, better)
+        best = self.descend(start)
         stall = 0
         while not self._spent() and stall < STALL_KICKS:
-            found = self.descend(self._evaluate(self.kick(best.bounds)), better)
-            if better(found, best):
+            found = self.descend(self._evaluate(self.kick(best.bounds)))
+            if _better(found, best):
                 best, stall = found, 0
             else:
                 stall += 1

@@ -78,7 +78,7 @@ def _installed(name: str) -> bool:
 def size(cm: CostModel) -> int:
     """About how many variables and constraints ``cm``'s programme has, counted, not built: three
     per action (its start, its precedences, its message) and three per cut position."""
-    actions = sum(len(ops) for ops in compiled_program(cm.schedule, cm.K, cm.M, cm.virtual_stages).ops)
+    actions = compiled_program(cm.schedule, cm.K, cm.M, cm.virtual_stages).actions
     return 3 * actions + 3 * max(0, cm.C - 1) * max(0, cm.L - cm.C)
 
 

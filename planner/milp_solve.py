@@ -134,8 +134,12 @@ def nodes_cost_s(model: _Model, nodes: int) -> float:
     :data:`EARLY_NODES` at :data:`EARLY_NODE_S_PER_THOUSAND` per thousand variables and
     constraints, the rest at :data:`NODE_S_PER_THOUSAND` (each node re-solves the programme's
     linear relaxation; the first ones also strong-branch)."""
+    return _nodes_cost_s(_thousands(model), nodes)
+
+
+def _nodes_cost_s(thousands: float, nodes: int) -> float:
     early = min(nodes, EARLY_NODES)
-    return _thousands(model) * (early * EARLY_NODE_S_PER_THOUSAND + (nodes - early) * NODE_S_PER_THOUSAND)
+    return thousands * (early * EARLY_NODE_S_PER_THOUSAND + (nodes - early) * NODE_S_PER_THOUSAND)
 
 
 def iterations_cost_s(model: _Model, iterations: int) -> float:
@@ -158,7 +162,7 @@ def nodes_affordable(cm: CostModel, work_s: float) -> int:
 def _nodes_within(thousands: float, work_s: float) -> int:
     if work_s <= 0:
         return 0
-    early_s = thousands * EARLY_NODES * EARLY_NODE_S_PER_THOUSAND
+    early_s = _nodes_cost_s(thousands, EARLY_NODES)
     if work_s < early_s:
         return int(work_s / (thousands * EARLY_NODE_S_PER_THOUSAND))
     return EARLY_NODES + int((work_s - early_s) / (thousands * NODE_S_PER_THOUSAND))

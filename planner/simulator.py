@@ -102,6 +102,11 @@ class Program:
     ops: tuple[tuple[_Op, ...], ...]     # per stage, in its order
     links: int
 
+    @property
+    def actions(self) -> int:
+        """How many actions the stages run in all."""
+        return sum(len(ops) for ops in self.ops)
+
 
 @functools.lru_cache(maxsize=32)
 def compiled_program(schedule: str, stages: int, micro_batches: int, virtual_stages: int, steps: int = 1) -> Program:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from typing import Sequence
 
 from . import milp, milp_solve
@@ -112,12 +113,11 @@ def improve(cm: CostModel, solution: Solution, work_s: float) -> tuple[Solution,
     found = search.run(solution.evaluation)
     stats = {**solution.stats, "local_search": {"evaluations": search.evaluations,
                                                 "work_s": round(search.work_s, 3)}}
-    if found is solution.evaluation or found.step_s >= solution.evaluation.step_s:
-        return Solution(solution.evaluation, solution.proven, solution.lower_bound_s, solution.method,
-                        stats, solution.bound_by), search.work_s
-    return Solution(found, proven_optimal(found.step_s, solution.lower_bound_s), solution.lower_bound_s,
-                    f"{solution.method}; iterated local search from its best plan", stats,
-                    solution.bound_by), search.work_s
+    if found.step_s >= solution.evaluation.step_s:
+        return replace(solution, stats=stats), search.work_s
+    return replace(solution, evaluation=found, proven=proven_optimal(found.step_s, solution.lower_bound_s),
+                   method=f"{solution.method}; iterated local search from its best plan",
+                   stats=stats), search.work_s
 
 
 def settled(solution: Solution | None, cutoff_s: float) -> bool:
