@@ -1,7 +1,8 @@
 """The ``gpipe-plan`` command line: parse, call one function of a package, print.
 
-Each command's options are declared once, as the fields of its request (gpipe_plan/options.py,
-[Note: options as data]), and generated here. Each command imports its package only when it
+Each option is declared once: those of profile, solve, explore and run as the fields of
+their request (gpipe_plan/options.py, [Note: options as data]), generated here; the few
+of the small commands (calibrate, import-pipedream, export, show, demo) here, by click. Each command imports its package only when it
 runs (only the requests, which import nothing heavy, load up front for the help), so
 ``gpipe-plan --help`` and everything the planner does (``solve``, ``explore``, ``show`` of a
 plan) start without importing torch.
@@ -245,7 +246,8 @@ def run(**options: Any) -> None:
     \b
     Runs the plan's K stages x d replicas (data_parallel) as K*d local
     processes (gloo on CPU, NCCL on CUDA); each stage's replicas average
-    their gradients once a step.
+    their gradients once a step (ddp, fsdp) or their weights every H steps
+    (localsgd).
     Across machines, start it with torchrun instead (see docs/runtime.md):
       torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \\
                --rdzv-endpoint HOST:29500 -m gpipe_plan.cli run plan.json

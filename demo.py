@@ -5,10 +5,11 @@ beside cli.py, not in any of them.
 
 1. profile the default ``gpt`` layer by layer (one thread, as each rank will run), for the
    demo's global batch;
-2. solve for 2 stages: where to cut, how many micro-batches, which schedule;
-3. train with the plan for a few dozen steps, 2 processes, on a real text shipped with the
-   package (the Declaration of Independence, public domain: runtime/texts/), byte by byte, so
-   that the loss visibly falls from ln 256 = 5.5, a uniform guess among 256 bytes;
+2. solve for ``--stages`` stages (2): where to cut, how many micro-batches, which schedule;
+3. train with the plan for ``--steps`` steps (100), one process per stage, on a real text
+   shipped with the package (the Declaration of Independence, public domain: runtime/texts/),
+   byte by byte, so that the loss visibly falls from ln 256 = 5.5, a uniform guess among 256
+   bytes;
 4. show the plan, its predicted timeline, measured against predicted, and the loss.
 
 Everything is written to ``--out-dir``, so that the profile, the plan, the report and the trace

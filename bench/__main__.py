@@ -52,7 +52,7 @@ PARTS = {
 # Options 'all' gives a part instead of its defaults.
 ALL_OPTIONS: dict[str, list[str]] = {
     "quality": ["--micro-batches", "8,64", "--ilp-seconds", "20", "--ilp-max-layers", "200"],
-    "exactness": ["--baseline", "docs/benchmarks/data/exactness-before.jsonl", "--scale"],
+    "exactness": ["--baseline", "docs/benchmarks/data/exactness-rows-1f052a7.jsonl", "--scale"],
     "scaling": ["--ilp-limit", "20"],
     "runtime": ["--rounds", "2"],
 }

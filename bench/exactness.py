@@ -312,7 +312,13 @@ def main(argv=None) -> None:
     args.rows.parent.mkdir(parents=True, exist_ok=True)
     rows = [r for r in record(args.rows, names, stages, ms, schedules, args.budget, args.resume)
             if r["model"] in names and r["stages"] in stages and r["micro_batches"] in ms and r["schedule"] in schedules]
-    baseline = read_rows(args.baseline if args.baseline.exists() else ROOT / args.baseline) if args.baseline else None
+    baseline = None
+    if args.baseline:
+        found = args.baseline if args.baseline.exists() else ROOT / args.baseline
+        if not found.exists():
+            raise SystemExit(f"bench exactness: no baseline file {args.baseline} (rows an earlier planner recorded "
+                             "with --record; docs/benchmarks/data/exactness-rows-*.jsonl)")
+        baseline = read_rows(found)
     gnmt = gnmt_case(args.budget)
     scale = scale_case(args.budget) if args.scale else None
     data = {"rows": rows, "baseline": baseline, "gnmt": gnmt, "scale": scale}

@@ -34,7 +34,8 @@ meets it when every link is within P and every window of stages has
 for each stage and first layer, the largest reserve the cuts before leave (:meth:`AsyncSolver.
 feasible`), with no stage recomputing (the rerun would meet the newest weights: CostModel allows none here; the
 stage would not fit in memory otherwise: recomputing only adds time). Bisection on P between a
-proven infeasible value and the best cut found closes to :data:`~.objective.RELATIVE_SLACK`:
+proven infeasible value and the best cut found closes to ``_CLOSE`` (a tenth of
+:data:`~.objective.RELATIVE_SLACK`):
 the plan is proven optimal, with that lower bound.
 
 Memory: stage k holds ``weight_copies`` copies of its parameters (the gradients and the

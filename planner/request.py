@@ -107,7 +107,8 @@ class SolveRequest:
                                       "unless fixed.")
     data_parallel: str | int | None = option(
         "--data-parallel", "-d", metavar="d|auto",
-        help="Replicas d of the pipeline, each on global batch / d samples, gradients synced once a step. "
+        help="Replicas d of the pipeline, each on global batch / d samples, gradients synced once a step "
+             "(weights every H steps under localsgd). "
              "Default: 1 without --devices, 'auto' (every d dividing N) with it.")
     nodes: int = _shared("nodes")
     network_bandwidth: str | float | None = _shared("network_bandwidth")
@@ -134,13 +135,16 @@ class SolveRequest:
                                                "measured link, else 0.")
     optimizer: str = _shared("optimizer")
     solver: str = option("--solver", default="exact", choices=("exact", "ilp", *SOLVER_ALIASES), show_default=True,
-                         help="exact: the exact searches (GPipe's dynamic programme; branch and bound for the other "
-                              "schedules, then a MILP on HiGHS where pulp is installed; 'dp' is its old name); ilp: "
+                         help="exact: the exact searches (GPipe's dynamic programme; for the other schedules a branch "
+                              "and bound, a local search where it stops open, then a MILP on HiGHS through highspy, "
+                              "pulp's CBC without it, the branch and bound alone without either; 'dp' is its old "
+                              "name); ilp: "
                               "an integer linear programme alone (pulp/CBC for gpipe and 1f1b, the schedule MILP for "
                               "the others).")
     time_budget_s: float = option("--time-budget", default=SOLVE_TIME_BUDGET_S, type=float, show_default=True,
-                                  help="Seconds the search may take in all; past it the best plan found is kept, "
-                                       "with its gap to the proven lower bound.")
+                                  help="Seconds the search may take in all, counted as work so that a plan is the same on "
+                                       "every run; past it the best plan found is kept, with its gap to the proven "
+                                       "lower bound. A loaded or slower machine may take up to about 3 times as long.")
 
     def solve_options(self):
         """The request checked as a whole and parsed into the search's options (one-line errors)."""

@@ -3,8 +3,8 @@
 ``gpipe-plan run plan.json`` (:mod:`.command`) starts K ranks (:mod:`.launch`), or is one
 rank under ``torchrun``. Each rank (:mod:`.train`):
 
-1. rebuilds the whole model from the plan's spec and the seed, keeps its stage's chunks
-   (:mod:`.stage`), and loads their part of ``--init-from`` weights (:mod:`.init_from`);
+1. builds the model from the plan's spec and the seed on the meta device, making real only
+   its stage's chunks (:mod:`gpipe_plan.models.materialize`, :mod:`.stage`), and loads their part of ``--init-from`` weights (:mod:`.init_from`);
 2. runs its stage's list of the schedule's actions every step (``gpipe_plan.schedules``,
    :mod:`.executor`), sending activations forward and gradients back to the stages holding
    the neighbouring chunks (:mod:`.p2p`);
@@ -14,7 +14,7 @@ rank under ``torchrun``. Each rank (:mod:`.train`):
 4. at the end, sends what it measured to rank 0, which writes the report (:mod:`.report`),
    the trace (:mod:`.trace`) and the saved model.
 
-``gpipe-plan demo`` (:mod:`.demo`) runs profile -> solve -> run on the built-in gpt.
+``gpipe-plan demo`` (:mod:`gpipe_plan.demo`) runs profile -> solve -> run on the built-in gpt.
 
 Importing this package stays cheap (no torch): ``gpipe-plan --help`` imports the CLI only.
 """

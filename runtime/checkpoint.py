@@ -36,7 +36,7 @@ resumes under any d, either sync, or any split. RNG states stay per rank.
 Under ``localsgd`` the replicas of a stage hold their own weights between two averagings, and a
 resumed run must go on from each replica's own: replica 0 saves under the plain keys (what any
 other run resumes), and replica r > 0 under ``replica-<r>/model/<key>`` and
-``replica-<r>/optim/<key>/<name>`` (its ``prefix``, :meth:`..replicas.GradientSync.checkpoint_prefix`).
+``replica-<r>/optim/<key>/<name>`` (its ``prefix``, :meth:`.gradient_sync.GradientSync.checkpoint_prefix`).
 A replica that resumes loads its own keys where the checkpoint has them (a localsgd run of at
 least as many replicas saved it), else replica 0's plain ones.
 

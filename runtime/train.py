@@ -3,7 +3,8 @@
 Every rank runs :func:`train`; rank k runs stage k, which holds one chunk of layers or
 several (``interleaved``, ``zb-v``); with ``data_parallel`` = d replicas of the pipeline, rank
 ``placement.ranks[k][r]`` runs stage k of replica r, on its 1/d of each step's batch, and the
-d replicas of each stage average their gradients once a step (:mod:`.gradient_sync`). It reads
+d replicas of each stage average their gradients once a step, or their weights every H steps
+under localsgd (:mod:`.gradient_sync`). It reads
 like a single-process training script because it nearly is one, in three parts:
 :func:`_set_up` (build the model, keep our stage's chunks, one optimizer over all of them,
 resume), :func:`_run_steps` (for each step, :func:`_one_step`:
