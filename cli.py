@@ -42,7 +42,7 @@ class _Group(click.Group):
             if type(exc).__name__ == "NoArgsIsHelpError":   # bare `gpipe-plan` (click >= 8.2): the help
                 click.echo(exc.ctx.get_help() if exc.ctx is not None else exc.format_message(), err=True)
                 sys.exit(exc.exit_code)
-            command = exc.ctx.command_path if exc.ctx is not None else "gpipe-plan"
+            command = exc.ctx.command_path if exc.ctx is not None else self._command_named(args, kwargs)
             _fail(f"{_one_line(exc.format_message())} (see '{command} --help')", exc.exit_code)
         except click.ClickException as exc:
             _fail(_one_line(exc.format_message()), exc.exit_code)
@@ -51,6 +51,15 @@ class _Group(click.Group):
         if not standalone:
             return returned
         sys.exit(returned if isinstance(returned, int) else 0)   # --help, --version: click's Exit code
+
+    def _command_named(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """``gpipe-plan COMMAND`` of the command line, for an error click raised without a context
+        (an option missing its value), else ``gpipe-plan``."""
+        given = kwargs.get("args", args[0] if args else None)
+        words = sys.argv[1:] if given is None else list(given)
+        name = next((w for w in words if w in self.commands), None)
+        program = kwargs.get("prog_name") or "gpipe-plan"
+        return f"{program} {name}" if name else program
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -216,6 +225,10 @@ def show(file: str, timeline: str | None) -> None:
 
     check_output_paths({"--timeline": timeline}, inputs=(file,))
     doc = read_json(file, "file")
+    found = doc.get("format") if isinstance(doc, dict) else None
+    kind = {PROFILE_FORMAT: "a profile", REPORT_FORMAT: "a run's report"}.get(found) if isinstance(found, str) else None
+    if timeline is not None and kind is not None:
+        raise BadInput(f"--timeline draws a plan's schedule, and '{file}' is {kind}: give it the plan")
     if isinstance(doc, dict) and doc.get("format") == PROFILE_FORMAT:
         from rich.console import Console
 

@@ -77,13 +77,18 @@ def files_line(out_dir: str | None) -> str:
 def check_demo_flags(steps: int, stages: int, out_dir: str | None) -> None:
     """Refuse what the demo would only trip on after profiling: one line each (BadInput).
 
-    ``--steps`` as ``run`` checks it, ``--stages`` at least 1, and ``--out-dir`` a folder
-    that exists or can be made (its nearest existing ancestor writable), not a file.
+    ``--steps`` as ``run`` checks it, ``--stages`` from 1 to the default gpt's layers (each
+    stage needs one), and ``--out-dir`` a folder that exists or can be made (its nearest
+    existing ancestor writable), not a file.
     """
+    from .models.gpt import DEFAULTS, layer_count
+
     if steps < 1:
         raise BadInput(f"--steps must be at least 1, got {steps}")
-    if stages < 1:
-        raise BadInput(f"--stages must be at least 1, got {stages}")
+    layers = layer_count(DEFAULTS)
+    if not 1 <= stages <= layers:
+        raise BadInput(f"--stages must be from 1 to {layers} (the demo's gpt has {layers} layers, and each stage "
+                       f"needs one), got {stages}")
     if out_dir is None:
         return
     folder = Path(out_dir)

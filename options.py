@@ -13,7 +13,7 @@ lists them as declared. An option two commands share (the network of ``--devices
 and explore) is declared once by one function both dataclasses call (planner/request.py,
 ``_shared``): one flag, default and help text. The checks that need several options at once
 live in the dataclass's own method (``SolveRequest.solve_options``,
-``ExploreRequest.check_devices``), not in the command layer, so a caller of the Python API is
+``ExploreRequest.check``), not in the command layer, so a caller of the Python API is
 checked as the command line is.
 
 This module imports nothing heavy: click only when the command line is built, never torch.

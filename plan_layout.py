@@ -151,16 +151,20 @@ def sync_every(doc: dict[str, Any]) -> int:
     return H
 
 
-def localsgd_problem(gradient_sync: str, sync_every: int | None, replicas: int | None) -> str:
+def gradient_sync_problem(gradient_sync: str, sync_every: int | None, replicas: int | None) -> str:
     """Why this gradient sync and H cannot be planned ("" if they can), in one line; ``replicas``:
     d where it is fixed (None: still to be searched).
 
     H says how often localsgd averages, so it belongs to localsgd alone; it counts steps, so it
-    is at least 1; and one replica has no other to average with.
+    is at least 1; one replica has no other to average with, nor to shard over (fsdp): a plan
+    of one would silently be ddp's, which syncs nothing.
     """
     if sync_every is not None and gradient_sync != "localsgd":
         return (f"--sync-every sets how often localsgd averages the replicas' parameters; --gradient-sync "
                 f"{gradient_sync} syncs every step: give --gradient-sync localsgd, or leave --sync-every out")
+    if gradient_sync == "fsdp" and replicas == 1:
+        return ("--gradient-sync fsdp shards each stage over its d >= 2 replicas, and this plan has one: give "
+                "--data-parallel 2 or more (or --devices N), or leave --gradient-sync out")
     if gradient_sync != "localsgd":
         return ""
     if sync_every is not None and (not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1):

@@ -202,15 +202,17 @@ def check_format(doc: Any, fmt: str, where: str) -> None:
         raise BadInput(f"'{where}' is not a gpipe-plan {what}: expected a JSON object")
     found = doc.get("format")
     if found != fmt:
-        hint = f" (it is a {found.split('.')[-1]})" if isinstance(found, str) and found.startswith("gpipe-plan.") else ""
+        kind = found.split(".")[-1] if isinstance(found, str) and found.startswith("gpipe-plan.") else None
+        hint = f" (it is a {kind})" if kind in {known.split(".")[-1] for known in READABLE_VERSIONS} else ""
         raise BadInput(f"'{where}' is not a gpipe-plan {what}: \"format\" is {found!r}, expected {fmt!r}{hint}")
     version = doc.get("version")
     readable = READABLE_VERSIONS[fmt]
     if version not in readable or isinstance(version, bool):
-        raise BadInput(
-            f"'{where}' is {what} format version {version!r}; this gpipe-plan reads {_versions(readable)}: "
-            "re-create it with this version of gpipe-plan"
-        )
+        newer = isinstance(version, int) and not isinstance(version, bool) and version > max(readable)
+        advice = ("a newer gpipe-plan wrote it: read it with that version, or upgrade this one" if newer
+                  else "re-create it with this version of gpipe-plan")
+        raise BadInput(f"'{where}' is {what} format version {version!r}; this gpipe-plan reads "
+                       f"{_versions(readable)}: {advice}")
 
 
 def _versions(readable: tuple[int, ...]) -> str:
@@ -987,8 +989,12 @@ def validate(doc: Any, kind: str, where: str) -> None:
     """
     if not isinstance(doc, dict):
         raise BadInput(f"{where} is not a JSON object")
-    if kind in ("plan", "solved plan") and "chunks" in doc:   # version 5: chunks placed on stages
-        kind = kind.replace("plan", "chunked plan")
+    if kind in ("plan", "solved plan"):
+        version = doc.get("version")
+        if "chunks" in doc:   # version 5: chunks placed on stages
+            kind = kind.replace("plan", "chunked plan")
+        elif isinstance(version, int) and not isinstance(version, bool) and version >= 5:
+            raise BadInput(f"{where} has no 'chunks' (a plan of format {version} keeps its layers there)")
     schema = SCHEMAS[kind]
     sizes: int | None = None
     if kind == "profile":

@@ -28,7 +28,7 @@ SCHEDULES = ("1f1b", "zb-v", "pipedream", "pipedream-2bw")
 def measure(args: argparse.Namespace, ledger: Ledger) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="async-run-"))
     profile = work / "gpt.json"
-    cli("profile", "gpt", "--batch-size", "16", "--micro-batch-sizes", "2,4", "--out", profile, "--quiet")
+    cli("profile", "gpt", "--micro-batch-sizes", "2,4", "--global-batch-size", "16", "--out", profile, "--quiet")
     plans = {}
     for schedule in SCHEDULES:
         plans[schedule] = work / f"{schedule}.json"

@@ -49,6 +49,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from ..artifacts import BadInput
 from .layered import loss_output_note
 from .traced import _dataflow, _fetch, _Group, _layers, _unique_names
 
@@ -70,10 +71,13 @@ def split_exported(module: nn.Module, example_inputs: tuple[torch.Tensor, ...],
     the elements of the model's repeated block lists. ``notes`` gets which output of a dict
     without ``logits`` the loss takes.
     """
+    pattern = re.compile(cut_at) if cut_at else block_pattern(module)
+    if cut_at and not any(pattern.fullmatch(path) for path, _ in module.named_modules() if path):
+        raise BadInput(f"--cut-at '{cut_at}' matches no module of the model (it must match a module's whole path, "
+                       f"as named_modules() gives it, e.g. 'model\\.layers\\.\\d+')")
     graph_module, logits_first, note = capture(module, example_inputs)
     if note is not None and notes is not None and note not in notes:
         notes.append(note)
-    pattern = re.compile(cut_at) if cut_at else block_pattern(module)
     nodes = [n for n in graph_module.graph.nodes]
     recomputed = _recomputed(nodes, graph_module)
     groups = _group(nodes, recomputed, pattern, graph_module)

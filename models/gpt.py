@@ -130,6 +130,11 @@ def check_options(options: dict[str, Any]) -> None:
         raise ValueError("vocab_size must be at least 2")
 
 
+def layer_count(options: dict[str, Any]) -> int:
+    """The layers :func:`build` makes: the embedding, the blocks, the head."""
+    return options["layers"] + 2
+
+
 def build(spec: dict[str, Any]) -> LayeredModel:
     o = spec["options"]
     model = GPT(o["layers"], o["width"], o["heads"], o["seq_len"], o["vocab_size"])

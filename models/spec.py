@@ -69,7 +69,7 @@ def _builtin_spec(name: str, given: dict[str, Any]) -> dict[str, Any]:
         raise BadInput(f"{_flag(unknown[0])} does not apply to the built-in '{name}' (its options: {allowed})")
     merged = {**defaults, **given}
     if "blocks" in merged:
-        merged["blocks"] = _int_list(merged["blocks"], "--blocks")
+        merged["blocks"] = _int_list(merged["blocks"], "--blocks", "2,2,2")
     try:
         _CHECKS[name](merged)
     except ValueError as exc:
@@ -142,7 +142,7 @@ def _checked_values(given: dict[str, Any], loss: str) -> dict[str, Any]:
     each checked on its own (a list of positive integers, a known dtype, ...); absent ones stay absent."""
     values: dict[str, Any] = {}
     if given.get("input_shape") is not None:
-        values["input_shape"] = _int_list(given["input_shape"], "--input-shape")
+        values["input_shape"] = _int_list(given["input_shape"], "--input-shape", "3,32,32")
     num_classes = given.get("num_classes")
     if num_classes is not None:
         if loss == "lm":
@@ -172,14 +172,15 @@ def _checked_values(given: dict[str, Any], loss: str) -> dict[str, Any]:
     return values
 
 
-def _int_list(value: Any, flag: str) -> list[int]:
-    """``"3,32,32"``, ``"64"``, ``[3, 32, 32]`` or ``(3, 32, 32)`` -> ``[3, 32, 32]``, all positive."""
+def _int_list(value: Any, flag: str, example: str) -> list[int]:
+    """``"3,32,32"``, ``"64"``, ``[3, 32, 32]`` or ``(3, 32, 32)`` -> ``[3, 32, 32]``, all positive;
+    ``example``: a value of ``flag`` the refusal shows."""
     if isinstance(value, str):
         parts = [p.strip() for p in value.split(",") if p.strip()]
         try:
             items = [int(p) for p in parts]
         except ValueError:
-            raise BadInput(f"{flag} '{value}' is not a comma-separated list of integers, e.g. 3,32,32") from None
+            raise BadInput(f"{flag} '{value}' is not a comma-separated list of integers, e.g. {example}") from None
     elif isinstance(value, int) and not isinstance(value, bool):
         items = [value]
     else:

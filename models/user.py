@@ -128,6 +128,8 @@ def split(module: nn.Module, path: str = "the model", example_inputs: tuple[torc
     if isinstance(module, nn.Sequential):
         if len(module) == 0:
             raise BadInput(f"'{path}' returned an empty nn.Sequential")
+        if cut_at is not None and notes is not None:
+            notes.append(f"--cut-at is not used: '{path}' is an nn.Sequential, cut at its children")
         return [(name, AsTuple(child, notes=notes)) for name, child in module.named_children()]
     export_error = None
     if example_inputs:

@@ -68,7 +68,8 @@ def solve_request(profile_path: str, request: SolveRequest, plan_path: str | Non
     if plan_path is not None and step > MAX_SECONDS:   # beyond what a plan file records (schema.py)
         batch = devices.global_batch_size if replicated else result.batch
         raise BadInput(f"the best plan for a global batch of {batch} takes {step / 86400:,.0f} days "
-                       f"per step: plan a smaller --global-batch-size")
+                       f"per step: plan a smaller --global-batch-size, or check --link-bandwidth and "
+                       f"--network-bandwidth (a link that slow makes every message take that long)")
     # What the pipeline must beat: the best plan of the same batch on one device.
     # It shares the time budget: what the pipeline's search left of it.
     left = share_of_budget(opts.time_budget_s, started, 1, least_s=LEAST_ONE_DEVICE_S)
@@ -137,7 +138,7 @@ def explore_command(profile: str, **options: Any) -> None:
 
     request = ExploreRequest(**options)
     check_output_paths({"--json": request.json_out, "--chart": request.chart}, inputs=(profile,))
-    request.check_devices()
+    request.check()
     prof = load_profile(profile)
     ks = None if request.stages is None else _int_list(request.stages, "--stages")
     ms: list[int] | str = "auto" if request.micro_batches.strip().lower() == "auto" else \

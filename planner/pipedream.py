@@ -109,7 +109,7 @@ def import_pipedream(path: str, batch_size: int | None = None, name: str | None 
     if not p.is_file():
         raise BadInput(f"PipeDream graph '{p}' does not exist")
     graph = parse_graph(p.read_text(encoding="utf-8", errors="replace"), f"'{p}'")
-    batch = batch_size or infer_batch_size(graph)
+    batch = batch_size if batch_size is not None else infer_batch_size(graph)   # (0 is refused, not inferred)
     if batch is None:
         raise BadInput(f"cannot tell the batch size '{p}' was profiled with: pass --batch-size N")
     if batch < 1:

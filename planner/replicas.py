@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable
 
 from ..artifacts import BadInput
-from ..plan_layout import GRADIENT_SYNCS, PLACEMENT_ORDERS, localsgd_problem
+from ..plan_layout import GRADIENT_SYNCS, PLACEMENT_ORDERS, gradient_sync_problem
 from ..units import format_bytes
 from .budgets import LEAST_PLACEMENT_S
 from .costmodel import CostModel
@@ -56,6 +56,9 @@ if TYPE_CHECKING:
 Progress = Callable[[int, int, str], None]
 
 PIPELINE_INNER, DATA_INNER, DATA_ONLY = PLACEMENT_ORDERS
+# A refusal of --devices N names at most this many of its factorisations' reasons (1,000,000
+# devices have 49 factorisations: their reasons made a line of 3,000 characters).
+MOST_REASONS = 4
 
 
 @dataclass(frozen=True)
@@ -322,9 +325,9 @@ def check_devices(profile: Profile, options: SolveOptions) -> tuple[int, int]:
         raise BadInput(f"--data-parallel {d} does not divide --devices {N}")
     if K is not None and K > profile.num_layers:
         raise too_many_stages(K, profile.num_layers)
-    # localsgd with one replica, however the options fix d at 1 (d itself, or K = N).
+    # localsgd or fsdp with one replica, however the options fix d at 1 (d itself, or K = N).
     one = 1 if d == 1 or (K is not None and K == N) else None
-    reason = localsgd_problem(options.gradient_sync,
+    reason = gradient_sync_problem(options.gradient_sync,
                               options.sync_every if options.gradient_sync == "localsgd" else None, one)
     if reason:
         raise BadInput(reason)
@@ -441,8 +444,10 @@ def search_devices(profile: Profile, options: SolveOptions, progress: Progress |
             _keep_best(entry, searched)
     result.factorisations = sorted(by_pair.values(), key=Factorisation.sort_key)
     if not result.best.fits:
-        reasons = "; ".join(f"{f.stages}x{f.data_parallel}: {f.reason}" for f in result.factorisations)
-        raise BadInput(f"no factorisation of {devices} devices gives a plan: {reasons}")
+        reasons = [f"{f.stages}x{f.data_parallel}: {f.reason}" for f in result.factorisations]
+        if len(reasons) > MOST_REASONS:       # one line, not one per divisor of a large --devices
+            reasons = reasons[:MOST_REASONS] + [f"and {len(reasons) - MOST_REASONS} more"]
+        raise BadInput(f"no factorisation of {devices} devices gives a plan: {'; '.join(reasons)}")
     for f in result.factorisations:
         if f.placement is not None and f.result is not None:
             f.placement = replace(f.placement, reason=placement_reason(

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..artifacts import BadInput
 from ..options import option
-from ..plan_layout import GRADIENT_SYNCS, localsgd_problem
+from ..plan_layout import GRADIENT_SYNCS, gradient_sync_problem
 from ..schedules import PLANNABLE_SCHEDULES
 from ..units import parse_bandwidth, parse_size
 from .budgets import EXPLORE_POINT_TIME_BUDGET_S, SOLVE_TIME_BUDGET_S
@@ -90,6 +90,11 @@ def _bandwidth(value: str | float | None, flag: str) -> float | None:
     return float(value) * 1e9 if isinstance(value, (int, float)) else parse_bandwidth(value, flag)
 
 
+def _check_time_budget(seconds: float) -> None:
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise BadInput(f"--time-budget must be a positive number of seconds, got {seconds}")
+
+
 def _check_latency(value: float | None, flag: str) -> None:
     if value is not None and not (math.isfinite(value) and value >= 0):
         raise BadInput(f"{flag} must be a finite number of seconds >= 0, got {value}")
@@ -150,8 +155,7 @@ class SolveRequest:
         """The request checked as a whole and parsed into the search's options (one-line errors)."""
         from .problem import SolveOptions   # the search loads when a solve runs, not for --help
 
-        if not (math.isfinite(self.time_budget_s) and self.time_budget_s > 0):
-            raise BadInput(f"--time-budget must be a positive number of seconds, got {self.time_budget_s}")
+        _check_time_budget(self.time_budget_s)
         if self.stages is None and self.devices is None:
             raise BadInput("give --stages K (one pipeline of K devices) or --devices N (K stages x d replicas)")
         if self.devices is not None and self.devices < 1:
@@ -164,9 +168,13 @@ class SolveRequest:
             _int_or_auto(self.data_parallel, "--data-parallel", 1, "a positive integer")
         # One replica for certain: d = 1, or K = N (search_devices checks the rest, once d is known).
         one = 1 if replicas == 1 or (self.stages is not None and self.stages == self.devices) else None
-        reason = localsgd_problem(self.gradient_sync, self.sync_every, one)
+        reason = gradient_sync_problem(self.gradient_sync, self.sync_every, one)
         if reason:
             raise BadInput(reason)
+        network = _bandwidth(self.network_bandwidth, "--network-bandwidth")
+        if self.nodes == 1 and (network is not None or self.network_latency_s):
+            raise BadInput("--network-bandwidth and --network-latency describe the links between nodes, and this "
+                           "plan is on one: give --nodes 2 or more (with --devices N), or leave them out")
         limit = self.memory_limit
         return SolveOptions(
             stages=self.stages,
@@ -184,7 +192,7 @@ class SolveRequest:
             devices=self.devices,
             data_parallel=replicas,
             nodes=self.nodes,
-            network_bandwidth_bytes_per_s=_bandwidth(self.network_bandwidth, "--network-bandwidth"),
+            network_bandwidth_bytes_per_s=network,
             network_latency_s=self.network_latency_s,
             gradient_sync=self.gradient_sync,
             sync_every=self.sync_every if self.sync_every is not None else 1,
@@ -239,14 +247,16 @@ class ExploreRequest:
                                   help="Seconds per cell before a search settles for its best plan so far "
                                        "(marked *).")
 
-    def check_devices(self) -> None:
-        """The options that describe the devices of --devices: refused without it, checked with it."""
+    def check(self) -> None:
+        """What can be refused before the profile is read (one line each): the budget, and the
+        options that describe the devices of --devices, refused without it, checked with it."""
+        _check_time_budget(self.time_budget_s)
         if self.devices is None and (self.nodes != 1 or self.network_bandwidth is not None
                                      or self.network_latency_s != 0.0 or self.gradient_sync != "ddp"
                                      or self.sync_every is not None):
             raise BadInput("--nodes, --network-bandwidth, --network-latency, --gradient-sync and --sync-every "
                            "describe the devices of --devices N: give --devices too")
-        reason = localsgd_problem(self.gradient_sync, self.sync_every, 1 if self.devices == 1 else None)
+        reason = gradient_sync_problem(self.gradient_sync, self.sync_every, 1 if self.devices == 1 else None)
         if reason:
             raise BadInput(reason)
         if self.devices is not None and self.devices < 1:

@@ -19,7 +19,7 @@ from ..artifacts import BadInput, RunFailure, check_output_paths, first_line
 from ..allocator import steady_allocator
 from ..hostload import usable_cores
 from ..models import Precision, model_spec
-from ..schema import write_artifact
+from ..schema import MAX_COUNT, write_artifact
 from .device import resolve_device
 from .contention import default_processes, most_processes
 from .options import ProfileOptions
@@ -46,6 +46,10 @@ def profile_command(model: str, **options: Any) -> None:
             raise BadInput(f"{flag} must be at least {least}, got {value}")
     check_output_paths({"--out": o.out})      # before minutes of measuring
     dev = resolve_device(o.device)
+    if dev.type == "cpu" and o.threads > usable_cores():
+        # (the profile records them, and every rank of a run then starts that many)
+        raise BadInput(f"--threads {o.threads} is more than the {usable_cores()} cores this host lets us use: "
+                       f"threads beyond them take turns and measure nothing real; use at most {usable_cores()}")
     if o.measure_link and dev.type == "cuda" and torch.cuda.device_count() < 2:
         raise BadInput("--measure-link on cuda needs two GPUs (NCCL between them); this machine has one")
     contention_processes = o.contention_processes
@@ -105,8 +109,10 @@ def parse_sizes(text: str | None, batch_size: int | None) -> tuple[list[int], in
         raise BadInput(f"--micro-batch-sizes '{text}' is not a comma-separated list of integers, e.g. 1,2,4") from None
     if not sizes or sizes[0] < 1:
         raise BadInput(f"--micro-batch-sizes '{text}' must be positive integers")
-    if batch_size is not None and sizes[-1] > batch_size:
-        raise BadInput(f"--micro-batch-sizes go up to {sizes[-1]}, above --batch-size {batch_size}")
+    if batch_size is not None and sizes[-1] != batch_size:
+        # (a larger --batch-size was recorded as if measured; the global batch is --global-batch-size)
+        raise BadInput(f"--micro-batch-sizes go up to {sizes[-1]}, and --batch-size (the largest size to measure) "
+                       f"says {batch_size}: give one of them (the batch you train with is --global-batch-size)")
     return sizes, batch_size or sizes[-1]
 
 
@@ -118,8 +124,8 @@ def intended_global_batch(global_batch_size: int | None, sizes: list[int]) -> in
     """
     if global_batch_size is None:
         return sizes[-1]
-    if global_batch_size < 1:
-        raise BadInput(f"--global-batch-size must be a positive integer, got {global_batch_size}")
+    if not 1 <= global_batch_size <= MAX_COUNT:
+        raise BadInput(f"--global-batch-size must be a whole number of samples from 1 to 2^40, got {global_batch_size}")
     return global_batch_size
 
 

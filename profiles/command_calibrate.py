@@ -6,24 +6,28 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ..artifacts import BadInput, file_sha256
+from ..artifacts import BadInput, check_output_paths, file_sha256
 from ..layer_names import LayerNames
 from ..tables import NarrowTable, narrow_table
 from ..plan_view import read_plan
-from ..schema import read_report, write_artifact
+from ..schema import read_profile, read_report, write_artifact
 from .calibrate import calibrate, locate, named_file, recorded_file
 
 
 def calibrate_command(report: str, profile: str | None, out: str | None, speed_correction: bool = False,
                       force: bool = False) -> None:
     console = Console()
-    if profile is None:
-        profile = profile_of_report(report)
-        console.print(f"calibrating '{profile}', the profile the run's plan was made from", highlight=False)
+    found = profile is None
+    if found:
+        profile, plan_path = profile_of_report(report)
     else:
-        check_profile_of_plan(report, profile)
-    doc = calibrate(profile, report, use_speed_probe=speed_correction, force=force)
+        plan_path = check_profile_of_plan(report, profile)
     target = out or str(Path(profile).with_suffix("")) + ".calibrated.json"
+    # The profile and plan the report led to are inputs too: --out over either would lose it.
+    check_output_paths({"--out": target}, inputs=(report, profile, *([plan_path] if plan_path else [])))
+    if found:
+        console.print(f"calibrating '{profile}', the profile the run's plan was made from", highlight=False)
+    doc = calibrate(profile, report, use_speed_probe=speed_correction, force=force)
     write_artifact(target, doc, "profile", flag="--out")
     last = doc["calibration"][-1]
     for problem in last.get("forced") or []:
@@ -83,8 +87,8 @@ def _scale(stage: dict, kind: str) -> str:
 PROFILE_HINT = "give --profile PROFILE (the profile the run's plan was made from)"
 
 
-def profile_of_report(report_path: str) -> str:
-    """The profile a run's plan was made from, as the report and its plan name them.
+def profile_of_report(report_path: str) -> tuple[str, str]:
+    """The profile a run's plan was made from, as the report and its plan name them, and the plan.
 
     The report names its plan (``plan.path``), the plan its profile (``profile.path``), each
     as given on the command line then: tried as written (relative to here), then beside the
@@ -97,23 +101,27 @@ def profile_of_report(report_path: str) -> str:
                            "a run of plan", hint=PROFILE_HINT)
     plan = read_plan(plan_path)
     return named_file(plan.profile_path, plan.profile_sha256, "profile", f"plan '{plan_path}'", plan_path,
-                      "made from profile", hint=PROFILE_HINT)
+                      "made from profile", hint=PROFILE_HINT), plan_path
 
 
-def check_profile_of_plan(report_path: str, profile_path: str) -> None:
-    """``--profile`` must be the very profile the run's plan was made from, where the plan says.
+def check_profile_of_plan(report_path: str, profile_path: str) -> str | None:
+    """``--profile`` must be the very profile the run's plan was made from, where the plan says;
+    returns that plan's path (None: the report's plan is not found).
 
     Two profiles of one model differ in their figures: scales computed against one's
     predictions would be applied to the other's. When the report's plan can be found and
-    records its profile's SHA-256, a profile with another is refused in one line.
+    records its profile's SHA-256, a profile with another is refused in one line. The file is
+    read as a profile first, so that one that is missing, not JSON or not a profile is told so.
     """
+    read_profile(profile_path)
     report = read_report(report_path)
     recorded = report.get("plan") if isinstance(report.get("plan"), dict) else {}
     plan_path = locate(recorded["path"], report_path) if isinstance(recorded.get("path"), str) else None
     if plan_path is None:
-        return
+        return None
     plan = read_plan(plan_path)
     expected = plan.profile_sha256
     if expected is not None and file_sha256(profile_path) != expected:
         raise BadInput(f"profile '{profile_path}' is not the one plan '{plan_path}' was made from (its SHA-256 "
                        f"differs): calibrate with that profile ('{plan.profile_path}'), or leave --profile out")
+    return plan_path

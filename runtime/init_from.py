@@ -15,6 +15,7 @@ their names in the file: ``safetensors`` stores a shared tensor once.
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -74,6 +75,11 @@ class _TorchFile:
             # weights_only: a weights file is data; unpickling anything else could run code.
             state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         except Exception as exc:  # noqa: BLE001 - not a torch file, an old format, a crafted pickle
+            if not zipfile.is_zipfile(path):
+                # (torch's own line then speaks of mmap and _use_new_zipfile_serialization, whatever the file)
+                raise BadInput(f"--init-from '{path}' is neither a file torch.save writes (a zip archive) nor a "
+                               f".safetensors file: give weights saved with torch.save(model.state_dict(), path) "
+                               f"(torch 1.6 or later), or a .safetensors file") from None
             raise BadInput(f"cannot read --init-from '{path}': {named_first_line(exc)}") from None
         if not isinstance(state, dict):
             raise BadInput(f"--init-from '{path}' holds a {type(state).__name__}, not a state_dict: save it with "

@@ -129,16 +129,20 @@ def check_options(options: RunOptions) -> RunOptions:
         raise BadInput(f"--optimizer '{options.optimizer}' is not one of {', '.join(OPTIMIZERS)}")
     if options.lr is not None and not (math.isfinite(options.lr) and options.lr > 0):
         raise BadInput(f"--lr must be a positive number, got {options.lr}")
-    if options.weight_decay < 0 or not 0 <= options.momentum < 1:
-        raise BadInput("--weight-decay must be >= 0 and --momentum in [0, 1)")
+    if not options.weight_decay >= 0:
+        raise BadInput(f"--weight-decay must be >= 0, got {options.weight_decay}")
+    if not 0 <= options.momentum < 1:
+        raise BadInput(f"--momentum must be in [0, 1), got {options.momentum}")
     if options.grad_clip is not None and not options.grad_clip > 0:
         raise BadInput(f"--grad-clip must be positive, got {options.grad_clip}")
     if options.lr_schedule not in LR_SCHEDULES:
         raise BadInput(f"--lr-schedule '{options.lr_schedule}' is not one of {', '.join(LR_SCHEDULES)}")
     if options.warmup_steps < 0:
         raise BadInput(f"--warmup-steps must be >= 0, got {options.warmup_steps}")
-    if options.checkpoint_every < 1 or options.keep_checkpoints < 1:
-        raise BadInput("--checkpoint-every and --keep-checkpoints must be at least 1")
+    if options.checkpoint_every < 1:
+        raise BadInput(f"--checkpoint-every must be at least 1, got {options.checkpoint_every}")
+    if options.keep_checkpoints < 1:
+        raise BadInput(f"--keep-checkpoints must be at least 1, got {options.keep_checkpoints}")
     if options.resume and not options.checkpoint_dir:
         raise BadInput("--resume needs --checkpoint-dir: the folder the run saved its checkpoints in")
     if options.precision is not None and options.precision not in PRECISIONS:
@@ -160,6 +164,10 @@ def check_options(options: RunOptions) -> RunOptions:
         path = Path(options.data)
         if not path.is_file():
             raise BadInput(f"--data '{options.data}' is not a file (nor a pkg.module:factory)")
+        try:                      # every rank reads it: refused here, not as a rank's traceback
+            path.open("rb").close()
+        except OSError as e:
+            raise BadInput(f"cannot read --data '{options.data}': {e.strerror or e}") from None
     # Before any rank starts: a report that cannot be written is refused now, not after training.
     check_output_paths({"--save": options.save, "--report": options.report, "--trace": options.trace},
                        inputs=tuple(p for p in (options.plan, options.data, options.init_from)

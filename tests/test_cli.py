@@ -122,6 +122,13 @@ def test_sixty_thousand_layers_end_within_the_time_budget(user_dir: Path, option
     assert seconds < 25, f"{seconds:.1f} s"
 
 
+def test_show_refuses_a_timeline_of_what_is_not_a_plan(profile_path: Path) -> None:
+    # (it printed the profile and drew nothing, without a word)
+    result = cli("show", "profile.json", "--timeline", "t.svg")
+    assert result.exit_code == 2 and not Path("t.svg").exists(), result.output
+    assert "--timeline draws a plan's schedule, and 'profile.json' is a profile: give it the plan" in result.output
+
+
 def test_time_budget_must_be_positive(profile_path: Path) -> None:
     result = cli("solve", "profile.json", "-k", "2", "--time-budget", "0")
     assert result.exit_code == 2 and "--time-budget" in result.output and not Path("plan.json").exists()
@@ -197,18 +204,20 @@ def test_outputs_follow_the_umask_and_keep_an_existing_files_mode(user_dir: Path
 
 
 # --------------------------------------------------------------------------- small things
-@pytest.mark.parametrize("args", [
-    ["solve", "profile.json", "-k", "2", "--bogus"],
-    ["solve"],
-    ["solve", "profile.json", "-k", "2", "--schedule", "nope"],
-    ["solve", "profile.json", "-k", "two"],
-    ["no-such-command"],
+@pytest.mark.parametrize("args, help_of", [
+    (["solve", "profile.json", "-k", "2", "--bogus"], "main solve"),    # (click's test runner calls it main)
+    (["solve"], "main solve"),
+    (["solve", "profile.json", "-k", "2", "--schedule", "nope"], "main solve"),
+    (["solve", "profile.json", "-k", "two"], "main solve"),
+    (["solve", "profile.json", "-k"], "main solve"),     # (click gives this one no context)
+    (["no-such-command"], "main"),
 ])
-def test_click_usage_errors_are_one_line_and_exit_2(profile_path: Path, args: list[str]) -> None:
+def test_click_usage_errors_are_one_line_and_exit_2(profile_path: Path, args: list[str], help_of: str) -> None:
     result = cli(*args)
     assert result.exit_code == 2, result.output
     lines = error_lines(result)
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "--help" in lines[0], result.output
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert lines[0].endswith(f"(see '{help_of} --help')"), result.output
 
 
 def test_help_and_version_still_exit_0() -> None:

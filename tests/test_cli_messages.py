@@ -52,8 +52,18 @@ def balanced(L: int = 6, **extra) -> dict:
 def test_profile_global_batch_defaults_to_the_largest_size_measured() -> None:
     assert intended_global_batch(None, [1, 2, 4, 16]) == 16
     assert intended_global_batch(48, [1, 2, 4]) == 48     # need not be a measured size
-    with pytest.raises(BadInput, match="--global-batch-size must be a positive integer"):
-        intended_global_batch(0, [1, 2])
+    for bad in (0, 2 ** 40 + 1):
+        with pytest.raises(BadInput, match="--global-batch-size must be a whole number of samples from 1 to 2"):
+            intended_global_batch(bad, [1, 2])
+
+
+@pytest.mark.parametrize("command", ["solve", "explore"])
+def test_a_global_batch_past_2_to_the_40_is_refused_at_once(user_dir: Path, command: str) -> None:
+    # (it was searched for divisors, for minutes, at 10^18)
+    write_json(user_dir / "profile.json", balanced())
+    result = cli(command, "profile.json", "--stages", "2", "--global-batch-size", str(10 ** 18))
+    assert result.exit_code == 2, result.output
+    assert "--global-batch-size must be a whole number of samples from 1 to 2^40, got 1000000000000000000" in result.output
 
 
 def test_solve_and_explore_plan_for_the_profiles_global_batch(user_dir: Path) -> None:

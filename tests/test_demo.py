@@ -49,3 +49,13 @@ def test_with_out_dir_the_last_line_names_the_folder_that_holds_them(user_dir: P
     last = _last_line(result.output)
     assert last.startswith("done in ") and ". Files in kept: profile.json, plan.json, plan.svg" in last, last
     assert sorted(p.name for p in (user_dir / "kept").iterdir()) == sorted(demo.FILES)
+
+
+@pytest.mark.parametrize("stages", ["0", "7", "100"])
+def test_stages_the_demo_model_cannot_have_are_refused_before_profiling(user_dir: Path, quick_demo: list[Path],
+                                                                       stages: str) -> None:
+    result = cli("demo", "--stages", stages)
+    assert result.exit_code == 2, result.output
+    assert f"--stages must be from 1 to 6 (the demo's gpt has 6 layers, and each stage needs one), got {stages}" \
+        in result.output
+    assert quick_demo == []          # refused before any of the demo's work

@@ -4,6 +4,7 @@ generated from the dataclass, so its defaults are the Python API's."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import click
 import pytest
@@ -47,6 +48,13 @@ def test_a_request_is_checked_as_a_whole_for_a_python_caller_too():
     with pytest.raises(BadInput, match="--network-latency"):
         SolveRequest(stages=2, network_latency_s=-1.0).solve_options()
     with pytest.raises(BadInput, match="give --devices too"):
-        ExploreRequest(nodes=2).check_devices()
+        ExploreRequest(nodes=2).check()
+    for budget in (0.0, -1.0, math.nan):       # explore took these and ran (NaN never ran out)
+        with pytest.raises(BadInput, match="--time-budget must be a positive number of seconds"):
+            ExploreRequest(time_budget_s=budget).check()
+    with pytest.raises(BadInput, match="--gradient-sync fsdp shards each stage over its d >= 2 replicas"):
+        SolveRequest(stages=2, gradient_sync="fsdp").solve_options()
+    with pytest.raises(BadInput, match="--network-bandwidth and --network-latency describe the links between nodes"):
+        SolveRequest(stages=2, network_bandwidth="10").solve_options()
     options = SolveRequest(stages=2, memory_limit="1GiB", link_bandwidth="12.5", time_budget_s=3.0).solve_options()
     assert (options.memory_limit_bytes, options.link_bandwidth_bytes_per_s, options.time_budget_s) == (1 << 30, 12.5e9, 3.0)

@@ -508,3 +508,25 @@ def test_a_writer_never_writes_a_document_its_schema_refuses(tmp_path: Path) -> 
     with pytest.raises(InvalidOutput, match=r"layers\[1\]\.forward_s"):
         write_artifact(tmp_path / "bad.json", bad, "profile")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good.json"]
+
+
+def test_a_file_from_a_newer_gpipe_plan_is_not_told_to_be_re_created() -> None:
+    # (re-profiling would throw its measurements away; the reader is what is too old)
+    from gpipe_plan.schema import check_format
+
+    newer = {"format": PROFILE_FORMAT, "version": FORMAT_VERSIONS[PROFILE_FORMAT] + 1}
+    with pytest.raises(BadInput, match="a newer gpipe-plan wrote it: read it with that version, or upgrade this one$"):
+        check_format(newer, PROFILE_FORMAT, "p.json")
+    with pytest.raises(BadInput, match="re-create it with this version of gpipe-plan$"):
+        check_format({"format": PROFILE_FORMAT, "version": 0}, PROFILE_FORMAT, "p.json")
+    with pytest.raises(BadInput, match=r"expected 'gpipe-plan.profile'$"):     # no "(it is a profil)"
+        check_format({"format": "gpipe-plan.profil", "version": 1}, PROFILE_FORMAT, "p.json")
+
+
+def test_a_plan_of_format_5_or_later_without_chunks_is_told_so() -> None:
+    # (it was read as a plan before format 5, and refused for a key it never had: 'stages[0].layers')
+    from gpipe_plan.schema import PLAN_FORMAT, validate
+
+    for version in (5, FORMAT_VERSIONS[PLAN_FORMAT]):
+        with pytest.raises(BadInput, match=rf"^plan 'p.json' has no 'chunks' \(a plan of format {version} keeps"):
+            validate({"format": PLAN_FORMAT, "version": version, "stages": [{"index": 0}]}, "plan", "plan 'p.json'")

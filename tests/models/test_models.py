@@ -162,6 +162,29 @@ def test_traced_shared_weights_stay_in_one_layer() -> None:
         torch.testing.assert_close(xs[0], model(x), rtol=0, atol=0)
 
 
+def test_a_cut_at_that_matches_no_module_is_refused_and_one_a_sequential_ignores_is_noted() -> None:
+    # (both were ignored without a word)
+    class Blocks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.inp(x)
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x)
+
+    with pytest.raises(BadInput, match=r"^--cut-at 'nomatch' matches no module of the model"):
+        split(Blocks(), example_inputs=(torch.randn(2, 4),), cut_at="nomatch")
+    names = [n for n, _ in split(Blocks(), example_inputs=(torch.randn(2, 4),), cut_at=r"layers\.\d+|inp|head")]
+    assert names == ["inp", "layers.0", "layers.1", "layers.2", "head"]
+    notes: list[str] = []
+    assert len(split(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), "m:f", cut_at="x", notes=notes)) == 2
+    assert notes == ["--cut-at is not used: 'm:f' is an nn.Sequential, cut at its children"]
+
+
 def test_a_number_crossing_a_cut_is_refused() -> None:
     class Scaled(nn.Module):
         def __init__(self) -> None:

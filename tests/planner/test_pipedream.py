@@ -203,8 +203,9 @@ def test_missing_batch_size_and_missing_file_exit_2(tmp_path: Path, monkeypatch:
     (tmp_path / "tiny.graph.txt").write_text(TINY)
     assert "pass --batch-size" in one_line_error(cli("import-pipedream", "tiny.graph.txt"))
     assert "does not exist" in one_line_error(cli("import-pipedream", "nothing.graph.txt"))
-    with pytest.raises(BadInput, match="at least 1"):
-        import_pipedream("tiny.graph.txt", batch_size=-1)
+    for bad in (-1, 0):           # (0 was taken as "not given", and the batch inferred)
+        with pytest.raises(BadInput, match=f"--batch-size must be at least 1, got {bad}"):
+            import_pipedream("tiny.graph.txt", batch_size=bad)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.graph.txt"]
 
 

@@ -482,3 +482,13 @@ def test_out_of_memory_with_replicas_suggests_what_keeps_k_times_d(user_dir: Pat
     assert result.exit_code == 2 and "no plan fits" in result.output, result.output
     assert "--devices 8 --stages 4" in result.output or "--gradient-sync fsdp" in result.output, result.output
     assert " --stages 4 would" not in result.output.replace("--devices 8 --stages 4", "")
+
+
+def test_a_refusal_of_many_devices_names_a_few_factorisations_in_one_short_line(user_dir: Path):
+    write_json(user_dir / "profile.json", profile_doc(L=6, batch_size=8))
+    result = cli("solve", "profile.json", "--devices", str(10 ** 6), "--global-batch-size", "8")
+    assert result.exit_code == 2, result.output
+    line = result.output.strip()
+    assert "\n" not in line and len(line) < 400, line
+    assert line.startswith("error: no factorisation of 1000000 devices gives a plan: 1000000x1: 1000000 stages need "
+                           "1000000 layers; the profile has 6;") and line.endswith(" more"), line

@@ -236,6 +236,17 @@ def test_profile_refuses_more_contention_processes_than_the_host_runs_at_once(us
     assert f"needs {cores + 1} cores and this host has {cores}" in result.output and not Path("p.json").exists()
 
 
+def test_profile_refuses_more_threads_than_the_host_has_cores(user_dir: Path) -> None:
+    # (a profile of 1000 threads on 2 cores was taken, and every rank of a run started 1000)
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    result = cli("profile", "gpt", "--layers", "1", "--threads", str(cores + 1), "-o", "p.json")
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert f"--threads {cores + 1} is more than the {cores} cores this host lets us use" in result.output
+    assert not Path("p.json").exists()
+
+
 def test_a_plan_charges_the_slowdown_the_profile_measured_on_shared_cores(user_dir: Path) -> None:
     """A version-10 profile's ``fixed_costs.shared_cores``: a plan of more ranks than cores charges
     its slowdown on every action, records it, says so, and export rebuilds the same step; a plan

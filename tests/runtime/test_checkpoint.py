@@ -239,6 +239,15 @@ def test_init_from_a_tensor_of_another_shape_is_one_line(tmp_path: Path) -> None
         init_from.load_initial_weights(str(tmp_path / "reshaped.pt"), stage, model.module)
 
 
+@pytest.mark.parametrize("content", [b"x" * 800, b"{\"format\": \"gpipe-plan.plan\"}"])
+def test_init_from_a_file_torch_never_wrote_says_what_to_give(tmp_path: Path, content: bytes) -> None:
+    # (torch's own line spoke of mmap and _use_new_zipfile_serialization)
+    (tmp_path / "junk.pt").write_bytes(content)
+    with pytest.raises(BadInput, match=r"--init-from '.*junk.pt' is neither a file torch.save writes \(a zip "
+                                       r"archive\) nor a .safetensors file: give weights saved with torch.save"):
+        init_from.open_weights(str(tmp_path / "junk.pt")).__enter__()
+
+
 def test_init_from_is_checked_before_the_ranks_start(tmp_path: Path) -> None:
     plan = plan_file(tmp_path, "one")
     with pytest.raises(BadInput, match="--init-from '.*missing.pt' is not a file"):

@@ -261,9 +261,30 @@ def test_options_are_checked_before_anything_starts(tmp_path: Path) -> None:
     assert Path(check_options(RunOptions(plan=plan)).plan).is_absolute()
     for bad, message in [({"steps": 0}, "--steps"), ({"resume": True}, "--resume needs --checkpoint-dir"),
                          ({"save": str(tmp_path / "no" / "m.pt")}, "does not exist"),
-                         ({"data": str(tmp_path / "missing.txt")}, "is not a file"), ({"lr": -1.0}, "--lr")]:
+                         ({"data": str(tmp_path / "missing.txt")}, "is not a file"), ({"lr": -1.0}, "--lr"),
+                         ({"weight_decay": -1.0}, r"^--weight-decay must be >= 0, got -1.0$"),
+                         ({"momentum": 1.0}, r"^--momentum must be in \[0, 1\), got 1.0$"),
+                         ({"keep_checkpoints": 0}, r"^--keep-checkpoints must be at least 1, got 0$")]:
         with pytest.raises(BadInput, match=message):
             check_options(RunOptions(plan=plan, **bad))
+
+
+def test_a_data_file_that_cannot_be_read_is_refused_before_the_ranks_start(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # (a rank used to fail on it with a traceback; root reads any file, so the refusal is simulated)
+    plan = str(write_plan(tmp_path, hand_plan(TINY_GPT, [4], 1, 2)))
+    text = tmp_path / "t.txt"
+    text.write_text("hello world " * 20)
+    real_open = Path.open
+
+    def refuse(self, *args, **kwargs):
+        if self == text:
+            raise PermissionError(13, "Permission denied")
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", refuse)
+    with pytest.raises(BadInput, match=r"^cannot read --data '.*t\.txt': Permission denied$"):
+        check_options(RunOptions(plan=plan, data=str(text)))
 
 
 def test_warns_when_run_outside_the_profiled_conditions(tmp_path: Path) -> None:
