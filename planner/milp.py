@@ -57,6 +57,9 @@ from .simulator import compiled_program
 ROOT_S_PER_THOUSAND = 0.5
 ROOT_S_PER_THOUSAND_SQUARED = 0.25
 ROOT_S_PER_THOUSAND_MOST = 1.0
+# How far a constant row may miss its bounds and still hold (rounding in the sums that made it;
+# rows are in the programme's units, a layer's time or a memory limit, about 1).
+CONSTANT_SLACK = 1e-9
 
 
 def available() -> str | None:
@@ -168,6 +171,10 @@ class _Programme:
         self.binary: list[bool] = []
         self.rows: list[tuple[float, float, list[int], list[float]]] = []
         self.cost: dict[int, float] = {}
+        # A row whose every variable dropped out is a constant: kept, it would be a row of no
+        # columns (solvers differ on those); dropped, one that fails would be lost and a cut that
+        # breaks it "proven" (a memory limit where L = C leaves no cut to choose). Noted instead.
+        self.unsatisfiable = False
 
     def var(self, name: str, low: float = 0.0, high: float | None = None, binary: bool = False) -> int:
         self.names.append(name)
@@ -195,6 +202,8 @@ class _Programme:
         index = [v for v, c in form.terms.items() if c != 0.0]
         if index:
             self.rows.append((lower, upper, index, [form.terms[v] for v in index]))
+        elif lower > CONSTANT_SLACK * max(1.0, abs(lower)) or upper < -CONSTANT_SLACK * max(1.0, abs(upper)):
+            self.unsatisfiable = True
 
     def box(self, var: int) -> tuple[float, float]:
         return self.low[var], self.high[var]

@@ -91,6 +91,9 @@ def solve_milp(cm: CostModel, start: Evaluation | None = None, cutoff_s: float =
     model = build(cm)
     built = time.perf_counter() - started
     solver = available()
+    if model.pr.unsatisfiable:        # a constant row fails: no cut fits (milp._Programme)
+        return MilpResult(None, math.inf, True, True, solver, fixed_cost_s(cm),
+                          {**model.stats, "nodes": 0, "build_seconds": round(built, 3)})
     values = {}
     if start is not None:
         values = model.cuts.values(model.cuts.canonical(start.bounds))
