@@ -17,15 +17,15 @@ from .calibrate import calibrate, locate, named_file, recorded_file
 def calibrate_command(report: str, profile: str | None, out: str | None, speed_correction: bool = False,
                       force: bool = False) -> None:
     console = Console()
-    found = profile is None
-    if found:
+    from_report = profile is None
+    if from_report:
         profile, plan_path = profile_of_report(report)
     else:
         plan_path = check_profile_of_plan(report, profile)
     target = out or str(Path(profile).with_suffix("")) + ".calibrated.json"
     # The profile and plan the report led to are inputs too: --out over either would lose it.
     check_output_paths({"--out": target}, inputs=(report, profile, *([plan_path] if plan_path else [])))
-    if found:
+    if from_report:
         console.print(f"calibrating '{profile}', the profile the run's plan was made from", highlight=False)
     doc = calibrate(profile, report, use_speed_probe=speed_correction, force=force)
     write_artifact(target, doc, "profile", flag="--out")

@@ -93,6 +93,28 @@ def test_calibrate_refuses_a_report_of_another_model_or_a_broken_run(files):
     assert result.exit_code == 2 and "does not exist" in result.output
 
 
+def test_calibrate_never_writes_over_the_profile_or_plan_the_report_leads_to(files):
+    # (found through the report, they were not inputs: --out profile.json replaced the measured profile)
+    tmp, profile, plan = files
+    report = tmp / "report.json"
+    doc = report_doc(plan, [1.0, 1.0], [1.0, 1.0], None)
+    doc["plan"] = {"path": str(tmp / "plan.json"), "sha256": file_sha256(tmp / "plan.json")}
+    report.write_text(json.dumps(doc))
+    before = {p: file_sha256(p) for p in (profile, tmp / "plan.json")}
+    for target in before:
+        result = CliRunner().invoke(main, ["calibrate", str(report), "--out", str(target), "--force"])
+        assert result.exit_code == 2, result.output
+        assert f"cannot write --out '{target}': it is the file this command reads" in result.output
+    assert {p: file_sha256(p) for p in before} == before
+    # --profile is read as a profile: a missing one or a plan is named as such, not as a checksum
+    result = CliRunner().invoke(main, ["calibrate", str(report), "--profile", str(tmp / "missing.json")])
+    assert result.exit_code == 2 and f"profile '{tmp / 'missing.json'}' does not exist" in result.output
+    result = CliRunner().invoke(main, ["calibrate", str(report), "--profile", str(tmp / "plan.json")])
+    assert result.exit_code == 2 and "is not a gpipe-plan profile" in result.output and "(it is a plan)" in result.output
+    result = CliRunner().invoke(main, ["calibrate", str(report), "--out", str(tmp / "c.json"), "--force"])
+    assert result.exit_code == 0 and (tmp / "c.json").exists(), result.output
+
+
 def busy(other_cores: float, cores: int = 2, needed: int = 2) -> dict:
     """A report's ``host_load`` (version 5) of one host whose other processes used ``other_cores``."""
     host = {"host": "vm", "cores": cores, "ranks": [0, 1], "needed_cores": needed, "run_cores": 1.0,
