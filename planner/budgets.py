@@ -109,6 +109,6 @@ class SettingBudgets:
         return max(self.least_s, (total - self.spent_s) / max(1, settings_left))
 
     def spend(self, candidate) -> None:
-        """Count the work a solved setting used (a search.Candidate)."""
-        if candidate.solution is not None:
-            self.spent_s += candidate.solution.stats.get("work_s", 0.0)
+        """Count the work a solved setting used (a search.Candidate; one that found no plan
+        used work too)."""
+        self.spent_s += candidate.work_s

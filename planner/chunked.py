@@ -118,6 +118,7 @@ class ChunkedSolver:
         self.time_budget_s = time_budget_s
         self.work_budget = (time_budget_s if work_budget_s is None else work_budget_s) * WORK_PER_SECOND
         self.work_done = 0.0
+        self.stopped_early = False     # the budget ended the search (else it searched every cut)
         # a simulation's share of work: one unit per 64 of its actions (at least one)
         self.simulation_work = max(1.0, 3 * cm.C * cm.M / 64)
         self.cutoff_s = cutoff_s
@@ -175,9 +176,12 @@ class ChunkedSolver:
         return times, send
 
     def _spent(self, started: float, share: float = 1.0) -> bool:
-        """Whether ``share`` of the budget is used up: in work, or (a safety net) in wall time."""
-        return (self.work_done >= share * self.work_budget
-                or time.perf_counter() - started > share * self.time_budget_s)
+        """Whether ``share`` of the budget is used up: in work, or (a safety net) in wall time
+        (then :attr:`stopped_early`: what it did not search may hold a plan)."""
+        spent = (self.work_done >= share * self.work_budget
+                 or time.perf_counter() - started > share * self.time_budget_s)
+        self.stopped_early |= spent
+        return spent
 
     def bound(self, bounds: Sequence[int], recompute: Sequence[bool | None]) -> float:
         """A lower bound on the step of every cut that begins with ``bounds`` (chunk boundaries

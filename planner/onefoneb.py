@@ -71,6 +71,7 @@ class OneFOneBSolver:
         self.time_budget_s = time_budget_s
         self.work_budget = (time_budget_s if work_budget_s is None else work_budget_s) * WORK_PER_SECOND
         self.work_done = 0.0
+        self.stopped_early = False     # the budget ended the search (else it searched every cut)
         self.simulation_work = max(1.0, 2 * cm.K * cm.M / 16)   # one unit per 16 actions played out
         self.simulations = 0
         self.nodes = 0
@@ -192,8 +193,11 @@ class OneFOneBSolver:
 
     # ----------------------------------------------------------------- search
     def _spent(self, started: float) -> bool:
-        """Whether the budget is used up: in work, or (a safety net) in wall time."""
-        return self.work_done >= self.work_budget or time.perf_counter() - started > self.time_budget_s
+        """Whether the budget is used up: in work, or (a safety net) in wall time (then
+        :attr:`stopped_early`: what it did not search may hold a plan)."""
+        spent = self.work_done >= self.work_budget or time.perf_counter() - started > self.time_budget_s
+        self.stopped_early |= spent
+        return spent
 
     def solve(self) -> Solution | None:
         cm, L, K = self.cm, self.L, self.K
@@ -202,6 +206,7 @@ class OneFOneBSolver:
         try:
             rest = self._suffix_bounds()
         except _OutOfTime:
+            self.stopped_early = True
             return self._without_bounds(started)
         least_optimizer = cm.least_first_optimizer()
         global_bound = rest[0][0] + least_optimizer

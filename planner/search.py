@@ -26,7 +26,7 @@ from .problem import PipelineProblem, SolveOptions, check_problem, one_pipeline
 from .profile import LayerFigures, Profile
 from .seeds import seed_cuts
 from .settings import no_settings_reason, schedule_name, settings_for
-from .solvers import solve_cost_model, tighten
+from .solvers import search_setting, tighten
 
 
 @dataclass
@@ -34,6 +34,7 @@ class Candidate:
     setting: Setting
     micro_batch_size: int
     solution: Solution | None              # None: nothing fits in memory with this setting
+    work_s: float = 0.0                    # the deterministic work its search used (planner/solvers.py)
 
     @property
     def step_s(self) -> float:
@@ -85,7 +86,7 @@ class SearchResult:
     @property
     def work_s(self) -> float:
         """The deterministic work its settings used (planner/solvers.py)."""
-        return sum(c.solution.stats.get("work_s", 0.0) for c in self.candidates if c.solution is not None)
+        return sum(c.work_s for c in self.candidates)
 
 
 def solve_setting(profile: Profile, setting: Setting, micro_batch_size: int, solver: str,
@@ -95,8 +96,8 @@ def solve_setting(profile: Profile, setting: Setting, micro_batch_size: int, sol
     if already made. ``work_budget_s``: the budget in deterministic work, which, unlike the
     clock, gives the same plan on every run."""
     cm = CostModel(figures if figures is not None else profile.at(micro_batch_size), setting)
-    solution = solve_cost_model(cm, solver, time_budget_s, seeds, cutoff_s, work_budget_s)
-    return Candidate(setting, micro_batch_size, solution)
+    solution, work_s = search_setting(cm, solver, time_budget_s, seeds, cutoff_s, work_budget_s)
+    return Candidate(setting, micro_batch_size, solution, work_s)
 
 
 def search(profile: Profile, options: SolveOptions, progress=None, explain: bool = True) -> SearchResult:

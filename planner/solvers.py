@@ -52,7 +52,17 @@ from .seeds import seed_cuts
 def solve_cost_model(cm: CostModel, solver: str, time_budget_s: float, seeds: Sequence[Sequence[int]] = (),
                      cutoff_s: float = math.inf, work_budget_s: float | None = None,
                      suffix_tables: dict | None = None) -> Solution | None:
-    """The best plan of one setting (None: nothing fits), by ``solver`` ("exact" or "ilp").
+    """The best plan of one setting (None: nothing fits), by ``solver`` ("exact" or "ilp"):
+    :func:`search_setting`'s plan."""
+    return search_setting(cm, solver, time_budget_s, seeds, cutoff_s, work_budget_s, suffix_tables)[0]
+
+
+def search_setting(cm: CostModel, solver: str, time_budget_s: float, seeds: Sequence[Sequence[int]] = (),
+                   cutoff_s: float = math.inf, work_budget_s: float | None = None,
+                   suffix_tables: dict | None = None) -> tuple[Solution | None, float]:
+    """The best plan of one setting (None: nothing fits), by ``solver`` ("exact" or "ilp"), and
+    the deterministic work it used (also in the plan's ``stats["work_s"]``; a search that found
+    nothing used work too, which the settings after it must not get again).
 
     solve (planner/search.py) and explore's cells (planner/explore.py) both come here.
     ``suffix_tables``: 1F1B's suffix bounds, shared by the caller between settings alike but
@@ -94,6 +104,12 @@ def solve_cost_model(cm: CostModel, solver: str, time_budget_s: float, seeds: Se
                                work_budget_s=work_s * share)
     solution = search.solve()
     used = search.work_done / WORK_PER_SECOND
+    if solution is None and follow and search.stopped_early:
+        # Found nothing in time, which is not "nothing fits" (a memory limit that one cut in
+        # thousands meets): the programme looks at every cut at once.
+        wall_left = max(0.05, time_budget_s - (time.perf_counter() - started))
+        refined = milp_solve.refine(cm, None, cutoff_s, max(0.0, work_s - used), wall_left)
+        return _used(refined, used + _milp_work(refined))
     if solution is None or settled(solution, cutoff_s):
         return _used(solution, used)
     if not follow or milp_solve.nodes_affordable(cm, work_s - used) < LOCAL_SEARCH_BELOW_NODES:
@@ -103,7 +119,7 @@ def solve_cost_model(cm: CostModel, solver: str, time_budget_s: float, seeds: Se
         return _used(solution, used)
     wall_left = max(0.05, time_budget_s - (time.perf_counter() - started))
     refined = milp_solve.refine(cm, solution, cutoff_s, max(0.0, work_s - used), wall_left)
-    return _used(refined, used + (refined.stats["milp"]["work_s"] if refined and "milp" in refined.stats else 0.0))
+    return _used(refined, used + _milp_work(refined))
 
 
 def improve(cm: CostModel, solution: Solution, work_s: float) -> tuple[Solution, float]:
@@ -130,13 +146,20 @@ def settled(solution: Solution | None, cutoff_s: float) -> bool:
     return proven_optimal(solution.evaluation.step_s, bound) or proven_optimal(cutoff_s, bound)
 
 
-def _used(solution: Solution | None, work_s: float | None) -> Solution | None:
-    """``solution`` with the work it used in ``stats["work_s"]`` (None: the MILP's own count)."""
+def _milp_work(refined: Solution | None) -> float:
+    """The work the MILP of :func:`milp_solve.refine` used (0 where it returned no plan, as
+    refine reports none: a programme with no cut that fits, which presolve mostly settles)."""
+    return refined.stats["milp"]["work_s"] if refined is not None and "milp" in refined.stats else 0.0
+
+
+def _used(solution: Solution | None, work_s: float | None) -> tuple[Solution | None, float]:
+    """``solution`` with the work it used in ``stats["work_s"]`` (None: the MILP's own count),
+    and that work."""
+    if work_s is None:
+        work_s = solution.stats.get("milp", {}).get("work_s", 0.0) if solution is not None else 0.0
     if solution is not None:
-        if work_s is None:
-            work_s = solution.stats.get("milp", {}).get("work_s", 0.0)
         solution.stats["work_s"] = round(work_s, 6)
-    return solution
+    return solution, work_s
 
 
 def tighten(candidates: Sequence, cost_model, cutoff_s: float, work_budget_s: float,
@@ -176,4 +199,5 @@ def tighten(candidates: Sequence, cost_model, cutoff_s: float, work_budget_s: fl
         spent += refined.stats["milp"]["work_s"]
         refined.stats["work_s"] = weakest.solution.stats.get("work_s", 0.0) + refined.stats["milp"]["work_s"]
         weakest.solution = refined
+        weakest.work_s += refined.stats["milp"]["work_s"]
         best = min(best, refined.evaluation.step_s)

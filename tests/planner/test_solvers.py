@@ -12,6 +12,8 @@ micro-batch counts and schedules.
 from __future__ import annotations
 
 import math
+import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -29,9 +31,11 @@ from gpipe_plan.planner.profile import Profile, interpolate
 from gpipe_plan.planner.problem import SolveOptions, one_pipeline
 from gpipe_plan.planner.search import search
 from gpipe_plan.planner.settings import schedule_shapes
+from gpipe_plan.planner.solvers import solve_cost_model
 from gpipe_plan.schedules import problem
 
-from helpers.planner import close, hyp, instances, make_figures, profile_doc, ref_brute, ref_evaluate
+from helpers.planner import (close, hyp, instances, make_figures, profile_doc, ref_brute, ref_evaluate,
+                             schedule_case)
 
 # planner/ilp.py uses pulp APIs that pulp deprecates for its 4.0 (thousands of warnings a run).
 pytestmark = pytest.mark.filterwarnings("ignore:.*PuLP 4:DeprecationWarning")
@@ -433,6 +437,28 @@ def test_ilp_with_zero_forward_times():
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("seed", range(8))
+def test_on_shared_cores_the_ilp_bounds_and_proves_only_what_it_reaches(schedule: str, seed: int) -> None:
+    """More ranks than cores (planner/timeshare.py), ``--solver ilp`` for GPipe and 1F1B (the CBC
+    ILP): it optimises the dedicated step, a bound on every time-shared plan; its plan is called
+    proven only where the plan's time-shared step meets that bound. One pipeline
+    (data_parallel = 1): the ILP models no replicas, and the command line refuses ``--solver ilp``
+    with them (planner/replicas.py)."""
+    fig, setting = schedule_case(random.Random(f"shared-ilp-{schedule}-{seed}"), schedule, 1)
+    cm = CostModel(fig, replace(setting, concurrent_ranks=1.0, data_parallel=1))
+    assert cm.setting.time_shared
+    want = brute_force(cm)
+    got = solve_cost_model(cm, "ilp", 60, work_budget_s=60)
+    if want is None:
+        assert got is None
+        return
+    assert got.evaluation.fits and got.evaluation.step_s >= want.step_s * (1 - 1e-12)
+    assert got.lower_bound_s <= want.step_s * (1 + 1e-9) + 1e-15
+    if got.proven:
+        assert got.evaluation.step_s == pytest.approx(want.step_s, rel=1e-9, abs=1e-15)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_the_ilp_solves_layers_far_cheaper_than_their_exchange(schedule: str) -> None:
     """Layers of 1e-257 s beside a 0.15 s tied exchange: scaled by the layers alone, the
     exchange's coefficient was 1e253 and CBC returned no plan."""
@@ -440,3 +466,26 @@ def test_the_ilp_solves_layers_far_cheaper_than_their_exchange(schedule: str) ->
     cm = CostModel(fig, Setting(stages=2, micro_batches=2, schedule=schedule, link_bandwidth_bytes_per_s=1e4,
                                 link_latency_s=0.01))
     check_exact(cm, solve_ilp(cm), 1e-7)
+
+
+def test_a_setting_the_branch_and_bound_finds_no_plan_for_in_time_goes_to_the_milp():
+    """One cut in 1,287 fits the memory limit: the branch and bound, out of its share, found none,
+    and the setting read as "nothing fits" although the MILP, which looks at every cut at once,
+    had the budget to find and prove it."""
+    from gpipe_plan.planner import milp
+
+    if milp.available() is None:
+        pytest.skip("no MILP solver installed")
+    rng = random.Random(2)
+    L = 14
+    fig = make_figures([rng.uniform(1e-4, 2e-3) for _ in range(L)], [rng.uniform(2e-4, 4e-3) for _ in range(L)],
+                       activation=[rng.randint(10, 400) for _ in range(L)], params=[rng.randint(10, 400) for _ in range(L)])
+    base = Setting(2, 6, "interleaved", "never", virtual_stages=3)
+    free = CostModel(fig, base)
+    least = min(evaluate(free, b).peak_memory_bytes for b in partitions(L, free.C))
+    cm = CostModel(fig, replace(base, memory_limit_bytes=least + 1))
+    assert sum(evaluate(cm, b).fits for b in partitions(L, cm.C)) == 1
+    want = brute_force(cm)
+    got = solve_cost_model(cm, "exact", 1.0)
+    assert got is not None and got.proven and "milp" in got.stats
+    assert got.evaluation.step_s == pytest.approx(want.step_s, rel=1e-12)
