@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import select
 import signal
 import stat
 import subprocess
@@ -43,19 +44,18 @@ def profile_path(user_dir: Path) -> Path:
     return write_json(user_dir / "profile.json", profile_doc(L=6, batch_size=8))
 
 
-def run_in_subprocess(code: str, timeout: float) -> tuple[float, float, str]:
-    """Run Python ``code`` in a fresh interpreter: (wall seconds, peak RSS in MiB, its stdout)."""
+def run_in_subprocess(code: str, timeout: float) -> tuple[float, str]:
+    """Run Python ``code`` in a fresh interpreter: (peak RSS in MiB, its stdout). ``timeout``
+    (seconds) only bounds a hang."""
     # VmHWM, the peak of this process's own memory: getrusage's ru_maxrss survives exec, so a
     # child forked from a big pytest process would report the parent's peak.
     wrapped = code + ("\nprint('RSS', next(int(line.split()[1]) for line in open('/proc/self/status') "
                       "if line.startswith('VmHWM:')))\n")
-    started = time.monotonic()
     done = subprocess.run([sys.executable, "-c", wrapped], capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, PYTHONWARNINGS="ignore"))
-    seconds = time.monotonic() - started
     assert done.returncode == 0, done.stderr[-2000:]
     rss_kib = int(done.stdout.split("RSS")[-1])
-    return seconds, rss_kib / 1024, done.stdout
+    return rss_kib / 1024, done.stdout
 
 
 # --------------------------------------------------------------------------- every solve ends
@@ -66,23 +66,56 @@ def test_negative_and_nan_costs_do_not_make_the_solvers_loop(schedule: str, band
     # bisection over thresholds must not walk forever when a cost is negative or NaN).
     figures = make_figures([1e-3, -2e-3, 3e-3, math.nan, 2e-3, 3e-3], [2e-3, 4e-3, -6e-3, 2e-3, 2e-3, 2e-3],
                            recompute_call=-1.0)
+    # A solver that walks ends only at its time budget, with an open gap (or, bounded by its step
+    # cap, after hundreds of probes): each must instead finish its search, proven, after a few
+    # probes or nodes. A bisection over a double's 64 bits that converges takes at most 64.
     for M in (1, 4):
         cm = CostModel(figures, Setting(stages=2, micro_batches=M, schedule=schedule, overhead_s=-0.01,
                                         link_bandwidth_bytes_per_s=bandwidth, link_latency_s=-1.0))
-        started = time.monotonic()
-        for solution in (GPipeSolver(cm, time_budget_s=2).solve() if schedule == "gpipe" else None,
-                         OneFOneBSolver(cm, time_budget_s=2).solve()):
-            if solution is not None:
-                assert math.isfinite(solution.evaluation.step_s) and solution.evaluation.step_s >= 0
-        assert time.monotonic() - started < 5
+        solvers = [GPipeSolver(cm, time_budget_s=2)] if schedule == "gpipe" else []
+        for solver in [*solvers, OneFOneBSolver(cm, time_budget_s=2)]:
+            solution = solver.solve()
+            assert solution is not None
+            assert math.isfinite(solution.evaluation.step_s) and solution.evaluation.step_s >= 0
+            assert solution.proven and "out of time" not in solution.method, (M, solution.method)
+            assert solution.stats.get("probes", 0) <= 64 and solution.stats.get("nodes", 0) <= 64, solution.stats
+
+
+class CountedInt(int):
+    """An int that counts the divisions and remainders taken of it, and stops a scan past ``most``."""
+
+    most = 0
+    used = 0
+
+    def _count(self) -> None:
+        self.used += 1
+        if self.used > self.most:
+            raise AssertionError(f"more than {self.most} trial divisions of {int(self)}")
+
+    def __mod__(self, other):
+        self._count()
+        return int(self) % other
+
+    def __floordiv__(self, other):
+        self._count()
+        return int(self) // other
+
+    def __divmod__(self, other):
+        self._count()
+        return divmod(int(self), other)
 
 
 def test_divisors_are_found_without_scanning_up_to_the_batch() -> None:
     assert divisors(12) == [1, 2, 3, 4, 6, 12]
     assert divisors(1) == [1] and divisors(49) == [1, 7, 49]
-    started = time.monotonic()
-    assert divisors(1_000_000_007) == [1, 1_000_000_007]     # a prime: the old scan took minutes
-    assert time.monotonic() - started < 1
+    assert divisors(2 ** 10 * 3 ** 4) == sorted(2 ** i * 3 ** j for i in range(11) for j in range(5))
+    # A prime: the old scan over 1..n took minutes. Trial division up to sqrt(n) needs one remainder
+    # per candidate below 31,623 (and a quotient per divisor found); the count stops a scan at once.
+    n = 1_000_000_007
+    counted = CountedInt(n)
+    counted.most = 2 * (math.isqrt(n) + 1)
+    assert divisors(counted) == [1, n]
+    assert 0 < counted.used <= 2 * (math.isqrt(n) + 1)
 
 
 def test_a_huge_global_batch_solves_in_bounded_time_and_memory(user_dir: Path) -> None:
@@ -90,11 +123,10 @@ def test_a_huge_global_batch_solves_in_bounded_time_and_memory(user_dir: Path) -
     code = (f"from gpipe_plan.planner.command import solve_file\n"
             f"plan = solve_file({str(user_dir / 'profile.json')!r}, None, stages=2, global_batch_size=1000000007)\n"
             f"print('M', plan['micro_batches'])\n")
-    seconds, rss_mib, out = run_in_subprocess(code, timeout=60)
+    rss_mib, out = run_in_subprocess(code, timeout=60)
     # The micro-batch count is capped: a batch of a billion must not search (or allocate) per micro-batch.
     assert int(out.split("M")[1].split()[0]) <= MAX_MICRO_BATCHES
     assert rss_mib < 300, f"peak RSS {rss_mib:.0f} MiB"
-    assert seconds < 30
 
 
 def test_too_many_micro_batches_are_refused_in_one_line(profile_path: Path) -> None:
@@ -104,22 +136,56 @@ def test_too_many_micro_batches_are_refused_in_one_line(profile_path: Path) -> N
     assert "more than the planner considers" in result.output and not Path("plan.json").exists()
 
 
+# ``gpipe-plan ARGS`` with every setting the search solves (planner/search.py's solve_setting: the
+# pipeline's settings and the one-device comparison's) written to settings.json: its stages, the
+# work budget it was given, the work its search used (Candidate.work_s) and whether it kept a plan.
+RECORD_SETTINGS = """
+import inspect, json, sys
+import gpipe_plan.planner.search as search
+real = search.solve_setting
+signature = inspect.signature(real)
+solved = []
+def recorded(*args, **kwargs):
+    candidate = real(*args, **kwargs)
+    given = signature.bind(*args, **kwargs).arguments
+    solved.append({"stages": given["setting"].stages, "work_budget_s": given.get("work_budget_s"),
+                   "work_s": candidate.work_s, "planned": candidate.solution is not None})
+    return candidate
+search.solve_setting = recorded
+from gpipe_plan.cli import main
+try:
+    main(sys.argv[1:], prog_name="gpipe-plan")
+finally:
+    with open("settings.json", "w") as f:
+        json.dump(solved, f)
+"""
+
+
 @pytest.mark.parametrize("options", [
     ["-k", "2"],                                       # the greedy probes; 1F1B's O(K L^2) tables time out
     ["-k", "8", "--memory-limit", "300MiB"],           # per-stage recompute under a limit: the general DP
 ])
 def test_sixty_thousand_layers_end_within_the_time_budget(user_dir: Path, options: list[str]) -> None:
     write_json(user_dir / "big.json", profile_doc(L=60_000, sizes=(1,), batch_size=2))
-    started = time.monotonic()
-    result = subprocess.run([str(BIN / "gpipe-plan"), "solve", "big.json", *options, "--time-budget", "2",
-                             "-o", "plan.json", "-q"], cwd=user_dir, capture_output=True, text=True, timeout=120,
+    budget, K = 2.0, int(options[1])
+    result = subprocess.run([sys.executable, "-c", RECORD_SETTINGS, "solve", "big.json", *options,
+                             "--time-budget", str(budget), "-o", "plan.json", "-q"], cwd=user_dir,
+                            capture_output=True, text=True, timeout=120,     # a hang guard only
                             env=dict(os.environ, PYTHONWARNINGS="ignore"))
-    seconds = time.monotonic() - started
     assert result.returncode == 0, result.stderr
     plan = json.loads((user_dir / "plan.json").read_text())
     assert sum(plan["balance"]) == 60_000
-    # 2 s of search, the one-stage baseline's share, and reading and writing 60,000 layers.
-    assert seconds < 25, f"{seconds:.1f} s"
+    # What the budget bounds is the searches' work, counted (budgets.WORK_PER_SECOND), not timed:
+    # the same on every run, however loaded the machine (how long the whole solve takes, with
+    # reading and writing 60,000 layers, is a benchmark's question). Every setting of the pipeline
+    # kept a plan, and all the work together stays within the budget but for one overrun: a
+    # 1F1B suffix table looks at its budget only every 64 starts, each scanning up to L ends
+    # (planner/onefoneb.py), 2.2 s of work past its share at K = 2 here.
+    solved = json.loads((user_dir / "settings.json").read_text())
+    pipeline = [s for s in solved if s["stages"] == K]
+    assert pipeline and all(s["planned"] for s in pipeline), pipeline
+    work = sum(s["work_s"] for s in solved)
+    assert 0 < work <= 2 * budget, (work, solved)
 
 
 def test_show_refuses_a_timeline_of_what_is_not_a_plan(profile_path: Path) -> None:
@@ -143,6 +209,35 @@ def test_solve_with_an_unwritable_timeline_leaves_the_plan_untouched(profile_pat
     assert Path("plan.json").read_text() == "old"
 
 
+# The work each command does once its outputs are checked: any of these called means it started
+# the work first. (The inputs named below do not exist either: reading one is work too.)
+WORK_OF = {
+    "solve": ["gpipe_plan.planner.command:load_profile", "gpipe_plan.planner.command:solve_request"],
+    "explore": ["gpipe_plan.planner.command:load_profile", "gpipe_plan.planner.explore:explore"],
+    "calibrate": ["gpipe_plan.profiles.command_calibrate:calibrate_command"],
+    "import-pipedream": ["gpipe_plan.planner.pipedream:import_pipedream"],
+    "show": ["gpipe_plan.artifacts:read_json", "gpipe_plan.planner.command:show_plan"],
+    "run": ["gpipe_plan.runtime.command:load_plan", "gpipe_plan.runtime.launch:launch_local"],
+    "profile": ["gpipe_plan.profiles.command:resolve_device", "gpipe_plan.profiles.command:profile_model"],
+    "demo": ["gpipe_plan.demo:_demo"],
+}
+
+
+def forbid_work(monkeypatch: pytest.MonkeyPatch, command: str) -> list[str]:
+    """Replace ``command``'s work (WORK_OF) by stubs that fail; the list of those called."""
+    import importlib
+
+    called: list[str] = []
+    for target in WORK_OF[command]:
+        module, name = target.split(":")
+
+        def stub(*args, _target=target, **kwargs):
+            called.append(_target)
+            raise AssertionError(f"{_target} called before the outputs were checked")
+        monkeypatch.setattr(importlib.import_module(module), name, stub)
+    return called
+
+
 @pytest.mark.parametrize("args", [
     ["solve", "profile.json", "-k", "2", "--out", "a-folder"],
     ["explore", "profile.json", "--json", "missing/x.json"],
@@ -156,33 +251,39 @@ def test_solve_with_an_unwritable_timeline_leaves_the_plan_untouched(profile_pat
     ["profile", "gpt", "--out", "missing/p.json"],
     ["demo", "--out-dir", "plain-file"],
 ])
-def test_every_command_checks_its_outputs_before_any_work(profile_path: Path, args: list[str]) -> None:
+def test_every_command_checks_its_outputs_before_any_work(profile_path: Path, args: list[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     Path("a-folder").mkdir()
     Path("plain-file").write_text("x")
     before = sorted(p.name for p in Path(".").iterdir())
-    started = time.monotonic()
+    called = forbid_work(monkeypatch, args[0])
     result = cli(*args)
+    assert called == [], f"{args[0]} started its work before refusing its output: {called}"
     assert result.exit_code == 2, result.output
     assert len(error_lines(result)) == 1 and result.output.startswith("error: "), result.output
     assert args[-2] in result.output, result.output                       # it names the output's flag
     assert sorted(p.name for p in Path(".").iterdir()) == before        # no file written
-    assert time.monotonic() - started < 5                                # refused before any work
 
 
-def test_check_output_paths_names_the_flag_and_the_reason(user_dir: Path) -> None:
+def test_check_output_paths_names_the_flag_and_the_reason(user_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     check_output_paths({"--out": "fine.json", "--timeline": None})
     Path("sub").mkdir()
     with pytest.raises(BadInput, match="--out 'sub': it is a folder"):
         check_output_paths({"--out": "sub"})
     with pytest.raises(BadInput, match="--report 'nope/r.json': folder 'nope' does not exist"):
         check_output_paths({"--report": "nope/r.json"})
-    if os.geteuid() != 0:    # root may write anywhere: the check cannot fail for it
-        Path("sub").chmod(0o555)
-        try:
-            with pytest.raises(BadInput, match="is not writable"):
-                check_output_paths({"--out": "sub/x.json"})
-        finally:
-            Path("sub").chmod(0o755)
+    # A folder the permissions deny. (chmod 555 would deny nothing to root, who may write anywhere,
+    # so the test says what the permissions say: os.access refuses the folder "sub".)
+    access = os.access
+
+    def denied(path, mode, *args, **kwargs) -> bool:
+        if Path(path).resolve() == (user_dir / "sub").resolve() and mode & os.W_OK:
+            return False
+        return access(path, mode, *args, **kwargs)
+    monkeypatch.setattr(os, "access", denied)
+    with pytest.raises(BadInput, match=r"^cannot write --out 'sub/x\.json': folder 'sub' is not writable$"):
+        check_output_paths({"--out": "sub/x.json"})
+    check_output_paths({"--out": "x.json"})            # the folder beside it is writable
 
 
 # --------------------------------------------------------------------------- file modes
@@ -225,6 +326,53 @@ def test_help_and_version_still_exit_0() -> None:
     assert cli("--version").exit_code == 0
 
 
+def test_bare_gpipe_plan_prints_the_help_on_stderr_with_clicks_exit_code() -> None:
+    import click
+
+    if not hasattr(click.exceptions, "NoArgsIsHelpError"):
+        pytest.skip("click < 8.2 prints the help of a bare command itself")
+    result = cli()
+    assert result.exit_code == click.exceptions.NoArgsIsHelpError.exit_code == 2, result.output
+    assert result.stdout == ""
+    assert result.stderr == cli("--help").stdout             # the whole help, not an error line
+    assert "error:" not in result.stderr and "solve" in result.stderr
+
+
+# ``gpipe-plan ARGS`` that prints "searching" once the search starts (planner/search.py): a signal
+# sent then reaches the command itself, not the interpreter while it is still starting.
+ANNOUNCE_SEARCH = """
+import sys
+import gpipe_plan.planner.search as search
+real = search.search_pipeline
+def announced(*args, **kwargs):
+    print("searching", flush=True)
+    return real(*args, **kwargs)
+search.search_pipeline = announced
+from gpipe_plan.cli import main
+main(sys.argv[1:], prog_name="gpipe-plan")
+"""
+
+
+def test_ctrl_c_during_a_solve_is_one_line_and_exit_130(user_dir: Path) -> None:
+    # 2,000 layers and 4 stages: a search that runs its whole budget (10 s) unless stopped.
+    write_json(user_dir / "profile.json", profile_doc(L=2000, batch_size=8))
+    proc = subprocess.Popen([sys.executable, "-c", ANNOUNCE_SEARCH, "solve", "profile.json", "-k", "4",
+                             "--time-budget", "10", "--out", "plan.json", "-q"], cwd=user_dir, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    try:
+        started, _, _ = select.select([proc.stdout], [], [], 60)      # (a hang guard only)
+        assert started and proc.stdout.readline() == "searching\n", proc.communicate(timeout=60)
+        time.sleep(0.5)                                  # well inside the search
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)          # a hang guard only
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert err == "error: interrupted\n" and out == "", (out, err)
+    assert not (user_dir / "plan.json").exists()
+
+
 def test_the_smallest_memory_limit_is_rounded_up(profile_path: Path) -> None:
     result = cli("solve", "profile.json", "-k", "2", "--memory-limit", "1KiB")
     assert result.exit_code == 2, result.output
@@ -234,11 +382,11 @@ def test_the_smallest_memory_limit_is_rounded_up(profile_path: Path) -> None:
     assert parse_size("4.17MiB") >= 4.161 * 2**20
 
 
-def test_demo_refuses_bad_flags_before_profiling(user_dir: Path) -> None:
-    started = time.monotonic()
+def test_demo_refuses_bad_flags_before_profiling(user_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    called = forbid_work(monkeypatch, "demo")          # the demo's profile, solve and run
     result = cli("demo", "--steps", "0")
+    assert called == [], "the demo started before refusing --steps"
     assert result.exit_code == 2 and "--steps" in result.output and len(error_lines(result)) == 1
-    assert time.monotonic() - started < 2      # refused before any profiling (which takes many seconds)
 
 
 # --------------------------------------------------------------------------- orphans
@@ -277,7 +425,12 @@ def test_contention_helpers_die_with_a_killed_profiler(user_dir: Path, how: sign
         time.sleep(0.5)                       # let them get into their imports and timing
         proc.send_signal(how)
         proc.wait(10)
-        time.sleep(1.0)
+        # A tethered helper dies as its profiler does (the kernel kills it: lifeline.py), a moment
+        # later; an untethered one would live on through its 9 cycles of timing, 2 x 0.4 s each
+        # (profiles/contention.py: 7 s at least, on any machine). Waiting up to 5 s tells the two apart.
+        deadline = time.monotonic() + 5
+        while leftover_processes(mark) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert leftover_processes(mark) == [], "helpers outlived the profiler"
     finally:
         if proc.poll() is None:

@@ -8,7 +8,6 @@ whose predecessors are done, the one that can start first) that must reach the s
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import types
@@ -21,7 +20,7 @@ from gpipe_plan.planner.simulator import ChunkTimes, simulate_plan
 from gpipe_plan.schedules import (SCHEDULES, SPLIT_BACKWARD, all_actions, check_actions, chunks_per_stage, problem,
                                   stage_of_chunk)
 
-from helpers.planner import make_figures
+from helpers.planner import make_figures, ref_evaluate
 
 SHAPES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zb-h1", 1), ("zb-v", 1)]
 
@@ -181,28 +180,30 @@ def test_zero_bubble_and_interleaving_shrink_the_bubble(K, per_stage):
     assert balanced(K, M, "zb-v") <= balanced(K, M, "zb-h1")
 
 
-# --------------------------------------------------------------------------- gpipe and 1f1b unchanged
-# Step, makespan, per-stage memory and in-flight of a fixed instance, computed by the planner
-# before the simulator and memory model were rewritten over schedules.py (its own operation
-# orders and in-flight formula): the rewrite must give the very same predictions.
-_BEFORE = json.loads("""[{"schedule": "gpipe", "M": 1, "recompute": "never", "bw": null, "step_s": 0.02942, "makespan_s": 0.02912, "memory": [12300.0, 18450.0, 12300.0], "in_flight": [1, 1, 1]}, {"schedule": "gpipe", "M": 1, "recompute": "never", "bw": 100000.0, "step_s": 0.033460000000000004, "makespan_s": 0.03316, "memory": [12300.0, 18450.0, 12300.0], "in_flight": [1, 1, 1]}, {"schedule": "gpipe", "M": 1, "recompute": "always", "bw": null, "step_s": 0.037720000000000004, "makespan_s": 0.03742, "memory": [12300.0, 18450.0, 12300.0], "in_flight": [1, 1, 1]}, {"schedule": "gpipe", "M": 1, "recompute": "always", "bw": 100000.0, "step_s": 0.041760000000000005, "makespan_s": 0.041460000000000004, "memory": [12300.0, 18450.0, 12300.0], "in_flight": [1, 1, 1]}, {"schedule": "gpipe", "M": 3, "recompute": "never", "bw": null, "step_s": 0.0545, "makespan_s": 0.0542, "memory": [12900.0, 19350.0, 12900.0], "in_flight": [3, 3, 3]}, {"schedule": "gpipe", "M": 3, "recompute": "never", "bw": 100000.0, "step_s": 0.05854, "makespan_s": 0.05824, "memory": [12900.0, 19350.0, 12900.0], "in_flight": [3, 3, 3]}, {"schedule": "gpipe", "M": 3, "recompute": "always", "bw": null, "step_s": 0.06899999999999999, "makespan_s": 0.0687, "memory": [12360.0, 18610.0, 12540.0], "in_flight": [3, 3, 3]}, {"schedule": "gpipe", "M": 3, "recompute": "always", "bw": 100000.0, "step_s": 0.07304, "makespan_s": 0.07274, "memory": [12360.0, 18610.0, 12540.0], "in_flight": [3, 3, 3]}, {"schedule": "gpipe", "M": 8, "recompute": "never", "bw": null, "step_s": 0.1172, "makespan_s": 0.1169, "memory": [14400.0, 21600.0, 14400.0], "in_flight": [8, 8, 8]}, {"schedule": "gpipe", "M": 8, "recompute": "never", "bw": 100000.0, "step_s": 0.12124, "makespan_s": 0.12094, "memory": [14400.0, 21600.0, 14400.0], "in_flight": [8, 8, 8]}, {"schedule": "gpipe", "M": 8, "recompute": "always", "bw": null, "step_s": 0.1472, "makespan_s": 0.1469, "memory": [12510.0, 19010.0, 13140.0], "in_flight": [8, 8, 8]}, {"schedule": "gpipe", "M": 8, "recompute": "always", "bw": 100000.0, "step_s": 0.15123999999999999, "makespan_s": 0.15094, "memory": [12510.0, 19010.0, 13140.0], "in_flight": [8, 8, 8]}, {"schedule": "1f1b", "M": 1, "recompute": "never", "bw": null, "step_s": 0.029420000000000005, "makespan_s": 0.029120000000000004, "memory": [12300.0, 18450.0, 12300.0], "in_flight": [1, 1, 1]}, {"schedule": "1f1b", "M": 1, "recompute": "never", "bw": 100000.0, "step_s": 0.033460000000000004, "makespan_s": 0.03316, "memory": [12300.0, 18450.0, 12300.0], "in_flight": [1, 1, 1]}, {"schedule": "1f1b", "M": 1, "recompute": "always", "bw": null, "step_s": 0.037720000000000004, "makespan_s": 0.03742, "memory": [12300.0, 18450.0, 12300.0], "in_flight": [1, 1, 1]}, {"schedule": "1f1b", "M": 1, "recompute": "always", "bw": 100000.0, "step_s": 0.041760000000000005, "makespan_s": 0.041460000000000004, "memory": [12300.0, 18450.0, 12300.0], "in_flight": [1, 1, 1]}, {"schedule": "1f1b", "M": 3, "recompute": "never", "bw": null, "step_s": 0.05, "makespan_s": 0.0497, "memory": [12900.0, 18900.0, 12300.0], "in_flight": [3, 2, 1]}, {"schedule": "1f1b", "M": 3, "recompute": "never", "bw": 100000.0, "step_s": 0.05646000000000001, "makespan_s": 0.05616000000000001, "memory": [12900.0, 18900.0, 12300.0], "in_flight": [3, 2, 1]}, {"schedule": "1f1b", "M": 3, "recompute": "always", "bw": null, "step_s": 0.06448, "makespan_s": 0.06418, "memory": [12360.0, 18530.0, 12300.0], "in_flight": [3, 2, 1]}, {"schedule": "1f1b", "M": 3, "recompute": "always", "bw": 100000.0, "step_s": 0.07046000000000001, "makespan_s": 0.07016000000000001, "memory": [12360.0, 18530.0, 12300.0], "in_flight": [3, 2, 1]}, {"schedule": "1f1b", "M": 8, "recompute": "never", "bw": null, "step_s": 0.11269999999999998, "makespan_s": 0.11239999999999999, "memory": [12900.0, 18900.0, 12300.0], "in_flight": [3, 2, 1]}, {"schedule": "1f1b", "M": 8, "recompute": "never", "bw": 100000.0, "step_s": 0.11915999999999999, "makespan_s": 0.11886, "memory": [12900.0, 18900.0, 12300.0], "in_flight": [3, 2, 1]}, {"schedule": "1f1b", "M": 8, "recompute": "always", "bw": null, "step_s": 0.14268, "makespan_s": 0.14238, "memory": [12360.0, 18530.0, 12300.0], "in_flight": [3, 2, 1]}, {"schedule": "1f1b", "M": 8, "recompute": "always", "bw": 100000.0, "step_s": 0.14866, "makespan_s": 0.14836, "memory": [12360.0, 18530.0, 12300.0], "in_flight": [3, 2, 1]}]""")
-
-
-def test_gpipe_and_1f1b_predictions_are_unchanged():
+# --------------------------------------------------------------------------- gpipe and 1f1b against the reference
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("recompute", ["never", "always"])
+@pytest.mark.parametrize("bandwidth", [math.inf, 1e5])
+def test_gpipe_and_1f1b_predictions_match_the_reference_model(schedule, M, recompute, bandwidth):
+    """Step, makespan and per-stage memory of a fixed instance (3 stages of 2 layers, with sends,
+    an optimizer tail, recomputation) as helpers.planner.ref_evaluate computes them: a separate
+    model written from docs/planner.md (a recursion over each stage's operation order, not an
+    event simulation over schedules.py). In-flight micro-batches by hand: GPipe holds all M on
+    every stage, 1F1B holds min(K - k, M) on stage k."""
     fig = make_figures([1e-3, 2e-3, 1.5e-3, 3e-3, 0.5e-3, 2.5e-3], [2e-3, 3.5e-3, 3e-3, 5e-3, 1e-3, 4e-3],
                        activation=[100, 200, 150, 300, 50, 250], output=[40, 80, 60, 120, 20, 100],
                        params=[1000, 2000, 1500, 3000, 500, 2500], optimizer=[1e-4, 2e-4, 1e-4, 3e-4, 1e-4, 2e-4],
                        input_bytes=30, recompute_backward=[3e-3, 5e-3, 4e-3, 7e-3, 1.5e-3, 6e-3], recompute_call=1e-4)
-    assert len(_BEFORE) == 24
-    for row in _BEFORE:
-        bw = row["bw"] or math.inf
-        setting = Setting(3, row["M"], row["schedule"], row["recompute"], None, bw, 1e-5 if row["bw"] else 0.0,
-                          "adam", 2e-5)
-        ev = evaluate(CostModel(fig, setting), (0, 2, 4, 6))
-        assert ev.step_s == pytest.approx(row["step_s"], rel=1e-12), row
-        assert ev.makespan_s == pytest.approx(row["makespan_s"], rel=1e-12), row
-        assert [st.memory_bytes for st in ev.stages] == row["memory"], row
-        assert [st.in_flight for st in ev.stages] == row["in_flight"], row
+    K, bounds = 3, (0, 2, 4, 6)
+    setting = Setting(K, M, schedule, recompute, None, bandwidth, 1e-5 if bandwidth < math.inf else 0.0,
+                      "adam", 2e-5)
+    ev = evaluate(CostModel(fig, setting), bounds)
+    want = ref_evaluate(fig, setting, bounds, [recompute == "always"] * K)
+    assert ev.step_s == pytest.approx(want["step"], rel=1e-12)
+    assert ev.makespan_s == pytest.approx(want["makespan"], rel=1e-12)
+    assert [st.memory_bytes for st in ev.stages] == want["memory"]
+    assert [st.in_flight for st in ev.stages] == [M if schedule == "gpipe" else min(K - k, M) for k in range(K)]
 
 
 # --------------------------------------------------------------------------- memory from the lists

@@ -5,9 +5,10 @@ valid one (a synthetic profile, the plan ``solve`` makes of it, a report of that
 small graph) and one change. Each bad file goes through the commands that read it
 (``solve``, ``show``, ``run``, ``calibrate``, ``import-pipedream``), in-process via click's
 CliRunner, and must give exit status 2, exactly one line on stderr, no traceback, no new
-file, within a few seconds. The hypothesis tests then mutate the valid artifacts at random
-(drop a key, change a type, put an extreme value) and accept only that outcome or a clean
-success (exit 0) when the change is harmless. The schemas are gpipe_plan/schema.py.
+file, and no hang (a SIGALRM guard stops a command that loops). The hypothesis tests then
+mutate the valid artifacts at random (drop a key, change a type, put an extreme value) and
+accept only that outcome or a clean success (exit 0) when the change is harmless. The schemas
+are gpipe_plan/schema.py.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import signal
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -41,7 +43,10 @@ from helpers.planner import profile_doc
 pytestmark = pytest.mark.filterwarnings("ignore:.*PuLP 4:DeprecationWarning")
 
 HUGE_INT = 10 ** 400          # valid JSON; float() of it overflows
-CASE_SECONDS = 20             # a command on a malformed file must end well within this
+# A hang guard, not a speed claim: a command on a malformed file that loops (deep nesting, a
+# giant int, a huge list) is stopped here and reported as a failure instead of hanging the run.
+# Each command ends in well under a second; 20 s is far past that even on a loaded machine.
+CASE_SECONDS = 20
 NESTED = "[" * 100_000 + "]" * 100_000
 
 
@@ -325,11 +330,6 @@ def write_case(folder: Path, kind: str, content: Any) -> Path:
     return path
 
 
-ACCEPTED: set[str] = set()   # the key paths some mutation of which a command accepted (printed by test_totals)
-TOTALS: dict[str, int] = {"corpus tried": 0, "corpus refused": 0, "mutations tried": 0, "mutations refused": 0,
-                          "mutations accepted": 0}
-
-
 @pytest.mark.parametrize("case", _case_names())
 def test_malformed_file_is_refused_in_one_line(case: str, artifacts: dict[str, Any], tmp_path: Path) -> None:
     kind, content = _corpus(artifacts)[case]
@@ -340,10 +340,8 @@ def test_malformed_file_is_refused_in_one_line(case: str, artifacts: dict[str, A
         if only and command[0] != only:
             continue
         args = [a.replace("{f}", bad.name) for a in command]
-        TOTALS["corpus tried"] += 1
         line = assert_refused(tmp_path, args)
         assert bad.name in line or "bad." in line, line   # the message names the file
-        TOTALS["corpus refused"] += 1
 
 
 def test_messages_name_the_key_path(artifacts: dict[str, Any], tmp_path: Path) -> None:
@@ -437,7 +435,11 @@ def _mutated(doc: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str
     return put(doc, path, value)
 
 
-def _check_mutations(kind: str, artifacts: dict[str, Any], data: st.DataObject) -> None:
+def _check_mutations(kind: str, artifacts: dict[str, Any], data: st.DataObject, tally: Counter[tuple[str, str]],
+                     accepted: set[str]) -> None:
+    """One mutation of the valid ``kind`` through each command that reads it: refused in one line
+    or harmless. ``tally`` counts (command, "refused" or "accepted"); ``accepted`` gathers the key
+    paths some mutation of which a command accepted."""
     path, value = data.draw(mutation(artifacts[kind]), label="mutation")
     with tempfile.TemporaryDirectory() as name:
         folder = Path(name)
@@ -445,23 +447,42 @@ def _check_mutations(kind: str, artifacts: dict[str, Any], data: st.DataObject) 
         bad = write_case(folder, kind, _mutated(artifacts[kind], path, value))
         for command in COMMANDS[kind]:
             if command[0] == "run":   # a harmless change would train: check the plan as run reads it
-                TOTALS["mutations tried"] += 1
                 try:
                     load_plan(bad)
-                    TOTALS["mutations accepted"] += 1
+                    tally["run", "accepted"] += 1
                 except BadInput as exc:
                     assert "\n" not in str(exc)
-                    TOTALS["mutations refused"] += 1
+                    tally["run", "refused"] += 1
                 continue
-            TOTALS["mutations tried"] += 1
             try:
                 refused = assert_clean(folder, [a.replace("{f}", bad.name) for a in command])
             except AssertionError as exc:
                 shown = "DROP" if value is DROP else repr(value)[:60]
                 raise AssertionError(f"{kind} with {'.'.join(map(str, path))} = {shown}: {str(exc)[:600]}") from None
-            TOTALS["mutations refused" if refused else "mutations accepted"] += 1
+            tally[command[0], "refused" if refused else "accepted"] += 1
             if not refused:
-                ACCEPTED.add(f"{kind} {command[0]}: " + ".".join("N" if isinstance(k, int) else k for k in path))
+                accepted.add(f"{kind} {command[0]}: " + ".".join("N" if isinstance(k, int) else k for k in path))
+
+
+def check_mutations(kind: str, artifacts: dict[str, Any]) -> None:
+    """MUTATION_SETTINGS' examples of mutations of ``kind``, each refused or harmless, and both
+    outcomes seen for every command: a command that refused none of them was never reached by
+    them (or checks nothing), and one that accepted none was never given a harmless change, so
+    half of :func:`assert_clean` went untried. Counted here, within one test, so that the check
+    holds however pytest-xdist spreads the tests over its workers."""
+    tally: Counter[tuple[str, str]] = Counter()
+    accepted: set[str] = set()
+
+    @MUTATION_SETTINGS
+    @given(data=st.data())
+    def each(data: st.DataObject) -> None:
+        _check_mutations(kind, artifacts, data, tally, accepted)
+
+    each()
+    print(f"\n{kind} mutations: {dict(tally)}; accepted mutations of: {'; '.join(sorted(accepted))}")
+    for command in COMMANDS[kind]:
+        assert tally[command[0], "refused"] > 0, f"{command[0]} refused no mutation of a {kind}: {dict(tally)}"
+        assert tally[command[0], "accepted"] > 0, f"{command[0]} accepted no mutation of a {kind}: {dict(tally)}"
 
 
 # 300 examples per artifact keep this file near 10 s; MALFORMED_EXAMPLES=3000 MALFORMED_RANDOM=1
@@ -471,28 +492,16 @@ MUTATION_SETTINGS = settings(max_examples=int(os.environ.get("MALFORMED_EXAMPLES
                              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
-@MUTATION_SETTINGS
-@given(data=st.data())
-def test_mutated_profiles_are_refused_or_harmless(artifacts: dict[str, Any], data: st.DataObject) -> None:
-    _check_mutations("profile", artifacts, data)
+def test_mutated_profiles_are_refused_or_harmless(artifacts: dict[str, Any]) -> None:
+    check_mutations("profile", artifacts)
 
 
-@MUTATION_SETTINGS
-@given(data=st.data())
-def test_mutated_plans_are_refused_or_harmless(artifacts: dict[str, Any], data: st.DataObject) -> None:
-    _check_mutations("plan", artifacts, data)
+def test_mutated_plans_are_refused_or_harmless(artifacts: dict[str, Any]) -> None:
+    check_mutations("plan", artifacts)
 
 
-@MUTATION_SETTINGS
-@given(data=st.data())
-def test_mutated_reports_are_refused_or_harmless(artifacts: dict[str, Any], data: st.DataObject) -> None:
-    _check_mutations("report", artifacts, data)
-
-
-def test_totals() -> None:
-    """Prints what this file tried (run with -s to see it); runs last in file order."""
-    print("\nmalformed-input totals:", TOTALS)
-    print("accepted mutations of:", "; ".join(sorted(ACCEPTED)))
+def test_mutated_reports_are_refused_or_harmless(artifacts: dict[str, Any]) -> None:
+    check_mutations("report", artifacts)
 
 
 def test_a_writer_never_writes_a_document_its_schema_refuses(tmp_path: Path) -> None:

@@ -53,11 +53,14 @@ def _tiny_profile() -> dict:
 
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads the host's load from /proc/stat (Linux)")
 def test_a_profile_records_its_cores_and_a_busy_host_beside_it() -> None:
+    # The "quiet" profile is measured beside whatever else runs (the other pytest worker's ranks,
+    # say), so it need not have its core to itself: it uses at most the one core it needs, and
+    # more of it than the busy profile below gets, whose host has as many busy loops added as cores.
     quiet = _tiny_profile()
     validate(quiet, "profile", "quiet")
     assert quiet["device"]["cores"] == len(os.sched_getaffinity(0))
-    [layers] = quiet["host_load"]["phases"]
-    assert layers["phase"] == "layers" and layers["needed_cores"] == 1 and 0.5 < layers["run_cores"] <= 1.2
+    [alone] = quiet["host_load"]["phases"]
+    assert alone["phase"] == "layers" and alone["needed_cores"] == 1 and 0 < alone["run_cores"] <= 1.2, alone
     # As many busy loops as the host has cores: the profiler's one core is taken from it, in part.
     cores = len(os.sched_getaffinity(0))
     spinning = _spinners(cores)
@@ -70,6 +73,7 @@ def test_a_profile_records_its_cores_and_a_busy_host_beside_it() -> None:
             process.wait()
     [layers] = busy["host_load"]["phases"]
     assert layers["other_cores"] > 0.5 * cores and busy_phases(busy["host_load"]) == [layers], layers
+    assert layers["run_cores"] < alone["run_cores"], (alone, layers)     # the loops took part of its core
 
 
 def test_a_plan_and_show_say_the_profile_was_measured_on_a_busy_host(user_dir: Path) -> None:

@@ -56,17 +56,31 @@ def gpt_plan(user_dir: Path) -> Path:
 
 
 # --------------------------------------------------------------------------- 1. mixed checkpoints
-def test_a_fresh_run_refuses_a_folder_holding_another_runs_checkpoints(gpt_plan: Path) -> None:
+def never_launch(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """``run``'s launcher replaced by one that records its calls and starts nothing."""
+    from gpipe_plan.runtime import launch
+
+    launched: list[tuple] = []
+
+    def record(*args, **kwargs) -> None:
+        launched.append(args)
+        raise AssertionError("launch_local called: the ranks would start")
+    monkeypatch.setattr(launch, "launch_local", record)
+    return launched
+
+
+def test_a_fresh_run_refuses_a_folder_holding_another_runs_checkpoints(gpt_plan: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Seen: a fresh run pruned its own new steps, keeping another run's higher step numbers."""
     other = {"id": "a" * 32, "started_unix_s": 0, "seed": 0}
     for step in (2, 4, 6):
         fake_step(Path("ckpt"), step, other)
-    started = time.monotonic()
+    launched = never_launch(monkeypatch)
     result = cli("run", "plan.json", "--steps", "3", "--checkpoint-dir", "ckpt", "--checkpoint-every", "1")
+    assert launched == [], "ranks started before the folder was refused"
     assert result.exit_code == 2 and len(error_lines(result.output)) == 1, result.output
     assert "already holds checkpoints" in result.output and "--resume" in result.output, result.output
     assert "step 2, 4, 6" in result.output and "seed 0" in result.output
-    assert time.monotonic() - started < 5                 # refused before any rank starts
     assert sorted(p.name for p in Path("ckpt").iterdir()) == ["step-00000002", "step-00000004", "step-00000006"]
 
 
@@ -210,11 +224,19 @@ def test_a_full_disk_is_found_before_the_work(user_dir: Path, monkeypatch: pytes
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", no_room)
-    started = time.monotonic()
+    from gpipe_plan.profiles import command
+
+    measured: list[tuple] = []
+
+    def measure(*args, **kwargs) -> None:
+        measured.append(args)
+        raise AssertionError("profile_model called: the measuring would start")
+    monkeypatch.setattr(command, "profile_model", measure)
     result = cli("profile", "gpt", "--out", "p.json")
+    assert measured == [], "the profiler measured before it found the disk full"
     assert result.exit_code == 2 and len(error_lines(result.output)) == 1, result.output
     assert "cannot write --out 'p.json': no space left on the device holding '.'" in result.output, result.output
-    assert time.monotonic() - started < 10 and leftovers(user_dir) == []
+    assert leftovers(user_dir) == []
 
 
 # --------------------------------------------------------------------------- 4. leftovers
@@ -349,18 +371,17 @@ def test_a_data_factory_that_never_returns_stops_every_rank_naming_it(user_modul
     name = user_module(BLOCKING_DATA)
     spec = model_spec(f"{name}:make", data=f"{name}:batches", loss=f"{name}:loss")
     write_json(user_dir / "plan.json", hand_plan(spec, [2, 1], micro_batches=2, micro_batch_size=2))
-    started = time.monotonic()
+    # (timeout: a hang guard; the line says the watchdog stopped the run after its 3 s)
     result = gpipe_plan("run", "plan.json", "--steps", "5", "--timeout", "3", "-q", cwd=user_dir, timeout=90)
     assert result.returncode == 1, result.stderr
     last = error_lines(result.stderr)[-1]
     assert last.startswith(f"error: rank 0 made no progress for 3 s at step 3: reading the step's batch (data from "
                            f"'{name}:batches')"), result.stderr
     assert last.endswith("stopped all 2 ranks") and "Traceback" not in result.stderr
-    assert time.monotonic() - started < 60
 
 
 STOP_IN_CHECKPOINT = '''
-import os, signal, time
+import os, signal
 from gpipe_plan.runtime import watchdog
 
 _doing = watchdog.doing
@@ -370,7 +391,7 @@ def doing(what, waiting=False):
     # Rank 1 stops itself as it starts writing its checkpoint tensors (a rank that hangs there).
     if os.environ.get("RANK") == "1" and what.startswith("writing its tensors") and "step-00000002" in what:
         with open(os.environ["STOPPED_AT"], "w") as f:
-            f.write(repr(time.time()))
+            f.write(what)
         os.kill(os.getpid(), signal.SIGSTOP)
     _doing(what, waiting)
 
@@ -388,14 +409,15 @@ def test_a_rank_stuck_in_a_checkpoint_stops_the_run_within_the_timeout(gpt_plan:
     stopped_at = tmp_path / "stopped-at"
     env = {"PYTHONPATH": os.pathsep.join([str(hooks), os.environ.get("PYTHONPATH", "")]), "STOPPED_AT": str(stopped_at)}
     result = gpipe_plan("run", "plan.json", "--steps", "4", "--checkpoint-every", "2", "--checkpoint-dir", "ckpt",
-                        "--timeout", "3", "-q", cwd=gpt_plan.parent, env=env, timeout=120)
-    seconds = time.time() - float(stopped_at.read_text())
+                        "--timeout", "3", "-q", cwd=gpt_plan.parent, env=env, timeout=120)   # a hang guard
+    assert stopped_at.exists(), "rank 1 never stopped in its checkpoint"
     assert result.returncode == 1 and len(error_lines(result.stderr)) == 1, result.stderr
     line = result.stderr.strip()
+    # Stopped by the watchdog after --timeout (3 s of no progress), not by gloo's own 30 s timeout,
+    # whose error is a traceback that names neither the rank nor the checkpoint.
     assert line.startswith("error: rank 0 made no progress for 3 s at step 2: saving checkpoint "), line
     assert "step-00000002' with the other ranks" in line, line
     assert line.endswith("rank(s) 1 stopped (SIGSTOP or a debugger) and said nothing; stopped all 2 ranks"), line
-    assert seconds < 20, f"{seconds:.0f} s"     # about --timeout, not the 30 s of gloo's own timeout
 
 
 # --------------------------------------------------------------------------- 7, 8. checkpoints

@@ -13,7 +13,6 @@ that need no launcher share one group of 4 ranks.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -177,16 +176,16 @@ def test_report_measures_each_stages_gradient_sync(group_runs: dict[str, Any]) -
 def test_a_killed_rank_stops_all_four_and_the_resumed_run_is_exact(workdir: Path,
                                                                     group_runs: dict[str, Any]) -> None:
     """``gpipe-plan run`` starts K·d = 4 ranks; rank 3 (stage 1 of replica 1) killed at step 4 of
-    4 stops the other three within 60 s, in one line; resumed from the step-2 checkpoint (every
+    4 stops the other three, in one line; resumed from the step-2 checkpoint (every
     replica saved the same tensors: DCP keeps one copy), the run ends exactly where the
     uninterrupted one does."""
     folder = workdir / "resume"
     folder.mkdir()
     plan = group_runs["full_plan"]
-    started = time.monotonic()
+    # The three must be stopped (by the launcher, or by their broken links to rank 3), not left to
+    # their own --timeout: at an hour, ranks left waiting would outlive the hang guard (timeout).
     killed = gpipe_plan("run", plan, "--steps", "4", "--checkpoint-dir", "ckpt", "--checkpoint-every", "2",
-                        "--save", "never.pt", cwd=folder, fault="kill:3:3", timeout=180)
-    assert time.monotonic() - started < 60 + 30   # 60 s to stop, plus starting 4 ranks on 2 cores
+                        "--save", "never.pt", "--timeout", "3600", cwd=folder, fault="kill:3:3", timeout=180)
     assert killed.returncode == 1
     errors = [line for line in killed.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "rank 3 was killed by SIGKILL" in errors[0], killed.stderr

@@ -110,3 +110,13 @@ def test_bad_plans_and_paths_are_refused_in_one_line_and_nothing_is_written(user
     assert_refused(cli("export", "plan.json", "--schedule-csv", "nowhere/s.csv"), "folder 'nowhere' does not exist",
                    user_dir, before)
     assert cli("export", "plan.json").exit_code == 2     # the CSV's path is required
+
+
+def test_out_without_to_is_refused_in_one_line_and_nothing_is_written(user_dir: Path) -> None:
+    """``--out`` names the file of a ``--to`` export; with the CSV alone it would be ignored, so it
+    is refused (the CSV goes to --schedule-csv), before either file is written."""
+    write_plan(user_dir / "plan.json", chunked_plan("1f1b", 2, micro_batches=4))
+    before = {p.name for p in user_dir.iterdir()}
+    assert_refused(cli("export", "plan.json", "--schedule-csv", "s.csv", "--out", "x.toml"),
+                   "--out goes with --to TARGET; the schedule's CSV is written to --schedule-csv FILE", user_dir, before)
+    assert cli("export", "plan.json", "--schedule-csv", "s.csv").exit_code == 0     # the same without --out
