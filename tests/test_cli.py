@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from gpipe_plan.artifacts import BadInput, check_output_paths, write_json_atomic
+from gpipe_plan.planner.budgets import LEAST_SETTING_S
 from gpipe_plan.planner.costmodel import CostModel, Setting
 from gpipe_plan.planner.gpipe_solver import GPipeSolver
 from gpipe_plan.planner.onefoneb import OneFOneBSolver
@@ -178,14 +179,14 @@ def test_sixty_thousand_layers_end_within_the_time_budget(user_dir: Path, option
     # What the budget bounds is the searches' work, counted (budgets.WORK_PER_SECOND), not timed:
     # the same on every run, however loaded the machine (how long the whole solve takes, with
     # reading and writing 60,000 layers, is a benchmark's question). Every setting of the pipeline
-    # kept a plan, and all the work together stays within the budget but for one overrun: a
-    # 1F1B suffix table looks at its budget only every 64 starts, each scanning up to L ends
-    # (planner/onefoneb.py), 2.2 s of work past its share at K = 2 here.
+    # kept a plan, and all the work together stays within the budget, but for the moment each
+    # setting gets once it is spent (budgets.LEAST_SETTING_S). (A 1F1B suffix table that looked at
+    # its budget only every 64 starts, each scanning up to L ends, took 2.6 s of 2 at K = 2.)
     solved = json.loads((user_dir / "settings.json").read_text())
     pipeline = [s for s in solved if s["stages"] == K]
     assert pipeline and all(s["planned"] for s in pipeline), pipeline
     work = sum(s["work_s"] for s in solved)
-    assert 0 < work <= 2 * budget, (work, solved)
+    assert 0 < work <= budget + len(solved) * LEAST_SETTING_S, (work, solved)
 
 
 def test_show_refuses_a_timeline_of_what_is_not_a_plan(profile_path: Path) -> None:
