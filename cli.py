@@ -2,8 +2,8 @@
 
 Each option is declared once: those of profile, solve, explore and run as the fields of
 their request (gpipe_plan/options.py, [Note: options as data]), generated here; the few
-of the small commands (calibrate, import-pipedream, export, show, demo) here, by click. Each command imports its package only when it
-runs (only the requests, which import nothing heavy, load up front for the help), so
+of the small commands (calibrate, import-pipedream, export, show, demo) here, by click.
+Each command imports its package only when it runs (only the requests, which import nothing heavy, load up front for the help), so
 ``gpipe-plan --help`` and everything the planner does (``solve``, ``explore``, ``show`` of a
 plan) start without importing torch.
 Errors a user can fix are :class:`artifacts.BadInput`: one line on stderr and exit status 2.

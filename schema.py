@@ -41,6 +41,12 @@ from .plan_layout import GRADIENT_SYNCS, PLACEMENT_ORDERS
 MAX_BYTES = 2.0 ** 60        # 1 EiB: bytes of one tensor, layer or device
 MAX_SECONDS = 1e7            # about 4 months: one measured time
 MAX_COUNT = 2 ** 40          # a micro-batch size, a dimension, a step count
+
+
+def check_global_batch_size(value: int) -> None:
+    """``--global-batch-size`` (profile, solve, explore) within what a profile and plan record."""
+    if not 1 <= value <= MAX_COUNT:
+        raise BadInput(f"--global-batch-size must be a whole number of samples from 1 to 2^40, got {value}")
 MAX_RATE = 1e18              # bytes per second of a link
 MAX_RATIO = 1e6              # a ratio or a fraction: any finite value of modest size
 MAX_LOSS = 1e300             # a loss: whatever the user's loss function returns, if finite

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..artifacts import BadInput
-from ..schema import MAX_COUNT
+from ..schema import check_global_batch_size
 from ..schedules import PLANNABLE_SCHEDULES
 from ..weight_versions import ASYNC_SCHEDULES
 from ..weight_versions import problem as async_problem
@@ -160,9 +160,7 @@ def profile_global_batch(profile: Profile) -> tuple[int, str]:
 def resolve_global_batch(profile: Profile, options: SolveOptions) -> int:
     """``--global-batch-size`` if given, else the profile's (:func:`profile_global_batch`)."""
     if options.global_batch_size is not None:
-        if not 1 <= options.global_batch_size <= MAX_COUNT:
-            raise BadInput(f"--global-batch-size must be a whole number of samples from 1 to 2^40, got "
-                           f"{options.global_batch_size}")
+        check_global_batch_size(options.global_batch_size)
         return options.global_batch_size
     return profile_global_batch(profile)[0]
 

@@ -147,9 +147,10 @@ class SolveRequest:
                               "an integer linear programme alone (pulp/CBC for gpipe and 1f1b, the schedule MILP for "
                               "the others).")
     time_budget_s: float = option("--time-budget", default=SOLVE_TIME_BUDGET_S, type=float, show_default=True,
-                                  help="Seconds the search may take in all, counted as work so that a plan is the same on "
-                                       "every run; past it the best plan found is kept, with its gap to the proven "
-                                       "lower bound. A loaded or slower machine may take up to about 3 times as long.")
+                                  help="Seconds the search may take in all, counted as work so that a plan is the "
+                                       "same on every run; past it the best plan found is kept, with its gap to the "
+                                       "proven lower bound. A loaded or slower machine may take up to about 3 times "
+                                       "as long.")
 
     def solve_options(self):
         """The request checked as a whole and parsed into the search's options (one-line errors)."""

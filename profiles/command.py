@@ -19,7 +19,7 @@ from ..artifacts import BadInput, RunFailure, check_output_paths, first_line
 from ..allocator import steady_allocator
 from ..hostload import usable_cores
 from ..models import Precision, model_spec
-from ..schema import MAX_COUNT, write_artifact
+from ..schema import check_global_batch_size, write_artifact
 from .device import resolve_device
 from .contention import default_processes, most_processes
 from .options import ProfileOptions
@@ -124,8 +124,7 @@ def intended_global_batch(global_batch_size: int | None, sizes: list[int]) -> in
     """
     if global_batch_size is None:
         return sizes[-1]
-    if not 1 <= global_batch_size <= MAX_COUNT:
-        raise BadInput(f"--global-batch-size must be a whole number of samples from 1 to 2^40, got {global_batch_size}")
+    check_global_batch_size(global_batch_size)
     return global_batch_size
 
 

@@ -4,7 +4,8 @@
 rank under ``torchrun``. Each rank (:mod:`.train`):
 
 1. builds the model from the plan's spec and the seed on the meta device, making real only
-   its stage's chunks (:mod:`gpipe_plan.models.materialize`, :mod:`.stage`), and loads their part of ``--init-from`` weights (:mod:`.init_from`);
+   its stage's chunks (:mod:`gpipe_plan.models.materialize`, :mod:`.stage`), and loads their
+   part of ``--init-from`` weights (:mod:`.init_from`);
 2. runs its stage's list of the schedule's actions every step (``gpipe_plan.schedules``,
    :mod:`.executor`), sending activations forward and gradients back to the stages holding
    the neighbouring chunks (:mod:`.p2p`);

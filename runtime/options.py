@@ -98,8 +98,9 @@ class RunOptions:
     threads: int | None = option("--threads", type=int,
                                  help="CPU threads per rank. Default: the threads the plan's profile measured with.")
     timeout: float = option("--timeout", default=60.0, type=float, show_default=True,
-                            help="Seconds a rank may go without progress (waiting for a neighbour or a collective, reading "
-                                 "its data, an action, a checkpoint write) before the run stops as stuck.")
+                            help="Seconds a rank may go without progress (waiting for a neighbour or a "
+                                 "collective, reading its data, an action, a checkpoint write) before the run "
+                                 "stops as stuck.")
     log_every: int = option("--log-every", default=10, type=int, show_default=True,
                             help="When the output is not a terminal: print a progress line every N steps.")
     quiet: bool = option("--quiet", "-q", default=False, is_flag=True,
