@@ -3,9 +3,9 @@
 Each option is declared once: those of profile, solve, explore and run as the fields of
 their request (gpipe_plan/options.py, [Note: options as data]), generated here; the few
 of the small commands (calibrate, import-pipedream, export, show, demo) here, by click.
-Each command imports its package only when it runs (only the requests, which import nothing heavy, load up front for the help), so
-``gpipe-plan --help`` and everything the planner does (``solve``, ``explore``, ``show`` of a
-plan) start without importing torch.
+Each command imports its package only when it runs (only the requests, which import nothing
+heavy, load up front for the help), so ``gpipe-plan --help`` and everything the planner does
+(``solve``, ``explore``, ``show`` of a plan) start without importing torch.
 Errors a user can fix are :class:`artifacts.BadInput`: one line on stderr and exit status 2.
 """
 
@@ -226,26 +226,25 @@ def show(file: str, timeline: str | None) -> None:
     check_output_paths({"--timeline": timeline}, inputs=(file,))
     doc = read_json(file, "file")
     found = doc.get("format") if isinstance(doc, dict) else None
-    kind = {PROFILE_FORMAT: "a profile", REPORT_FORMAT: "a run's report"}.get(found) if isinstance(found, str) else None
-    if timeline is not None and kind is not None:
+    if timeline is not None and found in (PROFILE_FORMAT, REPORT_FORMAT):
+        kind = "a profile" if found == PROFILE_FORMAT else "a run's report"
         raise BadInput(f"--timeline draws a plan's schedule, and '{file}' is {kind}: give it the plan")
-    if isinstance(doc, dict) and doc.get("format") == PROFILE_FORMAT:
+    if found == PROFILE_FORMAT:
         from rich.console import Console
 
         from .profiles.show import render_profile
 
         render_profile(read_profile(file), Console())
         return
-    if isinstance(doc, dict) and doc.get("format") == REPORT_FORMAT:
+    if found == REPORT_FORMAT:
         from .runtime.report import show_report
 
         show_report(read_report(file), file)
         return
     from .planner.command import show_plan
 
-    if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
-        raise BadInput(f"'{file}' is not a gpipe-plan profile, plan or report (its \"format\" is "
-                       f"{doc.get('format') if isinstance(doc, dict) else None!r})")
+    if found != PLAN_FORMAT:
+        raise BadInput(f"'{file}' is not a gpipe-plan profile, plan or report (its \"format\" is {found!r})")
     show_plan(file, timeline=timeline)
 
 

@@ -208,8 +208,7 @@ def check_format(doc: Any, fmt: str, where: str) -> None:
         raise BadInput(f"'{where}' is not a gpipe-plan {what}: expected a JSON object")
     found = doc.get("format")
     if found != fmt:
-        kind = found.split(".")[-1] if isinstance(found, str) and found.startswith("gpipe-plan.") else None
-        hint = f" (it is a {kind})" if kind in {known.split(".")[-1] for known in READABLE_VERSIONS} else ""
+        hint = f" (it is a {found.split('.')[-1]})" if isinstance(found, str) and found in READABLE_VERSIONS else ""
         raise BadInput(f"'{where}' is not a gpipe-plan {what}: \"format\" is {found!r}, expected {fmt!r}{hint}")
     version = doc.get("version")
     readable = READABLE_VERSIONS[fmt]

@@ -46,10 +46,11 @@ def profile_command(model: str, **options: Any) -> None:
             raise BadInput(f"{flag} must be at least {least}, got {value}")
     check_output_paths({"--out": o.out})      # before minutes of measuring
     dev = resolve_device(o.device)
-    if dev.type == "cpu" and o.threads > usable_cores():
+    cores = usable_cores()
+    if dev.type == "cpu" and o.threads > cores:
         # (the profile records them, and every rank of a run then starts that many)
-        raise BadInput(f"--threads {o.threads} is more than the {usable_cores()} cores this host lets us use: "
-                       f"threads beyond them take turns and measure nothing real; use at most {usable_cores()}")
+        raise BadInput(f"--threads {o.threads} is more than the {cores} cores this host lets us use: "
+                       f"threads beyond them take turns and measure nothing real; use at most {cores}")
     if o.measure_link and dev.type == "cuda" and torch.cuda.device_count() < 2:
         raise BadInput("--measure-link on cuda needs two GPUs (NCCL between them); this machine has one")
     contention_processes = o.contention_processes
