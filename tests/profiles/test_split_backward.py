@@ -158,7 +158,9 @@ def test_profile_carries_the_split_for_every_layer(spec: dict, layer_by_layer: b
         def step(self, description: str) -> None:
             steps.append(description)
 
-    doc = profile_model(ProfileRequest(spec=spec, micro_batch_sizes=[1, 2], warmup=0, repeats=1,
+    # (one cold timing each, warmup 0 and repeats 1, once read 0 for the head's input backward
+    # less its harness on a busy CI host: a measurement too short to hold, not a wrong split)
+    doc = profile_model(ProfileRequest(spec=spec, micro_batch_sizes=[1, 2], warmup=1, repeats=3,
                                        layer_by_layer=layer_by_layer), Steps())
     assert len(steps) == Steps.total   # the progress bar ends full
     assert doc["version"] == FORMAT_VERSIONS[PROFILE_FORMAT] == 11
