@@ -27,7 +27,7 @@ from .schedules import PLANNABLE_SCHEDULES, chunks_of_stage, chunks_per_stage, p
 # The keys every chunk :func:`plan_chunks` returns has (None where the plan says nothing).
 CHUNK_KEYS = ("index", "stage", "layers", "first_layer", "recompute", "forward_s", "backward_s",
               "backward_input_s", "backward_weight_s", "recompute_s", "send_s",
-              "output_shapes", "output_dtypes", "output_batched")
+              "output_shapes", "output_dtypes", "output_batched", "param_bytes")
 
 
 def virtual_stages(doc: dict[str, Any]) -> int:
@@ -90,6 +90,9 @@ def plan_chunks(doc: dict[str, Any], where: str) -> list[dict[str, Any]]:
                 raise BadInput(f"{where}: '{path}.{name}' is {item[name]!r}, expected {expected}"
                                + (f" ({schedule} runs chunk {c} on stage {stage})" if name == "stage" else ""))
         _check_outputs(item, f"{where}: '{path}")
+        if item.get("param_bytes") is not None and len(item["param_bytes"]) != len(names):
+            raise BadInput(f"{where}: '{path}.param_bytes' has {len(item['param_bytes'])} entries for "
+                           f"{len(names)} layers; solve the profile again")
         chunk = {name: item.get(name) for name in CHUNK_KEYS}
         chunk.update(index=c, stage=stage, first_layer=first, recompute=bool(item.get("recompute", False)))
         chunks.append(chunk)

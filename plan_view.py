@@ -62,6 +62,9 @@ class ChunkPlan:
     output_batched: tuple[bool, ...] | None = None
     # Per layer: the unsplit model's module name, None where a layer is not one module.
     modules: tuple[str | None, ...] = ()
+    # Per layer: its parameters' bytes as profiled (version 10), which run checks the rebuilt
+    # model against; None: not recorded, not checked.
+    param_bytes: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -443,6 +446,7 @@ def _chunk_plan(raw: dict[str, Any], modules: tuple[str | None, ...]) -> ChunkPl
         output_dtypes=tuple(str(dtype) for dtype in raw["output_dtypes"]) if shapes is not None else None,
         output_batched=tuple(raw["output_batched"]) if raw["output_batched"] is not None else None,
         modules=modules,
+        param_bytes=tuple(round(b) for b in raw["param_bytes"]) if raw["param_bytes"] is not None else None,
     )
 
 

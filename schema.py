@@ -118,6 +118,8 @@ REPORT_FORMAT = "gpipe-plan.report"
 #   9  ``options.shared_core_slowdown`` and ``shared_core_action_s``: where the ranks share cores,
 #      the factor charged on every action's time and the cost added to each (absent or null: 1
 #      and 0, as before).
+#  10  per chunk, ``param_bytes``: each layer's parameter bytes as the profile measured them, which
+#      ``run`` checks the rebuilt model against before any step (absent: not checked, as before).
 # Report
 #   2  the run's precision and, on CUDA, the allocator's reserved memory and what lies outside it.
 #   3  the per-micro-batch times move into ``chunks`` (with the halves of a split backward); its
@@ -135,9 +137,9 @@ REPORT_FORMAT = "gpipe-plan.report"
 #      options; null, 1 and 0 where they did not): calibrate refuses such a round unless forced,
 #      and takes the charges off what it compares. Before it: read from the plan the report names
 #      where that is at hand, else a core per rank.
-FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 11, PLAN_FORMAT: 9, REPORT_FORMAT: 6}
+FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 11, PLAN_FORMAT: 10, REPORT_FORMAT: 6}
 READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11),
-                                                 PLAN_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8, 9),
+                                                 PLAN_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8, 9, 10),
                                                  REPORT_FORMAT: (1, 2, 3, 4, 5, 6)}
 
 
@@ -692,6 +694,8 @@ def _plan_chunk(solved: bool) -> Object:
         "backward_weight_s": may(_seconds(nullable=True)),
         # Version 6: per layer, the module it is in the unsplit model (null: none), for export.
         "modules": may(Items(Text(nonempty=True, nullable=True))),
+        # Version 10: per layer, its parameters' bytes (the profile's layers[i].param_bytes).
+        "param_bytes": may(Items(_bytes())),
     })
 
 

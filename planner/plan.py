@@ -143,6 +143,8 @@ def chunk_rows(layers: list[dict[str, Any]], ev: Evaluation) -> list[dict[str, A
             "layers": [layers[i]["name"] for i in range(ch.start, ch.end)],
             # What other trainers call them (export): the unsplit model's module names.
             "modules": [layers[i].get("module") for i in range(ch.start, ch.end)],
+            # What run checks the rebuilt model against: a model changed since its profile.
+            "param_bytes": [layers[i]["param_bytes"] for i in range(ch.start, ch.end)],
             "first_layer": ch.start,
             "recompute": ch.recompute,
             "forward_s": ch.forward_s,

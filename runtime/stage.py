@@ -33,6 +33,7 @@ from ..artifacts import BadInput
 from ..models import LayeredModel, Precision, forward_streamed, materialize_layers, release_layers
 from ..models.precision import Autocast, no_autocast
 from ..plan_view import ChunkPlan, PlanView
+from ..tensor_memory import unique_bytes
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -111,9 +112,12 @@ class ChunkModule(nn.Module):
         got = tuple(TensorMeta(tuple(o.shape), o.dtype) for o in outputs)
         for i, (have, want) in enumerate(zip(got, expected)):
             if have != want:
+                # Another dtype: another precision's or device's autocast rules; another shape
+                # in the same dtype: the model itself changed (a width, a sequence length).
+                cause = ("the model's code or configuration changed since it was profiled"
+                         if have.dtype == want.dtype else "the plan was profiled in another precision or on another device")
                 raise BadInput(f"{self.label}'s output {i} is {_describe(have)} but the plan declares "
-                               f"{_describe(want)}: the plan was profiled in another precision or on another device; "
-                               f"profile here, in the precision of the run, and solve again")
+                               f"{_describe(want)}: {cause}; profile here, in the precision of the run, and solve again")
         if len(got) != len(expected):
             raise BadInput(f"{self.label} returns {len(got)} tensors but the plan declares {len(expected)}: "
                            f"profile the model again and solve again")
@@ -232,6 +236,28 @@ def check_layer_names(model: LayeredModel, plan: PlanView) -> None:
                            f"but '{h}' in the rebuilt model; re-run `gpipe-plan profile` and `solve`")
     raise BadInput(f"plan '{plan.path}' does not match its model: the plan has {len(want)} layers, the "
                    f"rebuilt model {len(have)}; re-run `gpipe-plan profile` and `solve`")
+
+
+def check_layer_params(model: LayeredModel, plan: PlanView) -> None:
+    """Refuse a plan whose layers' parameters are not the rebuilt model's, before any step.
+
+    A model whose code or configuration changed since its profile (a width, a vocabulary) keeps
+    its layer names but not its parameters' sizes: the plan's times and memory are another
+    model's, and the first forward would fail inside a rank. Each layer is counted as the
+    profile counted it (its distinct parameters, in the plan's parameter dtype: the model is
+    cast first), and only where the plan records it (plan format 10)."""
+    check_layer_names(model, plan)
+    for chunk in plan.chunks:
+        if chunk.param_bytes is None:
+            continue
+        for i, want in zip(_layer_range(chunk), chunk.param_bytes):
+            name, layer = model.layers[i]
+            have = unique_bytes(layer.parameters())
+            if have != want:
+                raise BadInput(f"plan '{plan.path}' does not match its model: layer {i} ('{name}') has {have:,} bytes "
+                               f"of parameters in the rebuilt model but {want:,} in the profile the plan was solved "
+                               f"from: the model's code or configuration changed since; re-run `gpipe-plan profile` "
+                               f"and `solve`")
 
 
 def build_chunk(model: LayeredModel, plan: PlanView, index: int, precision: Precision | None = None,

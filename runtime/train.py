@@ -59,7 +59,7 @@ from ..plan_view import PlanView
 from .plan import check_precision_matches, check_sync_matches, load_plan
 from .progress import TrainingProgress
 from .report import RankResult, build_report, print_summary
-from .stage import StageChunks, build_stage_chunks
+from .stage import StageChunks, build_stage_chunks, check_layer_params
 from .timing import SpanRecorder
 from .trace import chrome_trace
 
@@ -181,6 +181,7 @@ def _set_up(options: RunOptions, world: World) -> _Training:
     watchdog.phase("building the model" + (f" (calling the plan's model factory '{factory}')" if factory else ""))
     model = build_model(plan.model, seed=options.seed, materialize=())
     precision.cast(model)
+    check_layer_params(model, plan)
     whole = built_whole(model)
     if reporter and whole:
         err.print(f"[yellow]note:[/] every rank builds the whole model before keeping its stage ({whole})",

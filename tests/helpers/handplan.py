@@ -20,6 +20,7 @@ from gpipe_plan.models import Precision, build_model
 from gpipe_plan.models.layered import batch_dimensions
 from gpipe_plan.schedules import chunks_of_stage, chunks_per_stage, problem, stage_of_chunk
 from gpipe_plan.schema import FORMAT_VERSIONS, PLAN_FORMAT, check_built
+from gpipe_plan.tensor_memory import unique_bytes
 
 
 def hand_plan(spec: dict[str, Any], balance: Sequence[int], micro_batches: int, micro_batch_size: int,
@@ -60,6 +61,8 @@ def hand_plan(spec: dict[str, Any], balance: Sequence[int], micro_batches: int, 
     for c, count in enumerate(balance):
         chunk: dict[str, Any] = {"index": c, "stage": stage_of_chunk(schedule, c, K),
                                  "layers": names[first:first + count], "modules": modules[first:first + count],
+                                 "param_bytes": [unique_bytes(layer.parameters())
+                                                 for _, layer in model.layers[first:first + count]],
                                  "first_layer": first,
                                  "recompute": bool(flags[c])}
         if outputs is not None and more is not None:

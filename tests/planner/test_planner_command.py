@@ -49,12 +49,14 @@ def test_solve_writes_a_plan_with_the_documented_keys(profile_path: Path):
     assert result.exit_code == 0, result.output
     plan = json.loads(Path("plan.json").read_text())
     assert PLAN_KEYS <= plan.keys()
-    assert plan["format"] == "gpipe-plan.plan" and plan["version"] == FORMAT_VERSIONS[PLAN_FORMAT] == 9
+    assert plan["format"] == "gpipe-plan.plan" and plan["version"] == FORMAT_VERSIONS[PLAN_FORMAT] == 10
     assert OPTIONS_KEYS <= plan["options"].keys()
     assert PREDICTED_KEYS <= plan["predicted"].keys()
     assert {"proven", "method", "lower_bound_s", "gap"} <= plan["optimality"].keys()
     doc = json.loads(profile_path.read_text())
     assert plan["model"] == doc["model"]
+    # What run checks the rebuilt model against (version 10): each layer's profiled bytes, in order.
+    assert [b for chunk in plan["chunks"] for b in chunk["param_bytes"]] == [l["param_bytes"] for l in doc["layers"]]
     assert plan["profile"]["path"] == "profile.json"
     assert plan["profile"]["sha256"] == hashlib.sha256(profile_path.read_bytes()).hexdigest()
     assert plan["options"]["link_bandwidth_bytes_per_s"] == pytest.approx(1000.0)   # 1e-6 GB/s

@@ -67,6 +67,35 @@ def test_a_schedule_that_cannot_run_these_micro_batches_is_refused(tmp_path: Pat
     assert "\n" not in str(info.value)
 
 
+def test_a_param_bytes_list_of_the_wrong_length_is_refused(tmp_path: Path) -> None:
+    doc = hand_plan(TINY_GPT, [2, 2], micro_batches=2, micro_batch_size=1)
+    doc["chunks"][1]["param_bytes"].append(64)
+    with pytest.raises(BadInput, match=r"'chunks\[1\]\.param_bytes' has 3 entries for 2 layers; solve the profile again"):
+        load_plan(write_plan(tmp_path, doc))
+
+
+@pytest.mark.parametrize("declared, cause", [
+    ([[8, 32]], "the model's code or configuration changed since it was profiled"),
+    ([[8, 16]], None),
+])
+def test_a_chunks_first_outputs_are_checked_against_the_plan(tmp_path: Path, declared: list[list[int]],
+                                                             cause: str | None) -> None:
+    """Another shape in the same dtype is a changed model (another dtype: another precision or
+    device, tests/models/test_precision.py); what the plan declares passes."""
+    doc = hand_plan(TINY_GPT, [2, 2], micro_batches=2, micro_batch_size=1)
+    assert doc["chunks"][0]["output_shapes"] == [[8, 16]]
+    doc["chunks"][0]["output_shapes"] = declared
+    chunk = build_chunk(build_model(TINY_GPT, seed=0), load_plan(write_plan(tmp_path, doc)), 0)
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    if cause is None:
+        chunk.module(ids)
+        return
+    with pytest.raises(BadInput) as info:
+        chunk.module(ids)
+    assert str(info.value) == (f"chunk 0's output 0 is float32 [1, 8, 16] but the plan declares float32 [1, 8, 32]: "
+                               f"{cause}; profile here, in the precision of the run, and solve again")
+
+
 class NoNeighbours:
     """One stage: every chunk's neighbour is on it, nothing is sent or received."""
 

@@ -185,6 +185,22 @@ def test_a_plan_for_another_model_is_refused_before_training(workdir: Path) -> N
     assert "training" not in result.stdout
 
 
+def test_a_plan_for_a_changed_model_is_refused_before_training(workdir: Path) -> None:
+    # The same layer names, another width: the bytes of layer 1 as if the model had changed since
+    # its profile. Every rank refuses in one line, before a step (the first forward would fail in a rank).
+    doc = hand_plan(GPT, [2, 2], micro_batches=2, micro_batch_size=2)
+    profiled = doc["chunks"][0]["param_bytes"][1]
+    doc["chunks"][0]["param_bytes"][1] = profiled + 512
+    write_json_atomic(workdir / "resized.json", doc)
+    result = gpipe_plan("run", "resized.json", "--report", "resized-report.json", cwd=workdir)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: plan '{workdir / 'resized.json'}' does not match its model: layer 1 ('block0') has {profiled:,} bytes "
+        f"of parameters in the rebuilt model but {profiled + 512:,} in the profile the plan was solved from: the "
+        f"model's code or configuration changed since; re-run `gpipe-plan profile` and `solve`"]
+    assert "training" not in result.stdout and not (workdir / "resized-report.json").exists()
+
+
 def test_torchrun_standalone_on_cpu(workdir: Path, gpt_plan: Path) -> None:
     folder = workdir / "torchrun"
     folder.mkdir()
