@@ -25,3 +25,13 @@ def ring_allreduce_s(nbytes: float, replicas: int, bandwidth_bytes_per_s: float,
         return 0.0
     steps = 2 * (replicas - 1)
     return steps / replicas * nbytes / bandwidth_bytes_per_s + steps * latency_s
+
+
+def ring_allreduce_s_per_byte(replicas: int, bandwidth_bytes_per_s: float) -> float:
+    """What each byte more adds to :func:`ring_allreduce_s` of a buffer that already holds some:
+    ``2 (d - 1) / d / bandwidth``. A buffer that held none pays the latency too, so this is the
+    least it adds, whatever the buffer held (what a lower bound over undecided layers may charge)."""
+    if replicas <= 1:
+        return 0.0
+    return 2 * (replicas - 1) / replicas / bandwidth_bytes_per_s
+

@@ -152,6 +152,18 @@ class ChunkedSolver:
         # whether any stage can have an optimizer step, gradient sync or tied exchange to wait for
         self.optimizer_matters = cm.popt[cm.L] > 0 or cm.sync_on or any(
             cm.tied_exchange_s(t) > 0 for t in range(len(cm.figures.tied)))
+        # Per layer, the least it adds to its stage's work and optimizer step together (its M
+        # forwards and plain backwards, its optimizer time, its bytes' share of the sync), for
+        # the stage's joint bound ([Note: a stage's work and its own optimizer step]).
+        # Per layer, the least it adds to its stage's optimizer step (its optimizer time and its
+        # bytes' share of the sync), alone and with its M forwards and plain backwards, as prefix
+        # sums and the heaviest layer from each on ([Note: the optimizer steps the stages share]).
+        sync_per_byte = cm.gradient_sync_s_per_byte()
+        self.optimizer_prefix = [cm.popt[i] + sync_per_byte * cm.pp[i] for i in range(self.L + 1)]
+        self.joint_prefix = [self.M * self.layer_work[i] + self.optimizer_prefix[i] for i in range(self.L + 1)]
+        self.optimizer_heaviest_from = _heaviest_from(self.optimizer_prefix)
+        self.joint_heaviest_from = _heaviest_from(self.joint_prefix)
+        self.slowest_send = max(cm.comm, default=0.0)
         self.simulations = 0
         self.nodes = 0
 
@@ -213,6 +225,10 @@ class ChunkedSolver:
             back[c] = back[c + 1] + BI[c + 1] + send[c]
         worst = 0.0
         busy_floor = []              # per stage: its idle time and its known work, a floor on the makespan
+        tail_floor = []              # per stage: its known optimizer step less its latest first start
+        joint_floor = []             # per stage: its known work and optimizer step, a floor on the step
+        # micro-batch 0's forward reaches any chunk not cut yet by then at the latest
+        latest_start = forward_all + (C - decided) * self.slowest_send
         for k, shape in enumerate(self.shapes):
             def pre(counts):
                 return sum(n * times[kind][chunk] for kind, chunk, n in counts)
@@ -236,17 +252,52 @@ class ChunkedSolver:
             if all(c < decided for c in shape.after_last_lowest_chunks):
                 idle += max(0.0, drain_after - (total - to_last))
             busy_floor.append(idle + total)
+            if self.optimizer_matters:
+                # what its chunks cut so far already cost (none: the layers not cut yet count it)
+                known = self._least_optimizer(bounds, recompute, k) if any(
+                    c < decided for c in self.cm.peaks[k].chunks) else 0.0
+                tail_floor.append(known - (fwd[lowest] if lowest <= decided else latest_start))
+                joint_floor.append(total + known)
         worst = max(worst, self._water_level(busy_floor, bounds[-1], decided))
         # The optimizer tail, max_k (optimizer_k - start of stage k's first action): stage 0's,
         # and every other stage's whose first action's start is known (micro-batch 0 reaching its
         # lowest chunk: the chunks below are cut).
         tail = self._least_optimizer(bounds, recompute, 0)
-        if self.optimizer_matters:
-            for k in range(1, self.K):
-                lowest = self.shapes[k].lowest
-                if lowest < decided:
-                    tail = max(tail, self._least_optimizer(bounds, recompute, k) - fwd[lowest])
-        return worst + tail
+        if not self.optimizer_matters:
+            return worst + tail
+        for k in range(1, self.K):
+            lowest = self.shapes[k].lowest
+            if lowest < decided:
+                tail = max(tail, self._least_optimizer(bounds, recompute, k) - fwd[lowest])
+        start, extra = bounds[-1], self.M * self.action_fixed_from[decided]
+        tail = max(tail, self._shared_level(tail_floor, start, decided, self.optimizer_prefix,
+                                            self.optimizer_heaviest_from))
+        return max(worst + tail, self._shared_level(joint_floor, start, decided, self.joint_prefix,
+                                                    self.joint_heaviest_from, extra))
+
+    # [Note: the optimizer steps the stages share]
+    # The step is the makespan plus the tail max_k (optimizer_k - first start_k)
+    # (planner/simulator.py). Every layer's optimizer time and parameter bytes land on some
+    # stage, and each byte a stage gains adds at least the ring's per-byte time to its sync, so
+    # the stages' optimizer steps are at least a water level of what the layers not cut yet
+    # bring, over the stages that hold the chunks not cut yet; a first start is at most micro-
+    # batch 0's forward through every layer. So the tail is at least that level. Besides, stage
+    # k runs all its actions one at a time from its first start on, so the makespan is at least
+    # first start_k + work_k: the step is at least work_k + optimizer_k (the start cancels), a
+    # level of work and optimizer steps together. Before, the tail's bound knew only the stages
+    # whose chunks below were cut (stage 0's first layer at the root): gnmt on 512 devices, whose
+    # syncs take half the step, kept a bound at 0.73 of its plan.
+    def _shared_level(self, floors: list[float], start: int, decided: int, prefix: Sequence[float],
+                      heaviest_from: Sequence[float], extra: float = 0.0) -> float:
+        """The least of max over stages of (floor + what the layers not cut yet bring it):
+        ``prefix`` sums what each layer brings, ``extra`` is what the chunks not cut yet bring
+        whatever their layers (their fixed costs); they go to the stages holding those chunks,
+        as evenly as helps most, but the heaviest layer whole to one of them."""
+        if decided >= self.C:
+            return max(floors)
+        open_stages = sorted(floors[k] for k in {self.stage_of[c] for c in range(decided, self.C)})
+        rest = prefix[self.L] - prefix[start] + extra
+        return max(max(floors), _level(open_stages, rest), open_stages[0] + heaviest_from[start])
 
     def _least_optimizer(self, bounds: Sequence[int], recompute: Sequence[bool | None], k: int) -> float:
         """Stage k's optimizer step (CostModel.stage_optimizer) once it is complete; before, what
@@ -278,15 +329,7 @@ class ChunkedSolver:
         open_stages = sorted(floors[k] for k in {self.stage_of[c] for c in range(decided, self.C)})
         # ... and the heaviest layer left lands whole on one of them
         heaviest = open_stages[0] + self.M * self.heaviest_from[start]
-        level = open_stages[0]
-        for n, floor in enumerate(open_stages[1:], start=1):
-            if (floor - level) * n >= rest:
-                break
-            rest -= (floor - level) * n
-            level = floor
-        else:
-            n = len(open_stages)
-        return max(max(floors), level + rest / n, heaviest)
+        return max(max(floors), _level(open_stages, rest), heaviest)
 
     # ----------------------------------------------------------------- search
     def solve(self) -> Solution | None:
@@ -301,12 +344,17 @@ class ChunkedSolver:
             self.simulations += 1
             self.work_done += self.simulation_work
 
+        # A setting whose bound before any cut reaches the cutoff cannot beat the plan found
+        # elsewhere: the first seed that fits is plan enough (a runner-up), the rest is waste.
+        hopeless = self.cutoff_s < INF and self.bound((0,), [None] * K) >= self.cutoff_s
         for seed in [*self.seeds, *self._heuristic_seeds()]:
             if len(seed) == C + 1 and seed[0] == 0 and seed[-1] == L and all(a < b for a, b in zip(seed, seed[1:])):
                 consider(tuple(seed))
+                if hopeless and found.best is not None:
+                    break
         # A first incumbent worth pruning with: move one cut at a time by one layer while that
         # helps (a quarter of the budget at most; the search below is what proves anything).
-        improved = found.best is not None
+        improved = found.best is not None and not hopeless
         while improved and not self._spent(started, 0.25):
             current = found.best
             for step in (1, 2, 4, 8):
@@ -439,3 +487,24 @@ class ChunkedSolver:
             cuts.append(e)
         even = tuple(j * L // C for j in range(C + 1))
         return [tuple(cuts + [L]), even]
+
+
+def _level(floors: list[float], rest: float) -> float:
+    """The level T at which ``Σ max(0, T - floor) = rest``: ``rest`` poured over the stages whose
+    ``floors`` are given (ascending), as evenly as helps most."""
+    level = floors[0]
+    for n, floor in enumerate(floors[1:], start=1):
+        if (floor - level) * n >= rest:
+            return level + rest / n
+        rest -= (floor - level) * n
+        level = floor
+    return level + rest / len(floors)
+
+
+def _heaviest_from(prefix: Sequence[float]) -> list[float]:
+    """Per layer i, the most any one layer from i on adds to the prefix sums ``prefix``."""
+    out = [0.0] * len(prefix)
+    for i in range(len(prefix) - 2, -1, -1):
+        out[i] = max(out[i + 1], prefix[i + 1] - prefix[i])
+    return out
+

@@ -113,7 +113,7 @@ from ..schedules import (PLANNABLE_SCHEDULES, SPLIT_BACKWARD, all_actions, chunk
 from ..weight_versions import ASYNC_SCHEDULES, weight_copies
 from .profile import LayerFigures
 from .fixedcosts import FixedCosts, messages
-from ..collectives import ring_allreduce_s
+from ..collectives import ring_allreduce_s, ring_allreduce_s_per_byte
 from .simulator import ChunkTimes
 
 OPTIMIZER_STATE_MULTIPLIER = {"adam": 2, "momentum": 1, "sgd": 0}
@@ -651,6 +651,16 @@ class CostModel:
         if self.setting.gradient_sync == "localsgd":
             allreduce_s /= self.setting.sync_every
         return _cost(allreduce_s)
+
+    def gradient_sync_s_per_byte(self) -> float:
+        """The least each parameter byte more adds to a stage's :meth:`gradient_sync_s` (0 when
+        nothing syncs): the ring's per-byte time, amortised like the sync itself for localsgd."""
+        if not self.sync_on:
+            return 0.0
+        rate = ring_allreduce_s_per_byte(self.setting.data_parallel, self.setting.sync_bandwidth_bytes_per_s)
+        if self.setting.gradient_sync == "localsgd":
+            rate /= self.setting.sync_every
+        return rate
 
     def stage_optimizer(self, spans: Sequence[tuple[int, int]]) -> float:
         """The optimizer step of a stage holding the layer ranges ``spans``, and its tied-gradient

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from gpipe_plan.planner.problem import SolveOptions
 from gpipe_plan.planner.search import search
 
 from helpers.planner import make_figures, profile_doc
-from helpers.planner import CHUNKED, random_case
+from helpers.planner import CHUNKED, random_case, schedule_case
 
 
 @pytest.mark.parametrize("schedule,v", CHUNKED)
@@ -56,6 +57,57 @@ def test_lower_bound_never_exceeds_the_simulated_step(schedule, v, seed):
             complete = [max(cm.peaks[k].chunks) < j for k in range(cm.K)]
             prefix_recompute = [r if done else None for r, done in zip(chosen, complete)]
             assert solver.bound(bounds[:j + 1], prefix_recompute) <= ev.step_s * (1 + 1e-12) + 1e-15
+
+
+def _syncing_case(rng: random.Random, schedule: str, v: int) -> CostModel:
+    """A random instance whose stages sync their gradients over replicas (ddp, fsdp or localsgd),
+    the sync often as long as the work, with optimizer time now and then."""
+    fig, setting = schedule_case(rng, schedule, v, stages=(2, 3))
+    sync = rng.choice(["ddp", "fsdp", "localsgd"])
+    setting = replace(setting, data_parallel=rng.choice([2, 4]), sync_bandwidth_bytes_per_s=rng.choice([2e4, 1e5, 1e6]),
+                      sync_latency_s=rng.choice([0.0, 1e-4]), gradient_sync=sync,
+                      sync_every=rng.choice([2, 4]) if sync == "localsgd" else 1)
+    return CostModel(fig, setting)
+
+
+@pytest.mark.parametrize("schedule,v", CHUNKED)
+@pytest.mark.parametrize("seed", range(10))
+def test_the_bound_with_gradient_syncs_never_exceeds_the_step(schedule, v, seed):
+    """The levels of the optimizer steps and of work and optimizer step together
+    ([Note: the optimizer steps the stages share]) hold for every cut and every prefix of it, and
+    the search still finds brute force's optimum."""
+    cm = _syncing_case(random.Random(f"sync-{schedule}-{seed}"), schedule, v)
+    assert cm.sync_on
+    solver = ChunkedSolver(cm)
+    for bounds in partitions(cm.L, cm.C):
+        ev = evaluate(cm, bounds)
+        chosen = list(ev.recompute)
+        for j in range(1, cm.C + 1):
+            complete = [max(cm.peaks[k].chunks) < j for k in range(cm.K)]
+            prefix_recompute = [r if done else None for r, done in zip(chosen, complete)]
+            assert solver.bound(bounds[:j + 1], prefix_recompute) <= ev.step_s * (1 + 1e-12) + 1e-15
+    want = brute_force(cm)
+    got = ChunkedSolver(cm, time_budget_s=60).solve()
+    assert (got is None) == (want is None)
+    if want is not None:
+        assert got.proven and got.evaluation.step_s == pytest.approx(want.step_s, rel=1e-12, abs=1e-15)
+
+
+@pytest.mark.parametrize("schedule,v", CHUNKED)
+def test_the_root_bound_counts_every_stages_gradient_sync(schedule, v):
+    """Syncs that take most of the step: before any cut, the step is at least the work and the
+    syncs shared evenly over the stages (each byte costs the ring's per-byte time somewhere).
+    The bound used to count stage 0's first layer's sync only."""
+    L, K = 12, 3
+    params = [4000.0 if i in (3, 6, 9) else 100.0 for i in range(L)]
+    fig = make_figures([1e-4] * L, [2e-4] * L, params=params)
+    cm = CostModel(fig, Setting(stages=K, micro_batches=6, schedule=schedule, virtual_stages=v, data_parallel=4,
+                                sync_bandwidth_bytes_per_s=1e6))
+    rate = cm.gradient_sync_s_per_byte()
+    assert rate == pytest.approx(2 * 3 / 4 / 1e6)
+    shared = (cm.M * (cm.pf[L] + cm.pg[L]) + rate * sum(params)) / K
+    root = ChunkedSolver(cm).bound((0,), [None] * K)
+    assert root >= shared * (1 - 1e-12)
 
 
 def test_out_of_time_keeps_an_honest_gap():

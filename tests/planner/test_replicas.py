@@ -23,7 +23,7 @@ from gpipe_plan.planner.command import solve_file
 from gpipe_plan.planner.costmodel import CostModel, Setting
 from gpipe_plan.planner.objective import evaluate
 from gpipe_plan.planner.profile import Profile
-from gpipe_plan.collectives import ring_allreduce_s
+from gpipe_plan.collectives import ring_allreduce_s, ring_allreduce_s_per_byte
 from gpipe_plan.planner.replicas import (DATA_INNER, DATA_ONLY, PIPELINE_INNER, Topology, factorisations, placements,
                                          search_devices)
 from gpipe_plan.planner.problem import SolveOptions, problem_of
@@ -51,6 +51,17 @@ def test_ring_allreduce_by_hand():
     assert ring_allreduce_s(1e9, 1, 1e10, 1.0) == 0.0           # one replica: nothing to sync
     assert ring_allreduce_s(0.0, 8, 1e10, 1.0) == 0.0           # a stage without parameters
     assert ring_allreduce_s(1e6, 3, math.inf, 0.0) == 0.0       # free communication
+
+
+@pytest.mark.parametrize("held", [0.0, 1e6, 3e8])
+@pytest.mark.parametrize("d", [1, 2, 8])
+def test_each_byte_more_adds_at_least_the_rings_per_byte_time(held, d):
+    """What a lower bound over layers not cut yet charges a stage for their bytes
+    (planner/chunked.py): exactly the rate where the stage holds bytes, and less than what a
+    stage that held none pays (its latency too)."""
+    rate = ring_allreduce_s_per_byte(d, 1e10)
+    more = ring_allreduce_s(held + 5e7, d, 1e10, 1e-5) - ring_allreduce_s(held, d, 1e10, 1e-5)
+    assert more == pytest.approx(rate * 5e7) if held > 0 or d == 1 else more > rate * 5e7
 
 
 def test_cost_model_charges_each_stage_its_parameters_sync_after_the_backward():
