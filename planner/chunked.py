@@ -146,15 +146,10 @@ class ChunkedSolver:
         self.action_fixed_from = [*accumulate(reversed(action_fixed))][::-1] + [0.0]
         self.layer_work = [f + b for f, b in zip(cm.pf, self.plain_backward)]   # prefix of F + B per layer
         # heaviest_from[s]: the most work (F + B, plain) of one layer among layers s..L-1
-        self.heaviest_from = [0.0] * (self.L + 1)
-        for i in range(self.L - 1, -1, -1):
-            self.heaviest_from[i] = max(self.heaviest_from[i + 1], self.layer_work[i + 1] - self.layer_work[i])
+        self.heaviest_from = _heaviest_from(self.layer_work)
         # whether any stage can have an optimizer step, gradient sync or tied exchange to wait for
         self.optimizer_matters = cm.popt[cm.L] > 0 or cm.sync_on or any(
             cm.tied_exchange_s(t) > 0 for t in range(len(cm.figures.tied)))
-        # Per layer, the least it adds to its stage's work and optimizer step together (its M
-        # forwards and plain backwards, its optimizer time, its bytes' share of the sync), for
-        # the stage's joint bound ([Note: a stage's work and its own optimizer step]).
         # Per layer, the least it adds to its stage's optimizer step (its optimizer time and its
         # bytes' share of the sync), alone and with its M forwards and plain backwards, as prefix
         # sums and the heaviest layer from each on ([Note: the optimizer steps the stages share]).
@@ -284,9 +279,9 @@ class ChunkedSolver:
     # batch 0's forward through every layer. So the tail is at least that level. Besides, stage
     # k runs all its actions one at a time from its first start on, so the makespan is at least
     # first start_k + work_k: the step is at least work_k + optimizer_k (the start cancels), a
-    # level of work and optimizer steps together. Before, the tail's bound knew only the stages
-    # whose chunks below were cut (stage 0's first layer at the root): gnmt on 512 devices, whose
-    # syncs take half the step, kept a bound at 0.73 of its plan.
+    # level of work and optimizer steps together. Without them the tail's bound knows only the
+    # stages whose chunks below are cut (before any cut, stage 0's first layer), far below a step
+    # whose syncs take half of it (gnmt on 512 devices: docs/benchmarks/exactness.md).
     def _shared_level(self, floors: list[float], start: int, decided: int, prefix: Sequence[float],
                       heaviest_from: Sequence[float], extra: float = 0.0) -> float:
         """The least of max over stages of (floor + what the layers not cut yet bring it):
