@@ -82,7 +82,9 @@ import torch.distributed as dist
 
 from ..artifacts import BadInput, fsync_folder, named_first_line, write_json_atomic
 from ..units import format_bytes
-from .checkpoint_dir import META_FILE, complete_steps, partial_folder, prune, step_folder  # noqa: F401 (prune: train's)
+from .checkpoint_dir import (META_FILE, check_still_held, complete_steps, partial_folder, prune,  # noqa: F401 (prune: train's)
+                             step_folder)
+from .p2p import PeerLost, looks_like_lost_peer
 from . import watchdog
 from .loss_scale import LossScaler
 from .objects import all_gather_objects
@@ -100,14 +102,18 @@ VERSION = 2
 # ---------------------------------------------------------------------- saving
 def save(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Optimizer, identity: dict[str, Any],
          saved_by: dict[str, Any], scaler: LossScaler | None = None, device: torch.device | None = None,
-         group: dist.ProcessGroup | None = None, run: dict[str, Any] | None = None, prefix: str = "") -> Path:
+         group: dist.ProcessGroup | None = None, run: dict[str, Any] | None = None, prefix: str = "",
+         lock: tuple[int, int] | None = None) -> Path:
     """Save the state after ``step`` completed steps; every rank calls this, together.
 
     ``run``: the record of the run this step belongs to (:func:`.checkpoint_dir.new_run`).
     ``prefix``: before this rank's ``model/`` and ``optim/`` keys ("" but for localsgd's replicas r > 0).
+    ``lock``: the folder's lock as the run took it (:func:`.checkpoint_dir.lock_identity`): a
+    folder that lost it is refused (:func:`.checkpoint_dir.check_still_held`).
     Returns the complete step folder once every rank has written (on every rank). A save that
     fails (a full disk) leaves no ``.partial`` folder and raises :class:`BadInput` on every rank,
-    in one line that names the folder and, for a full disk, the lack of space.
+    in one line that names the folder and, for a full disk, the lack of space; a rank lost
+    meanwhile is :class:`.p2p.PeerLost` (the launcher names the rank that went).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -117,6 +123,7 @@ def save(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Opt
     together = f"saving checkpoint '{final}' with the other ranks"
     watchdog.doing(together, waiting=True)
     if rank == 0:
+        check_still_held(folder, lock, step)
         folder.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # what a killed run left at this step
     _barrier(group)  # nobody writes into the folder before rank 0 has emptied it
@@ -144,6 +151,9 @@ def save(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Opt
                 "run": run, "loss_scale": scaler.state_dict() if scaler is not None and scaler.enabled else None})
             _replace_folder(partial, final)
     except (Exception, CheckpointException) as exc:
+        lost = [e for e in ([error for _, error in _failures(exc)] or [exc]) if looks_like_lost_peer(e)]
+        if lost:   # a rank went away mid-save (killed): its own failure is the news, not this save's
+            raise PeerLost(f"cannot save checkpoint '{partial}': {named_first_line(lost[0])}") from None
         failure = _save_failure(exc, partial, sum(_nbytes(t) for t in tensors.values()))   # the space still taken
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)

@@ -184,6 +184,30 @@ def claim(folder: Path, resume: bool) -> Claim:
     return held
 
 
+def lock_identity(folder: Path) -> tuple[int, int] | None:
+    """Which file the folder's lock is now (device, inode); None when there is none. A rank reads
+    it when training starts, while the run holds the folder, and :func:`check_still_held` compares."""
+    try:
+        st = os.stat(folder / LOCK_FILE)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def check_still_held(folder: Path, identity: tuple[int, int] | None, step: int) -> None:
+    """Refuse to save into a folder that is no longer the one this run took (:class:`BadInput`).
+
+    A folder removed (or moved, or replaced) during the run has lost its lock: writing there
+    would make a folder without one, which a second run could then take and mix with this one's
+    steps (it removes the ``.partial`` folders it finds). ``identity``: :func:`lock_identity`
+    at the start."""
+    if identity is None or lock_identity(folder) == identity:
+        return
+    raise BadInput(f"--checkpoint-dir '{folder}' was removed or replaced during the run (its lock is gone): "
+                   f"stopped before saving step {step}, so that no other run's checkpoints mix with this one's; "
+                   f"the steps saved before went with the folder: --resume from them in a folder that stays")
+
+
 def _lock(folder: Path) -> Claim:
     """An exclusive ``flock`` on ``folder/.lock``, or :class:`BadInput` naming its holder.
 

@@ -144,6 +144,13 @@ class PeerLost(RunFailure):
     """A neighbour's connection broke: usually because that rank failed first."""
 
 
+def looks_like_lost_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` is gloo's (or the socket's) word for a neighbour that went away."""
+    text = str(exc)
+    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                                   "pair closure", "Connection refused", "ECONNRESET"))
+
+
 class TimedOut(RunFailure):
     """A wait for another rank outlasted ``--timeout``: what followed a stuck rank, rarely the cause
     (the launcher prefers the stuck rank's own report: runtime/watchdog.py)."""

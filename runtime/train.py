@@ -39,7 +39,7 @@ from ..weight_versions import ASYNC_SCHEDULES
 from .. import hostload
 from ..speedprobe import profile_probe_s, speed_probe, speed_ratio
 from . import checkpoint, faults, watchdog
-from .checkpoint_dir import TRAINING_OPTIONS, new_run
+from .checkpoint_dir import TRAINING_OPTIONS, lock_identity, new_run
 from .conditions import condition_warnings, cpu_cores, threads_per_rank
 from .data import BatchSource, batch_source
 from .distributed import Replicas, World, check_world, choose_device, init, replicas_of
@@ -105,6 +105,7 @@ class _Training:
     start: int                 # the first step to run (after a resume, the checkpoint's)
     run_record: dict[str, Any]  # the run its checkpoints belong to (checkpoint_dir.new_run, or the resumed one's)
     adopted: bool              # resumed from a step that named no run: such steps are this run's to prune
+    lock: tuple[int, int] | None = None   # the folder's lock as this run took it (checkpoint_dir.lock_identity)
     start_notes: list[str] = field(default_factory=list)   # printed before the first step (rank 0)
 
     @property
@@ -256,7 +257,8 @@ def _set_up(options: RunOptions, world: World) -> _Training:
                     tokens_per_sample=_tokens_per_sample(model), optimizer_name=optimizer_name, optimizer=optimizer,
                     base_lr=options.learning_rate(optimizer_name), recorder=recorder, executor=executor,
                     needs_norm=needs_norm, loss_exchange=loss_exchange, tied=tied, identity=identity, folder=folder,
-                    start=start, run_record=run_record, adopted=adopted)
+                    start=start, run_record=run_record, adopted=adopted,
+                    lock=lock_identity(folder) if folder is not None else None)
     run.start_notes = _start_notes(run, resumed)
     if isinstance(executor, AsyncExecutor):   # the loop's own data and update, called when the rules say
         executor.batch_of = lambda step: _read_batch(run, step)
@@ -324,7 +326,7 @@ def _run_steps(run: _Training) -> _History:
                     # All ranks save together; when save returns, step+1 is complete and older ones may go.
                     checkpoint.save(run.folder, step + 1, stage, run.optimizer, run.identity,
                                     _saved_by(run.plan, run.world), run.scaler, run.device, run.objects,
-                                    run=run.run_record, prefix=run.gradient_sync.checkpoint_prefix())
+                                    run=run.run_record, prefix=run.gradient_sync.checkpoint_prefix(), lock=run.lock)
                     if run.reporter:   # this run's own older steps only
                         checkpoint.prune(run.folder, options.keep_checkpoints, run.run_record["id"], run.adopted)
                 # After the optimizer step and the step's checkpoint (which reads the sharded state):

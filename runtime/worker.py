@@ -31,24 +31,18 @@ PARENT_ENV = "GPIPE_PLAN_PARENT_PID"
 
 
 def error_kind(exc: BaseException) -> str:
-    from .p2p import PeerLost, TimedOut
+    from .p2p import PeerLost, TimedOut, looks_like_lost_peer
     from .watchdog import WAITING
 
     if isinstance(exc, BadInput):
         return "bad_input"
-    if isinstance(exc, PeerLost) or _looks_like_lost_peer(exc):
+    if isinstance(exc, PeerLost) or looks_like_lost_peer(exc):
         return "peer_lost"
     if isinstance(exc, TimedOut) or "Timed out" in str(exc):   # ours, or a collective's own timeout (gloo)
         return WAITING
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted"
     return "error"
-
-
-def _looks_like_lost_peer(exc: BaseException) -> bool:
-    text = str(exc)
-    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                                   "pair closure", "Connection refused", "ECONNRESET"))
 
 
 def describe(exc: BaseException) -> str:
@@ -78,12 +72,16 @@ def run_rank(options: RunOptions) -> int:
         train(options, world)
         return 0
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, then we exit
+        from ..artifacts import RunFailure
+
         kind = error_kind(exc)
+        # A failure of ours (the loss is nan, ...) says all there is in its line; a traceback of
+        # the planner's own loop would only bury it. Anything else keeps its traceback.
+        tb = "" if isinstance(exc, RunFailure) else "".join(traceback.format_exception(exc))
         if error_dir:
-            _write_record(error_dir, world.rank, kind, describe(exc), "".join(traceback.format_exception(exc)))
+            _write_record(error_dir, world.rank, kind, describe(exc), tb)
         else:  # under torchrun: say it ourselves, with the rank
-            tb = "".join(traceback.format_exception(exc)) if kind == "error" else ""
-            sys.stderr.write(f"{tb}error: rank {world.rank}: {describe(exc)}\n")
+            sys.stderr.write(f"{tb if kind == 'error' else ''}error: rank {world.rank}: {describe(exc)}\n")
         return 2 if kind == "bad_input" else 130 if kind == "interrupted" else 1
 
 

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -449,6 +450,47 @@ def test_a_damaged_newest_checkpoint_is_one_line_naming_the_step_before(tmp_path
     with pytest.raises(BadInput, match=r"cannot read checkpoint '.*step-00000004' \(damaged\?\): .*; move "
                                        r"'step-00000004' out of the folder to resume from step 2"):
         checkpoint.load(tmp_path / "ckpt", 4, stage, optimizer, {}, seed=0)
+
+
+def test_a_checkpoint_folder_removed_during_the_run_is_not_made_again(tmp_path: Path) -> None:
+    """Seen: the run's next save made the folder again, without its lock; a second run then took
+    it, removed this one's unfinished step and mixed its steps in. Now the save refuses."""
+    from gpipe_plan.runtime import checkpoint
+    from gpipe_plan.runtime.checkpoint_dir import claim, lock_identity
+
+    stage, optimizer = saved_stage(tmp_path, [])
+    folder = tmp_path / "ckpt"
+    held = claim(folder, resume=False)
+    try:
+        lock = lock_identity(folder)
+        checkpoint.save(folder, 1, stage, optimizer, {}, {"ranks": 1}, lock=lock)   # still ours: saved
+        shutil.rmtree(folder)
+        with pytest.raises(BadInput, match=r"--checkpoint-dir '.*ckpt' was removed or replaced during the run \(its "
+                                           r"lock is gone\): stopped before saving step 2"):
+            checkpoint.save(folder, 2, stage, optimizer, {}, {"ranks": 1}, lock=lock)
+        assert not folder.exists()
+    finally:
+        held.release()
+
+
+def test_a_rank_lost_during_a_save_is_the_news_not_the_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seen: a rank killed mid-save read as bad input (exit 2) in gloo's words, the killed rank
+    unnamed. A lost peer is a symptom: the launcher then names the rank that went."""
+    import torch.distributed.checkpoint as dcp
+
+    from gpipe_plan.runtime import checkpoint
+    from gpipe_plan.runtime.p2p import PeerLost
+    from gpipe_plan.runtime.worker import error_kind
+
+    stage, optimizer = saved_stage(tmp_path, [])
+
+    def lost(*args, **kwargs):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [::1]:1")
+
+    monkeypatch.setattr(dcp, "save", lost)
+    with pytest.raises(PeerLost) as info:
+        checkpoint.save(tmp_path / "ckpt", 1, stage, optimizer, {}, {"ranks": 1})
+    assert error_kind(info.value) == "peer_lost"
 
 
 SAVE_UNDER_A_SIZE_LIMIT = '''

@@ -173,6 +173,14 @@ def test_a_nan_loss_stops_the_run(group_runs: dict[str, Any]) -> None:
     assert not Path(group_runs["nan"]).exists()
 
 
+def test_a_nan_loss_is_one_line_without_a_traceback(workdir: Path, gpt_plan: Path) -> None:
+    """The loss's own failure says all there is; a traceback of the training loop above it buried it."""
+    result = gpipe_plan("run", str(gpt_plan), "--steps", "4", cwd=workdir, fault="nan:1:2", timeout=180)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: rank 1 failed: the loss is nan at step 3")
+
+
 def test_a_plan_for_another_model_is_refused_before_training(workdir: Path) -> None:
     doc = hand_plan(GPT, [2, 2], micro_batches=2, micro_batch_size=2)
     doc["chunks"][0]["layers"][1] = "blockzero"
