@@ -260,7 +260,12 @@ def load(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Opt
     (any other layout: rank r seeds from (seed, step, r), :func:`reseed`).
     """
     path = step_folder(folder, step)
-    meta = read_meta(path)
+    try:
+        meta = read_meta(path)
+        reader = safe_reader(path)
+        entries = reader.metadata().state_dict_metadata
+    except Unreadable as exc:
+        raise _damaged(folder, step, exc.detail) from None
     for key, value in identity.items():
         saved = meta.get("identity", {}).get(key)
         if saved != value:
@@ -270,8 +275,6 @@ def load(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Opt
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = safe_reader(path)
-    entries = reader.metadata().state_dict_metadata
     rank, ranks = _rank(group), _world_size(group)
 
     # What this rank asks DCP for: its stage's tensors, under the unsplit model's keys.
@@ -335,11 +338,12 @@ def load(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Opt
     return meta
 
 
-def _damaged(folder: Path, step: int, exc: BaseException) -> BadInput:
-    """One line for a step whose tensors cannot be read: which file, what DCP said, and the way on."""
-    failures = _failures(exc)
+def _damaged(folder: Path, step: int, exc: BaseException | str) -> BadInput:
+    """One line for a step that cannot be read (its tensors, its index, its ``checkpoint.json``):
+    which file, what DCP said (or ``exc``, said already), and the way on."""
+    failures = _failures(exc) if isinstance(exc, BaseException) else []
     detail = (f"rank {failures[0][0]}: {named_first_line(failures[0][1])}" if failures
-              else named_first_line(exc))
+              else named_first_line(exc) if isinstance(exc, BaseException) else exc)
     older = sorted(s for s in complete_steps(folder) if s < step)
     way = (f"move '{step_folder(folder, step).name}' out of the folder to resume from step {older[-1]}, the newest "
            f"complete step before it" if older else "start over in an empty --checkpoint-dir")
@@ -367,14 +371,23 @@ def reseed(seed: int, step: int, rank: int) -> None:
     torch.manual_seed(int.from_bytes(digest[:8], "little") & (2 ** 63 - 1))
 
 
+class Unreadable(BadInput):
+    """A step folder whose ``checkpoint.json`` or DCP index cannot be read (``detail`` says why):
+    :func:`load` names the step to resume from instead (:func:`_damaged`)."""
+
+    def __init__(self, message: str, detail: str) -> None:
+        super().__init__(message)
+        self.detail = detail
+
+
 def read_meta(path: Path) -> dict[str, Any]:
     """``checkpoint.json`` of a complete step folder, checked to be this format and version."""
     try:
         meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise BadInput(f"cannot read checkpoint '{path}': {named_first_line(exc)}") from None
+        raise Unreadable(f"cannot read checkpoint '{path}': {named_first_line(exc)}", named_first_line(exc)) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise BadInput(f"'{path}' is not a gpipe-plan checkpoint")
+        raise Unreadable(f"'{path}' is not a gpipe-plan checkpoint", f"its {META_FILE} is not a gpipe-plan checkpoint's")
     if meta.get("version") != VERSION:
         raise BadInput(f"checkpoint '{path}' is of version {meta.get('version')!r}; this gpipe-plan resumes version "
                        f"{VERSION} only: start again with a new --checkpoint-dir, or use the version that wrote it")
@@ -401,9 +414,11 @@ def safe_reader(path: Path) -> Any:
                     with open(Path(self.path) / ".metadata", "rb") as f:
                         found = _MetadataUnpickler(f).load()
                 except Exception as exc:  # noqa: BLE001 - a missing, damaged or crafted index
-                    raise BadInput(f"cannot read checkpoint '{self.path}': {named_first_line(exc)}") from None
+                    raise Unreadable(f"cannot read checkpoint '{self.path}': {named_first_line(exc)}",
+                                     f".metadata: {named_first_line(exc)}") from None
                 if not isinstance(found, Metadata):
-                    raise BadInput(f"cannot read checkpoint '{self.path}': its .metadata is not DCP's index")
+                    raise Unreadable(f"cannot read checkpoint '{self.path}': its .metadata is not DCP's index",
+                                     "its .metadata is not DCP's index")
                 if getattr(found, "storage_meta", None) is None:
                     found.storage_meta = StorageMeta()
                 found.storage_meta.load_id = getattr(self, "load_id", None)

@@ -493,6 +493,25 @@ def test_a_rank_lost_during_a_save_is_the_news_not_the_save(tmp_path: Path, monk
     assert error_kind(info.value) == "peer_lost"
 
 
+@pytest.mark.parametrize("damage", ["index", "record", "foreign record"])
+def test_a_newest_checkpoint_with_a_damaged_index_or_record_names_the_step_before(tmp_path: Path, damage: str) -> None:
+    """A truncated ``.metadata`` or a broken ``checkpoint.json`` said only that it could not be
+    read; like a damaged shard, it now says which complete step to resume from."""
+    from gpipe_plan.runtime import checkpoint
+
+    stage, optimizer = saved_stage(tmp_path, [2, 4])
+    newest = checkpoint.step_folder(tmp_path / "ckpt", 4)
+    if damage == "index":
+        index = newest / ".metadata"
+        index.write_bytes(index.read_bytes()[:40])
+    else:
+        (newest / "checkpoint.json").write_text("{" if damage == "record" else '{"format": "another-tool"}')
+    with pytest.raises(BadInput, match=r"cannot read checkpoint '.*step-00000004' \(damaged\?\): .*; move "
+                                       r"'step-00000004' out of the folder to resume from step 2") as info:
+        checkpoint.load(tmp_path / "ckpt", 4, stage, optimizer, {}, seed=0)
+    assert "\n" not in str(info.value)
+
+
 SAVE_UNDER_A_SIZE_LIMIT = '''
 import resource, sys
 from pathlib import Path
