@@ -97,6 +97,10 @@ def launch_local(options: RunOptions, nprocs: int, threads: int) -> None:
                                               process_group=0))
             failure = _watch(procs, Path(errors), patience_s=options.timeout)
         except KeyboardInterrupt:
+            # From the first Ctrl-C on the launcher only stops the ranks and exits (130): another
+            # one, as a held key or an impatient hand sends, must not cut the stop short (it had
+            # left "aborted", exit 1, and tracebacks of interrupted clean-ups).
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             _stop(procs)
             raise
         finally:

@@ -173,6 +173,39 @@ def test_a_nan_loss_stops_the_run(group_runs: dict[str, Any]) -> None:
     assert not Path(group_runs["nan"]).exists()
 
 
+def test_a_burst_of_ctrl_c_stops_the_run_once_with_exit_130(workdir: Path, gpt_plan: Path) -> None:
+    """Seen: SIGINTs a fraction of a millisecond apart cut the launcher's stop short ("aborted",
+    exit 1) or printed tracebacks of interrupted clean-ups. The first one stops the ranks; the
+    rest are ignored."""
+    import signal
+    import time
+    import uuid
+
+    from helpers.cli_process import leftover_processes
+
+    mark = uuid.uuid4().hex
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "GPIPE_PLAN_TEST_MARK": mark}
+    env.pop("GPIPE_PLAN_FAULT", None)
+    proc = subprocess.Popen([str(BIN / "gpipe-plan"), "run", str(gpt_plan), "--steps", "100000", "--log-every", "1"],
+                            cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:            # training has begun: the ranks are up
+            if line.startswith("step 3/"):
+                break
+        for _ in range(6):
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.0003)
+        out, err = proc.communicate(timeout=60)    # a hang guard only
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert err.strip().splitlines()[-1] == "error: interrupted" and "Traceback" not in err, err
+    assert "Exception ignored" not in err, err
+    assert leftover_processes(mark) == []
+
+
 def test_a_nan_loss_is_one_line_without_a_traceback(workdir: Path, gpt_plan: Path) -> None:
     """The loss's own failure says all there is; a traceback of the training loop above it buried it."""
     result = gpipe_plan("run", str(gpt_plan), "--steps", "4", cwd=workdir, fault="nan:1:2", timeout=180)
