@@ -152,11 +152,11 @@ def save(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Opt
             _replace_folder(partial, final)
     except (Exception, CheckpointException) as exc:
         lost = [e for e in ([error for _, error in _failures(exc)] or [exc]) if looks_like_lost_peer(e)]
-        if lost:   # a rank went away mid-save (killed): its own failure is the news, not this save's
-            raise PeerLost(f"cannot save checkpoint '{partial}': {named_first_line(lost[0])}") from None
         failure = _save_failure(exc, partial, sum(_nbytes(t) for t in tensors.values()))   # the space still taken
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
+        if lost:   # a rank went away mid-save (killed): its own failure is the news, not this save's
+            raise PeerLost(f"cannot save checkpoint '{partial}': {named_first_line(lost[0])}") from None
         raise failure from None
     _barrier(group)  # every rank returns knowing the step is complete
     return final
