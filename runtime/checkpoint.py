@@ -74,6 +74,7 @@ import json
 import os
 import pickle
 import shutil
+import zlib
 from pathlib import Path, PosixPath, PurePosixPath
 from typing import Any
 
@@ -145,10 +146,18 @@ def save(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Opt
         # DCP gathers every rank's failure and raises it on all of them (CheckpointException is a
         # BaseException: an `except Exception` would let it through as a 50-line traceback).
         dcp.save(tensors, storage_writer=Writer(partial), process_group=group, no_dist=not _distributed())
+        # Each rank's files' checksums, which a resume checks: DCP reads damaged bytes as numbers.
+        watchdog.doing(f"checksumming its tensors in '{partial}'")
+        mine = {path.name: _crc32(path) for path in sorted(partial.glob(f"__{rank}_*.distcp"))}
+        watchdog.doing(together, waiting=True)
+        files: dict[str, int] = {}
+        for theirs in (all_gather_objects(mine, group) if _world_size(group) > 1 else [mine]):
+            files.update(theirs)
         if rank == 0:
             write_json_atomic(partial / META_FILE, {
                 "format": FORMAT, "version": VERSION, "step": step, "identity": identity, "saved_by": saved_by,
-                "run": run, "loss_scale": scaler.state_dict() if scaler is not None and scaler.enabled else None})
+                "run": run, "loss_scale": scaler.state_dict() if scaler is not None and scaler.enabled else None,
+                "files_crc32": files})
             _replace_folder(partial, final)
     except (Exception, CheckpointException) as exc:
         lost = [e for e in ([error for _, error in _failures(exc)] or [exc]) if looks_like_lost_peer(e)]
@@ -318,6 +327,7 @@ def load(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Opt
             if isinstance(entry, TensorStorageMetadata):
                 wanted[name] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
 
+    _check_files(folder, step, meta, rank, ranks, group)
     try:
         dcp.load(wanted, storage_reader=reader, process_group=group, no_dist=not _distributed())
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - a damaged file: one line, whatever DCP raised
@@ -336,6 +346,41 @@ def load(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Opt
         reseed(seed, step, rank)
         meta["rng"] = "reseeded"
     return meta
+
+
+def _crc32(path: Path) -> int:
+    """The file's CRC-32, read in 16 MiB pieces (a check against damage, not against tampering)."""
+    value = 0
+    with open(path, "rb") as f:
+        while piece := f.read(1 << 24):
+            value = zlib.crc32(piece, value)
+    return value
+
+
+def _check_files(folder: Path, step: int, meta: dict[str, Any], rank: int, ranks: int,
+                 group: dist.ProcessGroup | None) -> None:
+    """Refuse a step whose tensor files are not what was saved (their ``files_crc32`` in
+    ``checkpoint.json``; a step saved before it has none and is not checked), on every rank.
+
+    Each rank checks a share of the files; all learn the first damaged one."""
+    recorded = meta.get("files_crc32")
+    if not isinstance(recorded, dict):
+        return
+    path = step_folder(folder, step)
+    watchdog.doing(f"checking the checksums of '{path}'")
+    bad = None
+    for i, (name, crc) in enumerate(sorted(recorded.items())):
+        if i % ranks == rank and bad is None:
+            try:
+                found = _crc32(path / name)
+            except OSError as exc:
+                bad = f"{name}: {named_first_line(exc)}"
+                continue
+            if found != crc:
+                bad = f"{name} is not the file that was saved (its checksum differs)"
+    found_bad = [b for b in (all_gather_objects(bad, group) if ranks > 1 else [bad]) if b]
+    if found_bad:
+        raise _damaged(folder, step, found_bad[0])
 
 
 def _damaged(folder: Path, step: int, exc: BaseException | str) -> BadInput:

@@ -493,6 +493,26 @@ def test_a_rank_lost_during_a_save_is_the_news_not_the_save(tmp_path: Path, monk
     assert error_kind(info.value) == "peer_lost"
 
 
+def test_a_checkpoint_whose_bytes_changed_is_refused_not_resumed(tmp_path: Path) -> None:
+    """Seen: 64 bytes overwritten inside a shard resumed silently, the model 2.5e-3 off (or a NaN
+    loss blamed on the learning rate). The files' checksums, saved beside them, refuse it."""
+    from gpipe_plan.runtime import checkpoint
+
+    stage, optimizer = saved_stage(tmp_path, [2, 4])
+    newest = checkpoint.step_folder(tmp_path / "ckpt", 4)
+    recorded = json.loads((newest / "checkpoint.json").read_text())["files_crc32"]
+    assert set(recorded) == {p.name for p in newest.glob("*.distcp")} != set()
+    checkpoint.load(tmp_path / "ckpt", 4, stage, optimizer, {}, seed=0)       # intact: resumes
+    shard = newest / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 64] = bytes(64)
+    shard.write_bytes(bytes(data))
+    with pytest.raises(BadInput, match=r"cannot read checkpoint '.*step-00000004' \(damaged\?\): __0_0.distcp is not "
+                                       r"the file that was saved \(its checksum differs\); move 'step-00000004' out "
+                                       r"of the folder to resume from step 2"):
+        checkpoint.load(tmp_path / "ckpt", 4, stage, optimizer, {}, seed=0)
+
+
 @pytest.mark.parametrize("damage", ["index", "record", "foreign record"])
 def test_a_newest_checkpoint_with_a_damaged_index_or_record_names_the_step_before(tmp_path: Path, damage: str) -> None:
     """A truncated ``.metadata`` or a broken ``checkpoint.json`` said only that it could not be

@@ -133,6 +133,10 @@ def test_killed_run_resumes_to_the_same_parameters(workdir: Path, gpt_plan: Path
     assert "error: rank 1 was killed by SIGKILL" in killed.stderr
     assert not (folder / "never.pt").exists()
     assert sorted(p.name for p in (folder / "ckpt").iterdir()) == ["step-00000002", "step-00000004"]
+    # every rank's tensor files, checksummed for the resume to check
+    saved = folder / "ckpt" / "step-00000004"
+    assert set(json.loads((saved / "checkpoint.json").read_text())["files_crc32"]) == \
+        {p.name for p in saved.glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
 
     resumed = gpipe_plan("run", str(gpt_plan), "--steps", "6", "--checkpoint-dir", "ckpt", "--resume",
                          "--save", "resumed.pt", cwd=folder)
