@@ -339,17 +339,12 @@ class ChunkedSolver:
             self.simulations += 1
             self.work_done += self.simulation_work
 
-        # A setting whose bound before any cut reaches the cutoff cannot beat the plan found
-        # elsewhere: the first seed that fits is plan enough (a runner-up), the rest is waste.
-        hopeless = self.cutoff_s < INF and self.bound((0,), [None] * K) >= self.cutoff_s
         for seed in [*self.seeds, *self._heuristic_seeds()]:
             if len(seed) == C + 1 and seed[0] == 0 and seed[-1] == L and all(a < b for a, b in zip(seed, seed[1:])):
                 consider(tuple(seed))
-                if hopeless and found.best is not None:
-                    break
         # A first incumbent worth pruning with: move one cut at a time by one layer while that
         # helps (a quarter of the budget at most; the search below is what proves anything).
-        improved = found.best is not None and not hopeless
+        improved = found.best is not None
         while improved and not self._spent(started, 0.25):
             current = found.best
             for step in (1, 2, 4, 8):

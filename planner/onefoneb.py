@@ -205,18 +205,11 @@ class OneFOneBSolver:
         cm, L, K = self.cm, self.L, self.K
         started = time.perf_counter()
         self.deadline = started + self.time_budget_s
-        if work_floor(cm, self.other_backward) >= self.cutoff_s:
-            # The tables (O(K L^2) work: seconds at 32 stages) could only show what the floor
-            # already does, that no cut beats a plan found elsewhere; a seed is the plan (when
-            # none fits, the search below looks for one that does).
-            quick = self._without_bounds(started, "every cut's work bound reaches the cutoff", first_only=True)
-            if quick is not None:
-                return quick
         try:
             rest = self._suffix_bounds()
         except _OutOfTime:
             self.stopped_early = True
-            return self._without_bounds(started, "out of time before the per-stage bounds")
+            return self._without_bounds(started)
         least_optimizer = cm.least_first_optimizer()
         global_bound = rest[0][0] + least_optimizer
         if global_bound == INF:
@@ -300,10 +293,8 @@ class OneFOneBSolver:
                         {"simulations": self.simulations, "nodes": self.nodes, "work": round(self.work_done),
                          "seconds": round(time.perf_counter() - started, 3)})
 
-    def _without_bounds(self, started: float, why: str, first_only: bool = False) -> Solution | None:
-        """Out of time before the suffix tables were done (very many layers: they take O(K L^2)),
-        or no need for them (``why`` says which; ``first_only``: the first seed that fits is
-        plan enough for a setting that cannot beat the cutoff).
+    def _without_bounds(self, started: float) -> Solution | None:
+        """Out of time before the suffix tables were done (very many layers: they take O(K L^2)).
 
         The plan is the best of the seeds (GPipe's partition of the same M, in a search) and
         an even split by layer count; the lower bound is the one that needs no table: every
@@ -318,16 +309,13 @@ class OneFOneBSolver:
             if len(bounds) == K + 1 and bounds[0] == 0 and bounds[-1] == L:
                 found.consider(tuple(bounds))
                 self.simulations += 1
-                self.work_done += self.simulation_work
-                if first_only and found.best is not None:
-                    break
         best = found.best
         if best is None:
             return None
         lower = min(best.step_s, work_floor(cm, self.other_backward))
         return Solution(best, lower >= best.step_s, lower,
                         f"{cm.setting.schedule} {'closed form' if self.gpipe else 'event simulation'}; "
-                        f"{why}: {'a' if first_only else 'best'} seed, work bound",
+                        "out of time before the per-stage bounds: best seed, work bound",
                         {"simulations": self.simulations, "nodes": self.nodes,
                          "seconds": round(time.perf_counter() - started, 3)})
 

@@ -110,21 +110,6 @@ def test_the_root_bound_counts_every_stages_gradient_sync(schedule, v):
     assert root >= shared * (1 - 1e-12)
 
 
-def test_a_setting_whose_first_bound_reaches_the_cutoff_takes_its_first_seed():
-    rng = random.Random(9)
-    L = 24
-    fig = make_figures([rng.uniform(1e-3, 3e-3) for _ in range(L)], [rng.uniform(2e-3, 6e-3) for _ in range(L)])
-    cm = CostModel(fig, Setting(stages=4, micro_batches=8, schedule="interleaved", virtual_stages=2))
-    root = ChunkedSolver(cm).bound((0,), [None] * 4)
-    hopeless = ChunkedSolver(cm, cutoff_s=root * 0.95)
-    sol = hopeless.solve()
-    assert sol is not None and sol.evaluation.fits and hopeless.simulations == 1 and hopeless.nodes == 0
-    assert sol.lower_bound_s >= root * (1 - 1e-12)
-    searched = ChunkedSolver(cm, cutoff_s=root * 1.05)
-    searched.solve()
-    assert searched.simulations > 1
-
-
 def test_out_of_time_keeps_an_honest_gap():
     """With no time to search, the plan is a seed's, and its lower bound still holds."""
     rng = random.Random(5)

@@ -205,26 +205,6 @@ def test_onefoneb_cutoff_keeps_the_solver_exact_below_it(instance, factor):
     check_cutoff(*instance, factor)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_a_setting_whose_work_floor_reaches_the_cutoff_builds_no_tables(schedule):
-    """Its tables (O(K L^2)) could only show that no cut beats the cutoff, which the floor
-    already does: the first seed that fits is its plan, and its bound is the floor."""
-    rng = random.Random(3)
-    L, K = 40, 8
-    fig = make_figures([rng.uniform(1e-3, 3e-3) for _ in range(L)], [rng.uniform(2e-3, 6e-3) for _ in range(L)])
-    cm = CostModel(fig, Setting(stages=K, micro_batches=16, schedule=schedule))
-    floor = work_floor(cm, cm.pg)
-    seed = min_max([f + b for f, b in zip(fig.forward_s, fig.backward_s)], K)
-    solver = OneFOneBSolver(cm, seeds=[seed], cutoff_s=floor * 0.9)
-    sol = solver.solve()
-    assert sol is not None and sol.evaluation.fits and not solver.stopped_early
-    assert solver.nodes == 0 and solver.simulations == 1 and "reaches the cutoff" in sol.method
-    assert sol.lower_bound_s == pytest.approx(floor) and sol.lower_bound_s >= floor * 0.9
-    # just above the floor the search builds its tables as before
-    searched = OneFOneBSolver(cm, seeds=[seed], cutoff_s=floor * 1.01).solve()
-    assert searched is not None and "reaches the cutoff" not in searched.method
-
-
 def test_partitions_are_all_compositions():
     """C(L-1, K-1) distinct partitions into non-empty contiguous stages."""
     for L in range(1, 8):
