@@ -83,8 +83,8 @@ import torch.distributed as dist
 
 from ..artifacts import BadInput, fsync_folder, named_first_line, write_json_atomic
 from ..units import format_bytes
-from .checkpoint_dir import (META_FILE, check_still_held, complete_steps, partial_folder, prune,  # noqa: F401 (prune: train's)
-                             step_folder)
+from .checkpoint_dir import (META_FILE, check_still_held, complete_steps, partial_folder,  # noqa: F401
+                             prune, step_folder)   # (prune: train's)
 from .p2p import PeerLost, looks_like_lost_peer
 from . import watchdog
 from .loss_scale import LossScaler
@@ -432,7 +432,8 @@ def read_meta(path: Path) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise Unreadable(f"cannot read checkpoint '{path}': {named_first_line(exc)}", named_first_line(exc)) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise Unreadable(f"'{path}' is not a gpipe-plan checkpoint", f"its {META_FILE} is not a gpipe-plan checkpoint's")
+        raise Unreadable(f"'{path}' is not a gpipe-plan checkpoint",
+                         f"its {META_FILE} is not a gpipe-plan checkpoint's")
     if meta.get("version") != VERSION:
         raise BadInput(f"checkpoint '{path}' is of version {meta.get('version')!r}; this gpipe-plan resumes version "
                        f"{VERSION} only: start again with a new --checkpoint-dir, or use the version that wrote it")

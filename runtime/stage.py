@@ -114,10 +114,11 @@ class ChunkModule(nn.Module):
             if have != want:
                 # Another dtype: another precision's or device's autocast rules; another shape
                 # in the same dtype: the model itself changed (a width, a sequence length).
-                cause = ("the model's code or configuration changed since it was profiled"
-                         if have.dtype == want.dtype else "the plan was profiled in another precision or on another device")
+                cause = ("the model's code or configuration changed since it was profiled" if have.dtype == want.dtype
+                         else "the plan was profiled in another precision or on another device")
                 raise BadInput(f"{self.label}'s output {i} is {_describe(have)} but the plan declares "
-                               f"{_describe(want)}: {cause}; profile here, in the precision of the run, and solve again")
+                               f"{_describe(want)}: {cause}; profile here, in the precision of the run, and solve "
+                               f"again")
         if len(got) != len(expected):
             raise BadInput(f"{self.label} returns {len(got)} tensors but the plan declares {len(expected)}: "
                            f"profile the model again and solve again")

@@ -70,7 +70,8 @@ def test_a_schedule_that_cannot_run_these_micro_batches_is_refused(tmp_path: Pat
 def test_a_param_bytes_list_of_the_wrong_length_is_refused(tmp_path: Path) -> None:
     doc = hand_plan(TINY_GPT, [2, 2], micro_batches=2, micro_batch_size=1)
     doc["chunks"][1]["param_bytes"].append(64)
-    with pytest.raises(BadInput, match=r"'chunks\[1\]\.param_bytes' has 3 entries for 2 layers; solve the profile again"):
+    with pytest.raises(BadInput, match=r"'chunks\[1\]\.param_bytes' has 3 entries for 2 layers; solve the "
+                                       r"profile again"):
         load_plan(write_plan(tmp_path, doc))
 
 
