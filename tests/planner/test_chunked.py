@@ -47,7 +47,10 @@ def test_solver_equals_brute_force(schedule, v, seed):
 def test_lower_bound_never_exceeds_the_simulated_step(schedule, v, seed):
     """For every cut (and every prefix of it), the bound is at most the step it promises."""
     fig, setting = random_case(random.Random(f"bound-{schedule}-{seed}"), schedule, v)
-    cm = CostModel(fig, setting)
+    assert_bound_holds_for_every_cut(CostModel(fig, setting))
+
+
+def assert_bound_holds_for_every_cut(cm: CostModel) -> None:
     solver = ChunkedSolver(cm)
     for bounds in partitions(cm.L, cm.C):
         ev = evaluate(cm, bounds)
@@ -78,14 +81,7 @@ def test_the_bound_with_gradient_syncs_never_exceeds_the_step(schedule, v, seed)
     the search still finds brute force's optimum."""
     cm = _syncing_case(random.Random(f"sync-{schedule}-{seed}"), schedule, v)
     assert cm.sync_on
-    solver = ChunkedSolver(cm)
-    for bounds in partitions(cm.L, cm.C):
-        ev = evaluate(cm, bounds)
-        chosen = list(ev.recompute)
-        for j in range(1, cm.C + 1):
-            complete = [max(cm.peaks[k].chunks) < j for k in range(cm.K)]
-            prefix_recompute = [r if done else None for r, done in zip(chosen, complete)]
-            assert solver.bound(bounds[:j + 1], prefix_recompute) <= ev.step_s * (1 + 1e-12) + 1e-15
+    assert_bound_holds_for_every_cut(cm)
     want = brute_force(cm)
     got = ChunkedSolver(cm, time_budget_s=60).solve()
     assert (got is None) == (want is None)
