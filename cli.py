@@ -22,6 +22,7 @@ from .options import click_options
 from .planner.request import ExploreRequest, SolveCommand
 from .profiles.options import ProfileOptions
 from .runtime.options import RunOptions
+from .tune import TuneOptions
 
 
 class _Group(click.Group):
@@ -90,6 +91,7 @@ def main() -> None:
     \b
     gpipe-plan profile gpt --out profile.json      measure each layer (time, memory)
     gpipe-plan solve profile.json --stages 4       compute the best plan
+    gpipe-plan tune plan.json --out tuned.json     run near-ties briefly, keep the fastest
     gpipe-plan run plan.json --steps 100           train with it, measured vs predicted
     gpipe-plan demo                                all three on a small GPT, on this CPU
     """
@@ -267,6 +269,24 @@ def run(**options: Any) -> None:
     from .runtime.command import run_command
 
     run_command(**options)
+
+
+# --------------------------------------------------------------------------- tune
+@main.command()
+@click.argument("plan", type=click.Path(dir_okay=False))
+@click_options(TuneOptions)
+def tune(plan: str, **options: Any) -> None:
+    """Run PLAN and the plans predicted about as fast, a few steps each; keep the fastest measured.
+
+    \b
+    Where plans are predicted closer than the cost model's own error on
+    this host (ranks sharing cores, a GPU waiting on its CPU), solve's
+    choice among them is chance: tune runs them, rounds interleaved, and
+    writes the fastest measured to --out, for run. Needs PLAN's profile.
+    """
+    from .tune import tune_command
+
+    tune_command(plan, **options)
 
 
 # --------------------------------------------------------------------------- demo

@@ -120,6 +120,9 @@ REPORT_FORMAT = "gpipe-plan.report"
 #      and 0, as before).
 #  10  per chunk, ``param_bytes``: each layer's parameter bytes as the profile measured them, which
 #      ``run`` checks the rebuilt model against before any step (absent: not checked, as before).
+#  11  ``tuning``: a plan ``gpipe-plan tune`` chose by running it and the plans predicted as fast
+#      (planner/alternatives.py): each candidate's source, setting, cut, predicted step and the
+#      step measured in each round; absent: a plan solve chose by its prediction alone.
 # Report
 #   2  the run's precision and, on CUDA, the allocator's reserved memory and what lies outside it.
 #   3  the per-micro-batch times move into ``chunks`` (with the halves of a split backward); its
@@ -137,9 +140,9 @@ REPORT_FORMAT = "gpipe-plan.report"
 #      options; null, 1 and 0 where they did not): calibrate refuses such a round unless forced,
 #      and takes the charges off what it compares. Before it: read from the plan the report names
 #      where that is at hand, else a core per rank.
-FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 11, PLAN_FORMAT: 10, REPORT_FORMAT: 6}
+FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 11, PLAN_FORMAT: 11, REPORT_FORMAT: 6}
 READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11),
-                                                 PLAN_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8, 9, 10),
+                                                 PLAN_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11),
                                                  REPORT_FORMAT: (1, 2, 3, 4, 5, 6)}
 
 
@@ -750,6 +753,29 @@ FACTORISATION = Object({
 }, when_true={"fits": ("step_s",)})
 
 
+# Plan version 11: what ``gpipe-plan tune`` ran to choose the plan (tune.py), the plans in the
+# order run, each one's measured step per round (null: its run failed, ``failed`` says why).
+TUNING_SOURCES = ("solve's plan", "runner-up", "one move")
+TUNING = Object({
+    "tuned_from": need(Object({"path": need(Text()), "sha256": need(Text())})),
+    "within": need(_ratio(nullable=False)),
+    "steps": need(_count(2)),
+    "rounds": need(_count(1)),
+    "candidates": need(Items(Object({
+        "source": need(Text(choices=TUNING_SOURCES)),
+        "schedule": need(Text()),
+        "virtual_stages": need(_count(1)),
+        "micro_batches": need(_count(1)),
+        "micro_batch_size": need(_count(1)),
+        "balance": need(Items(_count(1), min_len=1)),
+        "predicted_step_s": need(_seconds()),
+        "measured_step_s": need(Items(_seconds(nullable=True))),
+        "failed": may(Text(nullable=True)),
+        "chosen": need(Flag()),
+    }), min_len=1)),
+})
+
+
 def _plan(solved: bool, chunked: bool) -> Object:
     """A plan; ``solved``: one ``solve`` wrote, with the predictions ``show`` prints; ``chunked``:
     with ``chunks`` (version 5), else stages that are each one chunk (version 4 and before)."""
@@ -835,6 +861,7 @@ def _plan(solved: bool, chunked: bool) -> Object:
         })),
         "warnings": may(Items(Text(), nullable=True)),
         "runners_up": may(Items(RUNNER_UP, nullable=True)),
+        "tuning": may(TUNING),                         # version 11
     })
 
 

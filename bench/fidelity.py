@@ -9,7 +9,9 @@ config, :func:`make_llama`), one profile (``gpipe-plan profile``, fixed costs me
 wall time and what the fixed-cost measurement added are reported) and, for each K, the plans:
 every schedule's best (``solve -k K --schedule S``, M chosen by ``solve``), the default plan
 (``solve -k K``: every schedule and M), and the default the planner picked *without* the
-fixed costs (the same profile less its ``fixed_costs``: the choice before them). Each plan
+fixed costs (the same profile less its ``fixed_costs``: the choice before them), and the default
+tuned (``gpipe-plan tune``: it and the plans predicted within 5% of it run briefly on the host,
+the fastest kept; the time the tune took is given). Each plan
 runs ``--steps`` steps (``gpipe-plan run``, the median step after the first), all plans once
 per round, the order reversed every other round, so that the host's drift lands on all alike;
 each run records the cores other processes used meanwhile.
@@ -40,10 +42,11 @@ from gpipe_plan.artifacts import file_sha256
 from gpipe_plan.hostload import busy_phases, busy_profile_text
 from gpipe_plan.schedules import label
 
-from .common import (BENCH_ENV, GPIPE_PLAN, ROOT, Ledger, measured_or_saved, publish, read_json, rng, run_plan,
-                     scatter_svg, table, write_svg)
+from .common import (BENCH_ENV, GPIPE_PLAN, ROOT, Ledger, measured_or_saved, ms, publish, read_json, rng,
+                     run_plan, scatter_svg, table, write_svg)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+TUNED = "default, tuned"
 GLOBAL_BATCH = 16
 SIZES = "2,4,8"
 LLAMA_SEQ, LLAMA_VOCAB = 64, 256
@@ -122,6 +125,15 @@ def measure_cell(model: str, K: int, rounds: int, steps: int, ledger: Ledger, fo
             cannot[name] = str(exc).strip().splitlines()[-1].removeprefix("error: ")
             continue
         plans[name] = plan
+    tune_s = None
+    if "default" in plans:
+        # What a user who tunes the default runs (tune.py): its runs are the tune's own, not counted
+        # among the rounds below, where the tuned plan is measured again beside the others.
+        tuned = folder / f"{model}-k{K}-default-tuned.plan.json"
+        started = time.monotonic()
+        gpipe_plan("tune", plans["default"], "--out", tuned, "-q")
+        tune_s = time.monotonic() - started
+        plans[TUNED] = tuned
     docs = {name: read_json(path) for name, path in plans.items()}
     # Identical plans (the default is often one schedule's best) run once.
     unique: dict[str, str] = {}
@@ -155,6 +167,8 @@ def measure_cell(model: str, K: int, rounds: int, steps: int, ledger: Ledger, fo
                          "same_as": unique[_shape(d)]}
                   for name, d in docs.items()},
         "measured_step_s": measured,
+        "tune_s": tune_s,
+        "tuning": docs[TUNED].get("tuning") if TUNED in docs else None,
         "others_cores": others,
         "cannot_run": cannot,
     }
@@ -201,16 +215,21 @@ def summary(data: dict[str, Any], K: int | None = None) -> dict[str, Any]:
             fastest = min(med_of, key=med_of.get)
             default = med_of[cell["plans"]["default"]["same_as"]]
             old = med_of[cell["plans"]["default without fixed costs"]["same_as"]]
+            tuned = med_of[cell["plans"][TUNED]["same_as"]] if TUNED in cell["plans"] else None
             defaults.append({"model": model, "K": int(k), "fastest": fastest, "fastest_s": med_of[fastest],
                              "default_s": default, "default_vs_fastest": default / med_of[fastest],
-                             "old_default_s": old, "old_default_vs_fastest": old / med_of[fastest]})
+                             "old_default_s": old, "old_default_vs_fastest": old / med_of[fastest],
+                             "tuned_s": tuned, "tuned_vs_fastest": tuned / med_of[fastest] if tuned else None,
+                             "tune_s": cell.get("tune_s")})
     ratios = [c["ratio"] for c in scored]
     return {"median_error": statistics.median(errors) if errors else None,
             "worst_error": max(errors) if errors else None, "cells": len(scored), "defaults": defaults,
             "median_ratio": statistics.median(ratios) if ratios else None,
             "ratio_range": (min(ratios), max(ratios)) if ratios else None,
             "within": sum(1 for d in defaults if d["default_vs_fastest"] <= 1.05),
-            "old_within": sum(1 for d in defaults if d["old_default_vs_fastest"] <= 1.05)}
+            "old_within": sum(1 for d in defaults if d["old_default_vs_fastest"] <= 1.05),
+            "tuned_within": sum(1 for d in defaults if d["tuned_vs_fastest"] is not None and d["tuned_vs_fastest"] <= 1.05),
+            "tuned": sum(1 for d in defaults if d["tuned_vs_fastest"] is not None)}
 
 
 def _plan_label(c: dict[str, Any]) -> str:
@@ -223,7 +242,9 @@ def _targets(s: dict[str, Any]) -> str:
             f"), worst {s['worst_error']:.1%} ({'met' if s['worst_error'] <= 0.20 else 'missed'}) over {s['cells']} "
             f"plans, measured / predicted {s['median_ratio']:.2f} in the median ({s['ratio_range'][0]:.2f}.."
             f"{s['ratio_range'][1]:.2f}); the default within 5% of the fastest in {s['within']} of "
-            f"{len(s['defaults'])} (the default without the fixed costs: {s['old_within']})")
+            f"{len(s['defaults'])} (the default without the fixed costs: {s['old_within']}"
+            + (f"; the default tuned, `gpipe-plan tune`: {s['tuned_within']} of {s['tuned']}" if s["tuned"] else "")
+            + ")")
 
 
 def _time_shared(data: dict[str, Any], K: int) -> bool:
@@ -254,9 +275,13 @@ def render(data: dict[str, Any]) -> str:
     if data.get("note"):
         text.append(f"Note: {data['note']}.\n")
     text.append(table(["model", "K", "fastest measured", "default plan", "default / fastest",
+                       "default tuned", "its / fastest", "tune took",
                        "default without fixed costs", "its / fastest"],
                       [[d["model"], d["K"], f"{d['fastest']} ({d['fastest_s'] * 1e3:.1f} ms)",
                         f"{d['default_s'] * 1e3:.1f} ms", f"{d['default_vs_fastest']:.3f}",
+                        ms(d["tuned_s"]) + (" ms" if d["tuned_s"] else ""),
+                        f"{d['tuned_vs_fastest']:.3f}" if d["tuned_vs_fastest"] else "-",
+                        f"{d['tune_s']:.0f} s" if d.get("tune_s") else "-",
                         f"{d['old_default_s'] * 1e3:.1f} ms", f"{d['old_default_vs_fastest']:.3f}"]
                        for d in s["defaults"]]))
     text.append("")

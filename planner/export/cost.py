@@ -31,7 +31,7 @@ class SplitCost:
 
 def predicted_cost(view: PlanView, balance: list[int]) -> SplitCost:
     """The planner's prediction for ``balance`` under the plan's own setting."""
-    profile_path = _profile_path(view)
+    profile_path = plan_profile_path(view)
     if profile_path is None:
         return SplitCost(None, None, None, "its cost is unknown: the profile the plan was solved from is not here")
     from ..profile import Profile            # the planner proper loads only when a cost is asked for
@@ -54,7 +54,7 @@ def predicted_cost(view: PlanView, balance: list[int]) -> SplitCost:
                      f"predicted from the profile '{profile_path}'")
 
 
-def _profile_path(view: PlanView) -> Path | None:
+def plan_profile_path(view: PlanView) -> Path | None:
     """The plan's profile, where it can be found unchanged (same sha256), else None."""
     path, digest = view.profile_path, view.profile_sha256
     if path is None or digest is None:

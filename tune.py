@@ -1,0 +1,194 @@
+"""``gpipe-plan tune``: run the plans the cost model cannot tell apart, keep the fastest measured.
+
+``solve`` chooses by prediction; where other plans are predicted within the model's own error
+of its choice, the choice is chance ([Note: when the host, not the model, must choose] in
+planner/alternatives.py). ``tune`` asks the host instead:
+
+1. the candidates: the plan and those predicted within ``--within`` of it (the planner makes
+   each as a whole plan document, from the plan's profile);
+2. each runs ``--steps`` steps, ``--rounds`` times, the order reversed every other round so
+   that a host growing busier or quieter does not favour the first or the last; a run's
+   measured step is its report's (the median over its steps after the first), a candidate's
+   the median over its rounds;
+3. the fastest measured is written to ``--out``, the plan ``run`` then takes, with the
+   ``tuning`` section (plan format 11) saying what was run and measured.
+
+It only orchestrates: the planner makes the candidates, ``run`` runs them (one after another,
+each as ``gpipe-plan run`` would), and files pass between them, as everywhere. A candidate whose
+run fails is reported and left out; the plan's own failing is the tune's failure.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from .artifacts import BadInput, RunFailure, check_output_paths, file_sha256
+from .options import option
+from .schema import FORMAT_VERSIONS, PLAN_FORMAT, REPORT_FORMAT, read_artifact, write_artifact
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    """``gpipe-plan tune``'s options, each declared once (gpipe_plan/options.py)."""
+
+    plan: str
+    out: str | None = option("--out", "-o", path="file", metavar="tuned.plan.json",
+                             help="Write the fastest plan measured here (required; may be PLAN itself).")
+    within: float = option("--within", default=0.05, type=float, show_default=True,
+                           help="Run the plans predicted at most this fraction slower than PLAN (0.05: 5%).")
+    candidates: int = option("--candidates", default=4, type=int, show_default=True,
+                             help="Plans to run at most, PLAN included.")
+    steps: int = option("--steps", default=10, type=int, show_default=True,
+                        help="Training steps per run; a run's step is the median of those after the first.")
+    rounds: int = option("--rounds", default=3, type=int, show_default=True,
+                         help="Rounds: each runs every candidate once, in reverse order every other round.")
+    quiet: bool = option("--quiet", "-q", default=False, is_flag=True, help="Print only the result.")
+
+    def check(self) -> None:
+        """One line for each option no tune can honour, before any work."""
+        if self.out is None:
+            raise BadInput("tune needs --out FILE: where to write the fastest plan measured")
+        if not 0.0 <= self.within <= 1.0:
+            raise BadInput(f"--within {self.within}: give a fraction of the plan's step from 0 to 1 (0.05 is 5%)")
+        if self.candidates < 1:
+            raise BadInput(f"--candidates {self.candidates}: give 1 or more (PLAN counts as one)")
+        if self.steps < 2:
+            raise BadInput(f"--steps {self.steps}: give 2 or more (a run's first step, which warms up, is not measured)")
+        if self.rounds < 1:
+            raise BadInput(f"--rounds {self.rounds}: give 1 or more")
+        check_output_paths({"--out": self.out})
+
+
+@dataclass
+class _Measured:
+    """One candidate's runs."""
+
+    steps_s: list[float | None]
+    failed: str | None = None
+
+    @property
+    def median_s(self) -> float | None:
+        got = [s for s in self.steps_s if s is not None]
+        return statistics.median(got) if got and self.failed is None else None
+
+
+def tune_command(plan: str, **options: Any) -> None:
+    """Tune PLAN (:class:`TuneOptions`). Raises BadInput (exit 2) or RunFailure (exit 1)."""
+    opts = TuneOptions(plan=plan, **options)
+    opts.check()
+    from .planner.alternatives import alternatives
+
+    doc = read_artifact(plan, PLAN_FORMAT)
+    tried = alternatives(doc, plan, opts.within, opts.candidates)
+    say = (lambda line: None) if opts.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+    if len(tried) == 1:
+        say(f"no other plan is predicted within {opts.within:.0%} of this one's "
+            f"{tried[0].predicted_step_s * 1e3:.3f} ms: nothing to run; the plan is written as it is")
+        measured = [_Measured([])]
+    else:
+        say(f"{len(tried)} plans predicted within {opts.within:.0%} of {tried[0].predicted_step_s * 1e3:.3f} ms: "
+            f"{opts.rounds} round(s) of {opts.steps} steps each")
+        measured = _measure(tried, opts, say)
+    best = _fastest(measured)
+    out = {**tried[best].doc, "version": FORMAT_VERSIONS[PLAN_FORMAT]}
+    out["tuning"] = {
+        "tuned_from": {"path": plan, "sha256": file_sha256(plan)},
+        "within": opts.within, "steps": opts.steps, "rounds": opts.rounds,
+        "candidates": [{"source": a.source, "schedule": a.setting.schedule, "virtual_stages": a.doc["virtual_stages"],
+                        "micro_batches": a.setting.micro_batches, "micro_batch_size": a.micro_batch_size,
+                        "balance": list(a.evaluation.balance), "predicted_step_s": a.predicted_step_s,
+                        "measured_step_s": m.steps_s, "failed": m.failed, "chosen": i == best}
+                       for i, (a, m) in enumerate(zip(tried, measured))],
+    }
+    write_artifact(opts.out, out, "solved plan", None, "--out")
+    print(_summary(tried, measured, best, opts.out))
+
+
+def _measure(tried: list, opts: TuneOptions, say) -> list[_Measured]:
+    """Each candidate run ``opts.rounds`` times, ``opts.steps`` steps each, order reversed every
+    other round."""
+    from .artifacts import write_json_atomic
+    from .runtime.command import run_command
+
+    measured = [_Measured([]) for _ in tried]
+    with tempfile.TemporaryDirectory(prefix="gpipe-plan-tune-") as tmp:
+        paths = []
+        for i, a in enumerate(tried):
+            path = Path(tmp) / f"candidate{i}.plan.json"
+            write_json_atomic(path, a.doc)
+            paths.append(path)
+        for r in range(opts.rounds):
+            order = list(range(len(tried))) if r % 2 == 0 else list(reversed(range(len(tried))))
+            for i in order:
+                if measured[i].failed is not None:
+                    continue
+                report = Path(tmp) / f"candidate{i}.round{r}.report.json"
+                try:
+                    with _output_to(Path(tmp) / f"candidate{i}.round{r}.log"):
+                        run_command(plan=str(paths[i]), steps=opts.steps, report=str(report), quiet=True)
+                    step = read_artifact(report, REPORT_FORMAT).get("measured_step_s")
+                except (RunFailure, BadInput) as exc:
+                    if i == 0:
+                        raise
+                    measured[i].failed = str(exc)
+                    say(f"  round {r + 1}: {_name(tried[i])}: failed ({exc}); left out")
+                    continue
+                measured[i].steps_s.append(step)
+                say(f"  round {r + 1}: {_name(tried[i])}: predicted {tried[i].predicted_step_s * 1e3:.1f} ms, "
+                    f"measured {_ms(step)}")
+    return measured
+
+
+@contextmanager
+def _output_to(path: Path) -> Iterator[None]:
+    """This process's and its children's stdout and stderr into ``path`` (a run's warnings and
+    notes, the same for every candidate, would bury the tune's own lines; a failure is raised
+    with its one line all the same)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(path, "w") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, old in zip((1, 2), saved):
+            os.dup2(old, fd)
+            os.close(old)
+
+
+def _fastest(measured: list[_Measured]) -> int:
+    """The candidate of the least median measured step (the first among equals; the plan itself
+    when nothing was measured)."""
+    timed = [(m.median_s, i) for i, m in enumerate(measured) if m.median_s is not None]
+    return min(timed)[1] if timed else 0
+
+
+def _name(a) -> str:
+    v = a.doc["virtual_stages"]
+    chunks = f" v={v}" if a.setting.schedule == "interleaved" else ""
+    return f"{a.source}: {a.setting.schedule}{chunks}, M={a.setting.micro_batches}, balance {list(a.evaluation.balance)}"
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def _summary(tried: list, measured: list[_Measured], best: int, out: str) -> str:
+    chosen, own = measured[best].median_s, measured[0].median_s
+    if chosen is None:
+        return f"{out}: the plan as solve chose it (nothing else to run)"
+    versus = "" if best == 0 else f"; solve's plan measured {_ms(own)} ({chosen / own - 1:+.1%} for the tuned one)"
+    return (f"{out}: {_name(tried[best])}, measured {_ms(chosen)} a step (predicted "
+            f"{tried[best].predicted_step_s * 1e3:.1f} ms), the fastest of {sum(m.median_s is not None for m in measured)} "
+            f"measured{versus}")
