@@ -91,7 +91,7 @@ def main() -> None:
     \b
     gpipe-plan profile gpt --out profile.json      measure each layer (time, memory)
     gpipe-plan solve profile.json --stages 4       compute the best plan
-    gpipe-plan tune plan.json --out tuned.json     run near-ties briefly, keep the fastest
+    gpipe-plan tune plan.json --out tuned.json     run near-ties briefly, keep a faster one
     gpipe-plan run plan.json --steps 100           train with it, measured vs predicted
     gpipe-plan demo                                all three on a small GPT, on this CPU
     """
@@ -276,13 +276,14 @@ def run(**options: Any) -> None:
 @click.argument("plan", type=click.Path(dir_okay=False))
 @click_options(TuneOptions)
 def tune(plan: str, **options: Any) -> None:
-    """Run PLAN and the plans predicted about as fast, a few steps each; keep the fastest measured.
+    """Run PLAN and the plans predicted about as fast, a few steps each; keep one that runs faster.
 
     \b
     Where plans are predicted closer than the cost model's own error on
     this host (ranks sharing cores, a GPU waiting on its CPU), solve's
     choice among them is chance: tune runs them, rounds interleaved, and
-    writes the fastest measured to --out, for run. Needs PLAN's profile.
+    writes to --out, for run, the fastest that ran faster than PLAN in
+    every round (else PLAN). Needs PLAN's profile.
     """
     from .tune import tune_command
 

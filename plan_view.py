@@ -137,6 +137,31 @@ class RunnerUp:
 
 
 @dataclass(frozen=True)
+class TunedCandidate:
+    """One plan ``gpipe-plan tune`` ran (``tuning.candidates``)."""
+
+    source: str
+    schedule: str
+    virtual_stages: int
+    micro_batches: int
+    balance: tuple[int, ...]
+    predicted_step_s: float
+    measured_step_s: tuple[float | None, ...]
+    failed: str | None
+    chosen: bool
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """What ``gpipe-plan tune`` ran to choose the plan (``tuning``, plan format 11)."""
+
+    steps: int
+    rounds: int
+    within: float
+    candidates: tuple[TunedCandidate, ...]
+
+
+@dataclass(frozen=True)
 class Factorisation:
     """One (stages, replicas) pair ``solve --devices`` searched (``factorisations``)."""
 
@@ -211,6 +236,7 @@ class PlanView:
     runners_up: tuple[RunnerUp, ...] = ()
     factorisations: tuple[Factorisation, ...] = ()
     warnings: tuple[str, ...] = ()
+    tuning: Tuning | None = None     # what ``gpipe-plan tune`` ran to choose it (format 11)
 
     @property
     def predicted_step_s(self) -> float | None:
@@ -361,7 +387,17 @@ def view_of(doc: dict[str, Any], what: str = "solved plan", where: str = "plan",
         runners_up=tuple(_runner_up(row) for row in doc.get("runners_up") or ()),
         factorisations=tuple(_factorisation(row) for row in doc.get("factorisations") or ()),
         warnings=tuple(doc.get("warnings") or ()),
+        tuning=_tuning(doc.get("tuning")),
     )
+
+
+def _tuning(section: dict[str, Any] | None) -> Tuning | None:
+    if not section:
+        return None
+    return Tuning(section["steps"], section["rounds"], section["within"], tuple(
+        TunedCandidate(c["source"], c["schedule"], c["virtual_stages"], c["micro_batches"], tuple(c["balance"]),
+                       c["predicted_step_s"], tuple(c["measured_step_s"]), c.get("failed"), c["chosen"])
+        for c in section["candidates"]))
 
 
 def _prediction(predicted: dict[str, Any]) -> Prediction:

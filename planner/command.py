@@ -12,7 +12,7 @@ from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Ta
 from rich.text import Text
 
 from ..artifacts import BadInput, Outputs, check_output_paths, dumps, file_sha256
-from ..plan_view import read_plan, view_of
+from ..plan_view import PlanView, read_plan, view_of
 from ..schema import MAX_SECONDS, PROFILE_FORMAT, read_artifact, write_artifact
 from ..schedules import PLANNABLE_SCHEDULES, SCHEDULES
 from .budgets import LEAST_ONE_DEVICE_S
@@ -106,6 +106,24 @@ def solve_command(profile: str, **options: Any) -> None:
     render_plan(view, console)
     console.print(f"wrote {out}" + (f" and {timeline}" if timeline else "")
                   + f" in {time.perf_counter() - started:.2f} s", highlight=False)
+    close = tune_hint(view, out)
+    if close:
+        console.print(close, highlight=False)
+
+
+def tune_hint(view: PlanView, out: str) -> str | None:
+    """A line pointing at ``gpipe-plan tune`` where other settings are predicted within its
+    default fraction of the plan (the cost model's ranking among them is within its own error)."""
+    from ..tune import TuneOptions
+
+    within = TuneOptions.__dataclass_fields__["within"].default
+    step = view.predicted.step_s
+    near = [r for r in view.runners_up if r.fits and r.step_s is not None and step and r.step_s <= step * (1 + within)]
+    if not near:
+        return None
+    return (f"{len(near)} other setting{'s are' if len(near) > 1 else ' is'} predicted within {within:.0%} of this "
+            f"plan, closer than the prediction's own error may be: `gpipe-plan tune {out} --out tuned.json` runs "
+            f"them (and the cuts one move away) on this host and keeps one only if it runs faster")
 
 
 def show_plan(path: str, timeline: str | None = None) -> None:

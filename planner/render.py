@@ -10,12 +10,13 @@ predicted times, so the picture is the prediction.
 
 from __future__ import annotations
 
+import statistics
 from typing import Sequence
 
 from rich.console import Console
 
 from ..artifacts import BadInput, precision_label
-from ..plan_view import ChunkPlan, Factorisation, PlanView, Prediction, RunnerUp, StagePlan
+from ..plan_view import ChunkPlan, Factorisation, PlanView, Prediction, RunnerUp, StagePlan, TunedCandidate, Tuning
 from ..schedules import label as schedule_label
 from ..weight_versions import ASYNC_SCHEDULES
 from .simulator import ChunkTimes, Event, Timeline, simulate_plan
@@ -157,12 +158,32 @@ def render_plan(view: PlanView, console: Console) -> None:
     elif opt is not None:
         console.print(f"[yellow]not proven optimal[/yellow]: within {opt.gap:.2%} of the lower bound"
                       if opt.gap is not None else "[yellow]not proven optimal[/yellow]")
+    if view.tuning is not None:
+        console.print(tuning_line(view.tuning), highlight=False)
     if view.runners_up:
         console.print(runners_up_table(view.runners_up, pred.step_s))
     if len(view.factorisations) > 1:
         console.print(factorisation_table(view.factorisations, K, d))
     for w in view.warnings:
         console.print(f"[yellow]warning:[/yellow] {w}")
+
+
+def tuning_line(tuning: Tuning) -> str:
+    """What ``gpipe-plan tune`` ran to choose the plan, in one sentence."""
+    def median(c: TunedCandidate) -> float | None:
+        got = [x for x in c.measured_step_s if x is not None]
+        return statistics.median(got) if got and c.failed is None else None
+
+    ran = [c for c in tuning.candidates if median(c) is not None]
+    chosen = next(c for c in tuning.candidates if c.chosen)
+    if not ran:
+        return f"tuned: no other plan predicted within {tuning.within:.0%} of this one; none run"
+    own = tuning.candidates[0]
+    runs = f"{len(ran)} plans predicted within {tuning.within:.0%} run {tuning.rounds} x {tuning.steps} steps each"
+    if own.chosen:
+        return f"tuned: solve's plan kept ({format_seconds(median(own))} a step), none of {runs} faster in every round"
+    return (f"tuned: of {runs}, this one ran faster in every round: {format_seconds(median(chosen))} a step, "
+            f"solve's plan {format_seconds(median(own))} ({median(chosen) / median(own) - 1:+.1%})")
 
 
 def runners_up_table(runners: Sequence[RunnerUp], best_step_s: float | None) -> NarrowTable:

@@ -125,7 +125,7 @@ def test_plan_compares_itself_with_the_best_one_device_plan(user_dir: Path) -> N
     assert pred["one_stage_peak_memory_bytes"] == one["predicted"]["peak_memory_bytes"]
     assert pred["speedup_over_one_stage"] == pytest.approx(one["predicted"]["step_s"] / pred["step_s"])
     assert pred["speedup_over_one_stage"] > 1.3                 # balanced layers, 8 micro-batches
-    assert plan["version"] == FORMAT_VERSIONS[PLAN_FORMAT] == 10
+    assert plan["version"] == FORMAT_VERSIONS[PLAN_FORMAT] == 11
     shown = cli("show", "plan.json")
     assert shown.exit_code == 0, shown.output
     assert f"{pred['speedup_over_one_stage']:.2f}x faster than one device" in shown.stdout

@@ -49,7 +49,7 @@ def test_solve_writes_a_plan_with_the_documented_keys(profile_path: Path):
     assert result.exit_code == 0, result.output
     plan = json.loads(Path("plan.json").read_text())
     assert PLAN_KEYS <= plan.keys()
-    assert plan["format"] == "gpipe-plan.plan" and plan["version"] == FORMAT_VERSIONS[PLAN_FORMAT] == 10
+    assert plan["format"] == "gpipe-plan.plan" and plan["version"] == FORMAT_VERSIONS[PLAN_FORMAT] == 11
     assert OPTIONS_KEYS <= plan["options"].keys()
     assert PREDICTED_KEYS <= plan["predicted"].keys()
     assert {"proven", "method", "lower_bound_s", "gap"} <= plan["optimality"].keys()

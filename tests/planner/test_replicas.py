@@ -315,7 +315,7 @@ def test_plan_v6_round_trips_through_the_schema_and_plan_layout(profile_path: Pa
                  "--time-budget", "5")
     assert result.exit_code == 0, result.output
     plan = json.loads(Path("plan.json").read_text())
-    assert plan["version"] == FORMAT_VERSIONS[PLAN_FORMAT] == 10
+    assert plan["version"] == FORMAT_VERSIONS[PLAN_FORMAT] == 11
     validate(plan, "solved plan", "plan")
     d, K = data_parallel(plan), len(plan["stages"])
     assert gradient_sync(plan) == "fsdp" and plan["options"]["devices"] == 4 and K * d == 4
