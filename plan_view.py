@@ -30,6 +30,7 @@ import torch, and the planner's commands (show, export) never do.
 from __future__ import annotations
 
 import os
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,6 +150,12 @@ class TunedCandidate:
     measured_step_s: tuple[float | None, ...]
     failed: str | None
     chosen: bool
+
+    @property
+    def median_step_s(self) -> float | None:
+        """The median over its rounds (None: it never ran, or its run failed)."""
+        got = [x for x in self.measured_step_s if x is not None]
+        return statistics.median(got) if got and self.failed is None else None
 
 
 @dataclass(frozen=True)

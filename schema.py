@@ -753,8 +753,8 @@ FACTORISATION = Object({
 }, when_true={"fits": ("step_s",)})
 
 
-# Plan version 11: what ``gpipe-plan tune`` ran to choose the plan (tune.py), the plans in the
-# order run, each one's measured step per round (null: its run failed, ``failed`` says why).
+# Plan version 11: what ``gpipe-plan tune`` ran to choose the plan (tune.py): the plans in the
+# order run, each one's measured step per round it ran (``failed``: why a run failed; it ran no more).
 TUNING_SOURCES = ("solve's plan", "runner-up", "one move")
 TUNING = Object({
     "tuned_from": need(Object({"path": need(Text()), "sha256": need(Text())})),

@@ -35,6 +35,11 @@ from .options import option
 from .schema import FORMAT_VERSIONS, PLAN_FORMAT, REPORT_FORMAT, read_artifact, write_artifact
 
 
+# The default --within: plans predicted at most 5% slower than the chosen one are tried (solve
+# points at tune where a runner-up is that close: planner/command.py).
+TUNE_WITHIN = 0.05
+
+
 @dataclass(frozen=True)
 class TuneOptions:
     """``gpipe-plan tune``'s options, each declared once (gpipe_plan/options.py)."""
@@ -42,7 +47,7 @@ class TuneOptions:
     plan: str
     out: str | None = option("--out", "-o", path="file", metavar="tuned.plan.json",
                              help="Write the plan kept here: PLAN, or a candidate that ran faster in every round (required; may be PLAN).")
-    within: float = option("--within", default=0.05, type=float, show_default=True,
+    within: float = option("--within", default=TUNE_WITHIN, type=float, show_default=True,
                            help="Run the plans predicted at most this fraction slower than PLAN (0.05: 5%).")
     candidates: int = option("--candidates", default=4, type=int, show_default=True,
                              help="Plans to run at most, PLAN included.")

@@ -34,7 +34,7 @@ from typing import Any
 
 from ..artifacts import BadInput
 from ..schedules import chunks_per_stage
-from ..schema import check_built
+from ..schema import TUNING_SOURCES, check_built
 from .costmodel import CostModel, Setting
 from .export.cost import plan_profile_path
 from .export.expressible import bounds_of
@@ -45,8 +45,8 @@ from .plan import chunk_rows, exposed_sync_s, one_pipeline_row, plan_warnings, s
 from .profile import Profile
 from .search import Candidate
 
-# What a candidate is, in the plan's ``tuning.candidates[].source`` (schema.TUNING_SOURCES).
-CHOSEN, RUNNER_UP, ONE_MOVE = "solve's plan", "runner-up", "one move"
+# What a candidate is, in the plan's ``tuning.candidates[].source``.
+CHOSEN, RUNNER_UP, ONE_MOVE = TUNING_SOURCES
 
 
 @dataclass(frozen=True)

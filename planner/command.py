@@ -114,9 +114,7 @@ def solve_command(profile: str, **options: Any) -> None:
 def tune_hint(view: PlanView, out: str) -> str | None:
     """A line pointing at ``gpipe-plan tune`` where other settings are predicted within its
     default fraction of the plan (the cost model's ranking among them is within its own error)."""
-    from ..tune import TuneOptions
-
-    within = TuneOptions.__dataclass_fields__["within"].default
+    from ..tune import TUNE_WITHIN as within
     step = view.predicted.step_s
     near = [r for r in view.runners_up if r.fits and r.step_s is not None and step and r.step_s <= step * (1 + within)]
     if not near:

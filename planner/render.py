@@ -10,13 +10,12 @@ predicted times, so the picture is the prediction.
 
 from __future__ import annotations
 
-import statistics
 from typing import Sequence
 
 from rich.console import Console
 
 from ..artifacts import BadInput, precision_label
-from ..plan_view import ChunkPlan, Factorisation, PlanView, Prediction, RunnerUp, StagePlan, TunedCandidate, Tuning
+from ..plan_view import ChunkPlan, Factorisation, PlanView, Prediction, RunnerUp, StagePlan, Tuning
 from ..schedules import label as schedule_label
 from ..weight_versions import ASYNC_SCHEDULES
 from .simulator import ChunkTimes, Event, Timeline, simulate_plan
@@ -170,20 +169,19 @@ def render_plan(view: PlanView, console: Console) -> None:
 
 def tuning_line(tuning: Tuning) -> str:
     """What ``gpipe-plan tune`` ran to choose the plan, in one sentence."""
-    def median(c: TunedCandidate) -> float | None:
-        got = [x for x in c.measured_step_s if x is not None]
-        return statistics.median(got) if got and c.failed is None else None
-
-    ran = [c for c in tuning.candidates if median(c) is not None]
+    ran = [c for c in tuning.candidates if c.median_step_s is not None]
     chosen = next(c for c in tuning.candidates if c.chosen)
-    if not ran:
-        return f"tuned: no other plan predicted within {tuning.within:.0%} of this one; none run"
     own = tuning.candidates[0]
-    runs = f"{len(ran)} plans predicted within {tuning.within:.0%} run {tuning.rounds} x {tuning.steps} steps each"
+    if not ran or own.median_step_s is None:
+        return f"tuned: no other plan predicted within {tuning.within:.0%} of this one; none run"
+    each = f"{tuning.rounds} x {tuning.steps} steps each"
     if own.chosen:
-        return f"tuned: solve's plan kept ({format_seconds(median(own))} a step), none of {runs} faster in every round"
-    return (f"tuned: of {runs}, this one ran faster in every round: {format_seconds(median(chosen))} a step, "
-            f"solve's plan {format_seconds(median(own))} ({median(chosen) / median(own) - 1:+.1%})")
+        return (f"tuned: solve's plan kept ({format_seconds(own.median_step_s)} a step): none of the {len(ran) - 1} "
+                f"other plans predicted within {tuning.within:.0%} ran faster in every round ({each})")
+    mine = chosen.median_step_s
+    return (f"tuned: this plan ran faster in every round than solve's ({format_seconds(mine)} a step against "
+            f"{format_seconds(own.median_step_s)}, {mine / own.median_step_s - 1:+.1%}), of {len(ran)} plans "
+            f"predicted within {tuning.within:.0%} ({each})")
 
 
 def runners_up_table(runners: Sequence[RunnerUp], best_step_s: float | None) -> NarrowTable:

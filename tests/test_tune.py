@@ -72,6 +72,9 @@ def test_the_fastest_measured_is_written_with_what_was_run(solved: Path, monkeyp
     # rounds interleaved: the order reversed every other round
     first = runs[:3]
     assert runs[3:6] == first[::-1] and runs[6:9] == first
+    shown = cli("show", str(out))
+    assert shown.exit_code == 0 and "tuned: this plan ran faster in every round than solve's" in \
+        " ".join(shown.output.split()), shown.output
 
 
 def test_a_candidate_faster_in_the_median_but_not_in_every_round_leaves_the_plan(
@@ -90,6 +93,8 @@ def test_a_candidate_faster_in_the_median_but_not_in_every_round_leaves_the_plan
         doc = read_artifact(out, PLAN_FORMAT)
         assert doc["tuning"]["candidates"][0]["chosen"] is kept_own
         assert own(doc) is kept_own
+        said = " ".join(cli("show", str(out)).output.split())
+        assert ("tuned: solve's plan kept" in said) is kept_own, said
 
 
 def test_a_candidate_whose_run_fails_is_left_out_and_the_plans_own_failure_stops_the_tune(
