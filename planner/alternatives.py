@@ -132,7 +132,8 @@ def _plan_doc(base: dict[str, Any], profile: Profile, setting: Setting, micro_ba
               source: str) -> dict[str, Any]:
     """``base`` (the chosen plan's document) made another plan's: its setting, cut and
     predictions, as ``solve`` would have written them had it chosen this one; what solve was asked
-    (``options``), its profile, placement and runners-up stay."""
+    (``options``), its profile and placement stay, and its runners-up, where a runner-up made the
+    plan gives its row to solve's plan."""
     doc = copy.deepcopy(base)
     M = setting.micro_batches
     global_batch = doc["global_batch_size"]
@@ -156,9 +157,30 @@ def _plan_doc(base: dict[str, Any], profile: Profile, setting: Setting, micro_ba
     if doc.get("optimality"):
         doc["optimality"].update({"proven": proven, "method": f"gpipe-plan tune's candidate ({source})",
                                   "gap": (ev.step_s / lower - 1.0) if lower else None})
+    if source == RUNNER_UP:
+        doc["runners_up"] = _runners_up_beside(base, doc)
     if len(doc.get("factorisations") or ()) == 1:
         doc["factorisations"] = [one_pipeline_row(ev, proven, global_batch)]
     solution = Solution(ev, proven, lower if lower is not None else 0.0, f"tune's candidate ({source})")
     doc["warnings"] = plan_warnings(profile, Candidate(setting, micro_batch_size, solution), ev, proven)
     check_built(doc, "solved plan", f"tune's candidate ({source})")
     return doc
+
+
+def _runners_up_beside(base: dict[str, Any], doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The runners-up of ``doc``, a runner-up of ``base`` made the plan: the same settings, its
+    own row replaced by one for ``base``'s plan, best first."""
+    def key(row: dict[str, Any]) -> tuple:
+        return row["schedule"], row["micro_batches"], row["micro_batch_size"], row.get("virtual_stages") or 1
+
+    mine = key(doc)
+    predicted = base["predicted"]
+    rows = [row for row in base.get("runners_up") or () if key(row) != mine]
+    rows.append({"data_parallel": base.get("data_parallel", 1), "micro_batches": base["micro_batches"],
+                 "micro_batch_size": base["micro_batch_size"], "schedule": base["schedule"],
+                 "virtual_stages": base.get("virtual_stages") or 1, "fits": True, "step_s": predicted["step_s"],
+                 "samples_per_s": predicted.get("samples_per_s"), "bubble_fraction": predicted["bubble_fraction"],
+                 "peak_memory_bytes": predicted["peak_memory_bytes"], "balance": base["balance"],
+                 "recompute": [bool(c.get("recompute")) for c in base["chunks"]],
+                 "proven": bool((base.get("optimality") or {}).get("proven"))})
+    return sorted(rows, key=lambda row: (not row.get("fits"), row.get("step_s") or math.inf))

@@ -73,6 +73,12 @@ def test_a_runner_up_within_the_fraction_is_a_whole_plan_of_its_setting(solved):
         assert sum(len(c["layers"]) for c in doc["chunks"]) == 8
         assert [len(c["layers"]) for c in doc["chunks"]] == row["balance"]
         assert doc["optimality"]["method"].startswith("gpipe-plan tune's candidate")
+        # its runners-up: solve's plan in its own place, itself no more
+        def setting(r):
+            return r["schedule"], r["micro_batches"], r["micro_batch_size"], r.get("virtual_stages") or 1
+        settings = [setting(r) for r in doc["runners_up"]]
+        assert setting(plan) in settings and setting(row) not in settings
+        assert len(settings) == len(plan["runners_up"])
 
 
 def test_a_plan_whose_profile_is_gone_or_changed_is_one_line(solved, tmp_path: Path):
