@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 import statistics
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from .artifacts import BadInput, file_sha256, json_number, precision_of
 from .plan_layout import check_replicas, data_parallel, gradient_sync, plan_chunks, sync_every, virtual_stages
@@ -153,9 +153,14 @@ class TunedCandidate:
 
     @property
     def median_step_s(self) -> float | None:
-        """The median over its rounds (None: it never ran, or its run failed)."""
-        got = [x for x in self.measured_step_s if x is not None]
-        return statistics.median(got) if got and self.failed is None else None
+        return median_of_rounds(self.measured_step_s, self.failed)
+
+
+def median_of_rounds(steps_s: Sequence[float | None], failed: str | None) -> float | None:
+    """A tune candidate's step: the median over the rounds it ran (None: it never ran, or its
+    run failed)."""
+    got = [x for x in steps_s if x is not None]
+    return statistics.median(got) if got and failed is None else None
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ run fails is reported and left out; the plan's own failing is the tune's failure
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -81,8 +80,9 @@ class _Measured:
 
     @property
     def median_s(self) -> float | None:
-        got = [s for s in self.steps_s if s is not None]
-        return statistics.median(got) if got and self.failed is None else None
+        from .plan_view import median_of_rounds     # not at start-up: the command line imports this module
+
+        return median_of_rounds(self.steps_s, self.failed)
 
 
 def tune_command(plan: str, **options: Any) -> None:
@@ -194,9 +194,10 @@ def _kept(measured: list[_Measured]) -> int:
 
 
 def _name(a) -> str:
-    v = a.doc["virtual_stages"]
-    chunks = f" v={v}" if a.setting.schedule == "interleaved" else ""
-    return f"{a.source}: {a.setting.schedule}{chunks}, M={a.setting.micro_batches}, balance {list(a.evaluation.balance)}"
+    from .schedules import label
+
+    return (f"{a.source}: {label(a.setting.schedule, a.doc['virtual_stages'])}, M={a.setting.micro_batches}, "
+            f"balance {list(a.evaluation.balance)}")
 
 
 def _ms(seconds: float | None) -> str:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..artifacts import BadInput
-from ..schedules import chunks_per_stage
+from ..schedules import chunks_per_stage, stage_of_chunk
 from ..schema import TUNING_SOURCES, check_built
 from .costmodel import CostModel, Setting
 from .export.cost import plan_profile_path
@@ -41,7 +41,8 @@ from .export.expressible import bounds_of
 from .export.setting import plan_setting
 from .local_search import moves
 from .objective import Evaluation, Solution, evaluate, proven_optimal
-from .plan import chunk_rows, exposed_sync_s, one_pipeline_row, plan_warnings, stage_rows, step_predictions
+from .plan import (chunk_rows, exposed_sync_s, one_pipeline_row, plan_warnings, runner_up, stage_rows,
+                   step_predictions)
 from .profile import Profile
 from .search import Candidate
 
@@ -83,7 +84,8 @@ def alternatives(plan_doc: dict[str, Any], plan_path: str, within: float, most: 
     profile = load_profile(str(profile_path))
     setting = plan_setting(view)
     recompute = [any(c.recompute for c in view.chunks_of(k)) for k in range(view.num_stages)]
-    chosen = evaluate(CostModel(profile.at(view.micro_batch_size), setting), bounds_of(view.balance), recompute)
+    cm = CostModel(profile.at(view.micro_batch_size), setting)
+    chosen = evaluate(cm, bounds_of(view.balance), recompute)
     if not math.isclose(chosen.step_s, view.predicted_step_s, rel_tol=1e-9):
         raise BadInput(f"plan '{plan_path}': its setting could not be rebuilt from the plan and its profile "
                        f"(predicted {view.predicted_step_s * 1e3:.3f} ms, rebuilt {chosen.step_s * 1e3:.3f} ms): "
@@ -98,20 +100,24 @@ def alternatives(plan_doc: dict[str, Any], plan_path: str, within: float, most: 
         flags = row.get("recompute") or [False] * len(row["balance"])
         per_stage = [False] * setting.stages
         for c, flag in enumerate(flags):
-            per_stage[_stage_of(other, c)] |= bool(flag)
+            per_stage[stage_of_chunk(other.schedule, c, other.stages)] |= bool(flag)
         ev = evaluate(CostModel(profile.at(row["micro_batch_size"]), other), bounds_of(row["balance"]), per_stage)
         if ev.fits and math.isclose(ev.step_s, row["step_s"], rel_tol=1e-9):
             found.append((RUNNER_UP, other, row["micro_batch_size"], ev))
-    cm = CostModel(profile.at(view.micro_batch_size), setting)
     for bounds in moves(chosen.bounds):
         ev = evaluate(cm, bounds, recompute)
         if ev.fits and ev.step_s <= limit:
             found.append((ONE_MOVE, setting, view.micro_batch_size, ev))
     # Best predicted first (a stable sort: among equals, as found).
     found.sort(key=lambda item: item[3].step_s)
+    # solve's plan as a runner-up of a runner-up made the plan (as solve would list it)
+    optimality = plan_doc.get("optimality") or {}
+    own = Candidate(setting, view.micro_batch_size, Solution(chosen, bool(optimality.get("proven")),
+                                                             optimality.get("lower_bound_s") or 0.0, "solve's plan"))
+    own_row = runner_up(own, plan_doc["global_batch_size"], setting.data_parallel)
     out: list[Alternative] = []
     for source, st, size, ev in _chosen_first(found, most):
-        doc = plan_doc if source == CHOSEN else _plan_doc(plan_doc, profile, st, size, ev, source)
+        doc = plan_doc if source == CHOSEN else _plan_doc(plan_doc, profile, st, size, ev, source, own_row)
         out.append(Alternative(source, st, size, ev, doc))
     return out
 
@@ -122,18 +128,12 @@ def _chosen_first(found: list, most: int) -> list:
     return [chosen, *[item for item in found if item is not chosen][:max(0, most - 1)]]
 
 
-def _stage_of(setting: Setting, chunk: int) -> int:
-    from ..schedules import stage_of_chunk
-
-    return stage_of_chunk(setting.schedule, chunk, setting.stages)
-
-
 def _plan_doc(base: dict[str, Any], profile: Profile, setting: Setting, micro_batch_size: int, ev: Evaluation,
-              source: str) -> dict[str, Any]:
+              source: str, base_row: dict[str, Any]) -> dict[str, Any]:
     """``base`` (the chosen plan's document) made another plan's: its setting, cut and
     predictions, as ``solve`` would have written them had it chosen this one; what solve was asked
     (``options``), its profile and placement stay, and its runners-up, where a runner-up made the
-    plan gives its row to solve's plan."""
+    plan gives its row to solve's plan (``base_row``, its runners-up row)."""
     doc = copy.deepcopy(base)
     M = setting.micro_batches
     global_batch = doc["global_batch_size"]
@@ -158,7 +158,7 @@ def _plan_doc(base: dict[str, Any], profile: Profile, setting: Setting, micro_ba
         doc["optimality"].update({"proven": proven, "method": f"gpipe-plan tune's candidate ({source})",
                                   "gap": (ev.step_s / lower - 1.0) if lower else None})
     if source == RUNNER_UP:
-        doc["runners_up"] = _runners_up_beside(base, doc)
+        doc["runners_up"] = _runners_up_beside(base, doc, base_row)
     if len(doc.get("factorisations") or ()) == 1:
         doc["factorisations"] = [one_pipeline_row(ev, proven, global_batch)]
     solution = Solution(ev, proven, lower if lower is not None else 0.0, f"tune's candidate ({source})")
@@ -167,20 +167,11 @@ def _plan_doc(base: dict[str, Any], profile: Profile, setting: Setting, micro_ba
     return doc
 
 
-def _runners_up_beside(base: dict[str, Any], doc: dict[str, Any]) -> list[dict[str, Any]]:
+def _runners_up_beside(base: dict[str, Any], doc: dict[str, Any], base_row: dict[str, Any]) -> list[dict[str, Any]]:
     """The runners-up of ``doc``, a runner-up of ``base`` made the plan: the same settings, its
-    own row replaced by one for ``base``'s plan, best first."""
+    own row replaced by ``base_row`` (``base``'s plan), best first."""
     def key(row: dict[str, Any]) -> tuple:
         return row["schedule"], row["micro_batches"], row["micro_batch_size"], row.get("virtual_stages") or 1
 
-    mine = key(doc)
-    predicted = base["predicted"]
-    rows = [row for row in base.get("runners_up") or () if key(row) != mine]
-    rows.append({"data_parallel": base.get("data_parallel", 1), "micro_batches": base["micro_batches"],
-                 "micro_batch_size": base["micro_batch_size"], "schedule": base["schedule"],
-                 "virtual_stages": base.get("virtual_stages") or 1, "fits": True, "step_s": predicted["step_s"],
-                 "samples_per_s": predicted.get("samples_per_s"), "bubble_fraction": predicted["bubble_fraction"],
-                 "peak_memory_bytes": predicted["peak_memory_bytes"], "balance": base["balance"],
-                 "recompute": [bool(c.get("recompute")) for c in base["chunks"]],
-                 "proven": bool((base.get("optimality") or {}).get("proven"))})
+    rows = [row for row in base.get("runners_up") or () if key(row) != key(doc)] + [base_row]
     return sorted(rows, key=lambda row: (not row.get("fits"), row.get("step_s") or math.inf))
