@@ -10,8 +10,9 @@ planner/alternatives.py). ``tune`` asks the host instead:
    that a host growing busier or quieter does not favour the first or the last; a run's
    measured step is its report's (the median over its steps after the first), a candidate's
    the median over its rounds;
-3. the plan is kept unless a candidate ran faster in every round than it did in any ([Note: a
-   tie stays solve's]); then the fastest such is written to ``--out``, the plan ``run`` then
+3. the plan is kept unless a candidate ran faster in every round than it did in any, or beat it
+   round by round in those rounds and in ``--confirm-rounds`` more of the two alone ([Note: a
+   tie stays solve's]); then that candidate is written to ``--out``, the plan ``run`` then
    takes, with the ``tuning`` section (plan format 11) saying what was run and measured.
 
 It only orchestrates: the planner makes the candidates, ``run`` runs them (one after another,
@@ -21,6 +22,7 @@ run fails is reported and left out; the plan's own failing is the tune's failure
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import tempfile
@@ -54,6 +56,10 @@ class TuneOptions:
                         help="Training steps per run; a run's step is the median of those after the first.")
     rounds: int = option("--rounds", default=3, type=int, show_default=True,
                          help="Rounds: each runs every candidate once, in reverse order every other round.")
+    confirm_rounds: int = option("--confirm-rounds", default=2, type=int, show_default=True,
+                                 help="Where no candidate ran faster in every round than PLAN in any, but one beat it "
+                                      "in each round, run the two this many rounds more; it replaces PLAN if it "
+                                      "beats it in each of those too (0: never).")
     quiet: bool = option("--quiet", "-q", default=False, is_flag=True, help="Print only the result.")
 
     def check(self) -> None:
@@ -68,6 +74,8 @@ class TuneOptions:
             raise BadInput(f"--steps {self.steps}: give 2 or more (a run's first step, which warms up, is not measured)")
         if self.rounds < 1:
             raise BadInput(f"--rounds {self.rounds}: give 1 or more")
+        if self.confirm_rounds < 0:
+            raise BadInput(f"--confirm-rounds {self.confirm_rounds}: give 0 (never) or more")
         check_output_paths({"--out": self.out})
 
 
@@ -102,7 +110,7 @@ def tune_command(plan: str, **options: Any) -> None:
         say(f"{len(tried)} plans predicted within {opts.within:.0%} of {tried[0].predicted_step_s * 1e3:.3f} ms: "
             f"{opts.rounds} round(s) of {opts.steps} steps each")
         measured = _measure(tried, opts, say)
-    best = _kept(measured)
+    best = _kept(measured, opts.rounds)
     out = {**tried[best].doc, "version": FORMAT_VERSIONS[PLAN_FORMAT]}
     out["tuning"] = {
         "tuned_from": {"path": plan, "sha256": file_sha256(plan)},
@@ -119,9 +127,9 @@ def tune_command(plan: str, **options: Any) -> None:
 
 def _measure(tried: list, opts: TuneOptions, say) -> list[_Measured]:
     """Each candidate run ``opts.rounds`` times, ``opts.steps`` steps each, order reversed every
-    other round."""
+    other round; then, where no candidate is clear of the plan but one beat it in every round
+    (:func:`_leader`), the plan and that one ``opts.confirm_rounds`` rounds more."""
     from .artifacts import write_json_atomic
-    from .runtime.command import run_command
 
     measured = [_Measured([]) for _ in tried]
     with tempfile.TemporaryDirectory(prefix="gpipe-plan-tune-") as tmp:
@@ -130,26 +138,41 @@ def _measure(tried: list, opts: TuneOptions, say) -> list[_Measured]:
             path = Path(tmp) / f"candidate{i}.plan.json"
             write_json_atomic(path, a.doc)
             paths.append(path)
+        everyone = list(range(len(tried)))
         for r in range(opts.rounds):
-            order = list(range(len(tried))) if r % 2 == 0 else list(reversed(range(len(tried))))
-            for i in order:
-                if measured[i].failed is not None:
-                    continue
-                report = Path(tmp) / f"candidate{i}.round{r}.report.json"
-                try:
-                    with _output_to(Path(tmp) / f"candidate{i}.round{r}.log"):
-                        run_command(plan=str(paths[i]), steps=opts.steps, report=str(report), quiet=True)
-                    step = read_artifact(report, REPORT_FORMAT).get("measured_step_s")
-                except (RunFailure, BadInput) as exc:
-                    if i == 0:
-                        raise
-                    measured[i].failed = str(exc)
-                    say(f"  round {r + 1}: {_name(tried[i])}: failed ({exc}); left out")
-                    continue
-                measured[i].steps_s.append(step)
-                say(f"  round {r + 1}: {_name(tried[i])}: predicted {tried[i].predicted_step_s * 1e3:.1f} ms, "
-                    f"measured {_ms(step)}")
+            _round(r, everyone, tried, paths, measured, opts, say, Path(tmp))
+        lead = _leader(measured, opts.rounds) if opts.confirm_rounds else None
+        if lead is not None:
+            say(f"  {_name(tried[lead])} beat solve's plan in every round, not by all its rounds: "
+                f"{opts.confirm_rounds} round(s) more of the two")
+            for r in range(opts.rounds, opts.rounds + opts.confirm_rounds):
+                _round(r, [0, lead], tried, paths, measured, opts, say, Path(tmp))
     return measured
+
+
+def _round(r: int, among: list[int], tried: list, paths: list[Path], measured: list[_Measured], opts: TuneOptions,
+           say, tmp: Path) -> None:
+    """Round ``r``: each candidate of ``among`` that has not failed runs once, in reverse order
+    every other round."""
+    from .runtime.command import run_command
+
+    for i in (among if r % 2 == 0 else among[::-1]):
+        if measured[i].failed is not None:
+            continue
+        report = tmp / f"candidate{i}.round{r}.report.json"
+        try:
+            with _output_to(tmp / f"candidate{i}.round{r}.log"):
+                run_command(plan=str(paths[i]), steps=opts.steps, report=str(report), quiet=True)
+            step = read_artifact(report, REPORT_FORMAT).get("measured_step_s")
+        except (RunFailure, BadInput) as exc:
+            if i == 0:
+                raise
+            measured[i].failed = str(exc)
+            say(f"  round {r + 1}: {_name(tried[i])}: failed ({exc}); left out")
+            continue
+        measured[i].steps_s.append(step)
+        say(f"  round {r + 1}: {_name(tried[i])}: predicted {tried[i].predicted_step_s * 1e3:.1f} ms, "
+            f"measured {_ms(step)}")
 
 
 @contextmanager
@@ -173,24 +196,54 @@ def _output_to(path: Path) -> Iterator[None]:
             os.close(old)
 
 
-def _kept(measured: list[_Measured]) -> int:
-    """The candidate to keep: the plan itself (index 0), unless some candidate ran faster in every
-    round than the plan in any; then the least median of those.
+def _kept(measured: list[_Measured], rounds: int) -> int:
+    """The candidate to keep: the plan itself (index 0), unless some candidate ran faster in
+    every one of the first ``rounds`` rounds than the plan in any (then the least median of
+    those), or, failing that, one ran the confirming rounds after them and beat the plan in each
+    round it ran.
 
     [Note: a tie stays solve's]
     Plans the model cannot tell apart often run alike too, and then the fastest median is the
     host's noise: on the 2-core VM, 2 ranks, three plans within 4% ran 43-49 ms each, their
     medians 1% apart, in an order the next tune would not repeat. So a candidate replaces the
-    plan only where their rounds do not overlap: for two plans that run alike that happens by
-    chance 1 time in C(2r, r) (20 at r = 3 rounds; r = 1 never protects). A plan that runs
-    10% faster, as the ties of ranks sharing cores can, clears it."""
+    plan only on evidence that chance rarely gives two plans that run alike:
+    - their rounds do not overlap: by chance 1 time in C(2r, r) (20 at r = 3 rounds; r = 1
+      never protects). A plan that runs 10% faster, as the ties of ranks sharing cores can,
+      clears it;
+    - or it wins round by round: the plans of a round run minutes apart at most, so a host that
+      slows for a while slows the whole round, and a plan a few percent faster can lose the
+      overlap test to that drift yet beat the plan in every round. Three such wins come by
+      chance 1 time in 8, too often to switch on; so the leader of those (:func:`_leader`) and
+      the plan run the confirming rounds, and it must win those too: 1 time in 32 by chance at
+      3 + 2 rounds (docs/runtime.md, "Tuning", has what the two tests catch)."""
     own = measured[0]
     if own.median_s is None:
         return 0
-    own_fastest = min(s for s in own.steps_s if s is not None)
+    own_fastest = min((s for s in own.steps_s[:rounds] if s is not None), default=None)
     clear = [(m.median_s, i) for i, m in enumerate(measured[1:], 1)
-             if m.median_s is not None and max(s for s in m.steps_s if s is not None) < own_fastest]
-    return min(clear)[1] if clear else 0
+             if m.median_s is not None and own_fastest is not None
+             and max((s for s in m.steps_s[:rounds] if s is not None), default=math.inf) < own_fastest]
+    if clear:
+        return min(clear)[1]
+    confirmed = [i for i, m in enumerate(measured[1:], 1)
+                 if m.median_s is not None and len(m.steps_s) > rounds and _won_every_round(m, own)]
+    return confirmed[0] if confirmed else 0
+
+
+def _leader(measured: list[_Measured], rounds: int) -> int | None:
+    """The candidate the confirming rounds are for: none where one is already clear of the plan
+    (:func:`_kept`), else the least median of those that beat the plan in each round."""
+    if _kept(measured, rounds) != 0 or measured[0].median_s is None:
+        return None
+    won = [(m.median_s, i) for i, m in enumerate(measured[1:], 1)
+           if m.median_s is not None and _won_every_round(m, measured[0])]
+    return min(won)[1] if won else None
+
+
+def _won_every_round(m: _Measured, own: _Measured) -> bool:
+    """Whether ``m`` ran faster than the plan in each round both ran."""
+    return len(m.steps_s) == len(own.steps_s) and all(
+        mine is not None and theirs is not None and mine < theirs for mine, theirs in zip(m.steps_s, own.steps_s))
 
 
 def _name(a) -> str:

@@ -34,6 +34,8 @@ PARTS = {
     "accuracy": ("bench.accuracy", "cost model: measured vs predicted step and memory, before/after calibration"),
     "fidelity": ("bench.fidelity", "does the default plan run fastest? every schedule measured vs predicted, "
                                    "gpt, resnet, llama at K = 2, 4"),
+    "tune-rule": ("bench.tune_rule", "how often gpipe-plan tune's rule switches plans, simulated on drifting "
+                                     "and steady hosts (no runs)"),
     "runtime": ("bench.runtime_speedup", "2 stages vs 1 on this CPU: samples/s, per-micro-batch overhead"),
     "efficiency": ("bench.efficiency", "measured step vs ideal and bubble bound; vs torch.distributed.pipelining by hand"),
     "demo": ("bench.demo", "gpipe-plan demo's loss on the text it ships; the text recipe on a 12-layer gpt"),

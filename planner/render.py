@@ -175,6 +175,9 @@ def tuning_line(tuning: Tuning) -> str:
     if not ran or own.median_step_s is None:
         return f"tuned: no other plan predicted within {tuning.within:.0%} of this one; none run"
     each = f"{tuning.rounds} x {tuning.steps} steps each"
+    confirming = len(own.measured_step_s) - tuning.rounds
+    if confirming > 0:
+        each += f", then {confirming} more of solve's plan and the one that had beaten it in each"
     if own.chosen:
         return (f"tuned: solve's plan kept ({format_seconds(own.median_step_s)} a step): none of the {len(ran) - 1} "
                 f"other plans predicted within {tuning.within:.0%} ran faster in every round ({each})")

@@ -84,17 +84,57 @@ def test_a_candidate_faster_in_the_median_but_not_in_every_round_leaves_the_plan
     def own(doc) -> bool:
         return (doc["balance"], doc["schedule"], doc["micro_batches"]) == \
                (plan["balance"], plan["schedule"], plan["micro_batches"])
-    # solve's plan: 10, 11, 12; the other: 8, 9, 10.5 (its median less, its slowest round slower
-    # than solve's fastest) -> kept; then 8, 9, 9.9 -> replaced
-    for theirs, kept_own in (((8.0, 9.0, 10.5), True), ((8.0, 9.0, 9.9), False)):
-        fake_runs(monkeypatch, lambda doc, r: ((10.0, 11.0, 12.0) if own(doc) else theirs)[r])
+    # solve's plan: 10, 11, 12; the other: 12, 9, 10.5 (its median less, its slowest round slower
+    # than solve's fastest) -> kept; 8, 9, 10.5 (the same, though it won each round) without
+    # confirming rounds -> kept; then 8, 9, 9.9 -> replaced
+    for theirs, kept_own in (((12.0, 9.0, 10.5), True), ((8.0, 9.0, 10.5), True), ((8.0, 9.0, 9.9), False)):
+        runs = fake_runs(monkeypatch, lambda doc, r: ((10.0, 11.0, 12.0) if own(doc) else theirs)[r])
         out = solved.parent / "tuned.json"
-        tune.tune_command(str(solved), out=str(out), within=1.0, candidates=2, steps=4, rounds=3, quiet=True)
+        tune.tune_command(str(solved), out=str(out), within=1.0, candidates=2, steps=4, rounds=3,
+                          confirm_rounds=2 if theirs[0] > 10 else 0, quiet=True)
+        assert len(runs) == 6                          # no confirming rounds: none won each round, or 0 asked
         doc = read_artifact(out, PLAN_FORMAT)
         assert doc["tuning"]["candidates"][0]["chosen"] is kept_own
         assert own(doc) is kept_own
         said = " ".join(cli("show", str(out)).output.split())
         assert ("tuned: solve's plan kept" in said) is kept_own, said
+
+
+def test_a_candidate_that_beat_the_plan_in_each_round_runs_the_confirming_rounds_beside_it_alone(
+        solved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpipe_plan.planner.alternatives import alternatives
+
+    plan = json.loads(solved.read_text())
+    tried = alternatives(plan, str(solved), 1.0, 3)
+
+    def key(a) -> tuple:
+        return tuple(a.doc["balance"]), a.doc["schedule"], a.doc["micro_batches"]
+    own, leader, third = (key(a) for a in tried)
+    # rounds overlap (the leader's 10.5 is slower than the plan's 10), but the leader won each
+    # round, and the third won none; then the confirming rounds decide
+    for confirming, replaced in (((10.0, 10.9), True), ((10.0, 11.5), False)):
+        times = {own: (10.0, 11.0, 12.0, 11.0, 11.0), leader: (8.0, 9.0, 10.5, *confirming),
+                 third: (13.0, 13.0, 13.0)}
+        runs = fake_runs(monkeypatch, lambda doc, r: times[tuple(doc["balance"]), doc["schedule"],
+                                                           doc["micro_batches"]][r])
+        out = solved.parent / "tuned.json"
+        tune.tune_command(str(solved), out=str(out), within=1.0, candidates=3, steps=4, rounds=3, quiet=True)
+        # three rounds of all three, then two of the plan and the leader alone, the order
+        # still reversed every other round
+        assert runs[9:] == [leader, own, own, leader], runs
+        doc = read_artifact(out, PLAN_FORMAT)
+        cands = doc["tuning"]["candidates"]
+        assert [len(c["measured_step_s"]) for c in cands] == [5, 5, 3]
+        assert [c["chosen"] for c in cands] == [not replaced, replaced, False]
+        said = " ".join(cli("show", str(out)).output.split())
+        assert "then 2 more of solve's plan and the one that had beaten it in each" in said, said
+        assert ("tuned: this plan ran faster in every round than solve's" in said) is replaced, said
+    # a candidate clear of the plan after the rounds needs no confirming: none run
+    times = {own: (10.0, 11.0, 12.0), leader: (8.0, 9.0, 9.5), third: (8.5, 8.6, 9.9)}
+    runs = fake_runs(monkeypatch, lambda doc, r: times[tuple(doc["balance"]), doc["schedule"], doc["micro_batches"]][r])
+    tune.tune_command(str(solved), out=str(out), within=1.0, candidates=3, steps=4, rounds=3, quiet=True)
+    assert len(runs) == 9
+    assert [c["chosen"] for c in read_artifact(out, PLAN_FORMAT)["tuning"]["candidates"]] == [False, False, True]
 
 
 def test_a_candidate_whose_run_fails_is_left_out_and_the_plans_own_failure_stops_the_tune(
@@ -137,6 +177,7 @@ def test_with_nothing_predicted_close_the_plan_is_written_unrun(solved: Path, mo
     (["--out", "t.json", "--steps", "1"], "--steps 1"),
     (["--out", "t.json", "--rounds", "0"], "--rounds 0"),
     (["--out", "t.json", "--candidates", "0"], "--candidates 0"),
+    (["--out", "t.json", "--confirm-rounds", "-1"], "--confirm-rounds -1"),
 ])
 def test_bad_options_are_one_line_before_any_run(solved: Path, monkeypatch: pytest.MonkeyPatch, args, said) -> None:
     runs = fake_runs(monkeypatch, lambda doc, r: 1.0)
