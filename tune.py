@@ -143,8 +143,8 @@ def _measure(tried: list, opts: TuneOptions, say) -> list[_Measured]:
             _round(r, everyone, tried, paths, measured, opts, say, Path(tmp))
         lead = _leader(measured, opts.rounds) if opts.confirm_rounds else None
         if lead is not None:
-            say(f"  {_name(tried[lead])} beat solve's plan in every round, not by all its rounds: "
-                f"{opts.confirm_rounds} round(s) more of the two")
+            say(f"  {_name(tried[lead])} beat solve's plan in each round, but their rounds overlap: "
+                f"{opts.confirm_rounds} round(s) more of the two alone")
             for r in range(opts.rounds, opts.rounds + opts.confirm_rounds):
                 _round(r, [0, lead], tried, paths, measured, opts, say, Path(tmp))
     return measured
@@ -210,8 +210,8 @@ def _kept(measured: list[_Measured], rounds: int) -> int:
     - their rounds do not overlap: by chance 1 time in C(2r, r) (20 at r = 3 rounds; r = 1
       never protects). A plan that runs 10% faster, as the ties of ranks sharing cores can,
       clears it;
-    - or it wins round by round: the plans of a round run minutes apart at most, so a host that
-      slows for a while slows the whole round, and a plan a few percent faster can lose the
+    - or it wins round by round: the plans of one round run within a minute or two, so a host
+      that slows for a while slows the whole round, and a plan a few percent faster can lose the
       overlap test to that drift yet beat the plan in every round. Three such wins come by
       chance 1 time in 8, too often to switch on; so the leader of those (:func:`_leader`) and
       the plan run the confirming rounds, and it must win those too: 1 time in 32 by chance at

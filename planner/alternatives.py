@@ -39,6 +39,7 @@ from .costmodel import CostModel, Setting
 from .export.cost import plan_profile_path
 from .export.expressible import bounds_of
 from .export.setting import plan_setting
+from .fixedcosts import FixedCosts
 from .local_search import moves
 from .objective import Evaluation, Solution, evaluate, proven_optimal
 from .plan import (chunk_rows, exposed_sync_s, one_pipeline_row, plan_warnings, runner_up, stage_rows,
@@ -95,8 +96,9 @@ def alternatives(plan_doc: dict[str, Any], plan_path: str, within: float, most: 
     for row in plan_doc.get("runners_up") or ():
         if not row.get("fits") or row.get("step_s") is None or row["step_s"] > limit:
             continue
-        other = replace(setting, micro_batches=row["micro_batches"], schedule=row["schedule"],
-                        virtual_stages=row.get("virtual_stages") or 1)
+        other = _at_size(replace(setting, micro_batches=row["micro_batches"], schedule=row["schedule"],
+                                 virtual_stages=row.get("virtual_stages") or 1),
+                         profile, row["micro_batch_size"], view.micro_batch_size)
         flags = row.get("recompute") or [False] * len(row["balance"])
         per_stage = [False] * setting.stages
         for c, flag in enumerate(flags):
@@ -120,6 +122,16 @@ def alternatives(plan_doc: dict[str, Any], plan_path: str, within: float, most: 
         doc = plan_doc if source == CHOSEN else _plan_doc(plan_doc, profile, st, size, ev, source, own_row)
         out.append(Alternative(source, st, size, ev, doc))
     return out
+
+
+def _at_size(setting: Setting, profile: Profile, size: int, plan_size: int) -> Setting:
+    """``setting`` (the plan's, rebuilt from what it recorded at ``plan_size``) for micro-batches
+    of ``size``: the runtime's fixed costs and the cost between actions are measured per size,
+    and solve charged each setting its own size's (planner/settings.py, ``cost_setting``)."""
+    if size == plan_size:
+        return setting
+    return replace(setting, overhead_s=profile.per_action_overhead_s(setting.stages, size),
+                   fixed_costs=profile.fixed_costs_at(size) or FixedCosts())
 
 
 def _chosen_first(found: list, most: int) -> list:
@@ -149,6 +161,9 @@ def _plan_doc(base: dict[str, Any], profile: Profile, setting: Setting, micro_ba
         "chunks": chunk_rows(profile.layers, ev),
         "stages": stage_rows(ev, M, setting.schedule),
     })
+    # what this setting is charged at its own micro-batch size (plan.py's options, _at_size)
+    doc["options"].update({"per_microbatch_overhead_s": setting.overhead_s,
+                           "fixed_costs": setting.fixed_costs.record()})
     predicted = doc["predicted"]
     predicted.update(step_predictions(ev, M, global_batch))
     predicted["gradient_sync_s"] = exposed_sync_s(profile, micro_batch_size, setting, ev)
