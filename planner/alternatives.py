@@ -39,13 +39,13 @@ from .costmodel import CostModel, Setting
 from .export.cost import plan_profile_path
 from .export.expressible import bounds_of
 from .export.setting import plan_setting
-from .fixedcosts import FixedCosts
 from .local_search import moves
 from .objective import Evaluation, Solution, evaluate, proven_optimal
 from .plan import (chunk_rows, exposed_sync_s, one_pipeline_row, plan_warnings, runner_up, stage_rows,
                    step_predictions)
 from .profile import Profile
 from .search import Candidate
+from .settings import size_charges
 
 # What a candidate is, in the plan's ``tuning.candidates[].source``.
 CHOSEN, RUNNER_UP, ONE_MOVE = TUNING_SOURCES
@@ -126,12 +126,11 @@ def alternatives(plan_doc: dict[str, Any], plan_path: str, within: float, most: 
 
 def _at_size(setting: Setting, profile: Profile, size: int, plan_size: int) -> Setting:
     """``setting`` (the plan's, rebuilt from what it recorded at ``plan_size``) for micro-batches
-    of ``size``: the runtime's fixed costs and the cost between actions are measured per size,
-    and solve charged each setting its own size's (planner/settings.py, ``cost_setting``)."""
+    of ``size``: solve charged each setting its own size's figures (planner/settings.py,
+    ``size_charges``)."""
     if size == plan_size:
         return setting
-    return replace(setting, overhead_s=profile.per_action_overhead_s(setting.stages, size),
-                   fixed_costs=profile.fixed_costs_at(size) or FixedCosts())
+    return replace(setting, **size_charges(profile, setting.stages, size))
 
 
 def _chosen_first(found: list, most: int) -> list:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..schedules import SCHEDULES, chunks_per_stage, label
 from ..schedules import problem as schedule_problem
@@ -153,8 +153,7 @@ def cost_setting(profile: Profile, *, stages: int, micro_batches: int, schedule:
         link_bandwidth_bytes_per_s=link_bandwidth_bytes_per_s,
         link_latency_s=link_latency_s if math.isfinite(link_bandwidth_bytes_per_s) else 0.0,
         optimizer=optimizer,
-        overhead_s=profile.per_action_overhead_s(stages, micro_batch_size),
-        fixed_costs=profile.fixed_costs_at(micro_batch_size) or FixedCosts(),
+        **size_charges(profile, stages, micro_batch_size),
         compute_scale=neighbour_scale(profile.contention_slowdown, profile.contention_processes, computing),
         virtual_stages=virtual_stages,
         data_parallel=sync.data_parallel,
@@ -166,6 +165,14 @@ def cost_setting(profile: Profile, *, stages: int, micro_batches: int, schedule:
         shared_core_slowdown=profile.shared_core_slowdown or 1.0,
         shared_core_action_s=profile.shared_core_action_s,
     )
+
+
+def size_charges(profile: Profile, stages: int, micro_batch_size: float | None) -> dict[str, Any]:
+    """What a setting is charged that depends on its micro-batch size, as :class:`Setting`
+    fields: the runtime's fixed costs per action and message and the cost between actions, which
+    the profile measured per size (planner/fixedcosts.py, ``figures_at``)."""
+    return {"overhead_s": profile.per_action_overhead_s(stages, micro_batch_size),
+            "fixed_costs": profile.fixed_costs_at(micro_batch_size) or FixedCosts()}
 
 
 def pipeline_link(profile: Profile, options: SolveOptions) -> tuple[float, float]:
