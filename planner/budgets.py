@@ -53,6 +53,9 @@ BRANCH_AND_BOUND_SHARES = {"interleaved": 0.02, "zb-v": 0.02}
 # setting it lost three there (K = 4, M = 8 and 16: 2,400-4,800 nodes), and on a fifth, more.
 LOCAL_SEARCH_SHARE = 0.1
 LOCAL_SEARCH_BELOW_NODES = 2000
+# The most of what a setting has left that the linear relaxation's bound may take
+# (milp_solve.relaxation_bound): it needs a fraction of it, and the MILP after it the rest.
+RELAXATION_SHARE = 0.25
 
 
 def branch_and_bound_share(schedule: str) -> float:

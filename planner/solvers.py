@@ -40,8 +40,8 @@ from dataclasses import replace
 from typing import Sequence
 
 from . import milp, milp_solve
-from .budgets import (LOCAL_SEARCH_BELOW_NODES, LOCAL_SEARCH_SHARE, WALL_SAFETY, WORK_PER_SECOND,
-                      branch_and_bound_share)
+from .budgets import (LOCAL_SEARCH_BELOW_NODES, LOCAL_SEARCH_SHARE, RELAXATION_SHARE, WALL_SAFETY,
+                      WORK_PER_SECOND, branch_and_bound_share)
 from .chunked import ChunkedSolver
 from .costmodel import CostModel
 from .gpipe_solver import GPipeSolver
@@ -96,7 +96,8 @@ def search_setting(cm: CostModel, solver: str, time_budget_s: float, seeds: Sequ
     share = branch_and_bound_share(cm.schedule)
     follow = (milp.available() is not None and milp.applicable(cm)
               and work_s * (1 - share) >= 1.5 * milp.fixed_cost_s(cm))
-    share = share if follow else 1.0 - LOCAL_SEARCH_SHARE
+    relaxable = milp_solve.relaxable(cm)
+    share = share if follow else 1.0 - LOCAL_SEARCH_SHARE - (RELAXATION_SHARE if relaxable else 0.0)
     if cm.schedule in ("gpipe", "1f1b"):
         search = OneFOneBSolver(cm, seeds=seeds, time_budget_s=time_budget_s * share, cutoff_s=cutoff_s,
                                 work_budget_s=work_s * share,
@@ -114,6 +115,14 @@ def search_setting(cm: CostModel, solver: str, time_budget_s: float, seeds: Sequ
         return _used(refined, used + _milp_work(refined))
     if solution is None or settled(solution, cutoff_s):
         return _used(solution, used)
+    if relaxable and (not follow or math.isfinite(cutoff_s)):
+        # The linear relaxation's bound, where no MILP will lift the bound or a cutoff may
+        # settle the setting at once ([Note: the linear relaxation's bound]).
+        wall_left = max(0.05, time_budget_s - (time.perf_counter() - started))
+        solution, more = relax(cm, solution, min(work_s - used, work_s * RELAXATION_SHARE), wall_left)
+        used += more
+        if settled(solution, cutoff_s):
+            return _used(solution, used)
     if not follow or milp_solve.nodes_affordable(cm, work_s - used) < LOCAL_SEARCH_BELOW_NODES:
         solution, more = improve(cm, solution, work_s * LOCAL_SEARCH_SHARE)
         used += more
@@ -136,6 +145,22 @@ def improve(cm: CostModel, solution: Solution, work_s: float) -> tuple[Solution,
     return replace(solution, evaluation=found, proven=proven_optimal(found.step_s, solution.lower_bound_s),
                    method=f"{solution.method}; iterated local search from its best plan",
                    stats=stats), search.work_s
+
+
+def relax(cm: CostModel, solution: Solution, work_s: float, time_limit_s: float) -> tuple[Solution, float]:
+    """``solution`` with the bound of the programme's linear relaxation where that is higher
+    (milp_solve.relaxation_bound, within ``work_s`` seconds of work); and the work used."""
+    bound, work = milp_solve.relaxation_bound(cm, work_s, time_limit_s)
+    if bound is None:
+        return solution, work
+    stats = {**solution.stats, "relaxation": {"lower_bound_s": bound, "work_s": round(work, 3)}}
+    step = solution.evaluation.step_s
+    if bound <= solution.lower_bound_s:
+        return replace(solution, stats=stats), work
+    lower = min(step, bound)
+    return replace(solution, lower_bound_s=lower, proven=proven_optimal(step, lower), stats=stats,
+                   method=f"{solution.method}; bounded by the MILP's linear relaxation",
+                   bound_by="milp"), work
 
 
 def settled(solution: Solution | None, cutoff_s: float) -> bool:

@@ -363,6 +363,57 @@ def test_a_setting_whose_bound_reaches_the_cutoff_gets_no_more_work():
     assert candidate.solution is got
 
 
+@pytest.mark.parametrize("schedule,v", SHAPES)
+@pytest.mark.parametrize("seed", range(8))
+def test_the_linear_relaxation_bounds_every_cut(schedule, v, seed):
+    """milp_solve.relaxation_bound: the programme with its cuts free to fall between layers is
+    never slower than the best cut (every cut, every recompute choice, brute force); a budget
+    that cannot pay for it gives no bound and is charged no more than it had."""
+    fig, setting = random_case(random.Random(f"relaxed-{schedule}-{v}-{seed}"), schedule, v, max_extra_layers=6)
+    cm = CostModel(fig, setting)
+    want = brute_force(cm)
+    bound, work = milp_solve.relaxation_bound(cm, 60.0, 600)
+    if want is not None and bound is not None:
+        assert bound <= want.step_s * (1 + 1e-9) + 1e-15
+    assert work > 0 or bound is None
+    starved, spent = milp_solve.relaxation_bound(cm, 1e-4, 600)
+    assert starved is None and spent <= 1e-4
+
+
+def test_where_no_milp_follows_the_linear_relaxation_lifts_the_bound():
+    """A setting whose budget cannot build the MILP and its root keeps the branch and bound's
+    bound no longer: the linear relaxation's is higher (below the proven optimum), it says so
+    (bound_by, stats), and its work is counted in the setting's."""
+    cm = _open_interleaved()
+    budget = 1.1 * milp.fixed_cost_s(cm)          # under the 1.5 times the MILP needs
+    got = solve_cost_model(cm, "exact", 600, work_budget_s=budget)
+    assert "milp" not in got.stats and "relaxation" in got.stats
+    optimum = solve_cost_model(cm, "exact", 600, work_budget_s=20.0)
+    assert optimum.proven
+    relaxed = got.stats["relaxation"]["lower_bound_s"]
+    assert got.lower_bound_s == relaxed <= optimum.evaluation.step_s
+    assert got.bound_by == "milp" and "linear relaxation" in got.method
+    parts = (got.stats["work"] / WORK_PER_SECOND, got.stats.get("local_search", {}).get("work_s", 0.0),
+             got.stats["relaxation"]["work_s"])
+    assert got.stats["work_s"] == pytest.approx(sum(parts), abs=1.5e-3)
+    assert got.stats["work_s"] <= budget
+
+
+def test_a_cutoff_the_linear_relaxation_reaches_settles_the_setting_without_the_milp():
+    """A cutoff (another setting's step) between the branch and bound's bound and the linear
+    relaxation's: the relaxation settles the setting, and neither the local search nor the MILP
+    runs (their budget goes to the settings after it)."""
+    cm = _open_interleaved()
+    relaxed, _ = milp_solve.relaxation_bound(cm, 10.0, 600)
+    searched = solve_cost_model(cm, "exact", 2.0, work_budget_s=2.0 * branch_and_bound_share(cm.schedule))
+    assert searched.lower_bound_s < relaxed
+    cutoff = (searched.lower_bound_s + relaxed) / 2
+    got = solve_cost_model(cm, "exact", 2.0, cutoff_s=cutoff, work_budget_s=2.0)
+    assert "milp" not in got.stats and "local_search" not in got.stats
+    assert got.lower_bound_s == relaxed >= cutoff
+    assert got.stats["work_s"] < 0.5
+
+
 def test_a_settings_work_counts_its_branch_and_bound_local_search_and_milp():
     """stats["work_s"] is what a setting used, which the settings after it do not get
     (budgets.SettingBudgets): its branch and bound's (stats["work"] units), its local search's
