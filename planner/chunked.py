@@ -127,16 +127,8 @@ class ChunkedSolver:
         self.last_chunk_of = [max(cm.peaks[k].chunks) for k in range(cm.K)]
         self.plain = cm.allowed_recompute[0]      # the cheaper choice (False unless only True is allowed)
         # Prefix sums of each layer's backward at its least (B, or I + W), for the work not cut yet.
-        if cm.split:
-            # Per layer the least of I + W and B: chunk 0 runs B (its W is the whole backward),
-            # and the layers not cut yet may still fall in it.
-            first = cm.pgir if self.plain else cm.pgi
-            whole = cm.pgr if self.plain else cm.pg
-            least = [min(first[i + 1] - first[i] + cm.pgw[i + 1] - cm.pgw[i], whole[i + 1] - whole[i])
-                     for i in range(cm.L)]
-            self.plain_backward = [0.0, *accumulate(least)]
-        else:
-            self.plain_backward = cm.pgr if self.plain else cm.pg
+        self.plain_backward = cm.least_backward_prefix
+        self.layer_floor = cm.layer_floor_s            # [Note: a layer's floor]
         # The fixed parts of the chunks not cut yet, from chunk c on: of their forwards, and of all
         # their actions (F, and B or I + W); chunk 0's are the least it can have (no rerun).
         forward_fixed = [cm.chunk_fixed("F", c) for c in range(cm.C)]
@@ -253,7 +245,7 @@ class ChunkedSolver:
                     c < decided for c in self.cm.peaks[k].chunks) else 0.0
                 tail_floor.append(known - (fwd[lowest] if lowest <= decided else latest_start))
                 joint_floor.append(total + known)
-        worst = max(worst, self._water_level(busy_floor, bounds[-1], decided))
+        worst = max(worst, self._water_level(busy_floor, bounds[-1], decided), self.layer_floor)
         # The optimizer tail, max_k (optimizer_k - start of stage k's first action): stage 0's,
         # and every other stage's whose first action's start is known (micro-batch 0 reaching its
         # lowest chunk: the chunks below are cut).

@@ -130,16 +130,17 @@ def solve_milp(cm: CostModel, start: Evaluation | None = None, cutoff_s: float =
 
 # [Note: the linear relaxation's bound]
 # The programme with its binaries relaxed to [0, 1] lets a cut fall between layers (a layer's
-# time split between two chunks), so its optimum bounds every cut's step from below; it is one
+# time split between two chunks), so its optimum bounds every cut's step from below. It is one
 # linear programme, a fraction of the MILP's root, which adds presolve, probing, cut rounds and
-# strong branching (on the PipeDream programmes at K = 8, M = 32: 0.2-0.3 s against 0.7-3.9 s).
-# A search asks for it where the MILP will not run (its budget cannot build the programme and
-# its root: without it those settings kept the branch and bound's bound, 12-41% below their plan)
-# and where a cutoff might settle the setting at once (a plan another setting has is no slower
-# than any cut of this one, whole layers or not), so that the setting's budget goes to the
-# settings still open. It is charged as the MILP's iterations, with RELAXATION_S_PER_THOUSAND
-# for building and passing the programme in place of the MILP's root; the LPs measured took
-# 12-26 us per iteration and thousand variables and constraints, under the 28 charged.
+# strong branching (PipeDream programmes at K = 8, M = 32: 0.2-0.3 s against 0.7-3.9 s). A
+# search asks for it where no MILP will run (the budget cannot build the programme and its
+# root: those settings kept the branch and bound's bound, their plans 9.5-41% above it on the
+# exactness bench) and where a cutoff may settle the setting at once (a plan another setting
+# has is no slower than any cut of this one, whole layers or not), so that the budget goes to
+# the settings still open. It is charged its simplex iterations as the MILP is, with
+# RELAXATION_S_PER_THOUSAND for building and passing the programme in place of the MILP's
+# root: the LPs measured took 12-26 us an iteration per thousand variables and constraints,
+# under the 28 charged.
 RELAXATION_S_PER_THOUSAND = 0.02
 
 

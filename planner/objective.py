@@ -162,7 +162,8 @@ def work_floor(cm: CostModel, backward_prefix: Sequence[float]) -> float:
     """A lower bound on every plan's step that needs no table (what a search that ran out of time
     before its bounds keeps): each stage runs its M forwards and backwards one at a time, so the
     makespan is at least the average stage's work, and at least the heaviest layer's M forwards
-    and backwards on whichever stage holds it; then stage 0 steps its optimizer (its least).
+    and backwards on whichever stage holds it, with the layers before it once on either side
+    (CostModel.layer_floor_s); then stage 0 steps its optimizer (its least).
     ``backward_prefix``: the prefix sums of each layer's least backward. For the one-chunk
     schedules it serves (GPipe, 1F1B): stage k's fixed part per micro-batch is its forward's
     and its least backward's (``CostModel.chunk_fixed``, messages included)."""
@@ -173,5 +174,5 @@ def work_floor(cm: CostModel, backward_prefix: Sequence[float]) -> float:
     average = M * (pf[L] + backward_prefix[L] + sum(fixed)) / K
     heaviest = M * (max(pf[i + 1] - pf[i] + backward_prefix[i + 1] - backward_prefix[i] for i in range(L))
                     + min(fixed))
-    return max(average, heaviest) + cm.least_first_optimizer()
+    return max(average, heaviest, cm.layer_floor_s) + cm.least_first_optimizer()
 

@@ -10,10 +10,13 @@ A setting (M, schedule, v, recomputation) is a cost model; its best cut comes fr
   would buy few nodes, budgets.LOCAL_SEARCH_BELOW_NODES), and the schedule MILP
   (planner/milp.py), warm-started from that plan, gets the rest: it proves what the branch and
   bound cannot (its bound after branching knows where the heavy layers went), or at least lifts
-  the bound. A branch and bound that found no plan before its share ran out hands the setting to
+  the bound. Between them, the MILP's linear relaxation (one LP) bounds the setting where no
+  MILP will follow (its budget cannot build the programme) or where a plan of another setting
+  may already be no slower than every cut of this one (milp_solve.relaxation_bound). A branch
+  and bound that found no plan before its share ran out hands the setting to
   the MILP all the same (found nothing is not "nothing fits"). Without pulp (the GPU image) or
   for a programme too large to build, the branch and bound gets the budget but the local
-  search's share.
+  search's share (and the relaxation's, where HiGHS can solve it).
 - **pipedream, pipedream-2bw**: no flush, so the step is M times a steady-state period that
   is a min-max over the cuts: one exact dynamic programme (planner/asynchronous.py), whatever
   the solver.

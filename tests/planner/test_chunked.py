@@ -3,6 +3,7 @@ and what `solve` writes for them (plan format 5)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from dataclasses import replace
@@ -60,6 +61,21 @@ def assert_bound_holds_for_every_cut(cm: CostModel) -> None:
             complete = [max(cm.peaks[k].chunks) < j for k in range(cm.K)]
             prefix_recompute = [r if done else None for r, done in zip(chosen, complete)]
             assert solver.bound(bounds[:j + 1], prefix_recompute) <= ev.step_s * (1 + 1e-12) + 1e-15
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3),
+                                        ("zb-h1", 1), ("zb-v", 1)])
+@pytest.mark.parametrize("seed", range(10))
+def test_a_layers_floor_is_below_every_cuts_makespan(schedule, v, seed):
+    """[Note: a layer's floor]: whatever the cut and the recompute choice per stage (memory
+    aside), the makespan is at least CostModel.layer_floor_s, with links, fixed costs per action,
+    optimizer time, measured recomputation and replicas drawn on or off."""
+    fig, setting = schedule_case(random.Random(f"floor-{schedule}-{v}-{seed}"), schedule, v)
+    cm = CostModel(fig, setting)
+    for bounds in partitions(cm.L, cm.C):
+        for recompute in itertools.product(cm.allowed_recompute, repeat=cm.K):
+            makespan = evaluate(cm, bounds, list(recompute)).makespan_s
+            assert cm.layer_floor_s <= makespan * (1 + 1e-12) + 1e-15, (bounds, recompute)
 
 
 def _syncing_case(rng: random.Random, schedule: str, v: int) -> CostModel:
