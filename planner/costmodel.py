@@ -674,11 +674,12 @@ class CostModel:
     # before l (a layer of l's chunk before l is in that chunk's M actions, which count it at
     # least once). So the makespan is at least F(<l) + M (F(l) + B(l)) + B(<l), at the least
     # times (no fixed costs, messages or reruns). With the split backward the last I of l may
-    # be followed by its W's and no chain: F(<l) + M (F(l) + I(l) + W(l)). The linear
-    # relaxation of the schedule MILP splits a layer between chunks and cannot see it; the
-    # chunked branch and bound's water level holds the heaviest layer whole but not where it
-    # sits: on gnmt_large (K = 8, M = 32, interleaved) a 2.4 ms layer near the end made this
-    # 89.8 ms, against 78.1 ms from the branch and bound and 74.4 ms from the relaxation.
+    # be followed by its W's and no chain: F(<l) + M (F(l) + I(l) + W(l)). The chunked branch
+    # and bound's water level holds the heaviest layer whole but not where it sits, and the
+    # schedule MILP's relaxation splits it between chunks: on gnmt_large (K = 8, M = 32,
+    # interleaved) a 2.4 ms layer near the end makes this 89.8 ms, against 78.1 ms from the
+    # branch and bound and 74.4 ms from the relaxation. The branch and bound's bound holds it, so
+    # every setting's bound does; the MILP does not have it as a row (docs/planner.md).
     @functools.cached_property
     def layer_floor_s(self) -> float:
         """No plan of the setting has a makespan below this ([Note: a layer's floor])."""

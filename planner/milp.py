@@ -412,8 +412,6 @@ def build(cm: CostModel) -> _Model:
             if op[1] >= 0:
                 pr.at_least(_Form(0.0, {start[k][i]: 1.0}).add(arrival[op[1]], -1.0))
         pr.at_least(_Form(0.0, {makespan: 1.0, start[k][-1]: -1.0, dur(ops[-1]): -1.0}))
-    # A bound the relaxation cannot see (it splits layers between chunks): [Note: a layer's floor].
-    pr.at_least(_Form(0.0, {makespan: 1.0}), cm.layer_floor_s * inv)
 
     # The optimizer tail: max_k (optimizer_k - first start of stage k), that start the forward
     # chain of micro-batch 0 (each stage's first action is the forward of its lowest chunk).
