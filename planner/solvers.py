@@ -118,7 +118,9 @@ def search_setting(cm: CostModel, solver: str, time_budget_s: float, seeds: Sequ
         return _used(refined, used + _milp_work(refined))
     if solution is None or settled(solution, cutoff_s):
         return _used(solution, used)
-    if relaxable and (not follow or math.isfinite(cutoff_s)):
+    # Few nodes: the MILP (if any) would buy few branch-and-bound nodes, its programme large.
+    few_nodes = not follow or milp_solve.nodes_affordable(cm, work_s - used) < LOCAL_SEARCH_BELOW_NODES
+    if relaxable and few_nodes and (not follow or math.isfinite(cutoff_s)):
         # The linear relaxation's bound, where no MILP will lift the bound or a cutoff may
         # settle the setting at once ([Note: the linear relaxation's bound]).
         wall_left = max(0.05, time_budget_s - (time.perf_counter() - started))
@@ -126,7 +128,7 @@ def search_setting(cm: CostModel, solver: str, time_budget_s: float, seeds: Sequ
         used += more
         if settled(solution, cutoff_s):
             return _used(solution, used)
-    if not follow or milp_solve.nodes_affordable(cm, work_s - used) < LOCAL_SEARCH_BELOW_NODES:
+    if few_nodes:
         solution, more = improve(cm, solution, work_s * LOCAL_SEARCH_SHARE)
         used += more
     if not follow or settled(solution, cutoff_s):

@@ -18,7 +18,7 @@ from gpipe_plan.cli import main
 from gpipe_plan.planner import milp, milp_solve
 from gpipe_plan.planner.baselines import min_max
 from gpipe_plan.planner.brute import brute_force, partitions
-from gpipe_plan.planner.budgets import WORK_PER_SECOND, branch_and_bound_share
+from gpipe_plan.planner.budgets import LOCAL_SEARCH_BELOW_NODES, WORK_PER_SECOND, branch_and_bound_share
 from gpipe_plan.planner.costmodel import CostModel, Setting
 from gpipe_plan.planner.objective import Evaluation, Solution, evaluate
 from gpipe_plan.planner.profile import Profile
@@ -412,6 +412,19 @@ def test_a_cutoff_the_linear_relaxation_reaches_settles_the_setting_without_the_
     assert "milp" not in got.stats and "local_search" not in got.stats
     assert got.lower_bound_s == relaxed >= cutoff
     assert got.stats["work_s"] < 0.5
+
+
+def test_where_the_milp_buys_thousands_of_nodes_it_meets_the_cutoff_without_the_relaxation():
+    """The same cutoff with a budget that buys the MILP thousands of nodes (a small programme,
+    whose root reaches a cutoff cheaply): no relaxation first, the MILP settles the setting."""
+    cm = _open_interleaved()
+    relaxed, _ = milp_solve.relaxation_bound(cm, 10.0, 600)
+    searched = solve_cost_model(cm, "exact", 2.0, work_budget_s=10.0 * branch_and_bound_share(cm.schedule))
+    cutoff = (searched.lower_bound_s + relaxed) / 2
+    assert milp_solve.nodes_affordable(cm, 10.0) >= LOCAL_SEARCH_BELOW_NODES
+    got = solve_cost_model(cm, "exact", 10.0, cutoff_s=cutoff, work_budget_s=10.0)
+    assert "relaxation" not in got.stats and "milp" in got.stats
+    assert got.lower_bound_s >= cutoff
 
 
 @pytest.mark.parametrize("schedule,v", [("interleaved", 2), ("zb-v", 1)])
