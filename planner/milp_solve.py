@@ -140,10 +140,10 @@ def solve_milp(cm: CostModel, start: Evaluation | None = None, cutoff_s: float =
 # nodes (budgets.LOCAL_SEARCH_BELOW_NODES), so that the local search's and the MILP's share go
 # to the settings still open. Where the MILP buys thousands its programme is small and its
 # root reaches the cutoff cheaply: asked there too, the relaxation's work cost resnext50
-# (K = 4, M = 16, interleaved) its proof, v = 4 bounded 1.7% short of the plan. It is charged its simplex iterations as the MILP is, with
-# RELAXATION_S_PER_THOUSAND for building and passing the programme in place of the MILP's
-# root: the LPs measured took 12-26 us an iteration per thousand variables and constraints,
-# under the 28 charged.
+# (K = 4, M = 16, interleaved) its proof, v = 4 bounded 1.8% short of the plan. It is charged
+# its simplex iterations as the MILP is, with RELAXATION_S_PER_THOUSAND for building and
+# passing the programme in place of the MILP's root: the LPs measured took 12-26 us an
+# iteration per thousand variables and constraints, under the 28 charged.
 RELAXATION_S_PER_THOUSAND = 0.02
 
 

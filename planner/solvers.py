@@ -12,7 +12,8 @@ A setting (M, schedule, v, recomputation) is a cost model; its best cut comes fr
   bound cannot (its bound after branching knows where the heavy layers went), or at least lifts
   the bound. Between them, the MILP's linear relaxation (one LP) bounds the setting where no
   MILP will follow (its budget cannot build the programme) or where a plan of another setting
-  may already be no slower than every cut of this one (milp_solve.relaxation_bound). A branch
+  may already be no slower than every cut of this one and the MILP would buy few nodes
+  (milp_solve.relaxation_bound). A branch
   and bound that found no plan before its share ran out hands the setting to
   the MILP all the same (found nothing is not "nothing fits"). Without pulp (the GPU image) or
   for a programme too large to build, the branch and bound gets the budget but the local
