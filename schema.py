@@ -149,7 +149,8 @@ READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5,
 # What can give a searched setting its lower bound, as a plan's ``optimality.bound_by`` names it
 # (version 7): GPipe's threshold search (planner/gpipe_solver.py), the branch and bound of 1F1B and the
 # chunked schedules (planner/onefoneb.py, planner/chunked.py), the schedule MILP
-# (planner/milp.py; or its linear relaxation alone, milp_solve.relaxation_bound), the GPipe/1F1B ILP of ``--solver ilp`` (planner/ilp.py).
+# (planner/milp.py; or its linear relaxation alone, milp_solve.relaxation_bound), the GPipe/1F1B
+# ILP of ``--solver ilp`` (planner/ilp.py).
 BOUND_METHODS = ("dp", "branch and bound", "milp", "ilp")
 # What the MILP runs on (``optimality.milp_solver``; null: neither highspy nor pulp is installed).
 MILP_SOLVERS = ("HiGHS", "CBC")
