@@ -132,7 +132,7 @@ def solve_milp(cm: CostModel, start: Evaluation | None = None, cutoff_s: float =
 # The programme with its binaries relaxed to [0, 1] lets a cut fall between layers (a layer's
 # time split between two chunks), so its optimum bounds every cut's step from below. It is one
 # linear programme, a fraction of the MILP's root, which adds presolve, probing, cut rounds and
-# strong branching (PipeDream programmes at K = 8, M = 32: 0.2-0.3 s against 0.7-3.9 s). A
+# strong branching (PipeDream programmes at K = 8, interleaved v = 2: 0.2-0.3 s against 0.7-3.9 s). A
 # search asks for it where no MILP will run (the budget cannot build the programme and its
 # root: those settings kept the branch and bound's bound, their plans 9.5-41% above it on the
 # exactness bench) and where a cutoff may settle the setting at once (a plan another setting
