@@ -584,8 +584,7 @@ class GPipeSolver:
             if bounds is None:
                 return None                               # nothing fits in memory
             best = self._seen = even if even.fits else evaluate(cm, bounds)
-        least_backward = cm.pg if False in cm.allowed_recompute else cm.pgr
-        lower = min(best.step_s, max(self._floor, work_floor(cm, least_backward)))
+        lower = min(best.step_s, max(self._floor, work_floor(cm)))
         stats = {"probes": self.probes, "dp_runs": self.dp_runs,
                  "seconds": round(time.perf_counter() - self.started, 3)}
         return Solution(best, lower >= best.step_s, lower,

@@ -158,17 +158,17 @@ def gpipe_optimizer_tail(chunks: Sequence[ChunkCost], stages: Sequence[StageCost
     return tail
 
 
-def work_floor(cm: CostModel, backward_prefix: Sequence[float]) -> float:
+def work_floor(cm: CostModel) -> float:
     """A lower bound on every plan's step that needs no table (what a search that ran out of time
     before its bounds keeps): each stage runs its M forwards and backwards one at a time, so the
     makespan is at least the average stage's work, and at least the heaviest layer's M forwards
     and backwards on whichever stage holds it, with the layers before it once on either side
     (CostModel.layer_floor_s); then stage 0 steps its optimizer (its least).
-    ``backward_prefix``: the prefix sums of each layer's least backward. For the one-chunk
+    Each layer's backward at its least (CostModel.least_backward_prefix). For the one-chunk
     schedules it serves (GPipe, 1F1B): stage k's fixed part per micro-batch is its forward's
     and its least backward's (``CostModel.chunk_fixed``, messages included)."""
     L, K, M = cm.L, cm.K, cm.M
-    pf = cm.pf
+    pf, backward_prefix = cm.pf, cm.least_backward_prefix
     fixed = [cm.chunk_fixed("F", k) + min(cm.chunk_fixed("B", k, r) for r in cm.allowed_recompute)
              for k in range(K)]
     average = M * (pf[L] + backward_prefix[L] + sum(fixed)) / K

@@ -56,7 +56,7 @@ class OneFOneBSolver:
         self.cm = cm
         self.suffix_tables = {} if suffix_tables is None else suffix_tables
         # The other stages' backward, at its least: with recomputation when every stage must.
-        self.other_backward = cm.pgr if cm.allowed_recompute == (True,) else cm.pg
+        self.other_backward = cm.least_backward_prefix
         # Each stage's F and B as its own chunk (its messages in their fixed parts), and the
         # fixed parts of one forward and one backward of every stage before k and after k: the
         # least time the stages around k add to its waits, whatever their layers.
@@ -312,7 +312,7 @@ class OneFOneBSolver:
         best = found.best
         if best is None:
             return None
-        lower = min(best.step_s, work_floor(cm, self.other_backward))
+        lower = min(best.step_s, work_floor(cm))
         return Solution(best, lower >= best.step_s, lower,
                         f"{cm.setting.schedule} {'closed form' if self.gpipe else 'event simulation'}; "
                         "out of time before the per-stage bounds: best seed, work bound",

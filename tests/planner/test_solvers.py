@@ -101,15 +101,14 @@ def test_the_work_floor_is_below_every_plan(instance):
     cm = CostModel(fig, setting)
     best = brute_force(cm)
     if best is not None:
-        least = cm.pgr if cm.allowed_recompute == (True,) else cm.pg
-        assert work_floor(cm, least) <= best.step_s * (1 + 1e-12) + 1e-15
+        assert work_floor(cm) <= best.step_s * (1 + 1e-12) + 1e-15
 
 
 def test_the_work_floor_counts_the_heaviest_layer():
     """One layer holding most of the work: no cut can spread it, so the floor is its M passes."""
     fig = make_figures([1e-3] + [1e-5] * 7, [2e-3] + [1e-5] * 7)
     cm = CostModel(fig, Setting(stages=4, micro_batches=8, schedule="1f1b"))
-    assert work_floor(cm, cm.pg) >= 8 * 3e-3
+    assert work_floor(cm) >= 8 * 3e-3
 
 
 @hyp(60)
