@@ -94,6 +94,9 @@ REPORT_FORMAT = "gpipe-plan.report"
 #  11  ``fixed_costs.per_micro_batch_size``: the probe pipeline at every profiled micro-batch
 #      size, each size's figures; a plan is charged those at its own size (planner/fixedcosts.py,
 #      ``figures_at``). The record's own figures stay those of the middle size.
+#  12  the probe cuts each run's window so that its busiest stage has the least work (profiles/
+#      fixedcosts.py, ``balanced_bounds``), as a plan is cut; each run's ``configurations`` entry
+#      records its cut (``bounds``). Before it, chunks of equal layer counts; read as they are.
 # Plan
 #   2  ``options.compute_scale``.
 #   3  the precision (``precision``, ``param_dtype``; before it, fp32).
@@ -140,8 +143,8 @@ REPORT_FORMAT = "gpipe-plan.report"
 #      options; null, 1 and 0 where they did not): calibrate refuses such a round unless forced,
 #      and takes the charges off what it compares. Before it: read from the plan the report names
 #      where that is at hand, else a core per rank.
-FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 11, PLAN_FORMAT: 11, REPORT_FORMAT: 6}
-READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11),
+FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 12, PLAN_FORMAT: 11, REPORT_FORMAT: 6}
+READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12),
                                                  PLAN_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11),
                                                  REPORT_FORMAT: (1, 2, 3, 4, 5, 6)}
 

@@ -121,16 +121,50 @@ class Probe:
 
 
 def probes(layers: int, stages: int = STAGES, configurations=CONFIGURATIONS, back_to_back: bool = False,
-           measured_steps: int = MEASURED_STEPS) -> list[Probe]:
+           measured_steps: int = MEASURED_STEPS, work: Sequence[float] | None = None) -> list[Probe]:
     """The runs for a window of ``layers`` layers on ``stages`` processes: each configuration
-    whose chunks have a layer each, cut into chunks of (nearly) equal layer counts."""
+    whose chunks have a layer each, cut as :func:`balanced_bounds` cuts it."""
     out = []
     for schedule, v in configurations:
         C = stages * chunks_per_stage(schedule, v)
         if C <= layers:
-            out.append(Probe(schedule, v, tuple(c * layers // C for c in range(C + 1)), stages, back_to_back,
+            out.append(Probe(schedule, v, balanced_bounds(schedule, v, stages, layers, work), stages, back_to_back,
                              measured_steps))
     return out
+
+
+def balanced_bounds(schedule: str, virtual_stages: int, stages: int, layers: int,
+                    work: Sequence[float] | None) -> tuple[int, ...]:
+    """The cut of a window of ``layers`` layers into the configuration's chunks whose busiest
+    stage has the least ``work`` (each layer's forward and backward), as the planner cuts a plan;
+    among equals, and without ``work``, the chunks of the most nearly equal layer counts.
+
+    [Note: probe runs are balanced]
+    A message costs CPU time on the host (gloo's I/O threads), and a stage that idles leaves its
+    core to it: run unbalanced, a configuration hides the messages a balanced plan pays for.
+    Cut by layer counts (6 layers into 4 chunks: 1, 2, 1, 2), interleaved v = 2 gave one stage
+    twice the other's blocks and ran 0.76-0.94x its fitted step on the 2-core development VM,
+    while the balanced v = 3 ran 1.03-1.17x (docs/planner.md, "Fixed costs"): one set of figures
+    fitted to both fits neither."""
+    import itertools
+
+    C = stages * chunks_per_stage(schedule, virtual_stages)
+    even = tuple(c * layers // C for c in range(C + 1))
+    if work is None or len(work) != layers:
+        return even
+    where = [stage_of_chunk(schedule, c, stages) for c in range(C)]
+
+    def busiest(bounds: tuple[int, ...]) -> float:
+        load = [0.0] * stages
+        for c in range(C):
+            load[where[c]] += sum(work[bounds[c]:bounds[c + 1]])
+        return max(load)
+
+    def unevenness(bounds: tuple[int, ...]) -> int:
+        return sum(abs(a - b) for a, b in zip(bounds, even))
+
+    cuts = ((0, *inner, layers) for inner in itertools.combinations(range(1, layers), C - 1))
+    return min(cuts, key=lambda b: (busiest(b), unevenness(b), b))
 
 
 def window(doc: dict[str, Any], size_index: int, layers: int = MAX_LAYERS) -> tuple[int, int]:
@@ -140,9 +174,16 @@ def window(doc: dict[str, Any], size_index: int, layers: int = MAX_LAYERS) -> tu
     made by running the layers before it once)."""
     L = len(doc["layers"])
     n = min(L, layers)
-    work = [layer["forward_s"][size_index] + layer["backward_s"][size_index] for layer in doc["layers"]]
+    work = layer_work(doc, (0, L), size_index)
     first = min(range(L - n + 1), key=lambda a: (sum(work[a:a + n]), a))
     return first, first + n
+
+
+def layer_work(doc: dict[str, Any], layers: tuple[int, int], size_index: int) -> list[float]:
+    """Each layer's forward and backward, of the layers [first, end) ``layers``, at the profile's
+    ``size_index``-th micro-batch size."""
+    first, end = layers
+    return [layer["forward_s"][size_index] + layer["backward_s"][size_index] for layer in doc["layers"][first:end]]
 
 
 def measure_fixed_costs(spec: dict[str, Any], doc: dict[str, Any], threads: int = 1, seed: int = 0,
@@ -159,7 +200,7 @@ def measure_fixed_costs(spec: dict[str, Any], doc: dict[str, Any], threads: int 
     device = device or torch.device("cpu")
     middle = len(doc["micro_batch_sizes"]) // 2
     first, end = window(doc, middle)
-    runs = probes(end - first)
+    runs = probes(end - first, work=layer_work(doc, (first, end), middle))
     backend = "nccl" if device.type == "cuda" else "gloo"
     executor = "torch" if device.type == "cuda" else "native"
     size_indices = list(range(len(doc["micro_batch_sizes"])))
@@ -224,7 +265,8 @@ def measure_shared_cores(spec: dict[str, Any], doc: dict[str, Any], processes: i
     started = time.perf_counter()
     size_index = len(doc["micro_batch_sizes"]) // 2
     first, end = window(doc, size_index, max(MAX_LAYERS, processes))
-    runs = probes(end - first, processes, SHARED_CONFIGURATIONS, back_to_back=True, measured_steps=SHARED_MEASURED_STEPS)
+    runs = probes(end - first, processes, SHARED_CONFIGURATIONS, back_to_back=True, measured_steps=SHARED_MEASURED_STEPS,
+                  work=layer_work(doc, (first, end), size_index))
     if not runs:
         raise ValueError(f"a window of {end - first} layers cannot be cut for {processes} processes")
     measured = _run_probes(spec, doc, (first, end), [size_index], runs, threads, seed, precision, "gloo", "native",
@@ -267,13 +309,9 @@ def fit_fixed_costs(doc: dict[str, Any], layers: tuple[int, int], size_index: in
     whole = _fit(models, runs, None)
     per_step = [_fit(models, runs, step) for step in runs[0].steps()]
     spread = {key: _spread([fit[key] for fit in per_step]) for key in whole}
-    configurations = []
     charged = FixedCosts(**{k: v for k, v in whole.items() if k != "between_actions_s"})
-    for model, run in zip(models, runs):
-        predicted = model.step_s(charged, whole["between_actions_s"])
-        configurations.append({"schedule": run.probe.schedule, "virtual_stages": run.probe.virtual_stages,
-                               "chunks": run.probe.chunks, "micro_batches": MICRO_BATCHES,
-                               "measured_step_s": run.measured_step_s(), "predicted_step_s": predicted})
+    configurations = [_configuration(run, model.step_s(charged, whole["between_actions_s"]))
+                      for model, run in zip(models, runs)]
     return {**whole, "spread": spread, "compute_scale": models[0].scale, "configurations": configurations}
 
 
@@ -310,14 +348,19 @@ def fit_shared_slowdown(doc: dict[str, Any], layers: tuple[int, int], size_index
     slowdown, added = fit(None)
     steps = runs[0].steps()
     per_step = [fit(step) for step in steps] if len(steps) >= SPREAD_STEPS else []
-    configurations = [{"schedule": run.probe.schedule, "virtual_stages": run.probe.virtual_stages,
-                       "chunks": run.probe.chunks, "micro_batches": MICRO_BATCHES,
-                       "measured_step_s": run.measured_step_s(),
-                       "predicted_step_s": model.step_s(fixed, between, slowdown, added)}
+    configurations = [_configuration(run, model.step_s(fixed, between, slowdown, added))
                       for model, run in zip(models, runs)]
     return {"concurrent_ranks": models[0].concurrent_ranks, "slowdown": slowdown, "per_action_s": added,
             "spread": {"slowdown": _spread([f[0] for f in per_step]), "per_action_s": _spread([f[1] for f in per_step])},
             "configurations": configurations}
+
+
+def _configuration(run: ProbeRun, predicted_step_s: float) -> dict[str, Any]:
+    """A probe run as the profile records it (``configurations``): what ran, its cut of the
+    window (``bounds``, profile version 12), its measured step and the fitted model's."""
+    return {"schedule": run.probe.schedule, "virtual_stages": run.probe.virtual_stages, "chunks": run.probe.chunks,
+            "bounds": list(run.probe.bounds), "micro_batches": MICRO_BATCHES,
+            "measured_step_s": run.measured_step_s(), "predicted_step_s": predicted_step_s}
 
 
 # A spread needs the fits of this many steps at least (an IQR of fewer says nothing): 0 below.

@@ -410,6 +410,27 @@ def test_calibrate_on_shared_cores_takes_off_what_the_plan_charged_for_sharing(t
     assert plan_sharing(older, str(tmp_path / "report.json")) == PlanSharing(1, slowdown, added)
 
 
+# --------------------------------------------------------------------------- the probe's runs
+def test_probe_runs_are_cut_so_that_the_busiest_stage_does_least() -> None:
+    """A window like a small Llama's (a cheap embedding, four alike blocks, a cheap head): every
+    configuration's stages get two blocks each, where chunks of equal layer counts gave
+    interleaved v = 2 and zb-v one stage three blocks and the other one ([Note: probe runs are
+    balanced]); the cut is recorded with the run."""
+    from gpipe_plan.profiles.fixedcosts import balanced_bounds, probes
+
+    work = [0.1, 5.0, 5.0, 5.0, 5.0, 0.3]
+    for probe in probes(len(work), work=work):
+        load = [0.0, 0.0]
+        for c in range(probe.chunks):
+            load[stage_of_chunk(probe.schedule, c, 2)] += sum(work[probe.bounds[c]:probe.bounds[c + 1]])
+        assert max(load) < 10.5, (probe.schedule, probe.virtual_stages, probe.bounds)
+        assert probe.bounds[0] == 0 and probe.bounds[-1] == len(work) and len(set(probe.bounds)) == len(probe.bounds)
+    # Alike layers, or no times: chunks of (nearly) equal layer counts, as before.
+    assert balanced_bounds("interleaved", 2, 2, 8, [1.0] * 8) == (0, 2, 4, 6, 8)
+    assert balanced_bounds("interleaved", 2, 2, 6, None) == (0, 1, 3, 4, 6)
+    assert balanced_bounds("1f1b", 1, 4, 6, [1.0] * 6) == (0, 1, 3, 4, 6)
+
+
 # --------------------------------------------------------------------------- the measurement's fit
 def _synthetic_runs(doc: dict, truth: FixedCosts, between: float, jitter: float = 0.0):
     """What the probe would record if the runtime cost exactly ``truth`` beyond the profile's layers:
@@ -460,8 +481,9 @@ def test_the_fit_recovers_the_costs_that_made_the_runs() -> None:
     assert fit["between_actions_s"] == pytest.approx(2e-5, rel=1e-6)
     assert {(c["schedule"], c["virtual_stages"]) for c in fit["configurations"]} == {
         ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("zb-v", 1), ("interleaved", 3)}
-    for c in fit["configurations"]:
+    for c, run in zip(fit["configurations"], runs):
         assert c["measured_step_s"] == pytest.approx(c["predicted_step_s"], rel=0.02)
+        assert c["bounds"] == list(run.probe.bounds)                                # the cut it ran (version 12)
     assert all(v == pytest.approx(0.0, abs=1e-9) for v in fit["spread"].values())    # every step alike
 
 
@@ -569,7 +591,7 @@ def test_no_fixed_costs_leaves_them_out_and_the_plan_says_so(tmp_path: Path) -> 
     result = CliRunner().invoke(main, ["profile", *TINY, "--no-fixed-costs", "--out", str(out), "-q"])
     assert result.exit_code == 0, result.output
     doc = json.loads(out.read_text())
-    assert "fixed_costs" not in doc and doc["version"] == 11
+    assert "fixed_costs" not in doc and doc["version"] == 12
     plan = tmp_path / "plan.json"
     assert CliRunner().invoke(main, ["solve", str(out), "-k", "2", "--out", str(plan), "-q"]).exit_code == 0
     assert any("measured no fixed costs" in w for w in json.loads(plan.read_text())["warnings"])
