@@ -13,7 +13,8 @@ on K = 2 stages with M = 4 micro-batches, at each of the profile's micro-batch s
 (the processes start once). With a few layers (the whole model when it has at most
 :data:`MAX_LAYERS`, else the cheapest run of that many at the middle size), these runs differ
 in how many actions and messages the same work is cut into, which is what separates the fixed
-costs from the layers' own time.
+costs from the layers' own time. Each run is cut as evenly in work as its stages allow, as a
+plan is ([Note: probe runs are balanced]).
 
 Why every size: these costs are fixed in the number of layers, not in the micro-batch size.
 A message's bytes grow with it (gloo copies them on the cores that compute), and so does what
@@ -63,6 +64,7 @@ match the measured ones. Plans of more ranks than cores charge both.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import socket
@@ -137,17 +139,15 @@ def balanced_bounds(schedule: str, virtual_stages: int, stages: int, layers: int
                     work: Sequence[float] | None) -> tuple[int, ...]:
     """The cut of a window of ``layers`` layers into the configuration's chunks whose busiest
     stage has the least ``work`` (each layer's forward and backward), as the planner cuts a plan;
-    among equals, and without ``work``, the chunks of the most nearly equal layer counts.
+    among equals, and without ``work``, the chunks of the most nearly equal layer counts. Every
+    cut is tried: a probe's window has a few layers (at most MAX_LAYERS, or one per process).
 
     [Note: probe runs are balanced]
     A message costs CPU time on the host (gloo's I/O threads), and a stage that idles leaves its
-    core to it: run unbalanced, a configuration hides the messages a balanced plan pays for.
-    Cut by layer counts (6 layers into 4 chunks: 1, 2, 1, 2), interleaved v = 2 gave one stage
-    twice the other's blocks and ran 0.76-0.94x its fitted step on the 2-core development VM,
-    while the balanced v = 3 ran 1.03-1.17x (docs/planner.md, "Fixed costs"): one set of figures
-    fitted to both fits neither."""
-    import itertools
-
+    core to it: a run with one stage far busier than the other hides messages that a balanced
+    plan pays for, and one set of figures fitted to both kinds of run fits neither. Cut by layer
+    counts (6 layers into 4 chunks: 1, 2, 1, 2), interleaved v = 2 and zb-v put three of a
+    model's four blocks on one stage; measured: docs/planner.md, "Fixed costs"."""
     C = stages * chunks_per_stage(schedule, virtual_stages)
     even = tuple(c * layers // C for c in range(C + 1))
     if work is None or len(work) != layers:
