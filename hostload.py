@@ -36,6 +36,11 @@ from typing import Any, Iterable, Sequence
 PROC_STAT = "/proc/stat"
 # Other processes taking at least this share of the cores a run needed make its times the host's.
 BUSY_SHARE = 0.1
+# A measurement repeated in cycles whose ratios spread more than this (their IQR / 1.349) was
+# taken while the host's own speed swung, which no other process shows (a virtual machine's
+# neighbours): the profile's neighbours' slowdown is measured again then (profiles/contention.py),
+# and a plan from a profile whose reading still spread says so.
+STEADY_SPREAD = 0.1
 
 
 def cpu_times_s(cpus: Iterable[int] | None = None, path: str = PROC_STAT) -> tuple[float, float] | None:

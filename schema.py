@@ -97,6 +97,8 @@ REPORT_FORMAT = "gpipe-plan.report"
 #  12  the probe cuts each run's window so that its busiest stage has the least work (profiles/
 #      fixedcosts.py, ``balanced_bounds``), as a plan is cut; each run's ``configurations`` entry
 #      records its cut (``bounds``). Before it, chunks of equal layer counts; read as they are.
+#      ``contention.spread`` and ``readings``: a reading whose cycles spread is taken again, the
+#      steadiest kept (profiles/contention.py); absent: one reading, its spread not recorded.
 # Plan
 #   2  ``options.compute_scale``.
 #   3  the precision (``precision``, ``param_dtype``; before it, fp32).
@@ -626,6 +628,9 @@ PROFILE = Object({
         "together_step_s": may(_seconds(nullable=True)),
         "slowest_step_s": may(_seconds(nullable=True)),
         "cycle_ratios": may(Items(Number(0.0, MAX_RATIO))),   # show: .get("cycle_ratios", [])
+        # Version 12 (profiles/contention.py): the kept reading's spread, and how many were taken.
+        "spread": may(Number(0.0, MAX_RATIO, nullable=True)),
+        "readings": may(_count(1, nullable=True)),
     }, nullable=True)),
     "recompute_call_s": may(_per_size(_seconds(), nullable=True)),
     "overhead": may(Object({"per_microbatch_s": may(_seconds(nullable=True))}, nullable=True)),

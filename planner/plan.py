@@ -12,7 +12,7 @@ import statistics
 from dataclasses import replace
 from typing import Any
 
-from ..hostload import busy_phases, busy_profile_text
+from ..hostload import STEADY_SPREAD, busy_phases, busy_profile_text
 from ..schema import FORMAT_VERSIONS, PLAN_FORMAT
 from ..schedules import SPLIT_BACKWARD, chunks_per_stage, label
 from ..weight_versions import ASYNC_SCHEDULES, staleness, stashed_versions
@@ -312,6 +312,13 @@ def plan_warnings(profile: Profile, best: Candidate, ev: Evaluation, proven: boo
             f"{format_seconds(ev.dedicated_step_s or ev.step_s)} were no more of them computing at once than it "
             f"runs), {slower} (docs/planner.md, \"More ranks than cores\"); as many stages as cores, or fewer, "
             "avoid it")
+    if setting.compute_scale > 1.0 and profile.contention_spread > STEADY_SPREAD:
+        readings = (profile.doc.get("contention") or {}).get("readings") or 1
+        warnings.append(
+            f"the profile measured the neighbours' slowdown, which the plan charges on every layer "
+            f"({setting.compute_scale:.2f}x here), while the host's own speed swung (its cycles spread by "
+            f"{profile.contention_spread:.2f} in the steadiest of {readings} reading{'s' if readings != 1 else ''}): "
+            "the step may be off by as much; profile again on a quiet host")
     busy = busy_phases(profile.doc.get("host_load"))
     if busy:
         warnings.append(

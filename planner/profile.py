@@ -160,6 +160,10 @@ class Profile:
         self.shared_core_slowdown: float | None = float(shared["slowdown"]) if isinstance(shared, dict) else None
         self.shared_core_action_s: float = float(shared.get("per_action_s") or 0.0) if isinstance(shared, dict) else 0.0
         self.contention_slowdown, self.contention_processes = _contention(doc, where)
+        # How far that reading's cycles disagreed (version 12; 0: not recorded): above
+        # hostload.STEADY_SPREAD the host's speed swung while it was taken, and a plan says so.
+        spread = (doc.get("contention") or {}).get("spread")
+        self.contention_spread: float = float(spread) if isinstance(spread, (int, float)) else 0.0
         self.recompute_call_s = _recompute_call(doc, where, self.layers)
         self.precision, self.param_dtype = precision_of(doc, where)
         self.usable_memory_bytes = usable_memory_bytes(self.device, where)

@@ -11,6 +11,7 @@ from gpipe_plan.cli import main
 from gpipe_plan.models import model_spec
 from gpipe_plan.planner.costmodel import neighbour_scale
 from gpipe_plan.planner.explore import explore
+from gpipe_plan.planner.plan import build_plan
 from gpipe_plan.planner.profile import Profile
 from gpipe_plan.planner.problem import SolveOptions
 from gpipe_plan.planner.search import search
@@ -97,6 +98,51 @@ def test_the_slowdown_is_the_median_cycle_and_noise_is_none(ratios: list[float],
     # The median, not the mean or the last cycle: one slow spell cannot move it; within 2% of 1
     # (or a machine that sped up) is noise, recorded as no slowdown at all.
     assert recorded_slowdown(ratios) == pytest.approx(slowdown)
+
+
+def test_a_reading_taken_while_the_host_swung_is_taken_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cycles that disagree (the host's own speed swung: a virtual machine's neighbours) are
+    read again, at most READINGS times, and the steadiest reading is kept; a steady first
+    reading is kept at once."""
+    from gpipe_plan.profiles import contention
+
+    def readings(*ratio_sets: list[float]):
+        left = list(ratio_sets)
+
+        def reading(*args, **kwargs):
+            ratios = left.pop(0)
+            return {"processes": 2, "cycle_ratios": ratios, "slowdown": contention.recorded_slowdown(ratios),
+                    "spread": contention.ratio_spread(ratios)}
+        return reading
+
+    swung = [0.71, 1.05, 1.35, 1.55, 1.25, 1.59, 1.68, 1.05, 1.35]     # measured so on the development VM
+    steady = [1.03, 1.04, 1.04, 1.03, 1.01, 1.05, 1.03, 1.02, 1.01]
+    less = [1.0, 1.1, 1.2, 1.3, 1.1, 1.2, 1.0, 1.1, 1.2]
+    assert contention.ratio_spread(swung) > 0.3 and contention.ratio_spread(steady) < 0.02
+    monkeypatch.setattr(contention, "_reading", readings(swung, steady))
+    out = contention.measure_contention(TINY_GPT, micro_batch_size=2)
+    assert out["readings"] == 2 and out["slowdown"] == pytest.approx(1.03) and out["spread"] < 0.02
+    monkeypatch.setattr(contention, "_reading", readings(steady))
+    assert contention.measure_contention(TINY_GPT, micro_batch_size=2)["readings"] == 1
+    monkeypatch.setattr(contention, "_reading", readings(swung, less, swung))
+    out = contention.measure_contention(TINY_GPT, micro_batch_size=2)
+    assert out["readings"] == contention.READINGS == 3 and out["cycle_ratios"] == less
+
+
+def test_a_plan_says_when_the_slowdown_it_charges_was_measured_on_a_swinging_host() -> None:
+    doc = profile_doc(L=4, batch_size=8)
+    contended = {**doc, "version": FORMAT_VERSIONS[PROFILE_FORMAT], "device": {"type": "cpu", "name": "test"},
+                 "contention": {"processes": 2, "slowdown": 1.35, "cycle_ratios": [1.35], "spread": 0.39,
+                                "readings": 3}}
+    options = SolveOptions(stages=2, global_batch_size=8, micro_batches=4, schedule="1f1b", recompute="never")
+
+    def warnings(profile_doc_: dict) -> list[str]:
+        profile = Profile(profile_doc_)
+        return build_plan(profile, "p.json", "0" * 64, options, search(profile, options))["warnings"]
+
+    assert any("speed swung" in w and "3 readings" in w for w in warnings(contended))
+    steady = {**contended, "contention": {**contended["contention"], "spread": 0.05}}
+    assert not any("speed swung" in w for w in warnings(steady))
 
 
 def test_the_slowest_neighbour_sets_the_slowdown() -> None:
