@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import resource
 import socket
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -41,6 +42,19 @@ BUSY_SHARE = 0.1
 # neighbours): the profile's neighbours' slowdown is measured again then (profiles/contention.py),
 # and a plan from a profile whose reading still spread says so.
 STEADY_SPREAD = 0.1
+# The normal distribution's interquartile range in standard deviations.
+IQR_PER_SIGMA = 1.349
+# A spread needs this many values at least (an IQR of fewer says nothing): 0 below.
+SPREAD_VALUES = 4
+
+
+def robust_spread(values: Sequence[float]) -> float:
+    """How far repeated readings of one quantity disagree: their IQR / 1.349 (a standard
+    deviation that a few outliers cannot inflate); 0 with fewer than :data:`SPREAD_VALUES`."""
+    if len(values) < SPREAD_VALUES:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return max(0.0, (q3 - q1) / IQR_PER_SIGMA)
 
 
 def cpu_times_s(cpus: Iterable[int] | None = None, path: str = PROC_STAT) -> tuple[float, float] | None:

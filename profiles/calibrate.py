@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from ..artifacts import BadInput, file_sha256, precision_label, precision_of
+from ..hostload import SPREAD_VALUES, robust_spread
 from ..plan_view import ChunkPlan, read_plan
 from ..schema import read_profile, read_report, report_chunks, timing_key
 from .overhead import fixed_in_times, measure_overhead, profiled_at_run_size
@@ -265,11 +266,8 @@ def _check_stages(stages: list[dict[str, Any]], report_path: str) -> None:
             seen.add(name)
 
 
-# The normal distribution's interquartile range in standard deviations: IQR / 1.349 estimates
-# the standard deviation while ignoring a stray slow step, as a plain standard deviation would not.
-IQR_PER_SIGMA = 1.349
 # Fewer measured steps give no spread worth the name: their ratios are then taken whole.
-MIN_STEPS_FOR_SPREAD = 4
+MIN_STEPS_FOR_SPREAD = SPREAD_VALUES
 
 
 def run_spread(report: dict[str, Any]) -> float | None:
@@ -286,8 +284,9 @@ def run_spread(report: dict[str, Any]) -> float | None:
     times = ordered[1:]
     if len(times) < MIN_STEPS_FOR_SPREAD or not all(t > 0 for t in times):
         return None
-    q1, _, q3 = statistics.quantiles(times, n=4)
-    return (q3 - q1) / IQR_PER_SIGMA / statistics.median(times)
+    # IQR / 1.349 estimates the standard deviation while ignoring a stray slow step, as a plain
+    # standard deviation would not.
+    return robust_spread(times) / statistics.median(times)
 
 
 def shrink(ratio: float, spread: float | None) -> float:

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ..hostload import STEADY_SPREAD, usable_cores
+from ..hostload import STEADY_SPREAD, robust_spread, usable_cores
 from ..models.precision import Precision
 from .spawn import SPAWN, run_workers
 
@@ -115,11 +115,8 @@ def _reading(spec: dict[str, Any], micro_batch_size: int, threads: int, processe
 
 
 def ratio_spread(ratios: list[float]) -> float:
-    """How far a reading's cycles disagree: the IQR / 1.349 of their ratios (0 with fewer than 4)."""
-    if len(ratios) < 4:
-        return 0.0
-    q1, _, q3 = statistics.quantiles(ratios, n=4)
-    return max(0.0, (q3 - q1) / 1.349)
+    """How far a reading's cycles disagree: the IQR / 1.349 of their ratios (hostload.robust_spread)."""
+    return robust_spread(ratios)
 
 
 def recorded_slowdown(ratios: list[float]) -> float:

@@ -75,6 +75,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..hostload import SPREAD_VALUES, robust_spread
 from ..models.precision import Precision
 from ..schedules import all_actions, chunks_per_stage, stage_of_chunk
 from .spawn import run_workers
@@ -100,7 +101,6 @@ MAX_SHARED_SLOWDOWN = 4.0
 MAX_SHARED_ACTION_S = 0.005
 # Steps back to back vary more than steps after a barrier: twice as many measured.
 SHARED_MEASURED_STEPS = 16
-IQR_PER_SIGMA = 1.349
 KINDS = ("forward", "backward", "backward_input", "backward_weight")
 
 
@@ -308,7 +308,7 @@ def fit_fixed_costs(doc: dict[str, Any], layers: tuple[int, int], size_index: in
     models = [_ProbeModel(doc, layers, size_index, run.probe) for run in runs]
     whole = _fit(models, runs, None)
     per_step = [_fit(models, runs, step) for step in runs[0].steps()]
-    spread = {key: _spread([fit[key] for fit in per_step]) for key in whole}
+    spread = {key: robust_spread([fit[key] for fit in per_step]) for key in whole}
     charged = FixedCosts(**{k: v for k, v in whole.items() if k != "between_actions_s"})
     configurations = [_configuration(run, model.step_s(charged, whole["between_actions_s"]))
                       for model, run in zip(models, runs)]
@@ -347,11 +347,11 @@ def fit_shared_slowdown(doc: dict[str, Any], layers: tuple[int, int], size_index
 
     slowdown, added = fit(None)
     steps = runs[0].steps()
-    per_step = [fit(step) for step in steps] if len(steps) >= SPREAD_STEPS else []
+    per_step = [fit(step) for step in steps] if len(steps) >= SPREAD_VALUES else []
     configurations = [_configuration(run, model.step_s(fixed, between, slowdown, added))
                       for model, run in zip(models, runs)]
     return {"concurrent_ranks": models[0].concurrent_ranks, "slowdown": slowdown, "per_action_s": added,
-            "spread": {"slowdown": _spread([f[0] for f in per_step]), "per_action_s": _spread([f[1] for f in per_step])},
+            "spread": {"slowdown": robust_spread([f[0] for f in per_step]), "per_action_s": robust_spread([f[1] for f in per_step])},
             "configurations": configurations}
 
 
@@ -363,15 +363,6 @@ def _configuration(run: ProbeRun, predicted_step_s: float) -> dict[str, Any]:
             "measured_step_s": run.measured_step_s(), "predicted_step_s": predicted_step_s}
 
 
-# A spread needs the fits of this many steps at least (an IQR of fewer says nothing): 0 below.
-SPREAD_STEPS = 4
-
-
-def _spread(values: list[float]) -> float:
-    if len(values) < SPREAD_STEPS:
-        return 0.0
-    q1, _, q3 = statistics.quantiles(values, n=4)
-    return max(0.0, (q3 - q1) / IQR_PER_SIGMA)
 
 
 def _fit(models: Sequence["_ProbeModel"], runs: Sequence[ProbeRun], step: int | None) -> dict[str, float]:
