@@ -313,7 +313,7 @@ def plan_warnings(profile: Profile, best: Candidate, ev: Evaluation, proven: boo
             f"runs), {slower} (docs/planner.md, \"More ranks than cores\"); as many stages as cores, or fewer, "
             "avoid it")
     if setting.compute_scale > 1.0 and profile.contention_spread > STEADY_SPREAD:
-        readings = (profile.doc.get("contention") or {}).get("readings") or 1
+        readings = profile.contention_readings
         warnings.append(
             f"the profile measured the neighbours' slowdown, which the plan charges on every layer "
             f"({setting.compute_scale:.2f}x here), while the host's own speed swung (its cycles spread by "

@@ -162,8 +162,10 @@ class Profile:
         self.contention_slowdown, self.contention_processes = _contention(doc, where)
         # How far that reading's cycles disagreed (version 12; 0: not recorded): above
         # hostload.STEADY_SPREAD the host's speed swung while it was taken, and a plan says so.
-        spread = (doc.get("contention") or {}).get("spread")
+        contention = doc.get("contention") or {}
+        spread = contention.get("spread")
         self.contention_spread: float = float(spread) if isinstance(spread, (int, float)) else 0.0
+        self.contention_readings: int = contention.get("readings") or 1     # how many it took
         self.recompute_call_s = _recompute_call(doc, where, self.layers)
         self.precision, self.param_dtype = precision_of(doc, where)
         self.usable_memory_bytes = usable_memory_bytes(self.device, where)

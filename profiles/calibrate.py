@@ -266,15 +266,12 @@ def _check_stages(stages: list[dict[str, Any]], report_path: str) -> None:
             seen.add(name)
 
 
-# Fewer measured steps give no spread worth the name: their ratios are then taken whole.
-MIN_STEPS_FOR_SPREAD = SPREAD_VALUES
-
-
 def run_spread(report: dict[str, Any]) -> float | None:
     """The relative spread of a run's step times: their IQR / 1.349, over their median.
 
     Over the steps the report's medians count (all but the first the run made, which pays for
-    warm-up). None when the report has fewer than ``MIN_STEPS_FOR_SPREAD`` of them.
+    warm-up). None when the report has fewer than ``hostload.SPREAD_VALUES`` of them (no spread
+    worth the name: their ratios are then taken whole).
     """
     per_step = report.get("measured_step_s_per_step") or {}
     try:
@@ -282,7 +279,7 @@ def run_spread(report: dict[str, Any]) -> float | None:
     except (TypeError, ValueError):
         return None
     times = ordered[1:]
-    if len(times) < MIN_STEPS_FOR_SPREAD or not all(t > 0 for t in times):
+    if len(times) < SPREAD_VALUES or not all(t > 0 for t in times):
         return None
     # IQR / 1.349 estimates the standard deviation while ignoring a stray slow step, as a plain
     # standard deviation would not.

@@ -110,13 +110,8 @@ def _reading(spec: dict[str, Any], micro_batch_size: int, threads: int, processe
         "slowest_step_s": max(statistics.median(phases[r]["together"]) for r in phases),
         "cycle_ratios": ratios,
         "slowdown": recorded_slowdown(ratios),
-        "spread": ratio_spread(ratios),
+        "spread": robust_spread(ratios),        # how far the cycles disagree
     }
-
-
-def ratio_spread(ratios: list[float]) -> float:
-    """How far a reading's cycles disagree: the IQR / 1.349 of their ratios (hostload.robust_spread)."""
-    return robust_spread(ratios)
 
 
 def recorded_slowdown(ratios: list[float]) -> float:
