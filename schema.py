@@ -99,6 +99,11 @@ REPORT_FORMAT = "gpipe-plan.report"
 #      records its cut (``bounds``). Before it, chunks of equal layer counts; read as they are.
 #      ``contention.spread`` and ``readings``: a reading whose cycles spread is taken again, the
 #      steadiest kept (profiles/contention.py); absent: one reading, its spread not recorded.
+#  13  ``measurement.host_speed``: the host's own speed by the speed probe (``fastest_probe_s``)
+#      and each try's slowness (``layer_tries``): layers timed while the probes around them read
+#      the host more than speedprobe.STEADY slow are timed again, the least slow try kept
+#      ([Note: layers timed at the host's own speed]); ``measurement.speed_probe_s`` the kept
+#      try's two probes. Absent: one try, the host's own speed not read.
 # Plan
 #   2  ``options.compute_scale``.
 #   3  the precision (``precision``, ``param_dtype``; before it, fp32).
@@ -145,8 +150,8 @@ REPORT_FORMAT = "gpipe-plan.report"
 #      options; null, 1 and 0 where they did not): calibrate refuses such a round unless forced,
 #      and takes the charges off what it compares. Before it: read from the plan the report names
 #      where that is at hand, else a core per rank.
-FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 12, PLAN_FORMAT: 11, REPORT_FORMAT: 6}
-READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12),
+FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 13, PLAN_FORMAT: 11, REPORT_FORMAT: 6}
+READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13),
                                                  PLAN_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11),
                                                  REPORT_FORMAT: (1, 2, 3, 4, 5, 6)}
 

@@ -104,6 +104,22 @@ SAME_SPEED = 0.05
 DRIFT_LIMIT = 1.5
 
 
+# [Note: layers timed at the host's own speed]
+# A virtual machine can run the same code 25-70% slower for stretches of seconds to minutes
+# that no load counter shows (no other process, no steal; a thread's CPU time slows as much as
+# its wall time): on the 2-core development VM this probe read 6.2-6.6 ms at speed and 7.5-13 ms
+# in such stretches. A profile whose layers were timed in one mispredicts every plan of the
+# model by as much: one resnet profile's probes read 9.2 and 9.7 ms, and each of its plans then
+# ran 0.73-0.80 of its prediction. Probes before and after the layers that agree do not show it:
+# both were slow. So a profile also reads the probe as it starts (before it builds the model,
+# after it checks it, after it runs the micro-batches through it: seconds apart on a real model,
+# in and out of one stretch), takes the fastest reading as the host's own speed (a stretch only
+# slows the host), and times its layers again while either probe around them read more than
+# STEADY slower than that, at most LAYER_TRIES times in all, keeping the try whose probes read
+# least slow (profile format 13: measurement.host_speed).
+LAYER_TRIES = 3
+
+
 def probe_doubt(readings_s: list[float], spreads: list[float], profile_drift: float | None,
                 ratio: float | None = None) -> str | None:
     """Why the run's speed ratio cannot be trusted, in words; None when it can.

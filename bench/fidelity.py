@@ -159,6 +159,7 @@ def measure_cell(model: str, K: int, rounds: int, steps: int, ledger: Ledger, fo
         "contention_processes": (doc.get("contention") or {}).get("processes"),
         "cores": (doc.get("device") or {}).get("cores"),
         "profile_host_load": doc.get("host_load"),
+        "profile_host_speed": (doc.get("measurement") or {}).get("host_speed"),
         "plans": {name: {"schedule": d["schedule"], "virtual_stages": d.get("virtual_stages", 1),
                          "micro_batches": d["micro_batches"], "balance": d["balance"],
                          "predicted_step_s": d["predicted"]["step_s"],
@@ -297,7 +298,8 @@ def render(data: dict[str, Any]) -> str:
                             f"({fixed.get('executor')} executor, {fixed.get('backend')}, micro-batch "
                             f"{', '.join(str(e.get('micro_batch_size')) for e in sizes)}); neighbours' slowdown "
                             f"{cell['contention']:.2f}; "
-                            f"{'busy host: ' + busy_profile_text(busy) if busy else 'no busy phase'}. "
+                            f"{'busy host: ' + busy_profile_text(busy) if busy else 'no busy phase'}"
+                            f"{_host_speed_text(cell.get('profile_host_speed'))}. "
                             + " ".join(f"Fixed costs at micro-batch {e.get('micro_batch_size')}: {_figures(e)}."
                                        for e in sizes)
                             + _shared_text(fixed.get("shared_cores")) + "\n")
@@ -315,6 +317,16 @@ def render(data: dict[str, Any]) -> str:
                                   f"{c['ratio']:.3f}"] for c in mine]))
     text.append("\n![predicted vs measured](benchmarks/fidelity.svg)\n")
     return "\n".join(text) + "\n"
+
+
+def _host_speed_text(host_speed: dict[str, Any] | None) -> str:
+    """How slow the host ran while the profile timed its layers, per try ([Note: layers timed at
+    the host's own speed]); empty before profile format 13."""
+    if not host_speed or not host_speed.get("layer_tries"):
+        return ""
+    tries = host_speed["layer_tries"]
+    return (f"; layers timed in {len(tries)} tr{'ies' if len(tries) != 1 else 'y'}, the probe around each "
+            + ", ".join(f"{t:.2f}" for t in tries) + f"x the host's own {host_speed['fastest_probe_s'] * 1e3:.2f} ms")
 
 
 def _figures(fixed: dict[str, Any]) -> str:

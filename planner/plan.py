@@ -15,6 +15,7 @@ from typing import Any
 from ..hostload import STEADY_SPREAD, busy_phases, busy_profile_text
 from ..schema import FORMAT_VERSIONS, PLAN_FORMAT
 from ..schedules import SPLIT_BACKWARD, chunks_per_stage, label
+from ..speedprobe import STEADY
 from ..weight_versions import ASYNC_SCHEDULES, staleness, stashed_versions
 from . import milp
 from .costmodel import CostModel
@@ -319,6 +320,12 @@ def plan_warnings(profile: Profile, best: Candidate, ev: Evaluation, proven: boo
             f"({setting.compute_scale:.2f}x here), while the host's own speed swung (its cycles spread by "
             f"{profile.contention_spread:.2f} in the steadiest of {readings} reading{'s' if readings != 1 else ''}): "
             "the step may be off by as much; profile again on a quiet host")
+    if profile.layer_slowness > 1 + STEADY:
+        warnings.append(
+            f"the profile timed its layers while the host ran {profile.layer_slowness - 1:.0%} slower than its own "
+            f"speed (the speed probe around them, the least slow of {profile.layer_tries} "
+            f"tr{'ies' if profile.layer_tries != 1 else 'y'}): the step may be predicted as much too slow; profile "
+            "again when the host holds its speed")
     busy = busy_phases(profile.doc.get("host_load"))
     if busy:
         warnings.append(

@@ -166,6 +166,13 @@ class Profile:
         spread = contention.get("spread")
         self.contention_spread: float = float(spread) if isinstance(spread, (int, float)) else 0.0
         self.contention_readings: int = contention.get("readings") or 1     # how many it took
+        # How much slower than the host's own speed the layers were timed, by the speed probe,
+        # and in how many tries (version 13; 1.0 and 1: not read): a plan says when it is above
+        # speedprobe.STEADY ([Note: layers timed at the host's own speed]).
+        host_speed = (doc.get("measurement") or {}).get("host_speed") or {}
+        tries = [t for t in host_speed.get("layer_tries") or [] if isinstance(t, (int, float)) and t > 0]
+        self.layer_slowness: float = min(tries) if tries else 1.0
+        self.layer_tries: int = len(tries) or 1
         self.recompute_call_s = _recompute_call(doc, where, self.layers)
         self.precision, self.param_dtype = precision_of(doc, where)
         self.usable_memory_bytes = usable_memory_bytes(self.device, where)

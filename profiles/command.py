@@ -228,7 +228,10 @@ class _Bar:
 
     def begin(self, total: int) -> None:
         self._total = total
-        self._task = self._progress.add_task("", total=total)
+        if self._task is None:
+            self._task = self._progress.add_task("", total=total)
+        else:       # the work grew: the same bar, a longer way
+            self._progress.update(self._task, total=total)
 
     def step(self, description: str) -> None:
         self._progress.update(self._task, advance=1, description=self._fit(description))

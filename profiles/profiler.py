@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -47,7 +47,7 @@ from ..models import (LayeredModel, Precision, build_model, built_whole, layer_m
 from ..models.layered import batch_dimensions
 from ..models.materialize import streamed
 from ..schema import FORMAT_VERSIONS, PROFILE_FORMAT
-from ..speedprobe import speed_probe_s, workload
+from ..speedprobe import LAYER_TRIES, STEADY, speed_probe_s, workload
 from .clock import Clock, clock_for
 from ..cudamemory import outside_allocator_bytes
 from ..hostload import CpuSample, sample as host_sample, window_load
@@ -118,7 +118,8 @@ class ProfileRequest:
 
 
 class Progress(Protocol):
-    """Told the number of units of work, then once per unit done (a progress bar)."""
+    """Told the number of units of work, then once per unit done (a progress bar); told the
+    number again where the work grew (the layers timed again)."""
 
     def begin(self, total: int) -> None: ...
 
@@ -157,6 +158,9 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
         # Before the model is built: the CUDA context (and other processes), which the planner
         # takes off the card's memory (planner/profile.py, usable_memory_bytes).
         context_bytes = outside_allocator_bytes(device)
+    # The host's speed as the profile starts, read again below before the layers are timed
+    # ([Note: layers timed at the host's own speed], gpipe_plan/speedprobe.py).
+    host_readings = [speed_probe_s(device.type)]
     # Every parameter on meta: a layer is made real while it is walked or measured, then
     # given back (a model that cannot be built so is built whole, and stays real).
     announce(f"building model '{request.spec.get('name') or request.spec.get('factory')}'")
@@ -166,7 +170,7 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
     if whole is not None:
         model.to(device)
     if not _layer_by_layer(request, model):
-        return _profile_in_memory(model, request, progress, context_bytes, whole)
+        return _profile_in_memory(model, request, progress, context_bytes, whole, host_readings)
     sizes = sorted(request.micro_batch_sizes)
     announce(f"checking the {counted(len(model.layers), 'layer')} on a micro-batch, one at a time")
     with request.autocast():
@@ -176,10 +180,11 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
         announce(f"note: {note}", key=note)
     batches = [_batch(model, b, request.seed, device) for b in sizes]
     announce(f"running {len(sizes)} micro-batch sizes through the layers")
+    host_readings.append(speed_probe_s(device.type))
     walk = walk_layers(model, [inputs for inputs, _ in batches], device, request.autocast, request.share_figures)
+    host_readings.append(speed_probe_s(device.type))
 
     layers_from = host_sample(children=True)    # what else ran while the layers were timed (_finish)
-    probe_before = speed_probe_s(device.type)   # see speedprobe: the speed this profile saw
     rounds = request.warmup + request.repeats
     check_whole = _checks_whole_model(request, model)
     contention = request.contention_processes > 1 and device.type == "cpu"
@@ -187,12 +192,22 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
     # checkpointed; forward, I and W of both split (not for the first layer: see split_runner).
     units_per_size = 4 + (4 if request.recompute else 0)
     split_units = 6 * len(sizes) * rounds * sum(1 for i in walk.measured if i > 0) if request.split_backward else 0
-    progress.begin(len(walk.measured) * (len(sizes) * rounds * units_per_size + 1) + split_units
-                   + (len(sizes) * rounds * 2 if check_whole else 0)
-                   + (1 if request.measure_link else 0) + (1 if contention else 0) + _fixed_cost_phases(request, model))
+    layer_units = len(walk.measured) * (len(sizes) * rounds * units_per_size + 1) + split_units
+    total = [layer_units + (len(sizes) * rounds * 2 if check_whole else 0)
+             + (1 if request.measure_link else 0) + (1 if contention else 0) + _fixed_cost_phases(request, model)]
+    progress.begin(total[0])
     clock = clock_for(device, request.threads)
-    measured = {i: _measure_layer(model, i, walk.inputs.pop(i), [t for _, t in batches], sizes, request, clock,
+
+    def time_layers() -> dict[int, Any]:
+        nonlocal walk
+        if not walk.inputs:      # a try after the first: each layer's inputs again
+            walk = walk_layers(model, [inputs for inputs, _ in batches], device, request.autocast,
+                               request.share_figures)
+        return {i: _measure_layer(model, i, walk.inputs.pop(i), [t for _, t in batches], sizes, request, clock,
                                   progress) for i in walk.measured}
+
+    measured, probes, host_speed = _timed_at_speed(time_layers, device.type, host_readings,
+                                                   lambda: _grow(progress, total, layer_units))
     per_size = [[replace(measured[walk.measured_as[i]].figures[s]) for i in range(len(model.layers))]
                 for s in range(len(sizes))]
     steps = _time_whole_model(model, batches, sizes, request, clock, progress) if check_whole else None
@@ -204,14 +219,52 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
         if split_timed else []
     optimizer_s = [measured[walk.measured_as[i]].optimizer_s for i in range(len(model.layers))]
 
-    probes = [probe_before, speed_probe_s(device.type)]
     link = _measure_link(request, progress)
     doc = _document(model, request, sizes, per_size, steps, harnesses, recompute_harnesses, split_harnesses,
                     [tensor_bytes(inputs) for inputs, _ in batches], optimizer_s, link)
     for entry, rep in zip(doc["layers"], walk.measured_as):
         entry["measured_as"] = None if model.layers[rep][0] == entry["name"] else model.layers[rep][0]
     doc["measurement"]["shared_figures"] = request.share_figures
+    doc["measurement"]["host_speed"] = host_speed
     return _finish(doc, request, progress, probes, context_bytes, whole, True, contention, layers_from)
+
+
+def _grow(progress: Progress, total: list[int], units: int) -> None:
+    """Tell ``progress`` its work grew by ``units`` (the layers timed again): ``total[0]`` updated."""
+    total[0] += units
+    progress.begin(total[0])
+
+
+def _timed_at_speed(time_layers: Callable[[], Any], device_type: str, readings: list[float],
+                    again: Callable[[], None]) -> tuple[Any, list[float], dict[str, Any]]:
+    """``time_layers()``'s answer from a try at the host's own speed, the speed probes around that
+    try, and the record (``measurement.host_speed``): the host's own speed and each try's
+    slowness ([Note: layers timed at the host's own speed], gpipe_plan/speedprobe.py).
+
+    ``readings``: the probe read as the profile started; ``again``: called before a try after
+    the first (its progress units). Each try is bracketed by probes; its
+    slowness is the slower of them over the host's own speed (the fastest reading, those of the
+    tries included). A try more than STEADY slow is timed again, at most LAYER_TRIES in all; the
+    least slow is kept."""
+    fastest = min(readings)
+    tries: list[float] = []
+    kept: tuple[float, Any, list[float]] | None = None
+    for attempt in range(LAYER_TRIES):
+        before = speed_probe_s(device_type)
+        answer = time_layers()
+        after = speed_probe_s(device_type)
+        fastest = min(fastest, before, after)
+        slowness = max(before, after) / fastest
+        tries.append(slowness)
+        if kept is None or slowness < kept[0]:
+            kept = (slowness, answer, [before, after])
+        if slowness <= 1 + STEADY:
+            break
+        if attempt + 1 < LAYER_TRIES:
+            announce(f"the host ran {slowness - 1:.0%} slower than its own speed while the layers were timed "
+                     f"(the speed probe around them): timing them again, try {attempt + 2} of {LAYER_TRIES}")
+            again()
+    return kept[1], kept[2], {"fastest_probe_s": fastest, "layer_tries": tries}
 
 
 def _measure_link(request: ProfileRequest, progress: Progress) -> dict[str, Any] | None:
@@ -336,7 +389,7 @@ def _layer_by_layer(request: ProfileRequest, model: LayeredModel) -> bool:
 
 # ---------------------------------------------------------------------- the whole model in memory
 def _profile_in_memory(model: LayeredModel, request: ProfileRequest, progress: Progress, context_bytes: int | None,
-                       whole: str | None) -> dict[str, Any]:
+                       whole: str | None, host_readings: list[float]) -> dict[str, Any]:
     """Every layer measured, all in the same rounds, with the whole model's step beside them.
 
     For a model that fits: its layers run one after another in each round, as they do in the
@@ -353,25 +406,37 @@ def _profile_in_memory(model: LayeredModel, request: ProfileRequest, progress: P
         model.check(batch_size=sizes[0], device=device)  # a bad --input-shape fails here, in one line
     for note in model.notes:
         announce(f"note: {note}", key=note)
+    host_readings = [*host_readings, speed_probe_s(device.type)]
     layers_from = host_sample(children=True)    # what else ran while the layers were timed (_finish)
-    probe_before = speed_probe_s(device.type)
     rounds = request.warmup + request.repeats
     contention = request.contention_processes > 1 and device.type == "cpu"
     runs_per_round = len(model.layers) + 2 + (len(model.layers) + 1 if request.recompute else 0)
     split_runs_per_round = len(model.layers) if request.split_backward else 0   # the harness, layers 1..
-    progress.begin(len(sizes) * rounds * (2 * runs_per_round + 3 * split_runs_per_round) + 1 + (1 if request.measure_link else 0)
-                   + (1 if contention else 0) + _fixed_cost_phases(request, model))
+    layer_units = len(sizes) * rounds * (2 * runs_per_round + 3 * split_runs_per_round) + 1    # and the optimizer's
+    total = [layer_units + (1 if request.measure_link else 0) + (1 if contention else 0)
+             + _fixed_cost_phases(request, model)]
+    progress.begin(total[0])
     # Every size is prepared first and all are timed in the same rounds (see _time_sizes).
     announce(f"measuring {counted(len(model.layers), 'layer')} at sizes {','.join(map(str, sizes))}: memory, "
              f"then {rounds} timed round{'s' if rounds != 1 else ''}")
     prepared = [_prepare_size(model, *_batch(model, b, request.seed, device), request, b) for b in sizes]
-    _time_sizes(prepared, model, request, progress)
-
-    progress.step("optimizer steps")
+    host_readings.append(speed_probe_s(device.type))
     clock = clock_for(device, request.threads)
-    optimizer_s = [optimizer_step_s(_distinct(layer.parameters()), clock, request.warmup, request.repeats)
-                   for _, layer in model.layers]
-    probes = [probe_before, speed_probe_s(device.type)]
+
+    def time_layers() -> tuple[list[tuple], list[float]]:
+        _time_sizes(prepared, model, request, progress)
+        progress.step("optimizer steps")
+        optimizer_s = [optimizer_step_s(_distinct(layer.parameters()), clock, request.warmup, request.repeats)
+                       for _, layer in model.layers]
+        # What _time_sizes wrote, copied: a later try writes over it.
+        return [(p.step, p.harness, p.recompute_harness, p.split_harness, [replace(f) for f in p.figures])
+                for p in prepared], optimizer_s
+
+    (timed, optimizer_s), probes, host_speed = _timed_at_speed(time_layers, device.type, host_readings,
+                                                               lambda: _grow(progress, total, layer_units))
+    for p, (step, harness, recompute_harness, split_harness, figures) in zip(prepared, timed):
+        p.step, p.harness, p.recompute_harness, p.split_harness, p.figures = (step, harness, recompute_harness,
+                                                                              split_harness, figures)
     link = _measure_link(request, progress)
     doc = _document(model, request, sizes, [p.figures for p in prepared], [p.step for p in prepared],
                     [p.harness for p in prepared],
@@ -381,6 +446,7 @@ def _profile_in_memory(model: LayeredModel, request: ProfileRequest, progress: P
     for entry in doc["layers"]:
         entry["measured_as"] = None
     doc["measurement"]["shared_figures"] = False
+    doc["measurement"]["host_speed"] = host_speed
     return _finish(doc, request, progress, probes, context_bytes, whole, False, contention, layers_from)
 
 

@@ -591,7 +591,7 @@ def test_no_fixed_costs_leaves_them_out_and_the_plan_says_so(tmp_path: Path) -> 
     result = CliRunner().invoke(main, ["profile", *TINY, "--no-fixed-costs", "--out", str(out), "-q"])
     assert result.exit_code == 0, result.output
     doc = json.loads(out.read_text())
-    assert "fixed_costs" not in doc and doc["version"] == 12
+    assert "fixed_costs" not in doc and doc["version"] == 13
     plan = tmp_path / "plan.json"
     assert CliRunner().invoke(main, ["solve", str(out), "-k", "2", "--out", str(plan), "-q"]).exit_code == 0
     assert any("measured no fixed costs" in w for w in json.loads(plan.read_text())["warnings"])
