@@ -74,6 +74,9 @@ def render_profile(doc: dict[str, Any], console: Console) -> None:
     busy = _host_load_line(doc.get("host_load"))
     if busy:
         console.print(busy, highlight=False)
+    speed = _host_speed_line((doc.get("measurement") or {}).get("host_speed"))
+    if speed:
+        console.print(speed, highlight=False)
     link = doc.get("link")
     if link:
         console.print(f"link ({link.get('backend', '?')}): latency {format_seconds(link.get('latency_s'))}, "
@@ -90,6 +93,22 @@ def _host_load_line(load: Any) -> str | None:
     if not busy:
         return None
     return f"[yellow]busy host[/]: {busy_profile_text(busy)}; plans from this profile say so"
+
+
+def _host_speed_line(host_speed: Any) -> str | None:
+    """How slow the host ran while the layers were timed, where they were timed again or the
+    kept try was slow (version 13; [Note: layers timed at the host's own speed])."""
+    from ..speedprobe import STEADY
+
+    tries = host_speed.get("layer_tries") if isinstance(host_speed, dict) else None
+    if not tries or (len(tries) == 1 and tries[0] <= 1 + STEADY):
+        return None
+    kept = min(tries)
+    head = "[yellow]slow host[/]" if kept > 1 + STEADY else "host speed"
+    return (f"{head}: the layers were timed {len(tries)} time{'s' if len(tries) != 1 else ''}, the speed probe around "
+            f"them {', '.join(f'{t:.2f}' for t in tries)}x the host's own "
+            f"{format_seconds(host_speed.get('fastest_probe_s'))}; the least slow ({kept:.2f}x) kept"
+            + ("; plans from this profile say so" if kept > 1 + STEADY else ""))
 
 
 def _fixed_costs_line(fixed: Any) -> str | None:

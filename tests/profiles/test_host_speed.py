@@ -105,3 +105,13 @@ def test_a_plan_says_when_the_layers_were_timed_on_a_slow_host() -> None:
     assert len(said) == 1 and "30% slower" in said[0] and "3 tries" in said[0]
     assert not any("slower than its own speed" in w for w in warnings([1.6, 1.05]))
     assert not any("slower than its own speed" in w for w in warnings(None))      # version 12: not read
+
+
+def test_show_says_how_often_and_how_slow_the_layers_were_timed() -> None:
+    from gpipe_plan.profiles.show import _host_speed_line
+
+    assert _host_speed_line(None) is None and _host_speed_line({"layer_tries": [1.05]}) is None
+    again = _host_speed_line({"fastest_probe_s": 0.0063, "layer_tries": [1.5, 1.02]})
+    assert again.startswith("host speed") and "2 times" in again and "1.50, 1.02x" in again and "say so" not in again
+    slow = _host_speed_line({"fastest_probe_s": 0.0063, "layer_tries": [1.5, 1.3, 1.4]})
+    assert "slow host" in slow and "(1.30x) kept" in slow and "say so" in slow
