@@ -47,7 +47,8 @@ from ..models import (LayeredModel, Precision, build_model, built_whole, layer_m
 from ..models.layered import batch_dimensions
 from ..models.materialize import streamed
 from ..schema import FORMAT_VERSIONS, PROFILE_FORMAT
-from ..speedprobe import LAYER_TRIES, STEADY, speed_probe_s, workload
+from .. import speedprobe
+from ..speedprobe import STEADY, speed_probe_s, workload
 from .clock import Clock, clock_for
 from ..cudamemory import outside_allocator_bytes
 from ..hostload import CpuSample, sample as host_sample, window_load
@@ -247,24 +248,26 @@ def _timed_at_speed(time_layers: Callable[[], Any], device_type: str, readings: 
     tries included). A try more than STEADY slow is timed again, at most LAYER_TRIES in all; the
     least slow is kept."""
     fastest = min(readings)
-    tries: list[float] = []
-    kept: tuple[float, Any, list[float]] | None = None
-    for attempt in range(LAYER_TRIES):
+    answers: list[Any] = []
+    probes: list[list[float]] = []
+    tries_at_most = speedprobe.LAYER_TRIES
+    for attempt in range(tries_at_most):
         before = speed_probe_s(device_type)
-        answer = time_layers()
+        answers.append(time_layers())
         after = speed_probe_s(device_type)
+        probes.append([before, after])
         fastest = min(fastest, before, after)
         slowness = max(before, after) / fastest
-        tries.append(slowness)
-        if kept is None or slowness < kept[0]:
-            kept = (slowness, answer, [before, after])
         if slowness <= 1 + STEADY:
             break
-        if attempt + 1 < LAYER_TRIES:
+        if attempt + 1 < tries_at_most:
             announce(f"the host ran {slowness - 1:.0%} slower than its own speed while the layers were timed "
-                     f"(the speed probe around them): timing them again, try {attempt + 2} of {LAYER_TRIES}")
+                     f"(the speed probe around them): timing them again, try {attempt + 2} of {tries_at_most}")
             again()
-    return kept[1], kept[2], {"fastest_probe_s": fastest, "layer_tries": tries}
+    # Each try against the fastest reading of all (a later try's may be faster than any before it).
+    tries = [max(pair) / fastest for pair in probes]
+    kept = min(range(len(tries)), key=tries.__getitem__)
+    return answers[kept], probes[kept], {"fastest_probe_s": fastest, "layer_tries": tries}
 
 
 def _measure_link(request: ProfileRequest, progress: Progress) -> dict[str, Any] | None:

@@ -30,6 +30,16 @@ def user_module(user_dir: Path) -> Callable[[str], str]:
     return write
 
 
+@pytest.fixture(autouse=True)
+def layers_timed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Profiles time their layers once, whatever the host's speed did: what a test counts of the
+    profiler's work (progress units, runs) must not depend on it. The retakes ([Note: layers timed
+    at the host's own speed]) have their own tests (tests/profiles/test_host_speed.py)."""
+    from gpipe_plan import speedprobe      # (no torch: the planner's tests stay without it)
+
+    monkeypatch.setattr(speedprobe, "LAYER_TRIES", 1)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Stop the session's groups of ranks (tests/helpers/rank_pool.py), if any test started one."""
     import sys

@@ -14,11 +14,18 @@ from gpipe_plan.planner.search import search
 from gpipe_plan.profiles import profiler
 from gpipe_plan.profiles.profiler import ProfileRequest, profile_model
 from gpipe_plan.schema import FORMAT_VERSIONS, PROFILE_FORMAT
+from gpipe_plan import speedprobe
 from gpipe_plan.speedprobe import LAYER_TRIES
 
 from helpers.planner import profile_doc
 
 TINY_GPT = model_spec("gpt", layers=1, width=16, heads=2, seq_len=8, vocab_size=32)
+
+
+@pytest.fixture(autouse=True)
+def layers_timed_again(monkeypatch) -> None:
+    """The retakes as a profile makes them (tests/conftest.py times the layers once elsewhere)."""
+    monkeypatch.setattr(speedprobe, "LAYER_TRIES", LAYER_TRIES)
 
 
 def _probes(monkeypatch, readings: list[float]) -> list[float]:
@@ -115,3 +122,11 @@ def test_show_says_how_often_and_how_slow_the_layers_were_timed() -> None:
     assert again.startswith("host speed") and "2 times" in again and "1.50, 1.02x" in again and "say so" not in again
     slow = _host_speed_line({"fastest_probe_s": 0.0063, "layer_tries": [1.5, 1.3, 1.4]})
     assert "slow host" in slow and "(1.30x) kept" in slow and "say so" in slow
+
+
+def test_every_try_is_measured_against_the_fastest_reading_of_all(monkeypatch) -> None:
+    # The second try's probe (0.8) is faster than any reading before it: the first try, 1.5x the
+    # readings it had seen, was 1.875x the host's own speed.
+    answer, probes, record, tries = _tries(monkeypatch, [(1.5, 1.5), (0.8, 0.82)], start=[1.0])
+    assert tries == 2 and answer == 1 and probes == [0.8, 0.82]
+    assert record["fastest_probe_s"] == 0.8 and [round(t, 3) for t in record["layer_tries"]] == [1.875, 1.025]
