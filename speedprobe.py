@@ -111,12 +111,12 @@ DRIFT_LIMIT = 1.5
 # in such stretches. A profile whose layers were timed in one mispredicts every plan of the
 # model by as much: one resnet profile's probes read 9.2 and 9.7 ms, and each of its plans then
 # ran 0.73-0.80 of its prediction. Probes before and after the layers that agree do not show it:
-# both were slow. So a profile also reads the probe as it starts (before it builds the model,
-# after it checks it, after it runs the micro-batches through it: seconds apart on a real model,
-# in and out of one stretch), takes the fastest reading as the host's own speed (a stretch only
-# slows the host), and times its layers again while either probe around them read more than
-# STEADY slower than that, at most LAYER_TRIES times in all, keeping the try whose probes read
-# least slow (profile format 13: measurement.host_speed).
+# both were slow. So a profile also reads the probe as it starts (before it builds the model and
+# after it checks it: seconds apart on a real model, and seconds before the layers, in and out of
+# one stretch), takes the fastest reading, those around the layers included, as the host's own
+# speed (a stretch only slows the host), and times its layers again while either probe around
+# them read more than STEADY slower than that, at most LAYER_TRIES times in all, keeping the try
+# whose probes read least slow (profile format 13: measurement.host_speed).
 LAYER_TRIES = 3
 
 

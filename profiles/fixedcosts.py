@@ -363,8 +363,6 @@ def _configuration(run: ProbeRun, predicted_step_s: float) -> dict[str, Any]:
             "measured_step_s": run.measured_step_s(), "predicted_step_s": predicted_step_s}
 
 
-
-
 def _fit(models: Sequence["_ProbeModel"], runs: Sequence[ProbeRun], step: int | None) -> dict[str, float]:
     """The figures from every run's spans (of one measured step, or all of them)."""
     from ..planner.fixedcosts import FixedCosts

@@ -183,7 +183,6 @@ def profile_model(request: ProfileRequest, progress: Progress | None = None) -> 
     announce(f"running {len(sizes)} micro-batch sizes through the layers")
     host_readings.append(speed_probe_s(device.type))
     walk = walk_layers(model, [inputs for inputs, _ in batches], device, request.autocast, request.share_figures)
-    host_readings.append(speed_probe_s(device.type))
 
     layers_from = host_sample(children=True)    # what else ran while the layers were timed (_finish)
     rounds = request.warmup + request.repeats
@@ -423,7 +422,6 @@ def _profile_in_memory(model: LayeredModel, request: ProfileRequest, progress: P
     announce(f"measuring {counted(len(model.layers), 'layer')} at sizes {','.join(map(str, sizes))}: memory, "
              f"then {rounds} timed round{'s' if rounds != 1 else ''}")
     prepared = [_prepare_size(model, *_batch(model, b, request.seed, device), request, b) for b in sizes]
-    host_readings.append(speed_probe_s(device.type))
     clock = clock_for(device, request.threads)
 
     def time_layers() -> tuple[list[tuple], list[float]]:
