@@ -176,7 +176,7 @@ def _plan_doc(base: dict[str, Any], profile: Profile, setting: Setting, micro_ba
     if len(doc.get("factorisations") or ()) == 1:
         doc["factorisations"] = [one_pipeline_row(ev, proven, global_batch)]
     solution = Solution(ev, proven, lower if lower is not None else 0.0, f"tune's candidate ({source})")
-    doc["warnings"] = plan_warnings(profile, Candidate(setting, micro_batch_size, solution), ev, proven)
+    doc["warnings"] = plan_warnings(profile, Candidate(setting, micro_batch_size, solution), ev)
     check_built(doc, "solved plan", f"tune's candidate ({source})")
     return doc
 

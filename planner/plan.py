@@ -82,7 +82,7 @@ def build_plan(profile: Profile, profile_path: str, profile_sha256: str, request
         "factorisations": factorisation_rows(devices) if devices is not None else [
             one_pipeline_row(ev, result.proven, global_batch)],
         "runners_up": runners_up(result.candidates, global_batch, replicas),
-        "warnings": plan_warnings(profile, best, ev, optimality["proven"]),
+        "warnings": plan_warnings(profile, best, ev) + unproven_warnings(optimality, request.time_budget_s),
     }
 
 
@@ -259,9 +259,20 @@ def optimality_section(method: str, step_s: float, result: SearchResult,
     }
 
 
-def plan_warnings(profile: Profile, best: Candidate, ev: Evaluation, proven: bool) -> list[str]:
+def unproven_warnings(optimality: dict[str, Any], time_budget_s: float) -> list[str]:
+    """What a plan the search did not prove optimal says of it: how far from the best possible it
+    can be, and what would search further (nothing when it is proven)."""
+    if optimality["proven"]:
+        return []
+    gap = optimality["gap"]
+    within = f": it is within {gap:.2%} of the best plan possible (optimality.gap)" if gap is not None else ""
+    return [f"the search spent its --time-budget ({time_budget_s:g} s) before proving this plan "
+            f"optimal{within}; a larger --time-budget searches further"]
+
+
+def plan_warnings(profile: Profile, best: Candidate, ev: Evaluation) -> list[str]:
     """What the user should know before trusting the prediction, one sentence each
-    (``ev``: ``best``'s evaluation; ``proven``: the search proved it optimal)."""
+    (``ev``: ``best``'s evaluation; whether the search proved it: :func:`unproven_warnings`)."""
     setting = best.setting
     lo, hi = profile.measured_range()
     warnings = []
@@ -276,8 +287,6 @@ def plan_warnings(profile: Profile, best: Candidate, ev: Evaluation, proven: boo
             f"of the {format_seconds(ev.step_s)} step, already in the prediction (predicted.optimizer_wait_s) and "
             "weighed by the search against the other splits and schedules; only a faster optimizer step or "
             "gradient sync on that stage would remove it")
-    if not proven:
-        warnings.append("the search ran out of time before proving this plan optimal; see optimality.gap")
     if setting.data_parallel > 1 and not math.isfinite(setting.sync_bandwidth_bytes_per_s) \
             and setting.sync_latency_s == 0:
         warnings.append(

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpipe_plan.schema import FORMAT_VERSIONS, PLAN_FORMAT
-from gpipe_plan.planner.plan import MAX_RUNNERS_UP
+from gpipe_plan.planner.plan import MAX_RUNNERS_UP, unproven_warnings
 from gpipe_plan.schedules import (SPLIT_BACKWARD, all_actions, chunks_of_stage, chunks_per_stage, in_flight,
                                   stage_of_chunk)
 
@@ -99,6 +99,7 @@ def test_solve_writes_a_plan_with_the_documented_keys(profile_path: Path):
     assert opt["gap"] == pytest.approx(pred["step_s"] / opt["lower_bound_s"] - 1, abs=1e-12)
     assert opt["proven"] and opt["gap"] == pytest.approx(0, abs=1e-9)     # nothing timed out here
     assert isinstance(plan["warnings"], list)
+    assert not any("--time-budget" in w for w in plan["warnings"])    # proven: nothing to search further
     # runners-up: the other (M, schedule, v) settings, best first, none better than the plan
     runners = plan["runners_up"]
     assert len(runners) == min(opt["settings_searched"] - 1, MAX_RUNNERS_UP)
@@ -113,6 +114,16 @@ def test_solve_writes_a_plan_with_the_documented_keys(profile_path: Path):
     runners = [r for r in runners if r["fits"]]
     steps = [r["step_s"] for r in runners]
     assert steps == sorted(steps) and all(s >= pred["step_s"] for s in steps)
+
+
+def test_an_unproven_plan_says_how_far_it_may_be_and_what_searches_further():
+    proven = {"proven": True, "gap": 0.0}
+    assert unproven_warnings(proven, 30.0) == []
+    (said,) = unproven_warnings({"proven": False, "gap": 0.0285}, 3.0)
+    assert "--time-budget (3 s)" in said and "within 2.85% of the best plan possible" in said
+    assert said.endswith("a larger --time-budget searches further")
+    (said,) = unproven_warnings({"proven": False, "gap": None}, 0.5)    # no bound at all
+    assert "--time-budget (0.5 s)" in said and "within" not in said
 
 
 def test_solve_with_dp_and_ilp_agree(profile_path: Path):
