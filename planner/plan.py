@@ -265,9 +265,10 @@ def unproven_warnings(optimality: dict[str, Any], time_budget_s: float) -> list[
     if optimality["proven"]:
         return []
     gap = optimality["gap"]
-    within = f": it is within {gap:.2%} of the best plan possible (optimality.gap)" if gap is not None else ""
+    how_far = (f": it is at most {gap:.2%} slower than the best plan possible (optimality.gap)"
+               if gap is not None else "")
     return [f"the search spent its --time-budget ({time_budget_s:g} s) before proving this plan "
-            f"optimal{within}; a larger --time-budget searches further"]
+            f"optimal{how_far}; a larger --time-budget searches further"]
 
 
 def plan_warnings(profile: Profile, best: Candidate, ev: Evaluation) -> list[str]:
