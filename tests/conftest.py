@@ -40,6 +40,17 @@ def layers_timed_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(speedprobe, "LAYER_TRIES", 1)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C reaches the processes the tests start even when the suite itself was started with
+    SIGINT ignored (a shell's ``command &`` without job control, as scripts run it): an ignored
+    signal stays ignored across exec, so the tests that press Ctrl-C on a solve or a run would
+    see it run on to its end. A handler, unlike an ignore, is reset to the default on exec."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Stop the session's groups of ranks (tests/helpers/rank_pool.py), if any test started one."""
     import sys
