@@ -212,15 +212,16 @@ def summary(data: dict[str, Any], K: int | None = None) -> dict[str, Any]:
         for k, cell in by_k.items():
             if K is not None and int(k) != K:
                 continue
-            med_of = {name: statistics.median(v) for name, v in cell["measured_step_s"].items()}
+            runs = cell["measured_step_s"]
+            med_of = {name: statistics.median(v) for name, v in runs.items()}
             fastest = min(med_of, key=med_of.get)
-            default = med_of[cell["plans"]["default"]["same_as"]]
+            default_plan = cell["plans"]["default"]["same_as"]
+            default = med_of[default_plan]
             old = med_of[cell["plans"]["default without fixed costs"]["same_as"]]
             tuned = med_of[cell["plans"][TUNED]["same_as"]] if TUNED in cell["plans"] else None
-            runs = cell["measured_step_s"]
             defaults.append({"model": model, "K": int(k), "fastest": fastest, "fastest_s": med_of[fastest],
                              "default_s": default, "default_vs_fastest": default / med_of[fastest],
-                             "default_won": rounds_won(runs[cell["plans"]["default"]["same_as"]], runs[fastest]),
+                             "default_won": rounds_won(runs[default_plan], runs[fastest]),
                              "old_default_s": old, "old_default_vs_fastest": old / med_of[fastest],
                              "tuned_s": tuned, "tuned_vs_fastest": tuned / med_of[fastest] if tuned else None,
                              "tune_s": cell.get("tune_s")})
