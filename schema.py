@@ -104,6 +104,10 @@ REPORT_FORMAT = "gpipe-plan.report"
 #      the host more than speedprobe.STEADY slow are timed again, the least slow try kept
 #      ([Note: layers timed at the host's own speed]); ``measurement.speed_probe_s`` the kept
 #      try's two probes. Absent: one try, the host's own speed not read.
+#  14  ``fixed_costs.optimizer_scale`` (and ``optimizer_scale_spread``): the probe steps Adam over
+#      each rank's chunks after every step, and this is how much longer that took than the
+#      layers' ``optimizer_s`` say; plans charge the layers' figures times it ([Note: the
+#      optimizer timed where it runs], profiles/fixedcosts.py). Absent: 1 (as profiled).
 # Plan
 #   2  ``options.compute_scale``.
 #   3  the precision (``precision``, ``param_dtype``; before it, fp32).
@@ -150,8 +154,8 @@ REPORT_FORMAT = "gpipe-plan.report"
 #      options; null, 1 and 0 where they did not): calibrate refuses such a round unless forced,
 #      and takes the charges off what it compares. Before it: read from the plan the report names
 #      where that is at hand, else a core per rank.
-FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 13, PLAN_FORMAT: 11, REPORT_FORMAT: 6}
-READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13),
+FORMAT_VERSIONS: dict[str, int] = {PROFILE_FORMAT: 14, PLAN_FORMAT: 11, REPORT_FORMAT: 6}
+READABLE_VERSIONS: dict[str, tuple[int, ...]] = {PROFILE_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14),
                                                  PLAN_FORMAT: (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11),
                                                  REPORT_FORMAT: (1, 2, 3, 4, 5, 6)}
 
@@ -578,6 +582,10 @@ FIXED_COSTS = Object({
     "layers": may(Items(Text(), nullable=True)),
     "configurations": may(Items(Anything(), nullable=True)),
     "seconds": may(_seconds(nullable=True)),
+    # Version 14 (profiles/fixedcosts.py, fit_optimizer_scale): the optimizer step in the pipeline
+    # over the layers' own figures, which plans charge them times (absent: 1).
+    "optimizer_scale": may(Number(0.0, MAX_RATIO, nullable=True)),
+    "optimizer_scale_spread": may(Number(0.0, MAX_RATIO, nullable=True)),
     # Version 11 (profiles/fixedcosts.py, measure_fixed_costs): the figures at each size measured.
     "per_micro_batch_size": may(Items(Object({
         "micro_batch_size": need(_count(1)),

@@ -197,6 +197,14 @@ class Profile:
         figures = figures_at(self.fixed_costs_record, micro_batch_size)
         return None if figures is None else FixedCosts.from_record(figures)
 
+    @property
+    def optimizer_scale(self) -> float:
+        """What an optimizer step of the layers takes in a pipeline over their ``optimizer_s``, as the
+        fixed-cost probe measured it (profile version 14; [Note: the optimizer timed where it runs],
+        profiles/fixedcosts.py); 1 where it measured none."""
+        scale = (self.fixed_costs_record or {}).get("optimizer_scale")
+        return float(scale) if isinstance(scale, (int, float)) and scale > 0 else 1.0
+
     def per_action_overhead_s(self, stages: int, micro_batch_size: float | None = None) -> float:
         """The cost between actions a plan of ``stages`` and micro-batches of ``micro_batch_size``
         is charged (planner/fixedcosts.py)."""
@@ -233,7 +241,7 @@ class Profile:
                 ),
                 param_bytes=tuple(float(l["param_bytes"]) for l in self.layers),
                 buffer_bytes=tuple(float(l.get("buffer_bytes") or 0.0) for l in self.layers),
-                optimizer_s=tuple(float(l.get("optimizer_s") or 0.0) for l in self.layers),
+                optimizer_s=tuple(float(l.get("optimizer_s") or 0.0) * self.optimizer_scale for l in self.layers),
                 input_bytes=series(self.input_bytes) if self.input_bytes is not None else 0.0,
                 **self._recompute_at(series),
                 **self._split_at(series),

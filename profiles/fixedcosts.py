@@ -48,6 +48,17 @@ the fitted model explains the very runs it came from.
 
 It takes seconds: the processes start once and run every configuration in turn.
 
+[Note: the optimizer timed where it runs]
+The profile times each layer's optimizer step alone, Adam over copies of its parameters in a
+warm loop. A run steps its stage's optimizer right after the step's backwards, and there it took
+1.3-1.5 times as long (the median per model over every run of two fidelity benches on the
+development VM: gpt 1.50, the small Llama 1.47, resnet 1.32; 1.26-1.67 per plan), on every plan
+alike: what the step's activations left in the caches, not the schedule. So each probe rank steps
+Adam over its chunks' parameters after every step (outside the step's own time, before the next
+step's barrier), and the record's ``optimizer_scale`` is the median, over every run and rank at
+every size, of that step's time over its layers' profiled figures; plans charge the layers'
+``optimizer_s`` times it (planner/profile.py).
+
 Ranks that share cores (:func:`measure_shared_cores`, the profile's ``fixed_costs.shared_cores``).
 A plan of more ranks than its host runs at once is played out on shared cores
 (planner/timeshare.py), and the runs are slower still than that sharing: a rank's caches are
@@ -70,7 +81,7 @@ import os
 import socket
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -210,6 +221,9 @@ def measure_fixed_costs(spec: dict[str, Any], doc: dict[str, Any], threads: int 
     per_size = [{"micro_batch_size": doc["micro_batch_sizes"][i], **fit_fixed_costs(doc, (first, end), i, runs_at)}
                 for i, runs_at in zip(size_indices, measured)]
     fixed = {key: value for key, value in per_size[middle].items() if key != "micro_batch_size"}
+    scale, ratios = fit_optimizer_scale(doc, (first, end), [run for runs_at in measured for run in runs_at])
+    if scale is not None:
+        fixed.update(optimizer_scale=scale, optimizer_scale_spread=robust_spread(ratios))
     fixed.update(executor=executor, backend=backend, **_what_ran(doc, (first, end), middle, STAGES, threads, started))
     fixed["per_micro_batch_size"] = [{key: value for key, value in entry.items() if key != "compute_scale"}
                                      for entry in per_size]
@@ -285,10 +299,12 @@ class ProbeRun:
     probe: Probe
     step_s: list[list[float]]                       # [rank][step]
     spans: list[list[tuple[int, str, int, float, float]]]   # [rank][...]
+    optimizer_s: list[list[float]] = field(default_factory=list)   # [rank][step]: Adam after the step
 
     @classmethod
     def merge(cls, probe: Probe, per_rank: list[dict[str, Any]]) -> "ProbeRun":
-        return cls(probe, [r["step_s"] for r in per_rank], [[tuple(s) for s in r["spans"]] for r in per_rank])
+        return cls(probe, [r["step_s"] for r in per_rank], [[tuple(s) for s in r["spans"]] for r in per_rank],
+                   [r.get("optimizer_s") or [] for r in per_rank])
 
     def steps(self) -> list[int]:
         return sorted({s[0] for spans in self.spans for s in spans})
@@ -313,6 +329,26 @@ def fit_fixed_costs(doc: dict[str, Any], layers: tuple[int, int], size_index: in
     configurations = [_configuration(run, model.step_s(charged, whole["between_actions_s"]))
                       for model, run in zip(models, runs)]
     return {**whole, "spread": spread, "compute_scale": models[0].scale, "configurations": configurations}
+
+
+def fit_optimizer_scale(doc: dict[str, Any], layers: tuple[int, int],
+                        runs: Sequence[ProbeRun]) -> tuple[float | None, list[float]]:
+    """How much longer an optimizer step takes in the pipeline than the profile's figures for
+    the same layers ([Note: the optimizer timed where it runs]): per run and rank, the median of
+    its measured steps over the sum of its chunks' layers' ``optimizer_s``; the median of those
+    ratios, and the ratios (None, [] where no run timed one or the layers have no figure)."""
+    first, _ = layers
+    figures = [float(layer.get("optimizer_s") or 0.0) for layer in doc["layers"]]
+    ratios = []
+    for run in runs:
+        probe = run.probe
+        for rank, measured in enumerate(run.optimizer_s):
+            profiled = sum(figures[first + i] for c in range(probe.chunks)
+                           if stage_of_chunk(probe.schedule, c, probe.stages) == rank
+                           for i in range(probe.bounds[c], probe.bounds[c + 1]))
+            if measured and profiled > 0:
+                ratios.append(statistics.median(measured) / profiled)
+    return (statistics.median(ratios) if ratios else None), ratios
 
 
 def fit_shared_slowdown(doc: dict[str, Any], layers: tuple[int, int], size_index: int,
@@ -610,7 +646,12 @@ def _run(rank: int, probe: Probe, model: Any, first: int, metas: list, inputs: t
     run = _executor(executor, chunks, actions, rank, probe.stages, loss_fn, device, recorder)
     holds_first = any(c.is_first for c in chunks)
     holds_last = any(c.is_last for c in chunks)
+    # [Note: the optimizer timed where it runs]: a run's optimizer steps right after the step's
+    # backwards; steps back to back (shared cores) take none, as the shared fit models none.
+    params = list({id(p): p for chunk in chunks for p in chunk.module.parameters()}.values())
+    optimizer = torch.optim.Adam(params, lr=1e-3) if params and not probe.back_to_back else None
     step_s: list[float] = []
+    optimizer_s: list[float] = []
     dist.barrier()
     recorder.start_clock()
     for step in range(WARMUP_STEPS + probe.measured_steps):
@@ -622,10 +663,14 @@ def _run(rank: int, probe: Probe, model: Any, first: int, metas: list, inputs: t
         run.step(inputs if holds_first else None, targets if holds_last else None)
         step_s.append(recorder.now() - start)
         recorder.end_step()
+        if optimizer is not None:
+            start = recorder.now()
+            optimizer.step()
+            optimizer_s.append(recorder.now() - start)
         for chunk in chunks:
             chunk.module.zero_grad(set_to_none=True)
     spans = [(s.step, s.kind, s.chunk, s.start_s, s.end_s) for s in recorder.spans if s.step >= 0]
-    return {"step_s": step_s[WARMUP_STEPS:], "spans": spans}
+    return {"step_s": step_s[WARMUP_STEPS:], "spans": spans, "optimizer_s": optimizer_s[WARMUP_STEPS:]}
 
 
 def _executor(name: str, chunks: list, actions: list, rank: int, stages: int, loss_fn: Any, device: torch.device,

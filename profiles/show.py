@@ -133,7 +133,9 @@ def _fixed_costs_line(fixed: Any) -> str | None:
             + (f" ({others})" if others else "")
             + ("; plans charge those at their micro-batch size on every action" if sizes
                else "; plans charge them on every action")
-            + (f" (measured / fitted step of the runs: {fit})" if fit else ""))
+            + (f" (measured / fitted step of the runs: {fit})" if fit else "")
+            + (f"; the optimizer step {fixed['optimizer_scale']:.2f}x the layers' figures in the pipeline "
+               f"(plans charge it so)" if isinstance(fixed.get("optimizer_scale"), (int, float)) else ""))
 
 
 def _shared_cores_line(fixed: Any) -> str | None:

@@ -270,6 +270,57 @@ def test_a_plan_records_what_it_charged_and_export_rebuilds_it(tmp_path: Path) -
     assert evaluate(cm, bounds, recompute).step_s == pytest.approx(plan["predicted"]["step_s"], rel=1e-12)
 
 
+def test_a_plan_charges_the_optimizer_step_as_the_probe_measured_it(tmp_path: Path) -> None:
+    """A profile whose probe timed the optimizer 1.5x the layers' figures (version 14): every
+    stage's optimizer step is charged 1.5x, in the plan and in the cost model export rebuilds;
+    without the figure, as profiled."""
+    plain = json.loads(_profile_with_fixed_costs(tmp_path, FIXED_RECORD).read_text())
+    for i, layer in enumerate(plain["layers"]):
+        layer["optimizer_s"] = 1e-3 * (i + 1)
+    assert Profile(plain).optimizer_scale == 1.0
+    scaled = {**plain, "fixed_costs": {**FIXED_RECORD, "optimizer_scale": 1.5, "optimizer_scale_spread": 0.1}}
+    assert Profile(scaled).at(2).optimizer_s == pytest.approx([1.5 * t for t in Profile(plain).at(2).optimizer_s])
+    plans = {}
+    for name, doc in (("plain", plain), ("scaled", scaled)):
+        path = tmp_path / f"{name}.profile.json"
+        path.write_text(json.dumps(doc))
+        out = tmp_path / f"{name}.plan.json"
+        result = CliRunner().invoke(main, ["solve", str(path), "--stages", "2", "--micro-batches", "4",
+                                           "--schedule", "1f1b", "--out", str(out), "-q"])
+        assert result.exit_code == 0, result.output
+        plans[name] = json.loads(out.read_text())
+    layers = [layer["optimizer_s"] for layer in plain["layers"]]
+    start = 0
+    for stage, n in zip(plans["scaled"]["stages"], plans["scaled"]["balance"]):
+        assert stage["optimizer_s"] == pytest.approx(1.5 * sum(layers[start:start + n]))
+        start += n
+    assert plans["scaled"]["predicted"]["step_s"] > plans["plain"]["predicted"]["step_s"]
+
+
+def test_the_probe_measures_the_optimizer_step_against_the_layers_figures() -> None:
+    """Each rank's optimizer steps over the layers its chunks hold: their median over the layers'
+    profiled figures, the median of those over every run and rank."""
+    from gpipe_plan.profiles.fixedcosts import ProbeRun, fit_optimizer_scale, probes, window
+
+    doc = profile_doc(L=6, batch_size=4)
+    for i, layer in enumerate(doc["layers"]):
+        layer["optimizer_s"] = 1e-4 * (i + 1)
+    first, end = window(doc, 1)
+    runs = []
+    for probe in probes(end - first):
+        per_rank = []
+        for rank in range(2):
+            held = sum(doc["layers"][first + i]["optimizer_s"] for c in range(probe.chunks)
+                       if stage_of_chunk(probe.schedule, c, 2) == rank
+                       for i in range(probe.bounds[c], probe.bounds[c + 1]))
+            per_rank.append([held * 1.4, held * 1.5, held * 9.0])      # one step disturbed: the median holds
+        runs.append(ProbeRun(probe, [[0.01] * 3] * 2, [[], []], per_rank))
+    scale, ratios = fit_optimizer_scale(doc, (first, end), runs)
+    assert scale == pytest.approx(1.5) and len(ratios) == 2 * len(runs)
+    # runs that timed no optimizer step (back to back, or before version 14): no figure
+    assert fit_optimizer_scale(doc, (first, end), [ProbeRun(r.probe, r.step_s, r.spans) for r in runs]) == (None, [])
+
+
 def test_a_profile_without_fixed_costs_plans_as_before_and_the_plan_says_so(tmp_path: Path) -> None:
     profile = _profile_with_fixed_costs(tmp_path, None)
     out = tmp_path / "plan.json"
@@ -555,6 +606,7 @@ def test_profile_measures_the_fixed_costs_with_a_real_pipeline(tmp_path: Path) -
         ("1f1b", 2), ("zb-h1", 2), ("interleaved", 4), ("zb-v", 4)]
     assert all(c["measured_step_s"] > 0 and c["predicted_step_s"] > 0 for c in fixed["configurations"])
     assert 0 < fixed["seconds"] < 300
+    assert 0 < fixed["optimizer_scale"] < 50 and fixed["optimizer_scale_spread"] >= 0   # Adam timed in the pipeline
     # ... and again on twice the processes this host runs at once, where it runs at most 4
     from gpipe_plan.hostload import usable_cores
     from gpipe_plan.profiles.fixedcosts import shared_processes
@@ -591,7 +643,7 @@ def test_no_fixed_costs_leaves_them_out_and_the_plan_says_so(tmp_path: Path) -> 
     result = CliRunner().invoke(main, ["profile", *TINY, "--no-fixed-costs", "--out", str(out), "-q"])
     assert result.exit_code == 0, result.output
     doc = json.loads(out.read_text())
-    assert "fixed_costs" not in doc and doc["version"] == 13
+    assert "fixed_costs" not in doc and doc["version"] == 14
     plan = tmp_path / "plan.json"
     assert CliRunner().invoke(main, ["solve", str(out), "-k", "2", "--out", str(plan), "-q"]).exit_code == 0
     assert any("measured no fixed costs" in w for w in json.loads(plan.read_text())["warnings"])

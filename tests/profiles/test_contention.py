@@ -159,7 +159,7 @@ def test_profile_records_contention_only_when_asked() -> None:
     assert "contention" not in profile_model(request)
     doc = profile_model(ProfileRequest(spec=TINY_GPT, micro_batch_sizes=[1, 2], warmup=0, repeats=1,
                                        contention_processes=2))
-    assert doc["version"] == FORMAT_VERSIONS[PROFILE_FORMAT] == 13
+    assert doc["version"] == FORMAT_VERSIONS[PROFILE_FORMAT] == 14
     assert doc["contention"]["processes"] == 2 and doc["contention"]["micro_batch_size"] == 2
     Profile(doc)   # the planner reads what the profiler wrote
 

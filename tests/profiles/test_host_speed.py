@@ -92,7 +92,7 @@ def test_a_profile_times_its_layers_again_while_the_host_ran_slow(monkeypatch) -
 
     units = Units()
     doc = profile_model(ProfileRequest(spec=TINY_GPT, micro_batch_sizes=[1, 2], warmup=0, repeats=1), units)
-    assert doc["version"] == FORMAT_VERSIONS[PROFILE_FORMAT] == 13
+    assert doc["version"] == FORMAT_VERSIONS[PROFILE_FORMAT] == 14
     assert doc["measurement"]["host_speed"]["layer_tries"] == [pytest.approx(1.6), pytest.approx(1.01)]
     assert doc["measurement"]["speed_probe_s"] == [1.0, 1.01]          # the kept try's
     assert len(units.totals) == 2 and units.done == units.totals[-1]    # the bar grew by the try and ends full

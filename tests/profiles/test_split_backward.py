@@ -163,7 +163,7 @@ def test_profile_carries_the_split_for_every_layer(spec: dict, layer_by_layer: b
     doc = profile_model(ProfileRequest(spec=spec, micro_batch_sizes=[1, 2], warmup=1, repeats=3,
                                        layer_by_layer=layer_by_layer), Steps())
     assert len(steps) == Steps.total   # the progress bar ends full
-    assert doc["version"] == FORMAT_VERSIONS[PROFILE_FORMAT] == 13
+    assert doc["version"] == FORMAT_VERSIONS[PROFILE_FORMAT] == 14
     validate(doc, "profile", "profile")
     first, *rest = doc["layers"]
     for layer in doc["layers"]:
