@@ -179,7 +179,7 @@ def measure_profile(model: str, folder: Path, host: HostSpeed) -> tuple[Path, fl
     bench's probe readings around each try ([Note: rounds at the host's own speed])."""
     profile = folder / f"{model}.profile.json"
     if profile.exists():
-        host.note(((read_json(profile).get("measurement") or {}).get("host_speed") or {}).get("fastest_probe_s"))
+        host.note(_profile_fastest_probe_s(profile))
         return profile, None, []
     tries: list[list[float]] = []
     started = time.monotonic()
@@ -188,7 +188,7 @@ def measure_profile(model: str, folder: Path, host: HostSpeed) -> tuple[Path, fl
         before = host.wait()
         gpipe_plan("profile", *MODELS[model], "--micro-batch-sizes", SIZES, "--global-batch-size", GLOBAL_BATCH,
                    "--out", path, "-q")
-        host.note(((read_json(path).get("measurement") or {}).get("host_speed") or {}).get("fastest_probe_s"))
+        host.note(_profile_fastest_probe_s(path))
         tries.append([before, host.read()])
         if not host.slow(tries[-1]):
             break
@@ -196,6 +196,11 @@ def measure_profile(model: str, folder: Path, host: HostSpeed) -> tuple[Path, fl
     if best > 0:
         (folder / f"{model}.try{best}.profile.json").replace(profile)
     return profile, time.monotonic() - started, tries
+
+
+def _profile_fastest_probe_s(path: Path) -> float | None:
+    """The host's own speed as a profile read it (``measurement.host_speed``, profile format 13)."""
+    return ((read_json(path).get("measurement") or {}).get("host_speed") or {}).get("fastest_probe_s")
 
 
 def measure_cell(model: str, K: int, rounds: int, steps: int, ledger: Ledger, folder: Path, profile: Path,

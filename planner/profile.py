@@ -228,6 +228,8 @@ class Profile:
             def series(values: Sequence[float]) -> float:
                 return interpolate(sizes, values, b)
 
+            optimizer_scale = self.optimizer_scale
+
             self._cache[b] = LayerFigures(
                 micro_batch_size=b,
                 names=self.names,
@@ -241,7 +243,7 @@ class Profile:
                 ),
                 param_bytes=tuple(float(l["param_bytes"]) for l in self.layers),
                 buffer_bytes=tuple(float(l.get("buffer_bytes") or 0.0) for l in self.layers),
-                optimizer_s=tuple(float(l.get("optimizer_s") or 0.0) * self.optimizer_scale for l in self.layers),
+                optimizer_s=tuple(float(l.get("optimizer_s") or 0.0) * optimizer_scale for l in self.layers),
                 input_bytes=series(self.input_bytes) if self.input_bytes is not None else 0.0,
                 **self._recompute_at(series),
                 **self._split_at(series),

@@ -89,6 +89,7 @@ import torch
 from ..hostload import SPREAD_VALUES, robust_spread
 from ..models.precision import Precision
 from ..schedules import all_actions, chunks_per_stage, stage_of_chunk
+from .measure import distinct_parameters
 from .spawn import run_workers
 
 # What the probe pipeline runs: K = 2 stages, M = 4 micro-batches (interleaved needs M to be a
@@ -648,7 +649,7 @@ def _run(rank: int, probe: Probe, model: Any, first: int, metas: list, inputs: t
     holds_last = any(c.is_last for c in chunks)
     # [Note: the optimizer timed where it runs]: a run's optimizer steps right after the step's
     # backwards; steps back to back (shared cores) take none, as the shared fit models none.
-    params = list({id(p): p for chunk in chunks for p in chunk.module.parameters()}.values())
+    params = distinct_parameters(p for chunk in chunks for p in chunk.module.parameters())
     optimizer = torch.optim.Adam(params, lr=1e-3) if params and not probe.back_to_back else None
     step_s: list[float] = []
     optimizer_s: list[float] = []

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -461,6 +461,15 @@ def model_step_runner(run: Callable[[], torch.Tensor], autocast: Autocast = no_a
         with autocast():
             return run()
     return Runner("whole model", forward, _loss_backward)
+
+
+def distinct_parameters(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """``params`` each once (a tied parameter is one tensor however many layers name it), in order:
+    what one optimizer steps over."""
+    seen: dict[int, torch.Tensor] = {}
+    for p in params:
+        seen.setdefault(id(p), p)
+    return list(seen.values())
 
 
 def optimizer_step_s(params: list[torch.Tensor], clock: Clock, warmup: int, repeats: int) -> float:

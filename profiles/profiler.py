@@ -53,8 +53,8 @@ from .clock import Clock, clock_for
 from ..cudamemory import outside_allocator_bytes
 from ..hostload import CpuSample, sample as host_sample, window_load
 from .device import describe
-from .measure import (Autocast, LayerMeasurement, Runner, Timing, harness_runner, model_step_runner, optimizer_step_s,
-                      peak_transient_bytes, prepare_layer, record_split, recompute_harness_runner,
+from .measure import (Autocast, LayerMeasurement, Runner, Timing, distinct_parameters, harness_runner, model_step_runner,
+                      optimizer_step_s, peak_transient_bytes, prepare_layer, record_split, recompute_harness_runner,
                       recomputing_runner, has_weights, split_harness_runner, split_runner, time_rounds)
 from ..tensor_memory import tensor_bytes, unique_bytes
 from .phases import announce, counted
@@ -427,7 +427,7 @@ def _profile_in_memory(model: LayeredModel, request: ProfileRequest, progress: P
     def time_layers() -> tuple[list[tuple], list[float]]:
         _time_sizes(prepared, model, request, progress)
         progress.step("optimizer steps")
-        optimizer_s = [optimizer_step_s(_distinct(layer.parameters()), clock, request.warmup, request.repeats)
+        optimizer_s = [optimizer_step_s(distinct_parameters(layer.parameters()), clock, request.warmup, request.repeats)
                        for _, layer in model.layers]
         # What _time_sizes wrote, copied: a later try writes over it.
         return [(p.step, p.harness, p.recompute_harness, p.split_harness, [replace(f) for f in p.figures])
@@ -643,7 +643,7 @@ def _measure_layer(model: LayeredModel, i: int, inputs: list[Tensors], targets: 
         del groups, plain, timed
         layer.zero_grad(set_to_none=True)   # gradients of the timing rounds: freed before the next layer
         progress.step(f"{name} optimizer step")
-        optimizer_s = optimizer_step_s(_distinct(layer.parameters()), clock, request.warmup, request.repeats)
+        optimizer_s = optimizer_step_s(distinct_parameters(layer.parameters()), clock, request.warmup, request.repeats)
     return _Measured(figures, harnesses, recompute_harnesses, split_harnesses, optimizer_s)
 
 
@@ -676,13 +676,6 @@ def _median_timing(timings: list[Timing]) -> Timing:
     return Timing(statistics.median(t.forward_s for t in timings), statistics.median(t.backward_s for t in timings),
                   backward_input_s=of([t.backward_input_s for t in timings]),
                   backward_weight_s=of([t.backward_weight_s for t in timings]))
-
-
-def _distinct(params: Any) -> list[torch.Tensor]:
-    seen: dict[int, torch.Tensor] = {}
-    for p in params:
-        seen.setdefault(id(p), p)
-    return list(seen.values())
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
