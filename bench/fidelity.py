@@ -18,8 +18,10 @@ each run records the cores other processes used meanwhile. Rounds are measured a
 speed: a round during which the speed probe read slow is measured again, a profile taken while
 it read slow is taken again ([Note: rounds at the host's own speed]).
 
-Per cell: measured / predicted; per model and K: the default plan's measured step against the
-fastest measured plan's. One profile per model serves every K (its neighbours' slowdown measured
+Per cell: measured / predicted, and where a miss comes from: each run's report played out again by
+the planner's simulator at its actions' measured times (:func:`played_step_s`, [Note: a miss
+split in two]); per model and K: the default plan's measured step against the fastest measured
+plan's. One profile per model serves every K (its neighbours' slowdown measured
 with as many processes as the host runs at once, ``profile``'s default). With K = 4 the 4 ranks
 share this machine's 2 cores: the plans are predicted on shared cores (planner/timeshare.py,
 docs/planner.md "More ranks than cores"), with what the profile measured of ranks sharing its
@@ -268,9 +270,10 @@ def measure_rounds(runs_of: list[str], rounds: int, host: HostSpeed, attempt) ->
     a call ``attempt(index, order)`` that runs every plan of ``runs_of`` once in ``order`` (reversed
     every other round) and returns its record (:func:`measure_round`); one whose probe readings
     were slow is measured again, at most ROUNDS_AGAIN times. The cell's keys: every plan's step
-    per round kept, the other processes' cores per run, each kept round's readings, and the
-    rounds measured again."""
+    per round kept and its played step (:func:`played_step_s`), the other processes' cores per
+    run, each kept round's readings, and the rounds measured again."""
     measured: dict[str, list[float]] = {name: [] for name in runs_of}
+    played: dict[str, list[float | None]] = {name: [] for name in runs_of}
     others: list[float] = []
     kept: list[list[float]] = []
     again: list[dict[str, Any]] = []
@@ -285,8 +288,10 @@ def measure_rounds(runs_of: list[str], rounds: int, host: HostSpeed, attempt) ->
         kept.append(record["probes_s"])
         for name in runs_of:
             measured[name].append(record["measured_step_s"][name])
+            played[name].append((record.get("played_step_s") or {}).get(name))
         others.extend(record["others_cores"])
-    return {"measured_step_s": measured, "others_cores": others, "round_probes_s": kept, "rounds_again": again}
+    return {"measured_step_s": measured, "played_step_s": played, "others_cores": others, "round_probes_s": kept,
+            "rounds_again": again}
 
 
 def measure_round(model: str, K: int, index: int, order: list[str], plans: dict[str, Path], steps: int,
@@ -304,17 +309,71 @@ def measure_round(model: str, K: int, index: int, order: list[str], plans: dict[
             return record
     probes = [host.wait()]
     steps_of: dict[str, float] = {}
+    played: dict[str, float | None] = {}
     others: list[float] = []
     for name in order:
         report = run_plan(plans[name], steps, ledger=ledger, env_path=str(ROOT),
                           report=folder / f"{model}-k{K}-{name.replace(' ', '-')}.round{index}.report.json")
         steps_of[name] = report["measured_step_s"]
+        played[name] = played_step_s(report, plans[name])
         others.append(report["_others_cores"])
         probes.append(host.read())
     record = {"order": order, "plans_sha256": shas, "probes_s": probes, "measured_step_s": steps_of,
-              "others_cores": others}
+              "played_step_s": played, "others_cores": others}
     record_path.write_text(json.dumps(record))
     return record
+
+
+# [Note: a miss split in two]
+# A plan's step can miss its prediction in two ways: its actions (each chunk's forward and
+# backward, each stage's optimizer step) take other times than the profile gave them, or the
+# ranks wait longer than the model charges them (a message's delay, posting the step's
+# receives, a rank descheduled, the step's edges: drawing the batch, the loss exchange). The
+# plan played out again by the planner's own simulator, each action at the time the run's
+# report measured (each chunk's median per micro-batch, each stage's optimizer step) plus what
+# the model charges outside an action's span (the executor's cost between actions, and taking
+# a received message: the run times those as waits), every message arriving at once, is the
+# step the model would have predicted from the run's own action times: played / predicted is
+# the part of a miss the actions' times explain, measured / played the part the waiting adds.
+# Not where the ranks shared the host's cores (K above its cores): their measured times hold
+# the sharing, and a play that gives each rank a core would count it twice.
+def played_step_s(report: dict[str, Any], plan: Path) -> float | None:
+    """The report's plan played out at its actions' measured times ([Note: a miss split in two]);
+    None where its ranks shared the host's cores, a chunk's time or a stage's optimizer step was
+    not measured (the torch executor times no split backward's halves), the plan is
+    asynchronous, or its profile is not at hand."""
+    from gpipe_plan.plan_view import view_of
+    from gpipe_plan.planner.command import load_profile
+    from gpipe_plan.planner.costmodel import CostModel
+    from gpipe_plan.planner.export.cost import plan_profile_path
+    from gpipe_plan.planner.export.setting import plan_setting
+    from gpipe_plan.planner.simulator import ChunkTimes, simulate_plan
+    from gpipe_plan.weight_versions import ASYNC_SCHEDULES
+
+    schedule = report["schedule"]
+    if schedule in ASYNC_SCHEDULES or report.get("concurrent_ranks"):
+        return None
+    view = view_of(read_json(plan), "solved plan", str(plan), str(plan))
+    profile_path = plan_profile_path(view)
+    if profile_path is None:
+        return None
+    cm = CostModel(load_profile(str(profile_path)).at(view.micro_batch_size), plan_setting(view))
+    chunks = []
+    for c, measured in enumerate(report["chunks"]):
+        times = [measured.get(f"measured_{kind}_s")
+                 for kind in ("forward", "backward", "backward_input", "backward_weight")]
+        if times[0] is None or (None in times[2:] if cm.split else times[1] is None):
+            return None
+        forward, backward, backward_input, backward_weight = (t or 0.0 for t in times)
+        received = cm.messages[c]
+        outside_forward = cm.overhead + received.forward_receives * cm.receive_fixed
+        outside_backward = cm.overhead + received.backward_receives * cm.receive_fixed
+        chunks.append(ChunkTimes(forward + outside_forward, backward + outside_backward,
+                                 backward_input + outside_backward, backward_weight + cm.overhead, 0.0))
+    optimizer = [s.get("measured_optimizer_s") for s in report["stages"]]
+    if None in optimizer:
+        return None
+    return simulate_plan(schedule, cm.K, cm.M, cm.setting.virtual_stages, chunks, optimizer).step_s
 
 
 def _shape(plan: dict[str, Any]) -> str:
@@ -325,18 +384,21 @@ def _shape(plan: dict[str, Any]) -> str:
 
 # ---------------------------------------------------------------------------- the section
 def cells(data: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every (model, K, plan) measured: predicted, measured (median over rounds), their ratio."""
+    """Every (model, K, plan) measured: predicted, measured (median over rounds), their ratio, and
+    the played step (median over rounds, None where none was played: [Note: a miss split in two])."""
     out = []
     for model, by_k in data["models"].items():
         for K, cell in by_k.items():
             for name, plan in cell["plans"].items():
                 runs = cell["measured_step_s"][plan["same_as"]]
                 measured = statistics.median(runs)
+                played = [p for p in (cell.get("played_step_s") or {}).get(plan["same_as"], []) if p is not None]
                 out.append({"model": model, "K": int(K), "plan": name, "schedule": plan["schedule"],
                             "virtual_stages": plan["virtual_stages"], "M": plan["micro_batches"],
                             "balance": plan["balance"], "predicted": plan["predicted_step_s"], "measured": measured,
                             "runs": runs, "ratio": measured / plan["predicted_step_s"], "same_as": plan["same_as"],
-                            "dedicated": plan.get("dedicated_step_s")})
+                            "dedicated": plan.get("dedicated_step_s"),
+                            "played": statistics.median(played) if played else None})
     return out
 
 
@@ -429,6 +491,9 @@ def render(data: dict[str, Any]) -> str:
             what = (f"{K} ranks on fewer cores, predicted on shared cores (docs/planner.md, \"More ranks than cores\")"
                     if shared else "each rank predicted as if it had its cores")
             text.append(f"**K = {K}** ({what}): {_targets(summary(data, K))}.\n")
+        split = _split_text(rows)
+        if split:
+            text.append(split + "\n")
         text.append("The neighbours' slowdown each profile measured: " + ", ".join(
             f"{m} K={K} {cell['contention']:.2f}" + (f" ({cell['contention_processes']} processes)"
                                                      if cell.get("contention_processes") else "")
@@ -472,16 +537,50 @@ def render(data: dict[str, Any]) -> str:
                 text.append(f"{name}: not run ({why}).\n")
             mine = [c for c in rows if c["model"] == model and c["K"] == int(K)]
             shared = any(c.get("dedicated") for c in mine)
+            played = any(c.get("played") for c in mine)
             text.append(table(["plan", "schedule, M", "balance", "predicted ms"]
-                              + (["a core each ms"] if shared else []) + ["measured ms", "rounds",
-                                                                          "measured / predicted"],
+                              + (["a core each ms"] if shared else []) + (["played ms"] if played else [])
+                              + ["measured ms", "rounds", "measured / predicted"]
+                              + (["played / predicted", "measured / played"] if played else []),
                               [[c["plan"] + ("" if c["same_as"] == c["plan"] else f" (= {c['same_as']})"),
                                 _plan_label(c), " ".join(map(str, c["balance"])), f"{c['predicted'] * 1e3:.1f}"]
                                + ([f"{c['dedicated'] * 1e3:.1f}" if c.get("dedicated") else "-"] if shared else [])
+                               + ([ms(c["played"])] if played else [])
                                + [f"{c['measured'] * 1e3:.1f}", rng([r * 1e3 for r in c["runs"]], "{:.1f}"),
-                                  f"{c['ratio']:.3f}"] for c in mine]))
+                                  f"{c['ratio']:.3f}"]
+                               + ([_ratio(c["played"], c["predicted"]), _ratio(c["measured"], c["played"])]
+                                  if played else []) for c in mine]))
     text.append("\n![predicted vs measured](benchmarks/fidelity.svg)\n")
     return "\n".join(text) + "\n"
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> str:
+    return f"{numerator / denominator:.3f}" if numerator and denominator else "-"
+
+
+def _split_text(rows: list[dict[str, Any]]) -> str:
+    """Where the misses come from ([Note: a miss split in two]), per K: the actions' times
+    (played / predicted) and the waiting (measured / played), over the plans played; empty
+    where none was (data from before the split was measured)."""
+    parts = []
+    for K in sorted({c["K"] for c in rows}):
+        mine = [c for c in rows if c["K"] == K and c.get("played") and c["same_as"] == c["plan"]
+                and c["plan"] != "default without fixed costs"]
+        if not mine:
+            continue
+        actions = [c["played"] / c["predicted"] for c in mine]
+        waiting = [c["measured"] / c["played"] for c in mine]
+        parts.append(f"at K = {K} played / predicted {statistics.median(actions):.2f} in the median "
+                     f"({min(actions):.2f}..{max(actions):.2f}), measured / played {statistics.median(waiting):.2f} "
+                     f"({min(waiting):.2f}..{max(waiting):.2f}) over {len(mine)} plans")
+    if not parts:
+        return ""
+    return ("Where the misses come from ([Note: a miss split in two], bench/fidelity.py): each run played out again "
+            "by the planner's simulator at its actions' measured times (each chunk's median, each stage's optimizer "
+            "step) plus what the model charges outside an action's span (the cost between actions, taking a "
+            "message), every message arriving at once; played / predicted is what the actions' times explain, "
+            "measured / played what the waiting adds (messages, posting the receives, stalls, the step's edges): "
+            + "; ".join(parts) + ".")
 
 
 def _host_speed_text(host_speed: dict[str, Any] | None) -> str:
