@@ -332,7 +332,8 @@ def measure_round(model: str, K: int, index: int, order: list[str], plans: dict[
 # plan played out again by the planner's own simulator, each action at the time the run's
 # report measured (each chunk's median per micro-batch, each stage's optimizer step) plus what
 # the model charges outside an action's span (the executor's cost between actions, and taking
-# a received message: the run times those as waits), every message arriving at once, is the
+# a received message: the run times those as waits; the boundary calibrate draws too,
+# profiles/overhead.py FixedInTimes), every message arriving at once, is the
 # step the model would have predicted from the run's own action times: played / predicted is
 # the part of a miss the actions' times explain, measured / played the part the waiting adds.
 # Not where the ranks shared the host's cores (K above its cores): their measured times hold
@@ -402,6 +403,13 @@ def cells(data: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _scored(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The plans a figure over plans counts: each run once (a default that is another cell's plan
+    is that plan), and not the default without fixed costs (the old model's prediction of its
+    own plan)."""
+    return [c for c in rows if c["plan"] != "default without fixed costs" and c["same_as"] == c["plan"]]
+
+
 def summary(data: dict[str, Any], K: int | None = None) -> dict[str, Any]:
     """The figures the targets are about (of every K, or of one): over the plans (the two
     defaults counted where they are another cell's plan only once, and the default without fixed
@@ -409,7 +417,7 @@ def summary(data: dict[str, Any], K: int | None = None) -> dict[str, Any]:
     |measured / predicted - 1|; per model and K, the default's measured step against the
     fastest measured plan's."""
     rows = [c for c in cells(data) if K is None or c["K"] == K]
-    scored = [c for c in rows if c["plan"] != "default without fixed costs" and c["same_as"] == c["plan"]]
+    scored = _scored(rows)
     errors = [abs(c["ratio"] - 1) for c in scored]
     defaults = []
     for model, by_k in data["models"].items():
@@ -564,8 +572,7 @@ def _split_text(rows: list[dict[str, Any]]) -> str:
     where none was (data from before the split was measured)."""
     parts = []
     for K in sorted({c["K"] for c in rows}):
-        mine = [c for c in rows if c["K"] == K and c.get("played") and c["same_as"] == c["plan"]
-                and c["plan"] != "default without fixed costs"]
+        mine = [c for c in _scored(rows) if c["K"] == K and c.get("played")]
         if not mine:
             continue
         actions = [c["played"] / c["predicted"] for c in mine]
