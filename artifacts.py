@@ -244,6 +244,7 @@ class Outputs:
 
     def __init__(self) -> None:
         self._staged: list[tuple[Path, str]] = []
+        self._direct: list[tuple[Path, Path, bytes, str | None]] = []   # (as given, device, data, flag)
 
     def __enter__(self) -> "Outputs":
         return self
@@ -259,13 +260,17 @@ class Outputs:
         if isinstance(data, str):
             data = data.encode("utf-8")
         p = Path(path)
-        folder = p.parent if str(p.parent) else Path(".")
+        target, direct = write_target(p)
+        if direct:
+            self._direct.append((p, target, data, flag))
+            return
+        folder = target.parent if str(target.parent) else Path(".")
         if not folder.exists():
             raise BadInput(f"cannot write {flag + ' ' if flag else ''}'{p}': folder '{folder}' does not exist")
-        clear_leftovers(p)
-        mode = _creation_mode(p)
+        clear_leftovers(target)
+        mode = _creation_mode(target)
         try:
-            fd, tmp = tempfile.mkstemp(prefix=temp_prefix(p), suffix=TEMP_SUFFIX, dir=folder)
+            fd, tmp = tempfile.mkstemp(prefix=temp_prefix(target), suffix=TEMP_SUFFIX, dir=folder)
         except OSError as exc:
             raise cannot_write(p, exc, flag, len(data)) from None
         try:
@@ -279,10 +284,20 @@ class Outputs:
             if isinstance(exc, OSError):
                 raise cannot_write(p, exc, flag, len(data)) from None
             raise
-        self._staged.append((p, tmp))
+        self._staged.append((target, tmp))
 
     def commit(self) -> None:
-        """Rename every staged file over its target, then make the renames durable."""
+        """Write the outputs that are devices (first: one may fail, as /dev/full does, before any
+        file is replaced), rename every staged file over its target, then make the renames
+        durable."""
+        for given, device, data, flag in self._direct:
+            try:
+                with open(device, "wb") as f:
+                    f.write(data)
+            except OSError as exc:
+                self.discard()
+                raise cannot_write(given, exc, flag, len(data)) from None
+        self._direct = []
         folders = set()
         try:
             while self._staged:
@@ -300,6 +315,20 @@ class Outputs:
         for _, tmp in self._staged:
             _unlink(tmp)
         self._staged = []
+        self._direct = []
+
+
+def write_target(path: str | os.PathLike[str]) -> tuple[Path, bool]:
+    """Where writing ``path`` puts the bytes, and whether it is written in place.
+
+    A symbolic link is written through, to the file it names (a rename over the link would put a
+    file in its place and leave the file it names as it was). A device, a pipe or a socket
+    (``--out /dev/null``) is written in place: renamed over, it would be replaced by a plain file,
+    and /dev/null would be gone for every program on the machine. Everything else is a file,
+    written atomically beside itself."""
+    p = Path(path)
+    target = Path(os.path.realpath(p)) if p.is_symlink() else p
+    return target, target.exists() and not target.is_file() and not target.is_dir()
 
 
 def _unlink(path: str | os.PathLike[str]) -> None:
@@ -350,9 +379,14 @@ def check_output_paths(outputs: dict[str, str | os.PathLike[str] | None],
         if resolved in named:
             raise BadInput(f"{named[resolved]} and {flag} both name '{p}': one would be lost; give each its own path")
         named[resolved] = flag
-        folder = p.parent if str(p.parent) else Path(".")
         if p.is_dir():
             raise BadInput(f"cannot write {flag} '{p}': it is a folder")
+        target, direct = write_target(p)
+        if direct:
+            if not os.access(target, os.W_OK):
+                raise BadInput(f"cannot write {flag} '{p}': it is not writable")
+            continue
+        folder = target.parent if str(target.parent) else Path(".")
         if not folder.is_dir():
             what = "is not a folder" if folder.exists() else "does not exist"
             raise BadInput(f"cannot write {flag} '{p}': folder '{folder}' {what}")
@@ -360,7 +394,7 @@ def check_output_paths(outputs: dict[str, str | os.PathLike[str] | None],
         # that needs write and search permission on the folder (not on an existing file).
         if not os.access(folder, os.W_OK | os.X_OK):
             raise BadInput(f"cannot write {flag} '{p}': folder '{folder}' is not writable")
-        _probe(p, flag)
+        _probe(target, flag)
 
 
 def _probe(target: Path, flag: str) -> None:

@@ -245,6 +245,9 @@ def show(file: str, timeline: str | None) -> None:
         return
     from .planner.command import show_plan
 
+    if not isinstance(doc, dict):
+        raise BadInput(f"'{file}' is not a gpipe-plan profile, plan or report: it holds a JSON "
+                       f"{type(doc).__name__ if doc is not None else 'null'}, not an object")
     if found != PLAN_FORMAT:
         raise BadInput(f"'{file}' is not a gpipe-plan profile, plan or report (its \"format\" is {found!r})")
     show_plan(file, timeline=timeline)

@@ -94,7 +94,9 @@ def build(spec: dict[str, Any], announce: Callable[[str], None] | None = None) -
     except Exception as exc:
         raise BadInput(f"factory '{path}' raised {type(exc).__name__}: {first_line(exc)}") from None
     if not isinstance(module, nn.Module):
-        raise BadInput(f"factory '{path}' returned a {type(module).__name__}, not a torch.nn.Module")
+        name = type(module).__name__
+        raise BadInput(f"factory '{path}' returned {'an' if name[:1].lower() in 'aeiou' else 'a'} {name}, "
+                       "not a torch.nn.Module")
     loss = spec.get("loss") or "classify"
     data: SyntheticData | FactoryData
     if spec.get("data"):

@@ -124,6 +124,11 @@ def explore(profile: Profile, stages: Sequence[int] | None, micro_batches: Seque
     grid = _grid(profile, request, stages, micro_batches, memory_limit_bytes, schedules, recomputes, time_budget_s)
     reference_step_s = _reference_step_s(grid)
     cells = _solve_cells(grid, reference_step_s, progress)
+    if cells and all(c.step_s is None for c in cells):
+        # A grid of dashes is no answer: say why no cell could be planned, as solve would.
+        reasons = sorted({c.note or "no plan" for c in cells})
+        raise BadInput(f"no cell of the grid can be planned ({'; '.join(reasons)}): "
+                       "ask for other stages, micro-batch counts or schedules")
     block = find_repeated_block(profile)
     caps = _capacity_table(grid, block) if capacity else []
     summaries = factorisation_summaries(grid.shapes, cells) if devices is not None else []

@@ -33,7 +33,7 @@ milp_solve.iterations_cost_s), which is what ends a search in practice, so that 
 same on every run. The work a search used is in its
 ``stats["work_s"]``: what it leaves goes to the settings after it (budgets.SettingBudgets), and
 what all of them leave to :func:`tighten`, which spends it on the setting that keeps the proof
-open.
+open, and what no proof can use on the open settings' plans (the local search).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from .budgets import (LOCAL_SEARCH_BELOW_NODES, LOCAL_SEARCH_SHARE, RELAXATION_S
 from .chunked import ChunkedSolver
 from .costmodel import CostModel
 from .gpipe_solver import GPipeSolver
-from .local_search import LocalSearch
+from .local_search import LocalSearch, evaluation_cost_s
 from .objective import Solution, proven_optimal
 from .onefoneb import OneFOneBSolver
 from .seeds import seed_cuts
@@ -144,8 +144,10 @@ def improve(cm: CostModel, solution: Solution, work_s: float) -> tuple[Solution,
     seconds of work (its bound stays: it bounds every plan of the setting); and the work used."""
     search = LocalSearch(cm, work_s)
     found = search.run(solution.evaluation)
+    # (step_s: the plan it left, from which another search would only retrace its steps)
     stats = {**solution.stats, "local_search": {"evaluations": search.evaluations,
-                                                "work_s": round(search.work_s, 3)}}
+                                                "work_s": round(search.work_s, 3),
+                                                "step_s": min(found.step_s, solution.evaluation.step_s)}}
     if found.step_s >= solution.evaluation.step_s:
         return replace(solution, stats=stats), search.work_s
     return replace(solution, evaluation=found, proven=proven_optimal(found.step_s, solution.lower_bound_s),
@@ -206,8 +208,9 @@ def tighten(candidates: Sequence, cost_model, cutoff_s: float, work_budget_s: fl
     is spent. A setting is tried again only when more work is left than its MILP last had: HiGHS
     starts over each time, so a retry pays for its first nodes again and proves more only with
     the nodes beyond them (when it needed twice as much, inception_v3 at K = 8, M = 32 stopped
-    with 15 s of its 30 s budget unspent). ``candidates``: search.Candidate, updated in place;
-    ``cost_model(candidate)``: its CostModel.
+    with 15 s of its 30 s budget unspent). What no MILP run can use then goes to the local search
+    of the open settings' plans ([Note: what no proof can use]). ``candidates``: search.Candidate,
+    updated in place; ``cost_model(candidate)``: its CostModel.
     """
     started = time.perf_counter()
     best = min([cutoff_s, *(c.step_s for c in candidates)])
@@ -219,7 +222,7 @@ def tighten(candidates: Sequence, cost_model, cutoff_s: float, work_budget_s: fl
         open_ = [c for c in candidates if c.solution is not None and id(c) not in tried
                  and not settled(c.solution, best)]
         if not open_ or left <= 0 or wall <= 0 or milp.available() is None:
-            return spent
+            break
         weakest = min(open_, key=lambda c: c.lower_bound_s)
         tried.add(id(weakest))
         cm = cost_model(weakest)
@@ -234,3 +237,37 @@ def tighten(candidates: Sequence, cost_model, cutoff_s: float, work_budget_s: fl
         weakest.solution = refined
         weakest.work_s += refined.stats["milp"]["work_s"]
         best = min(best, refined.evaluation.step_s)
+    return spent + _polish(candidates, cost_model, best, work_budget_s - spent,
+                           max(time_budget_s, WALL_SAFETY * work_budget_s) - (time.perf_counter() - started))
+
+
+# [Note: what no proof can use]
+# What tighten cannot spend on a MILP run (a retry would start HiGHS over and pay again for the
+# nodes its last run had, so it is made only with more work than that) was left unspent: up to a
+# third of the budget where the proofs stay open (docs/planner.md, "Where the search stops"). A
+# plan is still worth finding there: the iterated local search from the open settings' plans,
+# the fastest first, spends it (planner/local_search.py; seeded and counted in evaluations, so
+# the plan is the same on every run). It proves nothing, but a faster plan is the user's, and it
+# is the cutoff that may settle other settings.
+def _polish(candidates: Sequence, cost_model, best: float, work_s: float, wall_s: float) -> float:
+    """Spend ``work_s`` on the local search of the open settings' plans, the fastest plan first
+    ([Note: what no proof can use]); returns the work used. A plan the local search already
+    left is skipped: from it, the search would retrace its own steps."""
+    started = time.perf_counter()
+    spent = 0.0
+    for c in sorted((c for c in candidates if c.solution is not None), key=lambda c: c.step_s):
+        left = work_s - spent
+        if left <= 0 or time.perf_counter() - started >= wall_s:
+            break
+        if settled(c.solution, best) or c.solution.stats.get("local_search", {}).get("step_s") == c.step_s:
+            continue
+        cm = cost_model(c)
+        if cm.asynchronous or left < evaluation_cost_s(cm):
+            continue
+        polished, used = improve(cm, c.solution, left)
+        polished.stats["work_s"] = c.solution.stats.get("work_s", 0.0) + used
+        c.solution = polished
+        c.work_s += used
+        spent += used
+        best = min(best, polished.evaluation.step_s)
+    return spent

@@ -196,6 +196,14 @@ def test_show_refuses_a_timeline_of_what_is_not_a_plan(profile_path: Path) -> No
     assert "--timeline draws a plan's schedule, and 'profile.json' is a profile: give it the plan" in result.output
 
 
+def test_show_of_json_that_is_not_an_object_says_so(user_dir: Path) -> None:
+    # (it said its "format" is None)
+    Path("list.json").write_text("[1, 2, 3]")
+    result = cli("show", "list.json")
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "'list.json' is not a gpipe-plan profile, plan or report: it holds a JSON list, not an object" in result.output
+
+
 def test_time_budget_must_be_positive(profile_path: Path) -> None:
     result = cli("solve", "profile.json", "-k", "2", "--time-budget", "0")
     assert result.exit_code == 2 and "--time-budget" in result.output and not Path("plan.json").exists()
@@ -303,6 +311,35 @@ def test_outputs_follow_the_umask_and_keep_an_existing_files_mode(user_dir: Path
         assert json.loads(Path("shared.json").read_text()) == {"a": 2}
     finally:
         os.umask(previous)
+
+
+def test_an_output_that_is_a_device_or_a_pipe_is_written_in_place(user_dir: Path) -> None:
+    """``--out /dev/null`` must not put a plain file in the device's place (a rename over it
+    did, as root: /dev/null gone for every program on the machine). A target that is not a plain
+    file, a named pipe here (no root needed, and nothing lost if this fails), is written in place
+    and stays what it was."""
+    os.mkfifo("pipe")
+    reader = os.open("pipe", os.O_RDONLY | os.O_NONBLOCK)    # (a writer's open waits for a reader)
+    try:
+        check_output_paths({"--out": "pipe"})
+        write_json_atomic("pipe", {"a": 1})
+        assert stat.S_ISFIFO(Path("pipe").stat().st_mode)
+        assert json.loads(os.read(reader, 1 << 16)) == {"a": 1}
+    finally:
+        os.close(reader)
+
+
+def test_an_output_that_is_a_link_is_written_through_it(user_dir: Path) -> None:
+    """A link stays a link, and the file it names gets the output (a rename over the link had
+    left that file as it was); a dangling link makes the file it names."""
+    Path("real.json").write_text("{}")
+    Path("link.json").symlink_to("real.json")
+    check_output_paths({"--out": "link.json"})
+    write_json_atomic("link.json", {"a": 2})
+    assert Path("link.json").is_symlink() and json.loads(Path("real.json").read_text()) == {"a": 2}
+    Path("dangling.json").symlink_to("made.json")
+    write_json_atomic("dangling.json", {"a": 3})
+    assert Path("dangling.json").is_symlink() and json.loads(Path("made.json").read_text()) == {"a": 3}
 
 
 # --------------------------------------------------------------------------- small things

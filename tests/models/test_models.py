@@ -223,7 +223,7 @@ def test_untraceable_model_says_wrap_it_as_sequential(user_module: Callable[[str
 
 @pytest.mark.parametrize("body, words", [
     ("def make():\n    raise RuntimeError('boom')", "raised RuntimeError: boom"),
-    ("def make():\n    return 42", "returned a int, not a torch.nn.Module"),
+    ("def make():\n    return 42", "returned an int, not a torch.nn.Module"),
 ])
 def test_bad_factories(user_module: Callable[[str], str], body: str, words: str) -> None:
     name = user_module(body)

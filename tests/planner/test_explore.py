@@ -128,13 +128,17 @@ def test_cli_writes_json_rows_and_chart(tmp_path):
     (["--micro-batches", "3"], "does not divide"),
     (["--recompute", "sometimes"], "--recompute"),
     (["--memory-limit", "lots"], "--memory-limit"),
+    # every cell skipped: a grid of dashes is no answer (solve refuses the same request)
+    (["--stages", "99"], "no cell of the grid can be planned (more stages than the"),
 ])
 def test_cli_bad_input(tmp_path, args, message):
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(transformer_like()))
-    result = CliRunner().invoke(main, ["explore", str(path), *args])
+    out = tmp_path / "rows.json"
+    result = CliRunner().invoke(main, ["explore", str(path), *args, "--json", str(out)])
     assert result.exit_code == 2
     assert message in result.output and "Traceback" not in result.output
+    assert not out.exists()
 
 
 def test_the_tables_show_the_new_schedules_and_interleaveds_chunks_per_stage():

@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from gpipe_plan.cli import main
-from gpipe_plan.planner import milp, milp_solve
+from gpipe_plan.planner import local_search, milp, milp_solve, solvers
 from gpipe_plan.planner.baselines import min_max
 from gpipe_plan.planner.brute import brute_force, partitions
 from gpipe_plan.planner.budgets import LOCAL_SEARCH_BELOW_NODES, WORK_PER_SECOND, branch_and_bound_share
@@ -303,8 +303,9 @@ def test_tighten_tries_an_open_setting_again_with_more_work_than_its_last_run():
     for left, retried in ((before, False), (1.5 * before, True)):
         candidate = Candidate(cm.setting, 2, first)
         spent = tighten([candidate], lambda c: cm, math.inf, left, 600)
-        assert (spent > 0) == retried
-        assert (candidate.solution is not first) == retried
+        # (what no MILP takes goes to the local search: test_what_no_milp_run_can_use_polishes_the_plans)
+        assert (candidate.solution.stats["milp"] is not first.stats["milp"]) == retried
+        assert 0 < spent <= left * (1 + 1e-9)
         if retried:
             assert candidate.lower_bound_s >= first.lower_bound_s
             assert candidate.step_s <= first.evaluation.step_s
@@ -338,11 +339,67 @@ def test_tighten_refines_the_least_bound_first_against_the_best_plan_found_so_fa
 
     monkeypatch.setattr(milp_solve, "refine", refine)
     monkeypatch.setattr(milp, "available", lambda: "HiGHS")       # (whatever is installed: refine is the stand-in)
+    monkeypatch.setattr(solvers, "_polish", lambda *args: 0.0)   # (what is left after: the next tests)
     spent = tighten([middle, settles, least], lambda c: cm, math.inf, 10.0, 600)
     assert calls == [("least", poor.step_s, 10.0), ("middle", good.step_s, 9.5)]
     assert spent == 1.0
     assert settles.solution is unrefined
     assert least.solution.stats["work_s"] == middle.solution.stats["work_s"] == 0.75
+
+
+def _open_candidates(cm: CostModel, *cuts: tuple[int, ...]) -> list[Candidate]:
+    """Settings of ``cm`` with these plans, open (bound half the best step), their MILP's work
+    the most a tighten below gives them: none is retried, what is left goes to the local search."""
+    plans = [evaluate(cm, cut) for cut in cuts]
+    lower = min(p.step_s for p in plans) / 2
+    return [Candidate(cm.setting, 1, Solution(p, False, lower, "branch and bound", {"work_s": 0.5, "milp": {"work_s": 100.0}}),
+                      work_s=0.5) for p in plans]
+
+
+def test_what_no_milp_run_can_use_polishes_the_plans():
+    """[Note: what no proof can use]: a setting that no MILP retry may take (the work left is
+    less than its last run had) gets the local search from its plan with that work: a faster
+    plan, its bound kept, the work counted in the setting's and in what tighten returns, the
+    same plan on a second run; a plan the local search left is not searched from again. Without
+    HiGHS or CBC it polishes all the same (no MILP is needed for it)."""
+    cm = _open_interleaved()
+    poor = (*range(cm.C), cm.L)                                     # every chunk one layer but the last
+    for available in ("HiGHS", None):
+        plans = []
+        for _ in range(2):
+            [candidate] = _open_candidates(cm, poor)
+            before = candidate.solution
+            if available is None:
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setattr(milp, "available", lambda: None)
+                    spent = tighten([candidate], lambda c: cm, math.inf, 3.0, 600)
+            else:
+                spent = tighten([candidate], lambda c: cm, math.inf, 3.0, 600)
+            got = candidate.solution
+            assert 0 < spent <= 3.0 and got.stats["milp"] is before.stats["milp"]
+            assert got.evaluation.step_s < before.evaluation.step_s and got.lower_bound_s == before.lower_bound_s
+            assert got.stats["local_search"]["step_s"] == got.evaluation.step_s
+            assert candidate.work_s == pytest.approx(0.5 + spent) and got.stats["work_s"] == pytest.approx(0.5 + spent)
+            plans.append(got.evaluation.bounds)
+            assert tighten([candidate], lambda c: cm, math.inf, 3.0, 600) == 0     # searched from already
+            assert candidate.solution is got
+        assert plans[0] == plans[1]
+
+
+def test_the_local_search_after_the_proofs_starts_from_the_fastest_plan():
+    """With work for a few evaluations only, the fastest open plan gets them (it is the one the
+    user gets when nothing beats it) and a slower one none; settled settings get nothing."""
+    cm = _open_interleaved()
+    poor = (*range(cm.C), cm.L)
+    even = tuple(j * cm.L // cm.C for j in range(cm.C + 1))
+    slow, fast = _open_candidates(cm, poor, even)
+    assert fast.step_s < slow.step_s
+    settled_ = Candidate(cm.setting, 1, replace(slow.solution, lower_bound_s=fast.step_s, stats={"work_s": 0.5}))
+    cost = local_search.evaluation_cost_s(cm)
+    spent = tighten([slow, settled_, fast], lambda c: cm, math.inf, 3.5 * cost, 600)
+    assert spent == pytest.approx(3 * cost)
+    assert "local_search" in fast.solution.stats
+    assert "local_search" not in slow.solution.stats and "local_search" not in settled_.solution.stats
 
 
 def test_a_setting_whose_bound_reaches_the_cutoff_gets_no_more_work():

@@ -286,6 +286,7 @@ BAD_OPTIONS = {
     "micro-batches text": (["-k", "2", "--micro-batches", "many"], r"--micro-batches"),
     "bad memory limit": (["-k", "2", "--memory-limit", "lots"], r"--memory-limit 'lots' is not a size"),
     "bad memory unit": (["-k", "2", "--memory-limit", "16 parsecs"], r"--memory-limit"),
+    "negative memory limit": (["-k", "2", "--memory-limit=-1GiB"], r"--memory-limit must be at least 1 byte, got '-1GiB'"),
     "bad link bandwidth": (["-k", "2", "--link-bandwidth", "fast"], r"--link-bandwidth 'fast' is not a number"),
     "zero link bandwidth": (["-k", "2", "--link-bandwidth", "0"], r"--link-bandwidth must be a positive"),
     "negative latency": (["-k", "2", "--link-latency", "-1"], r"--link-latency"),
