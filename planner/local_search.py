@@ -8,6 +8,8 @@ the plan a 30 s search kept took 67.04 ms a step, and this search found one of 6
 in 1.7 s of CPU time (docs/benchmarks/exactness.md). So a setting the
 branch and bound leaves open gets this search first (planner/solvers.py), on its own share of
 the setting's work (budgets.LOCAL_SEARCH_SHARE); the MILP gets the rest and a better start.
+After the proofs it also gets what no MILP run can use ([Note: what no proof can use],
+planner/solvers.py).
 
 [Note: moving a layer across chunks]
 A move shifts cuts b_i .. b_j together by one layer (1 <= i <= j <= C - 1): one layer passes from
