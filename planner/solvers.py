@@ -216,9 +216,10 @@ def tighten(candidates: Sequence, cost_model, cutoff_s: float, work_budget_s: fl
     best = min([cutoff_s, *(c.step_s for c in candidates)])
     spent = 0.0
     tried: set[int] = set()
+    wall_limit = max(time_budget_s, WALL_SAFETY * work_budget_s)
     while True:
         left = work_budget_s - spent
-        wall = max(time_budget_s, WALL_SAFETY * work_budget_s) - (time.perf_counter() - started)
+        wall = wall_limit - (time.perf_counter() - started)
         open_ = [c for c in candidates if c.solution is not None and id(c) not in tried
                  and not settled(c.solution, best)]
         if not open_ or left <= 0 or wall <= 0 or milp.available() is None:
@@ -238,7 +239,7 @@ def tighten(candidates: Sequence, cost_model, cutoff_s: float, work_budget_s: fl
         weakest.work_s += refined.stats["milp"]["work_s"]
         best = min(best, refined.evaluation.step_s)
     return spent + _polish(candidates, cost_model, best, work_budget_s - spent,
-                           max(time_budget_s, WALL_SAFETY * work_budget_s) - (time.perf_counter() - started))
+                           wall_limit - (time.perf_counter() - started))
 
 
 # [Note: what no proof can use]
