@@ -153,7 +153,7 @@ def clear_leftovers(target: str | os.PathLike[str]) -> list[Path]:
     command writing the same path at this moment) is its own.
     """
     p = Path(target)
-    folder = p.parent if str(p.parent) else Path(".")
+    folder = p.parent
     start = f".{p.name}.{HOST_TAG}."
     removed = []
     try:
@@ -189,7 +189,7 @@ def cannot_write(path: str | os.PathLike[str], exc: OSError, flag: str | None = 
                  size: int | None = None) -> BadInput:
     """The one line for a file the system would not let us write: which file, and why, in words."""
     p = Path(path)
-    folder = p.parent if str(p.parent) else Path(".")
+    folder = p.parent
     what = f"{flag} '{p}'" if flag else f"'{p}'"
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         try:
@@ -264,7 +264,7 @@ class Outputs:
         if direct:
             self._direct.append((p, target, data, flag))
             return
-        folder = target.parent if str(target.parent) else Path(".")
+        folder = target.parent
         if not folder.exists():
             raise BadInput(f"cannot write {flag + ' ' if flag else ''}'{p}': folder '{folder}' does not exist")
         clear_leftovers(target)
@@ -304,7 +304,7 @@ class Outputs:
                 target, tmp = self._staged[0]
                 os.replace(tmp, target)
                 self._staged.pop(0)
-                folders.add(target.parent if str(target.parent) else Path("."))
+                folders.add(target.parent)
         except OSError as exc:
             self.discard()
             raise cannot_write(target, exc) from None
@@ -386,7 +386,7 @@ def check_output_paths(outputs: dict[str, str | os.PathLike[str] | None],
             if not os.access(target, os.W_OK):
                 raise BadInput(f"cannot write {flag} '{p}': it is not writable")
             continue
-        folder = target.parent if str(target.parent) else Path(".")
+        folder = target.parent
         if not folder.is_dir():
             what = "is not a folder" if folder.exists() else "does not exist"
             raise BadInput(f"cannot write {flag} '{p}': folder '{folder}' {what}")
@@ -399,7 +399,7 @@ def check_output_paths(outputs: dict[str, str | os.PathLike[str] | None],
 
 def _probe(target: Path, flag: str) -> None:
     """Create a temporary file beside ``target``, give it :data:`PROBE_BYTES`, remove it."""
-    folder = target.parent if str(target.parent) else Path(".")
+    folder = target.parent
     try:
         fd, tmp = tempfile.mkstemp(prefix=temp_prefix(target), suffix=TEMP_SUFFIX, dir=folder)
     except OSError as exc:

@@ -220,9 +220,11 @@ class CountColumn(ProgressColumn):
 
 
 def _progress() -> Progress:
-    # The bar pulses while the total is unknown (BarColumn does that for total=None).
+    # The bar pulses while the total is unknown (BarColumn does that for total=None). Only on a
+    # terminal: elsewhere (a log, a pipe) rich's transient bar leaves an empty line behind.
+    console = Console(stderr=True)
     return Progress(TextColumn("{task.description}"), BarColumn(), CountColumn(),
-                    TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+                    TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal)
 
 
 __all__ = ["solve_file", "solve_command", "show_plan", "load_profile", "PROFILE_FORMAT"]

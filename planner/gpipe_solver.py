@@ -574,7 +574,7 @@ class GPipeSolver:
         (a reachability probe with no thresholds, O(K L log L)), with the best bound known: the
         staircase's if it finished, and always the average stage's work (each stage runs its M
         forwards and backwards one at a time, so the busiest takes at least the average)."""
-        cm, L, K, M = self.cm, self.L, self.K, self.M
+        cm, L, K = self.cm, self.L, self.K
         self.deadline = INF
         self._consider_seeds()
         best = self._seen

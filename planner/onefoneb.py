@@ -81,7 +81,7 @@ class OneFOneBSolver:
     def stage_bound(self, s: int, e: int, k: int, recompute: bool, before: float | None = None) -> float:
         """Lower bound on the step from stage k = [s, e) alone; ``before`` = the exact time
         earlier stages and links add (known once they are chosen), else their least value."""
-        cm, L, K, M = self.cm, self.L, self.K, self.M
+        cm, L, M = self.cm, self.L, self.M
         if before is None:
             before = cm.pf[s] + self.other_backward[s] + self.fixed_before[k]
         forward, backward = self.formulas[k]
@@ -302,7 +302,7 @@ class OneFOneBSolver:
         busiest stage's work (objective.work_floor). The gap is then wide but
         honest, and the solve ends within its budget.
         """
-        cm, L, K, M = self.cm, self.L, self.K, self.M
+        cm, L, K = self.cm, self.L, self.K
         even = tuple(k * L // K for k in range(K + 1))
         found = Incumbent(cm)
         for bounds in [*self.seeds, even]:

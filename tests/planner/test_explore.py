@@ -138,6 +138,7 @@ def test_cli_bad_input(tmp_path, args, message):
     result = CliRunner().invoke(main, ["explore", str(path), *args, "--json", str(out)])
     assert result.exit_code == 2
     assert message in result.output and "Traceback" not in result.output
+    assert result.output.startswith("error: ")       # the one line, no bar's empty line before it
     assert not out.exists()
 
 
