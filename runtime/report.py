@@ -407,11 +407,14 @@ def step_line(report: dict[str, Any]) -> str:
         return (f"{line} ({error}{f', expected {band}' if band else ''}): "
                 + "; ".join(load_text(h, named=several) for h in busy)
                 + ": the step measures that load as much as the plan; rerun on a quiet machine to judge the prediction")
+    # A probe that cannot be trusted (the machine's speed moved during the run, or its readings
+    # did) leaves the miss unexplained either way: the run cannot judge the cost model.
+    doubted = head.get("speed_left_out") not in (None, "no speed probe")
     if noise is None:
         line += f" ({error})"
     elif head["within_noise"]:
         line += f" ({error}, within the expected {band})"
-    elif at_speed and at_speed.get("within_noise"):
+    elif (at_speed and at_speed.get("within_noise")) or doubted:
         line += f" ({error}, beyond the expected {band})"
     else:
         line += (f" ({error}, beyond the expected {band}: the cost model misses something here; "
@@ -430,6 +433,9 @@ def step_line(report: dict[str, Any]) -> str:
         line += "; no speed probe: the machine's drift since profiling is not known"
     elif head.get("speed_left_out"):
         line += f"; the speed-adjusted prediction is left out: the speed probe cannot be trusted ({head['speed_left_out']})"
+        if noise is not None and not head["within_noise"]:
+            line += (": the machine's speed may explain the miss as much as the cost model; rerun on a quiet "
+                     "machine to judge the prediction")
     return line
 
 

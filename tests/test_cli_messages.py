@@ -30,7 +30,7 @@ from gpipe_plan.profiles.calibrate import calibrate, run_spread, shrink
 from gpipe_plan.profiles.command import PhaseLines, _Bar, _progress_for, intended_global_batch, phase_of
 from gpipe_plan.profiles.show import render_profile
 from gpipe_plan.runtime.progress import TrainingProgress, fit_fields
-from gpipe_plan.runtime.report import headline, print_summary
+from gpipe_plan.runtime.report import headline, print_summary, step_line
 from gpipe_plan.schema import FORMAT_VERSIONS, PLAN_FORMAT, PROFILE_FORMAT
 
 from helpers.planner import cli, profile_doc, write_json
@@ -277,6 +277,33 @@ def test_a_busy_host_is_named_and_not_blamed_on_the_cost_model(user_dir: Path) -
     out = console.file.getvalue()
     assert "other processes used 1.60 of the 2 cores during the run (the run needed 2)" in out
     assert "rerun on a quiet machine" in out and "cost model" not in out
+
+
+def test_a_probe_that_cannot_be_trusted_does_not_blame_the_cost_model(user_dir: Path) -> None:
+    """The demo on a VM whose speed swung: +38%, the probe's readings before and after training
+    14% apart. The miss may be the machine's as much as the model's: the line says so, and
+    not that the cost model misses something."""
+    write_json(user_dir / "profile.json", balanced())
+    plan = solve_file("profile.json", "plan.json", stages=2, micro_batches=4)
+    report = report_doc(plan, factor=1.38)
+    report["speed"] = dict(report["speed"], ratio=1.3, per_rank_probe_s={"0": [0.0110, 0.0146], "1": [0.0112, 0.0140]})
+    report["headline"] = headline(report["predicted_step_s"], plan["predicted"].get("noise_sources"),
+                                  report["speed"], report["measured_step_s"])
+    assert report["headline"]["within_noise"] is False and "before and after" in report["headline"]["speed_left_out"]
+    line = step_line(report)
+    assert "(+38%, beyond the expected" in line and "misses something" not in line
+    assert "the speed probe cannot be trusted (its readings before and after training differ" in line
+    assert line.endswith("the machine's speed may explain the miss as much as the cost model; rerun on a quiet "
+                         "machine to judge the prediction")
+    # A miss within the band needs no such words; one with no probe at all is judged as before.
+    calm = dict(report, headline=headline(report["predicted_step_s"], {"profile_speed_drift": 0.5},
+                                          report["speed"], report["measured_step_s"]))
+    assert calm["headline"]["within_noise"] and "may explain the miss" not in step_line(calm)
+    unprobed = dict(report, speed={"ratio": None})
+    unprobed["headline"] = headline(report["predicted_step_s"], {"profile_speed_drift": 0.05}, unprobed["speed"],
+                                    report["measured_step_s"])
+    assert unprobed["headline"]["speed_left_out"] == "no speed probe"
+    assert "the cost model misses something here" in step_line(unprobed)
 
 
 # --------------------------------------------------------------------------- calibration
