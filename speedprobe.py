@@ -144,6 +144,19 @@ def probe_doubt(readings_s: list[float], spreads: list[float], profile_drift: fl
     return None
 
 
+# A run headline's ``speed_left_out`` when there was no probe to compare (runtime/report.py).
+NO_SPEED_PROBE = "no speed probe"
+
+
+def distrusted_probe(head: dict[str, Any]) -> str | None:
+    """Why a run's headline (runtime/report.py, ``headline``) left its speed-adjusted prediction
+    out because the probe could not be trusted (:func:`probe_doubt`'s words); None: trusted, or
+    no probe. Then the run cannot tell the machine's drift from a miss of the cost model: the
+    step line and calibrate say so rather than blame either."""
+    left_out = head.get("speed_left_out")
+    return left_out if left_out and left_out != NO_SPEED_PROBE else None
+
+
 def speed_ratio(run_probe_s: float | None, profile_probe_s: float | None) -> float | None:
     """How much slower (> 1) or faster (< 1) the run's machine is than the profile's."""
     if not run_probe_s or not profile_probe_s:

@@ -11,6 +11,7 @@ from ..layer_names import LayerNames
 from ..tables import NarrowTable, narrow_table
 from ..plan_view import read_plan
 from ..schema import read_profile, read_report, write_artifact
+from ..speedprobe import distrusted_probe
 from .calibrate import calibrate, locate, named_file, recorded_file
 
 
@@ -42,6 +43,11 @@ def calibrate_command(report: str, profile: str | None, out: str | None, speed_c
     if drift != 1.0:
         console.print(f"the machine ran at {drift:.2f}x the profile's time during that run (speed probe): divided out",
                       highlight=False)
+    doubt = distrusted_probe(read_report(report).get("headline") or {})
+    if doubt:
+        console.print(f"[yellow]note:[/] the run's speed probe cannot be trusted ({doubt}): the machine's speed may "
+                      "have moved these ratios as much as the model's costs did; a run on a quiet machine "
+                      "calibrates better", highlight=False)
     console.print(f"wrote {target}: solve with it to plan with the measured costs", highlight=False)
 
 

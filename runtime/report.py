@@ -37,7 +37,7 @@ from ..schedules import label as schedule_label
 from ..schema import CHUNK_TIME_KINDS, FORMAT_VERSIONS, REPORT_FORMAT, report_chunks, timing_key
 from ..units import format_percent
 from ..hostload import CpuSample, busy_hosts, host_load, load_text
-from ..speedprobe import SAME_SPEED, probe_doubt, profile_probe_s, speed_ratio
+from ..speedprobe import NO_SPEED_PROBE, SAME_SPEED, distrusted_probe, probe_doubt, profile_probe_s, speed_ratio
 from ..plan_view import ChunkPlan, PlanView
 
 if TYPE_CHECKING:   # timing imports torch; `gpipe-plan show report.json` must start without it
@@ -307,7 +307,7 @@ def headline(predicted_step_s: float | None, plan_noise: dict[str, float] | None
         "step_time_ratio": off,
         "within_noise": abs(off - 1.0) <= noise if off is not None and noise is not None else None,
         "at_run_speed": at_speed,
-        "speed_left_out": doubt if ratio else "no speed probe" if not speed.get("profile_probe_s") else None,
+        "speed_left_out": doubt if ratio else NO_SPEED_PROBE if not speed.get("profile_probe_s") else None,
         "host_busy": bool(busy_hosts(load)) if load else None,
     }
 
@@ -409,7 +409,7 @@ def step_line(report: dict[str, Any]) -> str:
                 + ": the step measures that load as much as the plan; rerun on a quiet machine to judge the prediction")
     # A probe that cannot be trusted (the machine's speed moved during the run, or its readings
     # did) leaves the miss unexplained either way: the run cannot judge the cost model.
-    doubted = head.get("speed_left_out") not in (None, "no speed probe")
+    doubted = distrusted_probe(head) is not None
     if noise is None:
         line += f" ({error})"
     elif head["within_noise"]:
@@ -429,7 +429,7 @@ def step_line(report: dict[str, Any]) -> str:
             line += ": the machine's speed explains the miss, not the cost model"
     elif not head.get("speed_left_out") and (report.get("speed") or {}).get("ratio"):
         line += "; the machine ran at the profile's speed (speed probe)"
-    elif head.get("speed_left_out") == "no speed probe":
+    elif head.get("speed_left_out") == NO_SPEED_PROBE:
         line += "; no speed probe: the machine's drift since profiling is not known"
     elif head.get("speed_left_out"):
         line += f"; the speed-adjusted prediction is left out: the speed probe cannot be trusted ({head['speed_left_out']})"

@@ -93,6 +93,31 @@ def test_calibrate_refuses_a_report_of_another_model_or_a_broken_run(files):
     assert result.exit_code == 2 and "does not exist" in result.output
 
 
+def test_a_run_whose_speed_probe_cannot_be_trusted_is_folded_in_with_a_note(files):
+    """The run's own headline could not trust its probe (the machine's speed moved during it): the
+    ratios may be the machine's as much as the model's, and calibrate says so; a trusted or absent
+    probe says nothing."""
+    tmp, profile, plan = files
+    report = tmp / "report.json"
+    doc = report_doc(plan, [1.3, 1.2], [1.3, 1.2], None)
+    doc["headline"] = {"predicted_step_s": plan["predicted"]["step_s"], "basis": "profile", "noise_fraction": 0.1,
+                       "step_time_ratio": 1.25, "within_noise": False, "at_run_speed": None,
+                       "speed_left_out": "its readings before and after training differ by ±14%", "host_busy": None}
+    report.write_text(json.dumps(doc))
+    result = CliRunner().invoke(main, ["calibrate", str(report), "--profile", str(profile)])
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    assert ("note: the run's speed probe cannot be trusted (its readings before and after training differ by "
+            "±14%): the machine's speed may have moved these ratios") in said
+    for left_out in (None, "no speed probe"):
+        doc["headline"]["speed_left_out"] = left_out
+        report.write_text(json.dumps(doc))
+        result = CliRunner().invoke(main, ["calibrate", str(report), "--profile", str(profile), "--out",
+                                           str(tmp / "again.json")])
+        assert result.exit_code == 0, result.output
+        assert "cannot be trusted" not in result.output
+
+
 def test_calibrate_never_writes_over_the_profile_or_plan_the_report_leads_to(files):
     # (found through the report, they were not inputs: --out profile.json replaced the measured profile)
     tmp, profile, plan = files
