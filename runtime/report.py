@@ -379,7 +379,8 @@ def stage_table(report: dict[str, Any]) -> Table:
 
 def step_line(report: dict[str, Any]) -> str:
     """The step measured against the plan's prediction: its error, the expected band and what
-    explains a miss (a busy host, the machine's speed, or the cost model), in one paragraph.
+    explains a miss (a busy host, the machine's speed, or the cost model; or that a probe it
+    cannot trust leaves that open), in one paragraph.
 
     A report before version 5 has a headline of another shape (its prediction the speed-adjusted
     one), or none: one is made from its own fields, its plan's noise as it recorded it.
@@ -431,7 +432,7 @@ def step_line(report: dict[str, Any]) -> str:
         line += "; the machine ran at the profile's speed (speed probe)"
     elif head.get("speed_left_out") == NO_SPEED_PROBE:
         line += "; no speed probe: the machine's drift since profiling is not known"
-    elif head.get("speed_left_out"):
+    elif doubted:
         line += f"; the speed-adjusted prediction is left out: the speed probe cannot be trusted ({head['speed_left_out']})"
         if noise is not None and not head["within_noise"]:
             line += (": the machine's speed may explain the miss as much as the cost model; rerun on a quiet "
