@@ -18,10 +18,8 @@ _SIZE_UNITS = {
 
 def parse_size(text: str, flag: str = "--memory-limit") -> int:
     """``'16GiB'`` -> 17179869184. Decimal (GB) and binary (GiB) units; a bare number is bytes."""
-    pattern = r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*"
-    match = re.fullmatch(pattern, str(text))
-    if not match and str(text).strip().startswith("-") and re.fullmatch(pattern, str(text).strip()[1:]):
-        raise BadInput(f"{flag} must be at least 1 byte, got {text!r}")
+    # A sign is read so that a negative size meets the "at least 1 byte" below, not "not a size".
+    match = re.fullmatch(r"\s*(-?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not match or match.group(2).lower() not in _SIZE_UNITS:
         raise BadInput(f"{flag} {text!r} is not a size: write it like 16GiB, 80GB or 512MB")
     value = float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
