@@ -1,6 +1,6 @@
 """The ``gpipe-plan`` command line: parse, call one function of a package, print.
 
-Each option is declared once: those of profile, solve, explore and run as the fields of
+Each option is declared once: those of profile, solve, explore, run and tune as the fields of
 their request (gpipe_plan/options.py, [Note: options as data]), generated here; the few
 of the small commands (calibrate, import-pipedream, export, show, demo) here, by click.
 Each command imports its package only when it runs (only the requests, which import nothing
@@ -151,8 +151,8 @@ def explore(profile: str, **options: Any) -> None:
                    "from the model's own, so dividing it out can move the times away from what the model cost "
                    "(docs/runtime.md, 'Calibration').")
 @click.option("--force", is_flag=True, default=False,
-              help="Fold the run in even when calibrate would refuse it as not the model's cost (a busy host, a "
-                   "ratio no correct run gives); a run of another model or profile is refused all the same.")
+              help="Fold the run in even when calibrate would refuse it as not the model's cost (ranks that "
+                   "shared the host's cores, a busy host, a ratio no correct run gives); a run of another model or profile is refused all the same.")
 def calibrate(report: str, profile_path: str | None, out: str | None, speed_correction: bool, force: bool) -> None:
     """Fold a run's measured per-stage times (REPORT from `run --report`) into its profile.
 

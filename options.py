@@ -4,7 +4,7 @@ default and help, and the command line is generated from the fields.
 [Note: options as data]
 A command's options are one frozen dataclass (``ProfileOptions`` in profiles/options.py,
 ``SolveCommand`` and ``ExploreRequest`` in planner/request.py, ``RunOptions`` in
-runtime/options.py). Each field is declared
+runtime/options.py, ``TuneOptions`` in tune.py). Each field is declared
 with :func:`option`, which puts the flag and help in the field's metadata; the field's default
 is the option's default, for the command line and for a Python caller alike, and the field's
 name is what click hands back (so ``--time-budget`` is ``time_budget_s``: the unit in the name).

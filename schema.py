@@ -73,7 +73,9 @@ REPORT_FORMAT = "gpipe-plan.report"
 #   5  the precision (``precision``, ``param_dtype``; before it, fp32); on CUDA, the memory the
 #      CUDA context takes.
 #   6  each kind of layer measured once (``measured_as``); ``contention`` times one layer;
-#      ``consistency`` may be left out (a model too large to step whole).
+#      ``consistency`` may be left out (a model too large to step whole); ``global_batch_size``;
+#      layers' ``output_batched``; ``tied_parameters``; an imported model's ``loss``, ``cut_at``
+#      and ``data`` in its spec.
 #   7  each layer's backward split in two (``backward_input_s``, ``backward_weight_s``) and what
 #      stays alive between the halves (``weight_kept_bytes``).
 #   8  the all-reduce in ``link`` (``allreduce_bandwidth_bytes_per_s``, ...): what a data-parallel
@@ -533,6 +535,8 @@ LAYER = Object({
     "name": need(Text(nonempty=True)),
     # Version 8: the unsplit model's name of the module the layer is (null: not one module).
     "module": may(Text(nonempty=True, nullable=True)),
+    # Imported profiles (import-pipedream): the node's operator as PipeDream's graph writes it.
+    "op": may(Text()),
     "forward_s": need(_per_size(_seconds())),
     "backward_s": need(_per_size(_seconds())),
     "activation_bytes": need(_per_size(_bytes())),

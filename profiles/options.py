@@ -40,7 +40,8 @@ class ProfileOptions:
     num_classes: int | None = option("--num-classes", type=int,
                                      help="Your model (and resnet): the number of classes the output scores.")
     input_dtype: str | None = option("--input-dtype", metavar="DTYPE",
-                                     help="Your model: input dtype, float32 (default) or int64 for token ids.")
+                                     help="Your model: input dtype, float32 (default; int64 with --loss "
+                                          "lm) or int64 for token ids.")
     vocab_size: int | None = option("--vocab-size", type=int,
                                     help="gpt's vocabulary; for your model with --input-dtype int64, the token id "
                                          "range.")
