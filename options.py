@@ -72,4 +72,17 @@ def click_options(cls: type) -> Callable[[Callable[..., Any]], Callable[..., Any
     return decorate
 
 
-__all__ = ["Flag", "option", "click_options"]
+# --seed (profile, run): the data's generator takes seed x 1,000,003 + step (runtime/data.py),
+# which torch's 64-bit seeds hold for any step count below 2^40 while |seed| <= MAX_SEED.
+MAX_SEED = 2 ** 40
+
+
+def check_seed(seed: int) -> None:
+    """Refuse, in one line, a ``--seed`` torch cannot take (it fails deep in every rank)."""
+    if not -MAX_SEED <= seed <= MAX_SEED:
+        from .artifacts import BadInput
+
+        raise BadInput(f"--seed must be a whole number from -2^40 to 2^40, got {seed}")
+
+
+__all__ = ["Flag", "option", "click_options", "check_seed"]

@@ -7,6 +7,7 @@ import re
 from typing import Iterable, Sequence
 
 from .artifacts import BadInput
+from .schema import MAX_BYTES, MAX_RATE
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -27,6 +28,10 @@ def parse_size(text: str, flag: str = "--memory-limit") -> int:
         raise BadInput(f"{flag} {text!r} is too large to be a size")
     if value < 1:
         raise BadInput(f"{flag} must be at least 1 byte, got {text!r}")
+    # The plan records it: within the ceiling its format holds (schema.MAX_BYTES).
+    if value > MAX_BYTES:
+        raise BadInput(f"{flag} {text!r} is more than 1 EiB (2^60 bytes), more than any device holds: give the "
+                       "device's memory, or leave the option out for no limit")
     return int(value)
 
 
@@ -42,6 +47,9 @@ def parse_bandwidth(text: str, flag: str = "--link-bandwidth") -> float:
         raise BadInput(f"{flag} {text!r} is not a number of GB/s (or 'inf' to ignore communication)") from None
     if not value > 0 or not math.isfinite(value):
         raise BadInput(f"{flag} must be a positive number of GB/s or 'inf', got {text!r}")
+    if value * 1e9 > MAX_RATE:      # the plan records it within its format's ceiling
+        raise BadInput(f"{flag} {text!r} is more than {MAX_RATE / 1e9:.0e} GB/s: give 'inf' for a link "
+                       "that costs nothing")
     return value * 1e9
 
 

@@ -68,8 +68,9 @@ def solve_request(profile_path: str, request: SolveRequest, plan_path: str | Non
     if plan_path is not None and step > MAX_SECONDS:   # beyond what a plan file records (schema.py)
         batch = devices.global_batch_size if replicated else result.batch
         raise BadInput(f"the best plan for a global batch of {batch} takes {step / 86400:,.0f} days "
-                       f"per step: plan a smaller --global-batch-size, or check --link-bandwidth and "
-                       f"--network-bandwidth (a link that slow makes every message take that long)")
+                       f"per step: plan a smaller --global-batch-size, or check --link-bandwidth, --link-latency, "
+                       f"--network-bandwidth and --network-latency (a link that slow makes every message take "
+                       f"that long)")
     # What the pipeline must beat: the best plan of the same batch on one device.
     # It shares the time budget: what the pipeline's search left of it.
     left = share_of_budget(opts.time_budget_s, started, 1, least_s=LEAST_ONE_DEVICE_S)

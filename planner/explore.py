@@ -126,7 +126,11 @@ def explore(profile: Profile, stages: Sequence[int] | None, micro_batches: Seque
     cells = _solve_cells(grid, reference_step_s, progress)
     if cells and all(c.step_s is None for c in cells):
         # A grid of dashes is no answer: say why no cell could be planned, as solve would.
+        from .replicas import MOST_REASONS
+
         reasons = sorted({c.note or "no plan" for c in cells})
+        if len(reasons) > MOST_REASONS:       # one line, not one per cell of a large --devices
+            reasons = reasons[:MOST_REASONS] + [f"and {len(reasons) - MOST_REASONS} more"]
         raise BadInput(f"no cell of the grid can be planned ({'; '.join(reasons)}): "
                        "ask for other stages, micro-batch counts or schedules")
     block = find_repeated_block(profile)

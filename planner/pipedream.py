@@ -48,6 +48,9 @@ def parse_graph(text: str, where: str) -> nx.DiGraph:
         if node:
             name, op, fwd, bwd, act, params = node.groups()
             at = f"{where}, line {number}"
+            if name in graph and "op" in graph.nodes[name]:
+                # (a second line for one node would silently replace the first's figures)
+                raise BadInput(f"{at}: {name} has a node line already; each node has one")
             sizes = act.strip("[]").split(";") if act.startswith("[") else [act]
             output_bytes = sum(_figure(x, "activation_size", at, MAX_BYTES) for x in sizes)
             graph.add_node(name, op=op.strip(), forward_ms=_figure(fwd, "forward_compute_time", at, MAX_MS),
@@ -64,6 +67,8 @@ def parse_graph(text: str, where: str) -> nx.DiGraph:
         raise BadInput(f"{where}: edges mention {missing[0]}, which has no node line")
     if not graph.number_of_nodes():
         raise BadInput(f"{where}: no nodes found; is this a PipeDream graph.txt?")
+    if all(graph.nodes[n]["forward_ms"] == 0 and graph.nodes[n]["backward_ms"] == 0 for n in graph.nodes):
+        raise BadInput(f"{where}: every node's forward and backward time is 0: there is nothing to plan")
     if not nx.is_directed_acyclic_graph(graph):
         raise BadInput(f"{where}: the graph has a cycle, so it cannot be cut into a pipeline")
     return graph

@@ -125,7 +125,7 @@ def options_section(profile: Profile, request: SolveOptions, result: SearchResul
         "devices": request.devices,
         "data_parallel": request.data_parallel,
         "nodes": request.nodes,
-        "network_bandwidth_bytes_per_s": request.network_bandwidth_bytes_per_s,
+        "network_bandwidth_bytes_per_s": _finite_or_none(request.network_bandwidth_bytes_per_s),
         "network_latency_s": request.network_latency_s,
         "gradient_sync": request.gradient_sync,
         **({"sync_every": request.sync_every} if request.gradient_sync == "localsgd" else {}),
@@ -419,9 +419,9 @@ def placement_doc(chosen: Factorisation | None, stages: int) -> dict[str, Any]:
             "sync_latency_s": p.sync_latency_s}
 
 
-def _finite_or_none(value: float) -> float | None:
-    """A bandwidth for JSON: null for an infinite (free) one."""
-    return value if math.isfinite(value) else None
+def _finite_or_none(value: float | None) -> float | None:
+    """A bandwidth for JSON: null for an infinite (free) one, or for none given."""
+    return value if value is not None and math.isfinite(value) else None
 
 
 def factorisation_rows(devices: DevicesResult) -> list[dict[str, Any]]:

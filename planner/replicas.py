@@ -47,7 +47,7 @@ from .budgets import share_of_budget
 from .problem import (PipelineProblem, SolveOptions, problem_of, resolve_global_batch, too_few_stages,
                       too_many_stages)
 from .search import SearchResult, first_pass_step, search_pipeline
-from .settings import ReplicaSync, pipeline_link
+from .settings import ReplicaSync, divisors, pipeline_link
 from .solvers import tighten
 
 if TYPE_CHECKING:
@@ -196,9 +196,7 @@ def factorisations(devices: int, stages: int | None, data_parallel: int | str | 
     "" or one line saying why it cannot run (d must divide the batch: every replica takes the
     same share; a stage needs a layer: K <= layers; localsgd averages two replicas or more)."""
     out = []
-    for d in range(1, devices + 1):
-        if devices % d:
-            continue
+    for d in divisors(devices):       # O(sqrt N): a mistyped --devices 99999999999 answers at once
         K = devices // d
         if stages is not None and K != stages:
             continue

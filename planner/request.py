@@ -18,6 +18,7 @@ from ..artifacts import BadInput
 from ..options import option
 from ..plan_layout import GRADIENT_SYNCS, gradient_sync_problem
 from ..schedules import PLANNABLE_SCHEDULES
+from ..schema import MAX_COUNT, MAX_SECONDS
 from ..units import parse_bandwidth, parse_size
 from .budgets import EXPLORE_POINT_TIME_BUDGET_S, SOLVE_TIME_BUDGET_S
 
@@ -96,8 +97,17 @@ def _check_time_budget(seconds: float) -> None:
 
 
 def _check_latency(value: float | None, flag: str) -> None:
-    if value is not None and not (math.isfinite(value) and value >= 0):
-        raise BadInput(f"{flag} must be a finite number of seconds >= 0, got {value}")
+    # (the plan records it: within its format's ceiling, schema.MAX_SECONDS)
+    if value is not None and not (math.isfinite(value) and 0 <= value <= MAX_SECONDS):
+        raise BadInput(f"{flag} must be a number of seconds from 0 to {MAX_SECONDS:g}, got {value}")
+
+
+def _check_counts(**counts: int | None) -> None:
+    """Counts the plan records (--devices, --nodes, --sync-every: flag name with _ for -) within
+    its format's ceiling (schema.MAX_COUNT); their least values are checked where they are read."""
+    for name, value in counts.items():
+        if isinstance(value, int) and value > MAX_COUNT:
+            raise BadInput(f"--{name.replace('_', '-')} {value} is more than 2^40, more than any run has: check the value")
 
 
 @dataclass(frozen=True)
@@ -161,6 +171,7 @@ class SolveRequest:
             raise BadInput("give --stages K (one pipeline of K devices) or --devices N (K stages x d replicas)")
         if self.devices is not None and self.devices < 1:
             raise BadInput(f"--devices must be at least 1, got {self.devices}")
+        _check_counts(devices=self.devices, nodes=self.nodes, sync_every=self.sync_every)
         if self.network_latency_s is None:
             raise BadInput("--network-latency must be a finite number of seconds >= 0, got None")
         _check_latency(self.network_latency_s, "--network-latency")
@@ -262,6 +273,7 @@ class ExploreRequest:
             raise BadInput(reason)
         if self.devices is not None and self.devices < 1:
             raise BadInput(f"--devices must be at least 1, got {self.devices}")
+        _check_counts(devices=self.devices, nodes=self.nodes, sync_every=self.sync_every)
         if self.nodes < 1 or (self.devices is not None and self.devices % self.nodes):
             raise BadInput(f"--nodes {self.nodes} must be at least 1 and divide --devices {self.devices} (each "
                            f"node holds the same number of devices)")

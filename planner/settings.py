@@ -178,10 +178,15 @@ def size_charges(profile: Profile, stages: int, micro_batch_size: float | None) 
 def pipeline_link(profile: Profile, options: SolveOptions) -> tuple[float, float]:
     """The link between stages, (bandwidth, latency): the request's figures where given, else
     the profile's measured link, else a free one (infinite bandwidth, whose latency then does
-    not count: :func:`cost_setting`)."""
+    not count: :func:`cost_setting`). A ``--link-latency`` on a free link is refused: it would
+    be dropped without a word, and the plan would not be the one asked for."""
     bandwidth = options.link_bandwidth_bytes_per_s
     if bandwidth is None:
         bandwidth = profile.link_bandwidth_bytes_per_s or math.inf
+    if options.link_latency_s and not math.isfinite(bandwidth):
+        raise BadInput(f"--link-latency {options.link_latency_s:g} counts only on a link of finite bandwidth, and "
+                       "this one is free (no --link-bandwidth, and the profile measured no link): give "
+                       "--link-bandwidth GB/s too, or profile with --measure-link")
     latency = options.link_latency_s if options.link_latency_s is not None else profile.link_latency_s
     return bandwidth, latency
 

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from ..artifacts import BadInput, RunFailure, check_output_paths, first_line
+from ..options import check_seed
 from ..allocator import steady_allocator
 from ..hostload import usable_cores
 from ..models import Precision, model_spec
@@ -44,6 +45,13 @@ def profile_command(model: str, **options: Any) -> None:
                                ("--repeats", o.repeats, 1)):
         if value < least:
             raise BadInput(f"{flag} must be at least {least}, got {value}")
+    check_seed(o.seed)
+    if o.layer_by_layer is False:
+        for flag, given in (("--measure-every-layer", o.measure_every_layer),
+                            ("--whole-model-check/--no-whole-model-check", o.whole_model_check is not None)):
+            if given:
+                raise BadInput(f"{flag} is for a profile taken layer by layer, and --whole-model measures every "
+                               "layer beside the model's own step: leave one of them out")
     check_output_paths({"--out": o.out})      # before minutes of measuring
     dev = resolve_device(o.device)
     cores = usable_cores()
@@ -81,7 +89,13 @@ def profile_command(model: str, **options: Any) -> None:
     except torch.cuda.OutOfMemoryError as exc:
         raise RunFailure(f"out of GPU memory while profiling: use smaller --micro-batch-sizes "
                          f"({first_line(exc)})") from None
+    except MemoryError as exc:
+        raise RunFailure(f"out of memory while profiling: use smaller --micro-batch-sizes ({first_line(exc)})") from None
     except Exception as exc:
+        if "can't allocate memory" in str(exc) or "DefaultCPUAllocator" in str(exc):
+            # torch's CPU allocator says so in a RuntimeError, not a MemoryError
+            raise RunFailure(f"out of memory while profiling: use smaller --micro-batch-sizes "
+                             f"({first_line(exc)})") from None
         raise RunFailure(f"profiling failed: {type(exc).__name__}: {first_line(exc)}") from None
     doc["global_batch_size"] = intended_batch   # what solve and explore plan for by default
     write_artifact(o.out, doc, "profile", flag="--out")

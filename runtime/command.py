@@ -22,6 +22,7 @@ def run_command(plan: str, **options: Any) -> None:
     steady_allocator()       # as profile allocated (allocator.py), in the ranks it starts too
     opts = check_options(RunOptions(plan=plan, **options))
     run_plan = load_plan(opts.plan)  # a bad plan fails here, before any process starts
+    opts.optimizer_name(run_plan.optimizer)     # (refuses a --momentum it would not read)
     compute, _ = check_precision_matches(run_plan, opts.precision, opts.param_dtype)
     check_sync_matches(run_plan, opts.grad_clip)
     reason = async_problem(opts, run_plan.schedule, compute, run_plan.gradient_sync,
@@ -29,6 +30,11 @@ def run_command(plan: str, **options: Any) -> None:
     if reason:
         raise BadInput(reason)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if opts.warmup_steps > opts.steps and (not under_torchrun or os.environ["RANK"] == "0"):
+        # Not refused: a short try of a long run's recipe is fair; but the rate it trains at is said.
+        print(f"warning: --warmup-steps {opts.warmup_steps} is more than --steps {opts.steps}: the learning rate "
+              f"never reaches --lr (it ends at {100 * opts.steps / opts.warmup_steps:.2g}% of it)",
+              file=sys.stderr, flush=True)
     note = imports_note(run_plan.model, opts.data)
     if note and (not under_torchrun or os.environ["RANK"] == "0"):
         print(note, file=sys.stderr, flush=True)   # before any rank imports it (runtime/trust.py)

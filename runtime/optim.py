@@ -25,7 +25,7 @@ def make_optimizer(params: list[nn.Parameter], name: str, options: RunOptions) -
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=options.weight_decay)
     if name == "momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=options.momentum, weight_decay=options.weight_decay)
+        return torch.optim.SGD(params, lr=lr, momentum=options.momentum_factor, weight_decay=options.weight_decay)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, weight_decay=options.weight_decay)
     raise ValueError(f"unknown optimizer {name!r}")

@@ -17,10 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from ..artifacts import PARAM_DTYPES, PRECISIONS, BadInput, check_output_paths
-from ..options import option
+from ..options import check_seed, option
 
 OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
 DEFAULT_LR = {"adam": 1e-3, "adamw": 1e-3, "sgd": 1e-2, "momentum": 1e-2}
+# Options that mean something only beside another take None as "not given", so that one given
+# alone is refused (check_options) instead of doing nothing; these are their values.
+DEFAULT_MOMENTUM = 0.9
+DEFAULT_CHECKPOINT_EVERY = 100
+DEFAULT_KEEP_CHECKPOINTS = 2
 LR_SCHEDULES = ("constant", "cosine")
 EXECUTORS = ("auto", "native", "torch")
 DEVICES = ("auto", "cpu", "cuda")
@@ -44,8 +49,8 @@ class RunOptions:
     lr: float | None = option("--lr", type=float,
                               help="Learning rate. Default: 1e-3 for adam/adamw, 1e-2 for sgd/momentum.")
     weight_decay: float = option("--weight-decay", default=0.0, type=float, show_default=True, help="Weight decay.")
-    momentum: float = option("--momentum", default=0.9, type=float, show_default=True,
-                             help="Momentum of --optimizer momentum.")
+    momentum: float | None = option("--momentum", type=float,
+                                    help=f"Momentum of --optimizer momentum. Default: {DEFAULT_MOMENTUM}.")
     grad_clip: float | None = option("--grad-clip", type=float, metavar="NORM",
                                      help="Clip the global gradient norm (over all stages) to NORM.")
     lr_schedule: str = option("--lr-schedule", default="constant", choices=LR_SCHEDULES, show_default=True,
@@ -70,10 +75,12 @@ class RunOptions:
                                         help="Save checkpoints here, every --checkpoint-every steps and at the end: "
                                              "one torch.distributed.checkpoint per step, keyed like the unsplit "
                                              "model (all ranks must see it).")
-    checkpoint_every: int = option("--checkpoint-every", default=100, type=int, show_default=True,
-                                   help="Steps between checkpoints.")
-    keep_checkpoints: int = option("--keep-checkpoints", default=2, type=int, show_default=True,
-                                   help="Newest checkpoints to keep.")
+    checkpoint_every: int | None = option("--checkpoint-every", type=int,
+                                          help=f"With --checkpoint-dir: steps between checkpoints. Default: "
+                                               f"{DEFAULT_CHECKPOINT_EVERY}.")
+    keep_checkpoints: int | None = option("--keep-checkpoints", type=int,
+                                          help=f"With --checkpoint-dir: newest checkpoints to keep. Default: "
+                                               f"{DEFAULT_KEEP_CHECKPOINTS}.")
     resume: bool = option("--resume", default=False, is_flag=True,
                           help="Continue from the newest complete checkpoint in --checkpoint-dir (start fresh if "
                                "there is none), under this plan or any other split of the same model (other stages, "
@@ -114,25 +121,42 @@ class RunOptions:
         return cls(**json.loads(text))
 
     def optimizer_name(self, plan_optimizer: str | None) -> str:
-        if self.optimizer:
-            return self.optimizer
-        return plan_optimizer if plan_optimizer in OPTIMIZERS else "adam"
+        """The optimizer the run steps: --optimizer, else the plan's, else adam. Refuses a
+        --momentum that it would not read."""
+        name = self.optimizer or (plan_optimizer if plan_optimizer in OPTIMIZERS else "adam")
+        if self.momentum is not None and name != "momentum":
+            raise BadInput(f"--momentum is --optimizer momentum's, and this run steps {name}: give --optimizer "
+                           "momentum, or leave --momentum out")
+        return name
 
     def learning_rate(self, optimizer: str) -> float:
         return self.lr if self.lr is not None else DEFAULT_LR[optimizer]
+
+    @property
+    def momentum_factor(self) -> float:
+        return self.momentum if self.momentum is not None else DEFAULT_MOMENTUM
+
+    @property
+    def steps_between_checkpoints(self) -> int:
+        return self.checkpoint_every if self.checkpoint_every is not None else DEFAULT_CHECKPOINT_EVERY
+
+    @property
+    def checkpoints_kept(self) -> int:
+        return self.keep_checkpoints if self.keep_checkpoints is not None else DEFAULT_KEEP_CHECKPOINTS
 
 
 def check_options(options: RunOptions) -> RunOptions:
     """Refuse what cannot work, in one line each; make paths absolute (ranks may cd)."""
     if options.steps < 1:
         raise BadInput(f"--steps must be at least 1, got {options.steps}")
+    check_seed(options.seed)
     if options.optimizer is not None and options.optimizer not in OPTIMIZERS:
         raise BadInput(f"--optimizer '{options.optimizer}' is not one of {', '.join(OPTIMIZERS)}")
     if options.lr is not None and not (math.isfinite(options.lr) and options.lr > 0):
         raise BadInput(f"--lr must be a positive number, got {options.lr}")
     if not options.weight_decay >= 0:
         raise BadInput(f"--weight-decay must be >= 0, got {options.weight_decay}")
-    if not 0 <= options.momentum < 1:
+    if options.momentum is not None and not 0 <= options.momentum < 1:
         raise BadInput(f"--momentum must be in [0, 1), got {options.momentum}")
     if options.grad_clip is not None and not options.grad_clip > 0:
         raise BadInput(f"--grad-clip must be positive, got {options.grad_clip}")
@@ -140,10 +164,15 @@ def check_options(options: RunOptions) -> RunOptions:
         raise BadInput(f"--lr-schedule '{options.lr_schedule}' is not one of {', '.join(LR_SCHEDULES)}")
     if options.warmup_steps < 0:
         raise BadInput(f"--warmup-steps must be >= 0, got {options.warmup_steps}")
-    if options.checkpoint_every < 1:
+    if options.checkpoint_every is not None and options.checkpoint_every < 1:
         raise BadInput(f"--checkpoint-every must be at least 1, got {options.checkpoint_every}")
-    if options.keep_checkpoints < 1:
+    if options.keep_checkpoints is not None and options.keep_checkpoints < 1:
         raise BadInput(f"--keep-checkpoints must be at least 1, got {options.keep_checkpoints}")
+    for flag, value in (("--checkpoint-every", options.checkpoint_every),
+                        ("--keep-checkpoints", options.keep_checkpoints)):
+        if value is not None and not options.checkpoint_dir:
+            raise BadInput(f"{flag} says how the run checkpoints, and it saves none without --checkpoint-dir: give "
+                           f"--checkpoint-dir FOLDER too, or leave {flag} out")
     if options.resume and not options.checkpoint_dir:
         raise BadInput("--resume needs --checkpoint-dir: the folder the run saved its checkpoints in")
     if options.precision is not None and options.precision not in PRECISIONS:

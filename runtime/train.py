@@ -328,7 +328,7 @@ def _run_steps(run: _Training) -> _History:
                                     _saved_by(run.plan, run.world), run.scaler, run.device, run.objects,
                                     run=run.run_record, prefix=run.gradient_sync.checkpoint_prefix(), lock=run.lock)
                     if run.reporter:   # this run's own older steps only
-                        checkpoint.prune(run.folder, options.keep_checkpoints, run.run_record["id"], run.adopted)
+                        checkpoint.prune(run.folder, options.checkpoints_kept, run.run_record["id"], run.adopted)
                 # After the optimizer step and the step's checkpoint (which reads the sharded state):
                 # fsdp starts gathering the next step's parameters. Not after the last step.
                 if step + 1 < options.steps:
@@ -347,7 +347,7 @@ def _run_steps(run: _Training) -> _History:
 def _saves_after(run: _Training, step: int) -> bool:
     """Whether a checkpoint is saved after ``step`` (with --checkpoint-dir): every
     --checkpoint-every steps, and after the last."""
-    return (step + 1) % run.options.checkpoint_every == 0 or step + 1 == run.options.steps
+    return (step + 1) % run.options.steps_between_checkpoints == 0 or step + 1 == run.options.steps
 
 
 def _segment_end(run: _Training, step: int) -> int:

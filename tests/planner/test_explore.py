@@ -251,6 +251,10 @@ def test_cli_devices_writes_a_row_per_factorisation(tmp_path):
     (["--devices", "4", "--network-bandwidth", "fast"], "--network-bandwidth"),
     (["--devices", "4", "--network-latency", "-1"], "--network-latency"),
     (["--devices", "4", "--nodes", "2"], "needs --network-bandwidth"),
+    (["--devices", "4", "--nodes", "4", "--network-bandwidth", "1", "--network-latency", "1e300"],
+     "--network-latency must be a number of seconds from 0 to 1e+07"),
+    (["--devices", "2", "--gradient-sync", "localsgd", "--sync-every", "1099511627777"],
+     "--sync-every 1099511627777 is more than 2^40"),
 ])
 def test_cli_devices_bad_input(tmp_path, args, message):
     path = tmp_path / "profile.json"

@@ -189,6 +189,8 @@ def test_import_command_writes_a_profile_that_solves(tmp_path: Path, monkeypatch
     (TINY + "\tnode2 -- node9\n", r"edges mention node9, which has no node line"),
     (TINY + "\tnode2 -- node5\n", r"cycle"),
     ("", r"no nodes found"),
+    (TINY + TINY.splitlines()[0] + "\n", r"line 12: node3 has a node line already"),
+    (re.sub(r"compute_time=[0-9.]+", "compute_time=0.000", TINY), r"every node's forward and backward time is 0"),
 ])
 def test_malformed_graph_exits_2_with_the_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text, pattern):
     monkeypatch.chdir(tmp_path)

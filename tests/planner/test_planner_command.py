@@ -291,6 +291,18 @@ BAD_OPTIONS = {
     "zero link bandwidth": (["-k", "2", "--link-bandwidth", "0"], r"--link-bandwidth must be a positive"),
     "negative latency": (["-k", "2", "--link-latency", "-1"], r"--link-latency"),
     "memory limit too small": (["-k", "2", "--memory-limit", "1KB"], r"no plan fits --memory-limit"),
+    # Values a plan cannot record (schema.py's ceilings) are refused as typed, not after the search.
+    "memory limit beyond 2^60": (["-k", "2", "--memory-limit", "1e30"], r"--memory-limit '1e30' is more than 1 EiB"),
+    "link bandwidth beyond its ceiling": (["-k", "2", "--link-bandwidth", "1e12"],
+                                          r"--link-bandwidth '1e12' is more than 1e\+09 GB/s: give 'inf'"),
+    "latency beyond its ceiling": (["-k", "2", "--link-bandwidth", "1", "--link-latency", "1e300"],
+                                   r"--link-latency must be a number of seconds from 0 to 1e\+07"),
+    "latency on a free link": (["-k", "2", "--link-latency", "0.001"],
+                               r"--link-latency 0.001 counts only on a link of finite bandwidth"),
+    "sync-every beyond 2^40": (["--devices", "2", "-k", "1", "--gradient-sync", "localsgd", "--sync-every",
+                                "1099511627777"], r"--sync-every 1099511627777 is more than 2\^40"),
+    "devices with no factorisation": (["--devices", "99999999999"],
+                                      r"no factorisation of 99999999999 devices gives a plan: .*and \d+ more$"),
 }
 
 

@@ -405,6 +405,16 @@ def test_a_plan_whose_batch_does_not_split_over_its_replicas_is_refused(profile_
         validate(plan, "solved plan", "plan")
 
 
+def test_a_free_network_is_written_as_null(profile_path: Path, user_dir: Path):
+    """--network-bandwidth 'inf' (what its own message offers) plans a network that costs
+    nothing, written null as a free link is, not refused by the plan's schema."""
+    result = cli("solve", "profile.json", "--devices", "4", "--nodes", "2", "--network-bandwidth", "inf",
+                 "--out", "plan.json", "--time-budget", "2")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(Path("plan.json").read_text())
+    assert plan["options"]["nodes"] == 2 and plan["options"]["network_bandwidth_bytes_per_s"] is None
+
+
 # --------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("args, pattern", [
     (["--stages", "3", "--devices", "4"], r"--stages 3 does not divide --devices 4"),

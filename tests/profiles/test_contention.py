@@ -170,3 +170,15 @@ def test_cli_refuses_one_contention_process(tmp_path) -> None:
                                        "-o", str(out)])
     assert result.exit_code == 2 and "--contention-processes must be 0" in result.output
     assert not out.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--seed", str(2 ** 63)], "--seed must be a whole number from -2^40 to 2^40"),
+    (["--whole-model", "--measure-every-layer"], "--measure-every-layer is for a profile taken layer by layer"),
+    (["--whole-model", "--no-whole-model-check"], "--whole-model-check/--no-whole-model-check is for a profile"),
+])
+def test_cli_refuses_options_it_could_not_honour_before_measuring(tmp_path, args, message) -> None:
+    out = tmp_path / "p.json"
+    result = CliRunner().invoke(main, ["profile", "gpt", "--layers", "1", *args, "-o", str(out)])
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert "Traceback" not in result.output and not out.exists()

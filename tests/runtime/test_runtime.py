@@ -294,9 +294,18 @@ def test_options_are_checked_before_anything_starts(tmp_path: Path) -> None:
                          ({"data": str(tmp_path / "missing.txt")}, "is not a file"), ({"lr": -1.0}, "--lr"),
                          ({"weight_decay": -1.0}, r"^--weight-decay must be >= 0, got -1.0$"),
                          ({"momentum": 1.0}, r"^--momentum must be in \[0, 1\), got 1.0$"),
-                         ({"keep_checkpoints": 0}, r"^--keep-checkpoints must be at least 1, got 0$")]:
+                         ({"keep_checkpoints": 0}, r"^--keep-checkpoints must be at least 1, got 0$"),
+                         ({"seed": 2 ** 63}, r"^--seed must be a whole number from -2\^40 to 2\^40"),
+                         # options that only mean something beside another, given alone, did nothing
+                         ({"checkpoint_every": 5}, r"^--checkpoint-every .* saves none without --checkpoint-dir"),
+                         ({"keep_checkpoints": 3}, r"^--keep-checkpoints .* saves none without --checkpoint-dir")]:
         with pytest.raises(BadInput, match=message):
             check_options(RunOptions(plan=plan, **bad))
+    with pytest.raises(BadInput, match=r"^--momentum is --optimizer momentum's, and this run steps adam"):
+        check_options(RunOptions(plan=plan, momentum=0.5)).optimizer_name("adam")
+    assert check_options(RunOptions(plan=plan, momentum=0.5)).optimizer_name("momentum") == "momentum"
+    defaults = check_options(RunOptions(plan=plan))
+    assert (defaults.momentum_factor, defaults.steps_between_checkpoints, defaults.checkpoints_kept) == (0.9, 100, 2)
 
 
 def test_a_data_file_that_cannot_be_read_is_refused_before_the_ranks_start(tmp_path: Path,
