@@ -185,23 +185,50 @@ def process_alive(pid: int) -> bool:
     return True
 
 
+# Why an existing file is not replaced: its permissions or attributes keep it from being written.
+PROTECTED = "the file exists and cannot be written (its permissions or attributes, such as chattr +i, " \
+            "protect it): make it writable or choose another path"
+
+
 def cannot_write(path: str | os.PathLike[str], exc: OSError, flag: str | None = None,
-                 size: int | None = None) -> BadInput:
-    """The one line for a file the system would not let us write: which file, and why, in words."""
+                 size: int | None = None, in_place: bool = False) -> BadInput:
+    """The one line for a file the system would not let us write: which file, and why, in words.
+
+    ``in_place``: ``path`` is a device or a pipe, written in place (:func:`write_target`), not a
+    file made in its folder and renamed over it."""
     p = Path(path)
     folder = p.parent
     what = f"{flag} '{p}'" if flag else f"'{p}'"
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        try:
-            free = f", {_format_size(shutil.disk_usage(folder).free)} free"
-        except OSError:
-            free = ""
-        need = f" for {_format_size(size)}" if size else ""
         kind = "no space left" if exc.errno == errno.ENOSPC else "the disk quota is used up"
-        return BadInput(f"cannot write {what}: {kind} on the device holding '{folder}'{free}{need}; "
+        if in_place:
+            # A device that is full, or says so (/dev/full): its folder's free space is not its own.
+            return BadInput(f"cannot write {what}: the write failed, {kind} on it (a device, written in place); "
+                            f"write it elsewhere")
+        # The free space is named where it explains the failure. A file system may refuse a write
+        # with room to spare (its inodes used up; a quota is not free space), and "11.76 GiB free for
+        # 13.27 KiB" contradicts itself: then the line says only that the write failed.
+        try:
+            free_bytes: int | None = shutil.disk_usage(folder).free
+        except OSError:
+            free_bytes = None
+        if exc.errno == errno.ENOSPC and free_bytes is not None and free_bytes < (size or PROBE_BYTES):
+            room = f", {_format_size(free_bytes)} free" + (f" for {_format_size(size)}" if size else "")
+        else:
+            room = " (the write failed, though the device reports free space)" if exc.errno == errno.ENOSPC else ""
+        return BadInput(f"cannot write {what}: {kind} on the device holding '{folder}'{room}; "
                         f"free some space or write it elsewhere")
-    reason = {errno.EROFS: "its file system is read-only", errno.EACCES: f"folder '{folder}' is not writable",
-              errno.EPERM: f"folder '{folder}' is not writable",
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        # Refused by the file or by its folder: a rename over an existing file needs only the folder
+        # writable, so where it is, the file itself is protected (chattr +i; another's in /tmp).
+        if in_place:
+            reason = "it is not writable"
+        elif p.exists() and os.access(folder, os.W_OK | os.X_OK):
+            reason = PROTECTED
+        else:
+            reason = f"folder '{folder}' is not writable"
+        return BadInput(f"cannot write {what}: {reason}")
+    reason = {errno.EROFS: "its file system is read-only",
               errno.ENOENT: f"no file can be created in folder '{folder}'"}.get(exc.errno or 0,
                                                                                 exc.strerror or str(exc))
     return BadInput(f"cannot write {what}: {reason}")
@@ -243,7 +270,7 @@ class Outputs:
     """
 
     def __init__(self) -> None:
-        self._staged: list[tuple[Path, str]] = []
+        self._staged: list[tuple[Path, str, Path, str | None]] = []   # (target, temporary, as given, flag)
         self._direct: list[tuple[Path, Path, bytes, str | None]] = []   # (as given, device, data, flag)
 
     def __enter__(self) -> "Outputs":
@@ -284,7 +311,7 @@ class Outputs:
             if isinstance(exc, OSError):
                 raise cannot_write(p, exc, flag, len(data)) from None
             raise
-        self._staged.append((target, tmp))
+        self._staged.append((target, tmp, p, flag))
 
     def commit(self) -> None:
         """Write the outputs that are devices (first: one may fail, as /dev/full does, before any
@@ -296,23 +323,23 @@ class Outputs:
                     f.write(data)
             except OSError as exc:
                 self.discard()
-                raise cannot_write(given, exc, flag, len(data)) from None
+                raise cannot_write(given, exc, flag, len(data), in_place=True) from None
         self._direct = []
         folders = set()
-        try:
-            while self._staged:
-                target, tmp = self._staged[0]
+        while self._staged:
+            target, tmp, given, flag = self._staged[0]
+            try:
                 os.replace(tmp, target)
-                self._staged.pop(0)
-                folders.add(target.parent)
-        except OSError as exc:
-            self.discard()
-            raise cannot_write(target, exc) from None
+            except OSError as exc:
+                self.discard()
+                raise cannot_write(given, exc, flag) from None
+            self._staged.pop(0)
+            folders.add(target.parent)
         for folder in folders:
             fsync_folder(folder)
 
     def discard(self) -> None:
-        for _, tmp in self._staged:
+        for _, tmp, _, _ in self._staged:
             _unlink(tmp)
         self._staged = []
         self._direct = []
@@ -360,18 +387,26 @@ def check_output_paths(outputs: dict[str, str | os.PathLike[str] | None],
     A command calls this first, with all of its outputs, so that it either writes every file
     or fails before touching any: ``solve --out plan.json --timeline missing/t.svg`` must not
     replace plan.json and then fail on the timeline, and ``run --report`` to a folder it cannot
-    write must not train for an hour first. Checked: the path is not a folder, its folder
+    write must not train for an hour first. Checked: the path is not empty (``Path("")`` is
+    the current folder, which the user did not name) nor a folder, its folder
     exists and is a folder we may create files in (a small file is written there and removed:
     that finds a full disk, a read-only file system and a folder such as /proc where no file
     can be made, which permissions alone do not say), an existing file there may be replaced,
     no two outputs name one file (one would silently be lost), and no output is one of the
     command's ``inputs`` (``export plan.json -o plan.json`` would replace the plan it reads).
+
+    A device or a pipe (``--out /dev/null``) is let through when its permissions allow: it is
+    written in place, and nothing is learned of it without writing to it (a probe would reach
+    a pipe's reader), so one that refuses the write (/dev/full) is found at the write, which
+    :meth:`Outputs.commit` does before it replaces any file, and said as a device's failure.
     """
     read = {Path(path).resolve() for path in inputs}
     named: dict[Path, str] = {}
     for flag, value in outputs.items():
         if value is None:
             continue
+        if os.fspath(value) == "":
+            raise BadInput(f"{flag} was given an empty path: give it the file to write")
         p = Path(value)
         resolved = p.resolve()
         if resolved in read:
@@ -388,12 +423,18 @@ def check_output_paths(outputs: dict[str, str | os.PathLike[str] | None],
             continue
         folder = target.parent
         if not folder.is_dir():
-            what = "is not a folder" if folder.exists() else "does not exist"
-            raise BadInput(f"cannot write {flag} '{p}': folder '{folder}' {what}")
+            what = f"'{folder}' is a file, not a folder" if folder.exists() else f"folder '{folder}' does not exist"
+            raise BadInput(f"cannot write {flag} '{p}': {what}")
         # The atomic writers create a temporary file in the folder and rename it over the target:
-        # that needs write and search permission on the folder (not on an existing file).
+        # that needs write and search permission on the folder.
         if not os.access(folder, os.W_OK | os.X_OK):
             raise BadInput(f"cannot write {flag} '{p}': folder '{folder}' is not writable")
+        # An existing file that may not be written is left alone: immutable (chattr +i, which even
+        # root's access() honours) or another user's in a sticky folder such as /tmp, the rename
+        # over it would fail after the work; merely read-only, it is one the user protected, which
+        # ``open(path, "w")`` would refuse too.
+        if target.exists() and not os.access(target, os.W_OK):
+            raise BadInput(f"cannot write {flag} '{p}': {PROTECTED}")
         _probe(target, flag)
 
 

@@ -56,7 +56,10 @@ def demo_command(steps: int = STEPS, stages: int = 2, out_dir: str | None = None
     started = time.monotonic()
     if out_dir is not None:
         folder = Path(out_dir)
-        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:   # what the check cannot tell: /proc/d (no folder can be made there), a full disk
+            raise BadInput(f"cannot make --out-dir '{folder}': {exc.strerror or exc}; choose another folder") from None
         _demo(console, folder, steps, stages)
     else:
         with tempfile.TemporaryDirectory(prefix="gpipe-plan-demo-") as tmp:
@@ -79,7 +82,8 @@ def check_demo_flags(steps: int, stages: int, out_dir: str | None) -> None:
 
     ``--steps`` as ``run`` checks it, ``--stages`` from 1 to the default gpt's layers (each
     stage needs one), and ``--out-dir`` a folder that exists or can be made (its nearest
-    existing ancestor writable), not a file.
+    existing ancestor a writable folder), not a file nor an empty path (which would be the
+    current folder, which the user did not name).
     """
     from .models.gpt import DEFAULTS, layer_count
 
@@ -91,12 +95,16 @@ def check_demo_flags(steps: int, stages: int, out_dir: str | None) -> None:
                        f"needs one), got {stages}")
     if out_dir is None:
         return
+    if out_dir == "":
+        raise BadInput("--out-dir was given an empty path: give it the folder to write the demo's files to")
     folder = Path(out_dir)
     if folder.exists() and not folder.is_dir():
         raise BadInput(f"--out-dir '{folder}' is a file, not a folder")
     existing = folder
     while not existing.exists():
         existing = existing.parent
+    if not existing.is_dir():        # plan.json/sub: no folder can be made inside a file
+        raise BadInput(f"--out-dir '{folder}': '{existing}' is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise BadInput(f"--out-dir '{folder}': folder '{existing}' is not writable")
 

@@ -234,12 +234,23 @@ def check_format(doc: Any, fmt: str, where: str) -> None:
         raise BadInput(f"'{where}' is not a gpipe-plan {what}: \"format\" is {found!r}, expected {fmt!r}{hint}")
     version = doc.get("version")
     readable = READABLE_VERSIONS[fmt]
-    if version not in readable or isinstance(version, bool):
-        newer = isinstance(version, int) and not isinstance(version, bool) and version > max(readable)
-        advice = ("a newer gpipe-plan wrote it: read it with that version, or upgrade this one" if newer
-                  else "re-create it with this version of gpipe-plan")
-        raise BadInput(f"'{where}' is {what} format version {version!r}; this gpipe-plan reads "
-                       f"{_versions(readable)}: {advice}")
+    whole = (isinstance(version, int) and not isinstance(version, bool)) or \
+        (isinstance(version, float) and version.is_integer())     # (not inf nor nan)
+    # A version is a whole number. Past the newest this code reads, whatever its spelling (14.0 is
+    # 14), a newer gpipe-plan wrote it and the file is fine: re-creating it would throw its
+    # measurements away. Any other value but a missing one (2.5, "11", true) no gpipe-plan wrote:
+    # say what a version is. That holds for 11.0 too, as for every count in these formats: a JSON
+    # integer (an edited 11.0 would slip past the checks that compare the version, in validate).
+    if whole and version > max(readable):
+        advice = "a newer gpipe-plan wrote it: read it with that version, or upgrade this one"
+    elif version is not None and not (whole and isinstance(version, int)):
+        advice = "the version must be an integer, as gpipe-plan writes it"
+    elif version not in readable:
+        advice = "re-create it with this version of gpipe-plan"
+    else:
+        return
+    raise BadInput(f"'{where}' is {what} format version {_show(version)}; this gpipe-plan reads "
+                   f"{_versions(readable)}: {advice}")
 
 
 def _versions(readable: tuple[int, ...]) -> str:
@@ -661,7 +672,21 @@ PROFILE = Object({
         "layers": need(Items(Text(), min_len=1)),
         "bytes": need(_bytes()),
     }), nullable=True)),
-    "measurement": may(Object(nullable=True)),
+    # How the times were taken (docs/profile-format.md, "measurement"): printed but for these, which
+    # the planner computes with.
+    "measurement": may(Object({
+        # The speed probe right before and after the layers were timed (the kept try's, from version
+        # 13): how far apart they read is part of a plan's noise (planner/plan.py, prediction_noise).
+        "speed_probe_s": may(Items(_seconds(), nullable=True)),
+        # Version 13 (profiles/profiler.py, _timed_at_speed): the host's own speed by the probe, and
+        # each try's slowness, the slower probe around it over that speed (>= 1 as written; a reader
+        # keeps those above 0), the least slow of which a plan warns of ([Note: layers timed at the
+        # host's own speed]). Absent: one try, the host's speed not read.
+        "host_speed": may(Object({
+            "fastest_probe_s": may(_seconds(nullable=True)),
+            "layer_tries": may(Items(Number(0.0, MAX_RATIO), nullable=True)),
+        }, nullable=True)),
+    }, nullable=True)),
     # Version 9: what other processes used of the host's cores while each phase was measured.
     "host_load": may(Object({
         "phases": need(Items(Object({"phase": need(Text(nonempty=True)), **HOST_WINDOW}))),

@@ -59,3 +59,29 @@ def test_stages_the_demo_model_cannot_have_are_refused_before_profiling(user_dir
     assert f"--stages must be from 1 to 6 (the demo's gpt has 6 layers, and each stage needs one), got {stages}" \
         in result.output
     assert quick_demo == []          # refused before any of the demo's work
+
+
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs /proc, where no folder can be made")
+def test_an_out_dir_the_system_will_not_make_is_one_line_naming_it(user_dir: Path, quick_demo: list[Path]) -> None:
+    # (its parent, /proc, is writable as root: the check let it through and mkdir's
+    # FileNotFoundError came out with its traceback)
+    result = cli("demo", "--out-dir", "/proc/d")
+    assert result.exit_code == 2, result.output
+    assert result.output.splitlines() == ["error: cannot make --out-dir '/proc/d': No such file or directory; "
+                                          "choose another folder"], result.output
+    assert quick_demo == []
+
+
+@pytest.mark.parametrize("out_dir, line", [
+    # (was "folder 'plan.json' is not writable": a file is no folder, whatever its permissions)
+    ("plan.json/sub", "error: --out-dir 'plan.json/sub': 'plan.json' is a file, not a folder"),
+    # (was the current folder, which the user did not name)
+    ("", "error: --out-dir was given an empty path: give it the folder to write the demo's files to"),
+])
+def test_an_out_dir_that_cannot_be_a_folder_is_refused_before_profiling(user_dir: Path, quick_demo: list[Path],
+                                                                         out_dir: str, line: str) -> None:
+    Path("plan.json").write_text("{}")
+    result = cli("demo", "--out-dir", out_dir)
+    assert result.exit_code == 2, result.output
+    assert result.output.splitlines() == [line], result.output
+    assert quick_demo == [] and sorted(p.name for p in user_dir.iterdir()) == ["plan.json"]

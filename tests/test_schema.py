@@ -60,7 +60,9 @@ def valid_profile() -> dict[str, Any]:
                contention={"processes": 2, "slowdown": 1.1, "micro_batch_size": 2, "cycle_ratios": [1.1, 1.1]},
                consistency={"layer_sum_s": [0.01, 0.02, 0.04], "model_step_s": [0.01, 0.02, 0.04],
                             "ratio": [1.0, 1.0, 1.0]},
-               input_bytes=[64, 128, 256])
+               input_bytes=[64, 128, 256],
+               measurement={"speed_probe_s": [0.02, 0.0201],
+                            "host_speed": {"fastest_probe_s": 0.02, "layer_tries": [1.005]}})
     doc["device"].update(speed_probe_s=0.02)
     for layer in doc["layers"]:
         layer["optimizer_s"] = 1e-4
@@ -240,6 +242,11 @@ def _corpus(artifacts: dict[str, Any]) -> dict[str, tuple[str, Any]]:
         "profile: consistency ratio a string": P(("consistency", "ratio"), "1.0"),
         "profile: cycle ratios of strings": P(("contention", "cycle_ratios"), ["1.1"]),
         "profile: tied parameters a string": P(("tied_parameters",), "all"),
+        "profile: host_speed a string": P(("measurement", "host_speed"), "x"),
+        "profile: layer_tries a number": P(("measurement", "host_speed", "layer_tries"), 3),
+        "profile: layer_tries of strings": P(("measurement", "host_speed", "layer_tries"), ["1.5"]),
+        "profile: fastest probe a string": P(("measurement", "host_speed", "fastest_probe_s"), "6ms"),
+        "profile: speed probes a number": P(("measurement", "speed_probe_s"), 0.02),
         "profile: model name a list": P(("model", "name"), ["gpt"]),
         "profile: a JSON list": ("profile", "[1, 2, 3]"),
         "profile: empty file": ("profile", ""),
@@ -358,6 +365,8 @@ def test_messages_name_the_key_path(artifacts: dict[str, Any], tmp_path: Path) -
         "plan: output_shapes negative dim": "'chunks[0].output_shapes[0][0]' must be an integer (>= 0",
         "plan: a stage holding another chunk": "'stages[0].chunks' is [1], expected [0]",
         "profile: deep nesting": "nests its JSON too deeply",
+        "profile: host_speed a string": "'measurement.host_speed' must be an object, found 'x'",
+        "profile: layer_tries a number": "'measurement.host_speed.layer_tries' must be a list, found 3",
     }
     corpus = _corpus(artifacts)
     for case, wanted in expected.items():
@@ -530,6 +539,38 @@ def test_a_file_from_a_newer_gpipe_plan_is_not_told_to_be_re_created() -> None:
         check_format({"format": PROFILE_FORMAT, "version": 0}, PROFILE_FORMAT, "p.json")
     with pytest.raises(BadInput, match=r"expected 'gpipe-plan.profile'$"):     # no "(it is a profil)"
         check_format({"format": "gpipe-plan.profil", "version": 1}, PROFILE_FORMAT, "p.json")
+
+
+@pytest.mark.parametrize("case", ["profile: host_speed a string", "profile: layer_tries a number"])
+def test_a_malformed_host_speed_is_refused_by_every_reader(case: str, artifacts: dict[str, Any],
+                                                           tmp_path: Path) -> None:
+    # (solve, explore and show read measurement.host_speed, undeclared: an AttributeError or a
+    # TypeError with its traceback)
+    kind, content = _corpus(artifacts)[case]
+    bad = write_case(tmp_path, kind, content)
+    for args in (["solve", bad.name, "--stages", "2", "-q", "--out", "plan.out.json"],
+                 ["explore", bad.name, "--stages", "2", "--micro-batches", "2"], ["show", bad.name]):
+        line = assert_refused(tmp_path, args)
+        assert line.startswith(f"error: profile '{bad.name}': 'measurement.host_speed"), (args, line)
+
+
+@pytest.mark.parametrize("version, advice", [
+    (14.0, "a newer gpipe-plan wrote it: read it with that version, or upgrade this one"),  # 14 in a float
+    (10 ** 400, "a newer gpipe-plan wrote it: read it with that version, or upgrade this one"),
+    (2.5, "the version must be an integer, as gpipe-plan writes it"),
+    (11.0, "the version must be an integer, as gpipe-plan writes it"),
+    ("11", "the version must be an integer, as gpipe-plan writes it"),
+    (True, "the version must be an integer, as gpipe-plan writes it"),
+    (math.nan, "the version must be an integer, as gpipe-plan writes it"),
+    (-1, "re-create it with this version of gpipe-plan"),
+])
+def test_a_version_that_is_not_a_readable_integer_is_told_what_it_is(version: Any, advice: str,
+                                                                      artifacts: dict[str, Any],
+                                                                      tmp_path: Path) -> None:
+    # (14.0 was told to be re-created, which would throw a newer gpipe-plan's work away)
+    bad = write_case(tmp_path, "plan", put(artifacts["plan"], ("version",), version))
+    line = assert_refused(tmp_path, ["show", bad.name])
+    assert line.startswith(f"error: '{bad.name}' is plan format version ") and line.endswith(f": {advice}"), line
 
 
 def test_a_plan_of_format_5_or_later_without_chunks_is_told_so() -> None:
