@@ -379,6 +379,20 @@ def fsync_folder(folder: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def locate(recorded: str, named_by: str) -> str | None:
+    """A file another names (a report its plan, a plan its profile), as recorded there:
+    ``recorded`` as written if it exists, else beside the file that names it, else None."""
+    try:
+        if Path(recorded).is_file():
+            return recorded
+        beside = Path(named_by).parent / recorded
+        if not Path(recorded).is_absolute() and beside.is_file():
+            return str(beside)
+    except (OSError, ValueError):   # a name no file can have (a NUL byte, too long)
+        return None
+    return None
+
+
 def check_output_paths(outputs: dict[str, str | os.PathLike[str] | None],
                        inputs: tuple[str | os.PathLike[str], ...] = ()) -> None:
     """Refuse, before any work, an output a command could not write: one line, naming the flag.

@@ -34,7 +34,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .artifacts import BadInput, file_sha256, json_number, precision_of
+from .artifacts import BadInput, file_sha256, json_number, locate, precision_of
 from .plan_layout import check_replicas, data_parallel, gradient_sync, plan_chunks, sync_every, virtual_stages
 from .schedules import SPLIT_BACKWARD, Action, all_actions, chunks_of_stage
 from .schema import PLAN_FORMAT, read_artifact, validate
@@ -345,6 +345,19 @@ def read_plan(path: str | os.PathLike[str], what: str = "plan") -> PlanView:
     plan" (what show renders: the planner's predictions too).
     """
     return view_of(read_artifact(path, PLAN_FORMAT), what, f"plan '{path}'", os.fspath(path), file_sha256(path))
+
+
+def profile_file_of(plan_path: str | os.PathLike[str]) -> str | None:
+    """The profile the plan at ``plan_path`` was made from, where it still is (as the plan
+    records it, else beside the plan); None where it is not found or the plan cannot be read
+    (the command reading the plan says why). An output written over it would lose what a later
+    calibrate or tune of that plan reads, so the commands that write beside a plan count it
+    among their inputs."""
+    try:
+        recorded = read_plan(plan_path).profile_path
+    except BadInput:
+        return None
+    return locate(recorded, os.fspath(plan_path)) if recorded else None
 
 
 def view_of(doc: dict[str, Any], what: str = "solved plan", where: str = "plan", path: str = "",

@@ -76,7 +76,12 @@ class TuneOptions:
             raise BadInput(f"--rounds {self.rounds}: give 1 or more")
         if self.confirm_rounds < 0:
             raise BadInput(f"--confirm-rounds {self.confirm_rounds}: give 0 (never) or more")
-        check_output_paths({"--out": self.out})
+        from .plan_view import profile_file_of
+
+        # The plan's profile is an input: tune reads it, and so does a later tune or calibrate of
+        # the plan it writes. (PLAN itself may be --out: the plan kept replaces it.)
+        profile = profile_file_of(self.plan)
+        check_output_paths({"--out": self.out}, inputs=(profile,) if profile else ())
 
 
 @dataclass

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import BadInput, file_sha256, precision_label, precision_of
+from ..artifacts import BadInput, file_sha256, locate, precision_label, precision_of
 from ..hostload import SPREAD_VALUES, robust_spread
 from ..plan_view import ChunkPlan, read_plan
 from ..schema import read_profile, read_report, report_chunks, timing_key
@@ -318,16 +318,3 @@ def recorded_file(doc: dict[str, Any], key: str) -> tuple[str | None, str | None
     """The path and SHA-256 an artifact records of the file under ``key`` (a report's plan)."""
     recorded = doc.get(key) if isinstance(doc.get(key), dict) else {}
     return recorded.get("path"), recorded.get("sha256")
-
-
-def locate(recorded: str, named_by: str) -> str | None:
-    """``recorded`` as written if it exists, else beside the file that names it, else None."""
-    try:
-        if Path(recorded).is_file():
-            return recorded
-        beside = Path(named_by).parent / recorded
-        if not Path(recorded).is_absolute() and beside.is_file():
-            return str(beside)
-    except (OSError, ValueError):   # a name no file can have (a NUL byte, too long)
-        return None
-    return None

@@ -6,13 +6,13 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ..artifacts import BadInput, check_output_paths, file_sha256
+from ..artifacts import BadInput, check_output_paths, file_sha256, locate
 from ..layer_names import LayerNames
 from ..tables import NarrowTable, narrow_table
 from ..plan_view import read_plan
 from ..schema import read_profile, read_report, write_artifact
 from ..speedprobe import distrusted_probe
-from .calibrate import calibrate, locate, named_file, recorded_file
+from .calibrate import calibrate, named_file, recorded_file
 
 
 def calibrate_command(report: str, profile: str | None, out: str | None, speed_correction: bool = False,

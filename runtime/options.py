@@ -199,8 +199,12 @@ def check_options(options: RunOptions) -> RunOptions:
         except OSError as e:
             raise BadInput(f"cannot read --data '{options.data}': {e.strerror or e}") from None
     # Before any rank starts: a report that cannot be written is refused now, not after training.
+    # The plan's profile counts as an input: calibrate reads it with the report.
+    from ..plan_view import profile_file_of
+
+    profile = profile_file_of(options.plan) if Path(options.plan).is_file() else None
     check_output_paths({"--save": options.save, "--report": options.report, "--trace": options.trace},
-                       inputs=tuple(p for p in (options.plan, options.data, options.init_from)
+                       inputs=tuple(p for p in (options.plan, options.data, options.init_from, profile)
                                     if p is not None and Path(p).is_file()))
     if options.init_from is not None:
         _check_init_from(options.init_from)

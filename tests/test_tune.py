@@ -178,6 +178,8 @@ def test_with_nothing_predicted_close_the_plan_is_written_unrun(solved: Path, mo
     (["--out", "t.json", "--rounds", "0"], "--rounds 0"),
     (["--out", "t.json", "--candidates", "0"], "--candidates 0"),
     (["--out", "t.json", "--confirm-rounds", "-1"], "--confirm-rounds -1"),
+    # the plan's profile, which tune reads and a later tune or calibrate of its plan reads again
+    (["--out", "profile.json"], "cannot write --out 'profile.json': it is the file this command reads"),
 ])
 def test_bad_options_are_one_line_before_any_run(solved: Path, monkeypatch: pytest.MonkeyPatch, args, said) -> None:
     runs = fake_runs(monkeypatch, lambda doc, r: 1.0)
@@ -187,6 +189,7 @@ def test_bad_options_are_one_line_before_any_run(solved: Path, monkeypatch: pyte
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and said in lines[0], result.output
     assert runs == [] and not (solved.parent / "t.json").exists()
+    assert json.loads((solved.parent / "profile.json").read_text())["format"] == "gpipe-plan.profile"
 
 
 def test_tune_runs_the_candidates_for_real(tmp_path: Path) -> None:

@@ -308,6 +308,22 @@ def test_options_are_checked_before_anything_starts(tmp_path: Path) -> None:
     assert (defaults.momentum_factor, defaults.steps_between_checkpoints, defaults.checkpoints_kept) == (0.9, 100, 2)
 
 
+def test_no_output_replaces_the_profile_the_plan_was_made_from(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """calibrate reads the run's report with that profile: a --report (or --trace, --save) over
+    it would lose it. Found where the plan records it, or beside the plan."""
+    from gpipe_plan.planner.command import solve_file
+    from helpers.planner import profile_doc, write_json
+
+    write_json(tmp_path / "profile.json", profile_doc(8))
+    monkeypatch.chdir(tmp_path)
+    solve_file("profile.json", "plan.json", stages=2)
+    for flag in ("report", "trace", "save"):
+        with pytest.raises(BadInput, match=f"^cannot write --{flag} '.*profile.json': it is the file this command"):
+            check_options(RunOptions(plan="plan.json", **{flag: str(tmp_path / "profile.json")}))
+    assert json.loads((tmp_path / "profile.json").read_text())["format"] == "gpipe-plan.profile"
+    assert check_options(RunOptions(plan="plan.json", report="report.json")).report.endswith("report.json")
+
+
 def test_a_data_file_that_cannot_be_read_is_refused_before_the_ranks_start(tmp_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     # (a rank used to fail on it with a traceback; root reads any file, so the refusal is simulated)
