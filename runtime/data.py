@@ -61,7 +61,8 @@ class TextBatches:
     def __init__(self, path: str, seq_len: int, batch_size: int, seed: int) -> None:
         raw = Path(path).read_bytes()
         if len(raw) < seq_len + 2:
-            raise BadInput(f"--data '{path}' has {len(raw)} bytes; the model reads windows of {seq_len + 1}")
+            raise BadInput(f"--data '{path}' has {len(raw)} bytes; the model reads windows of {seq_len + 1}: give a "
+                           f"text of at least {seq_len + 2} bytes")
         self.path = path
         self.tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed

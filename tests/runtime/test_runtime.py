@@ -448,3 +448,12 @@ def test_the_run_counts_saved_bytes_as_the_profile_does():
     with profiled.recording():
         module(x)
     assert meter.peak_bytes == profiled.nbytes == x.numel() * x.element_size()   # the input alone
+
+
+def test_a_text_too_short_for_one_window_says_how_long_it_must_be(tmp_path: Path) -> None:
+    text = tmp_path / "short.txt"
+    text.write_bytes(b"x" * 10)
+    with pytest.raises(BadInput, match=r"has 10 bytes; the model reads windows of 65: give a text of at least 66 bytes"):
+        TextBatches(str(text), 64, 2, 0)
+    text.write_bytes(b"x" * 66)
+    assert TextBatches(str(text), 64, 2, 0).path == str(text)
