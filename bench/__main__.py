@@ -19,6 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 PARTS = {
+    "setup": ("bench.setup", "the README's two set-up commands on a fresh clone: install, demo, tests, timed"),
     "profiler": ("bench.profiler", "gpipe-plan profile: wall time, consistency, run-to-run spread"),
     "drift": ("bench.drift", "this machine's speed over time, one process alone and two at once"),
     "noise": ("bench.noise", "the speed probe's steadiness and the host's load, quiet and beside busy loops"),

@@ -46,7 +46,6 @@ from __future__ import annotations
 import copy
 import statistics
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ..artifacts import BadInput, file_sha256, locate, precision_label, precision_of
