@@ -152,7 +152,8 @@ def explore(profile: str, **options: Any) -> None:
                    "(docs/runtime.md, 'Calibration').")
 @click.option("--force", is_flag=True, default=False,
               help="Fold the run in even when calibrate would refuse it as not the model's cost (ranks that "
-                   "shared the host's cores, a busy host, a ratio no correct run gives); a run of another model or profile is refused all the same.")
+                   "shared the host's cores, a busy host, a ratio no correct run gives); a run of another model "
+                   "or profile is refused all the same.")
 def calibrate(report: str, profile_path: str | None, out: str | None, speed_correction: bool, force: bool) -> None:
     """Fold a run's measured per-stage times (REPORT from `run --report`) into its profile.
 

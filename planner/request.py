@@ -107,7 +107,8 @@ def _check_counts(**counts: int | None) -> None:
     its format's ceiling (schema.MAX_COUNT); their least values are checked where they are read."""
     for name, value in counts.items():
         if isinstance(value, int) and value > MAX_COUNT:
-            raise BadInput(f"--{name.replace('_', '-')} {value} is more than 2^40, more than any run has: check the value")
+            raise BadInput(f"--{name.replace('_', '-')} {value} is more than 2^40, more than any run has: "
+                           "check the value")
 
 
 @dataclass(frozen=True)

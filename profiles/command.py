@@ -89,11 +89,9 @@ def profile_command(model: str, **options: Any) -> None:
     except torch.cuda.OutOfMemoryError as exc:
         raise RunFailure(f"out of GPU memory while profiling: use smaller --micro-batch-sizes "
                          f"({first_line(exc)})") from None
-    except MemoryError as exc:
-        raise RunFailure(f"out of memory while profiling: use smaller --micro-batch-sizes ({first_line(exc)})") from None
     except Exception as exc:
-        if "can't allocate memory" in str(exc) or "DefaultCPUAllocator" in str(exc):
-            # torch's CPU allocator says so in a RuntimeError, not a MemoryError
+        # (torch's CPU allocator says so in a RuntimeError, not a MemoryError)
+        if isinstance(exc, MemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(exc):
             raise RunFailure(f"out of memory while profiling: use smaller --micro-batch-sizes "
                              f"({first_line(exc)})") from None
         raise RunFailure(f"profiling failed: {type(exc).__name__}: {first_line(exc)}") from None

@@ -182,3 +182,12 @@ def test_cli_refuses_options_it_could_not_honour_before_measuring(tmp_path, args
     result = CliRunner().invoke(main, ["profile", "gpt", "--layers", "1", *args, "-o", str(out)])
     assert result.exit_code == 2 and message in result.output, result.output
     assert "Traceback" not in result.output and not out.exists()
+
+
+def test_a_micro_batch_no_memory_holds_is_said_as_such(tmp_path) -> None:
+    out = tmp_path / "p.json"
+    result = CliRunner().invoke(main, ["profile", "gpt", "--layers", "1", "--micro-batch-sizes", "99999999999",
+                                       "--no-fixed-costs", "-o", str(out)])
+    assert result.exit_code == 1, result.output
+    assert "out of memory while profiling: use smaller --micro-batch-sizes" in result.output, result.output
+    assert "Traceback" not in result.output and not out.exists()
