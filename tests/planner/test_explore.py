@@ -255,6 +255,8 @@ def test_cli_devices_writes_a_row_per_factorisation(tmp_path):
      "--network-latency must be a number of seconds from 0 to 1e+07"),
     (["--devices", "2", "--gradient-sync", "localsgd", "--sync-every", "1099511627777"],
      "--sync-every 1099511627777 is more than 2^40"),
+    (["--devices", "4", "--nodes", "2", "--network-bandwidth", "inf", "--network-latency", "0.001"],
+     "--network-latency 0.001 counts only on a network of finite bandwidth"),
 ])
 def test_cli_devices_bad_input(tmp_path, args, message):
     path = tmp_path / "profile.json"

@@ -427,6 +427,8 @@ def test_a_free_network_is_written_as_null(profile_path: Path, user_dir: Path):
     (["--devices", "4", "--solver", "ilp"], r"--solver ilp plans one pipeline \(no replicas\) only"),
     (["--devices", "4", "--data-parallel", "0"], r"--data-parallel must be at least 1"),
     (["--devices", "4", "--network-latency", "-1"], r"--network-latency"),
+    (["--devices", "4", "--nodes", "2", "--network-bandwidth", "inf", "--network-latency", "0.001"],
+     r"--network-latency 0.001 counts only on a network of finite bandwidth"),
 ])
 def test_contradictions_are_one_line_errors(profile_path: Path, user_dir: Path, args, pattern):
     result = cli("solve", "profile.json", *args, "--out", "plan.json")
