@@ -286,6 +286,12 @@ def topology_for(profile: Profile, options: SolveOptions, devices: int) -> Topol
     if nodes > 1 and network is None:
         raise BadInput(f"--nodes {nodes} needs --network-bandwidth (GB/s between nodes): the planner cannot "
                        "guess what crossing the network costs")
+    # As on the link between stages (settings.pipeline_link): a network of infinite bandwidth is
+    # free, and a latency given with it would be charged on a network said to cost nothing.
+    if network is not None and not math.isfinite(network) and options.network_latency_s:
+        raise BadInput(f"--network-latency {options.network_latency_s:g} counts only on a network of finite "
+                       "bandwidth, and --network-bandwidth inf says it is free: give its GB/s, or leave "
+                       "--network-latency out")
     link, link_latency = pipeline_link(profile, options)
     return Topology(
         nodes=nodes, devices_per_node=devices // nodes,

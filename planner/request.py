@@ -102,15 +102,6 @@ def _check_latency(value: float | None, flag: str) -> None:
         raise BadInput(f"{flag} must be a number of seconds from 0 to {MAX_SECONDS:g}, got {value}")
 
 
-def _check_network(bandwidth: float | None, latency_s: float) -> None:
-    """As on the link between stages (planner/settings.py, pipeline_link): a network of infinite
-    bandwidth is free, and a latency given with it would be charged on a network said to cost
-    nothing, or dropped without a word: refused."""
-    if bandwidth is not None and not math.isfinite(bandwidth) and latency_s:
-        raise BadInput(f"--network-latency {latency_s:g} counts only on a network of finite bandwidth, and "
-                       "--network-bandwidth inf says it is free: give its GB/s, or leave --network-latency out")
-
-
 def _check_counts(**counts: int | None) -> None:
     """Counts the plan records (--devices, --nodes, --sync-every: flag name with _ for -) within
     its format's ceiling (schema.MAX_COUNT); their least values are checked where they are read."""
@@ -194,7 +185,6 @@ class SolveRequest:
         if reason:
             raise BadInput(reason)
         network = _bandwidth(self.network_bandwidth, "--network-bandwidth")
-        _check_network(network, self.network_latency_s)
         if self.nodes == 1 and (network is not None or self.network_latency_s):
             raise BadInput("--network-bandwidth and --network-latency describe the links between nodes, and this "
                            "plan is on one: give --nodes 2 or more (with --devices N), or leave them out")
@@ -289,7 +279,6 @@ class ExploreRequest:
             raise BadInput(f"--nodes {self.nodes} must be at least 1 and divide --devices {self.devices} (each "
                            f"node holds the same number of devices)")
         _check_latency(self.network_latency_s, "--network-latency")
-        _check_network(_bandwidth(self.network_bandwidth, "--network-bandwidth"), self.network_latency_s)
 
 
 __all__ = ["SolveRequest", "SolveCommand", "ExploreRequest", "SOLVER_ALIASES"]
