@@ -85,4 +85,31 @@ def check_seed(seed: int) -> None:
         raise BadInput(f"--seed must be a whole number from -2^40 to 2^40, got {seed}")
 
 
-__all__ = ["Flag", "option", "click_options", "check_seed"]
+def comma_list(text: str, flag: str, example: str, item: Callable[[str], Any] = int,
+               distinct: bool = True) -> list[Any]:
+    """``"2,4,8"`` -> ``[2, 4, 8]``: a comma-separated option's items, each read by ``item`` (int,
+    or str for names), in the order given. Refused in one line: no items, an empty item
+    (``2,,4``, a trailing comma: a value was likely lost), an item ``item`` cannot read, and,
+    where the items are a set of choices (``distinct``), one given twice, which would otherwise
+    be searched or measured twice or silently merged. ``example`` is a good value of ``flag``."""
+    from .artifacts import BadInput
+
+    parts = [part.strip() for part in str(text).split(",")]
+    if not any(parts):
+        raise BadInput(f"{flag} needs at least one value, e.g. {example}")
+    if not all(parts):
+        raise BadInput(f"{flag} {text!r} has an empty item (two commas in a row, or one at an end): "
+                       f"give a comma-separated list, e.g. {example}")
+    try:
+        items = [item(part) for part in parts]
+    except ValueError:
+        raise BadInput(f"{flag} {text!r} is not a comma-separated list of "
+                       f"{'integers' if item is int else 'values'}, e.g. {example}") from None
+    if distinct:
+        twice = sorted({str(x) for x in items if items.count(x) > 1})
+        if twice:
+            raise BadInput(f"{flag} {text!r} gives {', '.join(twice)} more than once: give each value once")
+    return items
+
+
+__all__ = ["Flag", "option", "click_options", "check_seed", "comma_list"]

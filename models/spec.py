@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 from ..artifacts import LOSSES, BadInput
+from ..options import comma_list
 from . import gpt, resnet
 from .hooks import DECLARED
 from .user import INPUT_DTYPES, find_factory
@@ -176,11 +177,7 @@ def _int_list(value: Any, flag: str, example: str) -> list[int]:
     """``"3,32,32"``, ``"64"``, ``[3, 32, 32]`` or ``(3, 32, 32)`` -> ``[3, 32, 32]``, all positive;
     ``example``: a value of ``flag`` the refusal shows."""
     if isinstance(value, str):
-        parts = [p.strip() for p in value.split(",") if p.strip()]
-        try:
-            items = [int(p) for p in parts]
-        except ValueError:
-            raise BadInput(f"{flag} '{value}' is not a comma-separated list of integers, e.g. {example}") from None
+        items = comma_list(value, flag, example, distinct=False)
     elif isinstance(value, int) and not isinstance(value, bool):
         items = [value]
     else:

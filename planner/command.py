@@ -12,6 +12,7 @@ from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Ta
 from rich.text import Text
 
 from ..artifacts import BadInput, Outputs, check_output_paths, dumps, file_sha256
+from ..options import comma_list
 from ..plan_view import PlanView, read_plan, view_of
 from ..schema import MAX_SECONDS, PROFILE_FORMAT, read_artifact, write_artifact
 from ..schedules import PLANNABLE_SCHEDULES, SCHEDULES
@@ -190,19 +191,13 @@ def explore_command(profile: str, **options: Any) -> None:
 
 
 def _int_list(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(x) for x in str(text).split(",") if x.strip()]
-    except ValueError:
-        raise BadInput(f"{flag} takes a comma-separated list of integers, like 1,2,4,8; got {text!r}") from None
-    if not values:
-        raise BadInput(f"{flag} needs at least one value")
-    return values
+    return comma_list(text, flag, "1,2,4,8")
 
 
 def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
-    values = [x.strip().lower() for x in str(text).split(",") if x.strip()]
+    values = comma_list(text, flag, ",".join(allowed[:2]), item=str.lower)
     bad = [v for v in values if v not in allowed]
-    if bad or not values:
+    if bad:
         raise BadInput(f"{flag} takes a comma-separated list of {', '.join(allowed)}; got {text!r}")
     return values
 

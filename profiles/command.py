@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from ..artifacts import BadInput, RunFailure, check_output_paths, first_line
-from ..options import check_seed
+from ..options import check_seed, comma_list
 from ..allocator import steady_allocator
 from ..hostload import usable_cores
 from ..models import Precision, model_spec
@@ -116,11 +116,8 @@ def parse_sizes(text: str | None, batch_size: int | None) -> tuple[list[int], in
     if text is None:
         batch = batch_size or DEFAULT_BATCH_SIZE
         return default_sizes(batch), batch
-    try:
-        sizes = sorted({int(part) for part in text.split(",") if part.strip()})
-    except ValueError:
-        raise BadInput(f"--micro-batch-sizes '{text}' is not a comma-separated list of integers, e.g. 1,2,4") from None
-    if not sizes or sizes[0] < 1:
+    sizes = sorted(comma_list(text, "--micro-batch-sizes", "1,2,4"))
+    if sizes[0] < 1:
         raise BadInput(f"--micro-batch-sizes '{text}' must be positive integers")
     if batch_size is not None and sizes[-1] != batch_size:
         # (a larger --batch-size was recorded as if measured; the global batch is --global-batch-size)

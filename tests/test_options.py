@@ -6,13 +6,19 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from pathlib import Path
+
 import click
 import pytest
 
+from gpipe_plan.artifacts import BadInput
 from gpipe_plan.cli import main
+from gpipe_plan.options import comma_list
 from gpipe_plan.planner.request import ExploreRequest, SolveCommand, SolveRequest
 from gpipe_plan.profiles.options import MODEL_OPTIONS, ProfileOptions
 from gpipe_plan.runtime.options import RunOptions
+
+from helpers.planner import cli, profile_doc, write_json
 
 COMMANDS = {"profile": ProfileOptions, "solve": SolveCommand, "explore": ExploreRequest, "run": RunOptions}
 
@@ -58,3 +64,36 @@ def test_a_request_is_checked_as_a_whole_for_a_python_caller_too():
         SolveRequest(stages=2, network_bandwidth="10").solve_options()
     options = SolveRequest(stages=2, memory_limit="1GiB", link_bandwidth="12.5", time_budget_s=3.0).solve_options()
     assert (options.memory_limit_bytes, options.link_bandwidth_bytes_per_s, options.time_budget_s) == (1 << 30, 12.5e9, 3.0)
+
+
+def test_a_comma_list_reads_its_items_in_order() -> None:
+    assert comma_list("8, 2,4", "--stages", "2,4") == [8, 2, 4]
+    assert comma_list("3,32,32", "--input-shape", "3,32,32", distinct=False) == [3, 32, 32]
+    assert comma_list("1f1b", "--schedule", "1f1b", item=str) == ["1f1b"]
+
+
+@pytest.mark.parametrize("text, says", [
+    ("", "needs at least one value, e.g. 2,4"),
+    (" , ", "needs at least one value"),
+    ("2,,4", "has an empty item (two commas in a row, or one at an end)"),
+    ("2,4,", "has an empty item"),
+    ("2,x", "is not a comma-separated list of integers, e.g. 2,4"),
+    ("2,4,2", "gives 2 more than once: give each value once"),
+])
+def test_a_comma_list_refuses_what_would_be_lost_or_repeated(text: str, says: str) -> None:
+    with pytest.raises(BadInput) as caught:
+        comma_list(text, "--stages", "2,4")
+    assert says in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--stages", "2,,4"], "--stages '2,,4' has an empty item"),
+    (["--stages", "2", "--micro-batches", "4,4"], "--micro-batches '4,4' gives 4 more than once"),
+    (["--stages", "2", "--schedule", "1f1b,1F1B"], "--schedule '1f1b,1F1B' gives 1f1b more than once"),
+    (["--stages", "2", "--recompute", "never,"], "--recompute 'never,' has an empty item"),
+])
+def test_explore_refuses_a_list_with_a_blank_or_a_repeat(user_dir: Path, args: list[str], says: str) -> None:
+    write_json(user_dir / "profile.json", profile_doc(L=4, sizes=(1, 2, 4), batch_size=4))
+    result = cli("explore", "profile.json", *args)
+    assert result.exit_code == 2, result.output
+    assert says in result.output and "Traceback" not in result.output

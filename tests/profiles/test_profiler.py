@@ -135,9 +135,10 @@ def test_sizes() -> None:
     assert default_sizes(12) == [1, 2, 4, 8, 12]
     assert default_sizes(1) == [1]
     assert parse_sizes(None, None) == ([1, 2, 4, 8], 8)
-    assert parse_sizes("4,1,2,2", None) == ([1, 2, 4], 4)
+    assert parse_sizes("4,1, 2", None) == ([1, 2, 4], 4)
     assert parse_sizes("1,8", 8) == ([1, 8], 8)
-    for text, batch in (("1,x", None), ("0,2", None), ("1,16", 8), ("1,2", 8)):
+    for text, batch in (("1,x", None), ("0,2", None), ("1,16", 8), ("1,2", 8), ("4,1,2,2", None), ("1,,2", None),
+                        ("1,2,", None), ("", None)):
         with pytest.raises(BadInput):
             parse_sizes(text, batch)
 
