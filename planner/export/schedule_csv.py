@@ -4,8 +4,10 @@ The planner's schedule is data (gpipe_plan/schedules.py): per stage, the ordered
 F, B, I, W on a chunk and a micro-batch. torch's ``_PipelineScheduleRuntime`` runs any such
 list, read from a CSV with one row per stage (rank) and one cell per action, ``{chunk}{kind}
 {micro_batch}`` (``3F0``, ``1I2``), and adds the sends and receives itself; torchtitan takes
-the same file as ``pipeline_parallel_schedule_csv``. :func:`export_schedule_csv` writes the
-plan's very list there, so torch runs, action for action, what the planner simulated.
+the same file as ``pipeline_parallel_schedule_csv`` (beside a ``pipeline_parallel_schedule``
+that torch resolves and that places the chunks as the plan does: :mod:`.to_torchtitan`).
+:func:`export_schedule_csv` writes the plan's very list there, so torch runs, action for
+action, what the planner simulated.
 
 The chunk number is torch's ``stage_index`` (the PipelineStage of that run of layers); a
 rank must hold the same chunks as the plan's stage (``stages[k].chunks``).
@@ -57,6 +59,8 @@ def export_schedule_csv(plan_path: str, csv_path: str, outputs: Outputs | None =
 
 def describe(exported: ExportedSchedule) -> list[str]:
     """What was written and how torch and torchtitan load it, a line each."""
+    from .to_torchtitan import titan_schedule_with_csv
+
     e = exported
     return [
         f"wrote {e.path}: {schedule_label(e.schedule, e.virtual_stages)} on {e.stages} "
@@ -64,6 +68,7 @@ def describe(exported: ExportedSchedule) -> list[str]:
         f"{e.actions} actions ({', '.join(e.kinds)})",
         f"torch: build each rank's PipelineStage per chunk it holds (stage_index = chunk), then "
         f"_PipelineScheduleRuntime(stages, n_microbatches={e.micro_batches}, loss_fn=...)._load_csv('{e.path}')",
-        f"torchtitan: --parallelism.pipeline_parallel_schedule _PipelineScheduleRuntime "
-        f"--parallelism.pipeline_parallel_schedule_csv {e.path}",
+        f"torchtitan: --parallelism.pipeline_parallel_schedule {titan_schedule_with_csv(e.schedule, e.virtual_stages)} "
+        f"--parallelism.pipeline_parallel_schedule_csv {e.path} (it runs the CSV with _PipelineScheduleRuntime; the "
+        f"schedule's name places the chunks)",
     ]

@@ -14,7 +14,13 @@ balance is what ``uniform`` gives (then it is exact), and otherwise gives two th
 
 The config's batch keys: ``train_micro_batch_size_per_gpu`` = the plan's micro-batch size,
 ``gradient_accumulation_steps`` = M, ``train_batch_size`` = the global batch (DeepSpeed checks
-it equals micro-batch x M x data-parallel size). DeepSpeed's pipeline runs one schedule, 1F1B
+it equals micro-batch x M x data-parallel size). Its ``pipeline`` section: DeepSpeed's config
+reads one (``get_pipeline_config``: ``stages``, ``partition``, ``activation_checkpoint_interval``,
+...), and of it the engine applies ``activation_checkpoint_interval`` (to the
+``PipelineModule``): where the plan recomputes every chunk, the largest stage's layer count,
+so that each stage is checkpointed as one run, as the plan's chunks are. ``stages`` and
+``partition_method`` there are ``PipelineModule``'s arguments (``num_stages``,
+``partition_method``) for the user's script: the engine does not cut by them. DeepSpeed's pipeline runs one schedule, 1F1B
 (``TrainSchedule``), one chunk per stage: a plan of another schedule exports its balance with
 1F1B's order, and a plan of several chunks per stage (interleaved, zb-v) cannot be expressed.
 """
@@ -53,8 +59,14 @@ def export(view: PlanView, out: str) -> Exported:
     if view.gradient_sync == "fsdp":
         notes.append("DeepSpeed's pipeline engine does not shard parameters across replicas (ZeRO stage 1 at most): "
                      "the plan's fsdp memory does not hold there")
-    if any(chunk.recompute for chunk in view.chunks):
-        flags = [chunk.recompute for chunk in view.chunks]
+    flags = [chunk.recompute for chunk in view.chunks]
+    pipeline: dict[str, object] = {"stages": view.num_stages, "partition_method": "uniform"}
+    if all(flags):
+        # The engine hands pipeline.activation_checkpoint_interval to the PipelineModule, whose forward
+        # checkpoints runs of that many of a stage's layers: the largest stage's count makes each stage
+        # one recomputed run, as the plan's chunks are.
+        pipeline["activation_checkpoint_interval"] = max(balance)
+    elif any(flags):
         notes.append(f"recomputation is per stage in the plan ({flags}); DeepSpeed's activation_checkpoint_interval "
                      f"applies to every stage alike")
     parts = bounds_of(balance)
@@ -62,7 +74,7 @@ def export(view: PlanView, out: str) -> Exported:
         "train_batch_size": view.global_batch_size,
         "train_micro_batch_size_per_gpu": view.micro_batch_size,
         "gradient_accumulation_steps": view.micro_batches,
-        "pipeline": {"stages": view.num_stages, "partition_method": "uniform"},
+        "pipeline": pipeline,
         "gpipe_plan": {
             "plan": view.path, "exact_with_partition_method": by_rule,
             "parts": parts, "balance": balance, "layers": view.layer_names,

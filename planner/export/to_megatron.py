@@ -3,10 +3,13 @@
 Megatron builds a transformer language model from three kinds of part: the embedding (``E``),
 decoder layers (``t``) and the output layer with the loss (``L``). Its
 ``--pipeline-model-parallel-layout`` says which parts each (virtual) pipeline stage holds, in
-the order of the chunks, stages separated by ``|`` (``"Et*3|t*4|t*3L"``: three stages); with
-``--num-virtual-stages-per-pipeline-rank`` v the string lists K·v stages, chunk c on rank
-c mod K, as gpipe-plan's ``interleaved``. Without a layout Megatron spreads the decoder layers
-evenly, except for ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``.
+the order of the chunks, stages separated by ``|`` (``"Et*3|t*4|t*3L"``: three stages); a
+string of K·v stages makes v virtual stages per rank, chunk c on rank c mod K, as gpipe-plan's
+``interleaved``. The layout alone says v: Megatron refuses it beside
+``--num-virtual-stages-per-pipeline-rank`` or ``--num-layers-per-virtual-pipeline-stage`` (at
+most one of the three, megatron/training/arguments.py). Without a layout Megatron spreads the
+decoder layers evenly, except for ``--decoder-first-pipeline-num-layers`` /
+``--decoder-last-pipeline-num-layers`` (each at least 1, the middle stages even).
 
 A plan maps onto those parts through its layers' module names: a decoder layer is a module
 named ``...layers.N``, ``...h.N`` or ``...blocks.N`` (Hugging Face's Llama and GPT-2, the
@@ -110,13 +113,15 @@ def export(view: PlanView, out: str) -> Exported:
     placement = placement_note(view, "Megatron")
     if placement:
         notes.append(placement)
+    if any(chunk.recompute for chunk in view.chunks):
+        notes.append(f"the plan recomputes chunks {[c.recompute for c in view.chunks]}: not exported; Megatron's own "
+                     f"--recompute-granularity / --recompute-method apply to every stage alike")
     decoder_layers = len({n for kind, n in parts if kind == "t"})
     exported_layout = layout(exported, parts)
     args = [f"--pipeline-model-parallel-size {view.num_stages}",
             f"--num-layers {decoder_layers}",
             f"--pipeline-model-parallel-layout \"{exported_layout}\""]
-    if view.virtual_stages > 1:
-        args.append(f"--num-virtual-stages-per-pipeline-rank {view.virtual_stages}")
+    # v is the layout's stages over K: Megatron allows no second way of saying it beside the layout.
     args += [f"--micro-batch-size {view.micro_batch_size}", f"--global-batch-size {view.global_batch_size}"]
     text = "\n".join([f"# Megatron-Core arguments from the gpipe-plan plan '{view.path}'",
                       *[f"# note: {n}" for n in notes],
@@ -134,7 +139,8 @@ def _without_layout(balance: list[int], parts: list[tuple[str, int]], virtual_st
     """The same split in the arguments of a Megatron without ``--pipeline-model-parallel-layout``,
     where they can say it: the embedding on the first chunk, the output on the last, and the
     decoder layers even (``--num-layers-per-virtual-pipeline-stage``), or even but for the first
-    and last stage (``--decoder-first/last-pipeline-num-layers``, one chunk per stage)."""
+    and last stage (``--decoder-first/last-pipeline-num-layers``, one chunk per stage, each of
+    the two holding a decoder layer at least: Megatron refuses a count of 0)."""
     if _part_chunks(balance, parts, "E") != {0} or _part_chunks(balance, parts, "L") != {len(balance) - 1}:
         return []
     per_chunk = _decoder_layers_per_chunk(balance, parts)
@@ -142,7 +148,8 @@ def _without_layout(balance: list[int], parts: list[tuple[str, int]], virtual_st
         if len(set(per_chunk)) == 1:
             return [f"equivalently, without the layout: --num-layers-per-virtual-pipeline-stage {per_chunk[0]}"]
         return []
-    if len(set(per_chunk[1:-1])) <= 1:
+    # Megatron's TransformerConfig: each of the two counts at least 1, the rest even over the middle stages.
+    if len(balance) > 1 and min(per_chunk[0], per_chunk[-1]) > 0 and len(set(per_chunk[1:-1])) <= 1:
         return [f"equivalently, without the layout: --decoder-first-pipeline-num-layers {per_chunk[0]} "
                 f"--decoder-last-pipeline-num-layers {per_chunk[-1]}"]
     return []

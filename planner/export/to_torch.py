@@ -8,7 +8,9 @@ For a user who trains in their own loop. The script holds the plan's split twice
   gloo);
 - ``SPLIT_SPEC``: the same cuts as module names for ``pipeline(model, mb_args,
   split_spec=...)``, for a model torch's tracer can capture (Hugging Face models cannot:
-  use ``CHUNKS``). Present only when every chunk starts at a named module.
+  use ``CHUNKS``), each ``SplitPoint.BEGINNING`` itself (torch's ``annotate_split_points``
+  compares with the enum and refuses a string). Present only when every chunk starts at a
+  named module.
 
 and the schedule both ways: ``SCHEDULE_CSV``, the plan's very action lists, which
 ``_PipelineScheduleRuntime._load_csv`` runs (what the script uses: exactly what the planner
@@ -40,14 +42,22 @@ from .view import model_name
 
 
 def split_spec(view: PlanView) -> dict[str, str] | None:
-    """``{module name: "BEGINNING"}`` at the first layer of every chunk after the first; None
-    when one of those layers is not a named module."""
+    """``{module name: "BEGINNING"}`` at the first layer of every chunk after the first (the
+    ``SplitPoint`` member's name: :func:`split_spec_source` writes the member); None when one of
+    those layers is not a named module."""
     spec = {}
     for chunk in view.chunks[1:]:
         if chunk.modules[0] is None:
             return None
         spec[chunk.modules[0]] = "BEGINNING"
     return spec
+
+
+def split_spec_source(spec: dict[str, str] | None) -> str:
+    """The spec as the script's Python: ``{'blocks.2': SplitPoint.BEGINNING}``."""
+    if spec is None:
+        return "None"
+    return "{" + ", ".join(f"{name!r}: SplitPoint.{point}" for name, point in spec.items()) + "}"
 
 
 def chunk_table(view: PlanView) -> list[dict[str, object]]:
@@ -84,7 +94,7 @@ def export(view: PlanView, out: str) -> Exported:
     text = TEMPLATE.format(
         model=model_name(view), plan=view.path, stages=view.num_stages, user_code=_user_code(view.model),
         spec=pprint.pformat(view.model, width=110, sort_dicts=False), chunks=pprint.pformat(chunk_table(view), indent=1, width=110, sort_dicts=False),
-        split_spec=pprint.pformat(spec, width=110) if spec is not None else "None",
+        split_spec=split_spec_source(spec),
         schedule=view.schedule, schedule_class=repr(schedule_class), csv=to_csv(view.actions()).strip(),
         micro_batches=view.micro_batches, micro_batch_size=view.micro_batch_size,
         batch=view.micro_batches * view.micro_batch_size, optimizer=repr(view.optimizer or "adam"))
@@ -132,7 +142,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import PipelineStage, SplitPoint
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
 MODEL = {spec}

@@ -10,9 +10,13 @@ torchtitan's part c. Its keys:
 
 - ``pipeline_parallel_degree``: K;
 - ``pipeline_parallel_schedule``: the torch schedule class of the plan's schedule without its
-  ``Schedule`` prefix, or ``_PipelineScheduleRuntime`` with ``pipeline_parallel_schedule_csv``
-  naming the plan's action lists (written next to the fragment) where torch has no class for
-  it (``zb-h1``: one chunk per rank with the backward split);
+  ``Schedule`` prefix (the name torch's ``get_schedule_class`` resolves). Where torch has no class
+  for it (``zb-h1``: one chunk per rank with the backward split), ``pipeline_parallel_schedule_csv``
+  names the plan's action lists (written next to the fragment), which torchtitan then runs with
+  ``_PipelineScheduleRuntime`` whatever the schedule's name; the name still has to resolve (it
+  says one chunk per rank or several, and where the chunks go: a V for ``ZBVZeroBubble`` and
+  ``DualPipeV``, round-robin for the rest), so it is ``PipelineScheduleSingle`` there
+  (``_PipelineScheduleRuntime`` itself is no name ``get_schedule_class`` knows);
 - ``pipeline_parallel_microbatch_size``: the plan's micro-batch size;
 - ``module_fqns_per_model_part``: per chunk, its layers' module names;
 - ``data_parallel_replicate_degree`` (ddp) or ``data_parallel_shard_degree`` (fsdp): d;
@@ -48,6 +52,15 @@ def titan_schedule(schedule: str) -> str | None:
     return name.removeprefix("Schedule") if name else None
 
 
+def titan_schedule_with_csv(schedule: str, virtual_stages: int) -> str:
+    """``pipeline_parallel_schedule`` beside a ``pipeline_parallel_schedule_csv``: torchtitan runs
+    the CSV with ``_PipelineScheduleRuntime`` but still resolves this name (torch's
+    ``get_schedule_class``) to count the chunks per rank and place them (a V for ZBVZeroBubble,
+    round-robin otherwise), so it must name a class that places them as the plan does: the
+    schedule's own, else torch's base class for one chunk per rank or for several."""
+    return titan_schedule(schedule) or ("PipelineScheduleSingle" if virtual_stages == 1 else "PipelineScheduleMulti")
+
+
 def export(view: PlanView, out: str) -> Exported:
     named_parts = [[m for m in chunk.modules if m is not None] for chunk in view.chunks]
     schedule = titan_schedule(view.schedule)
@@ -57,8 +70,9 @@ def export(view: PlanView, out: str) -> Exported:
     if schedule is None:
         csv_name = str(Path(out).with_suffix(".schedule.csv"))
         files[csv_name] = to_csv(view.actions())
-        schedule = "_PipelineScheduleRuntime"
-        notes.append(f"torch has no class for {view.schedule}: the schedule is the plan's action lists, in {csv_name}")
+        schedule = titan_schedule_with_csv(view.schedule, view.virtual_stages)
+        notes.append(f"torch has no class for {view.schedule}: the schedule is the plan's action lists, in {csv_name} "
+                     f"(torchtitan runs them with _PipelineScheduleRuntime; {schedule} places the chunks)")
     nameless = unnamed(view)
     if nameless:
         notes.append(f"{len(nameless)} layer(s) are not one module of the model and cannot be listed "
@@ -67,6 +81,9 @@ def export(view: PlanView, out: str) -> Exported:
     empty = [c for c, part in enumerate(named_parts) if not part]
     if empty:
         raise BadInput(f"plan '{view.path}': {_no_names(view, empty)}")
+    if any(chunk.recompute for chunk in view.chunks):
+        notes.append(f"the plan recomputes chunks {[c.recompute for c in view.chunks]}: not exported; torchtitan's own "
+                     f"[activation_checkpoint] mode applies to every part alike")
     placement = placement_note(view, "torchtitan")
     if placement:
         notes.append(placement)

@@ -77,7 +77,10 @@ def test_megatrons_own_layout_class_reads_the_exported_layout(user_dir: Path, me
     result = cli("export", plan, "--to", "megatron", "--out", "plan.args")
     assert result.exit_code == 0, result.output
     args = megatron_args(Path("plan.args").read_text())
-    K, v = int(args["pipeline-model-parallel-size"]), int(args.get("num-virtual-stages-per-pipeline-rank", 1))
+    # The layout alone says v (Megatron refuses a second way beside it): its stages over K.
+    assert "num-virtual-stages-per-pipeline-rank" not in args and "num-layers-per-virtual-pipeline-stage" not in args
+    K = int(args["pipeline-model-parallel-size"])
+    v = len(balance) // K
     layout = Layout(args["pipeline-model-parallel-layout"], K)      # Megatron's parse, its asserts
     assert (layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size) == (K, v)
     layout.validate_layer_layout(num_layers=int(args["num-layers"]), mtp_num_layers=None)
