@@ -65,7 +65,11 @@ def named_first_line(exc: BaseException) -> str:
 
 
 class RunFailure(Exception):
-    """Something failed while running (a crashed rank, a NaN loss). The CLI exits with 1."""
+    """Something failed while running (a crashed rank, a NaN loss). The CLI exits with
+    ``exit_code``: 1, or 128 + the signal's number for a run stopped by a signal (the shell's
+    convention, which schedulers read)."""
+
+    exit_code = 1
 
 
 def read_json(path: str | os.PathLike[str], what: str = "file") -> Any:

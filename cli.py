@@ -68,7 +68,7 @@ class _Group(click.Group):
         except BadInput as exc:
             _fail(str(exc), 2)
         except RunFailure as exc:
-            _fail(str(exc), 1)
+            _fail(str(exc), exc.exit_code)
         except KeyboardInterrupt:
             _fail("interrupted", 130)
 

@@ -111,8 +111,9 @@ def save(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Opt
     ``prefix``: before this rank's ``model/`` and ``optim/`` keys ("" but for localsgd's replicas r > 0).
     ``lock``: the folder's lock as the run took it (:func:`.checkpoint_dir.lock_identity`): a
     folder that lost it is refused (:func:`.checkpoint_dir.check_still_held`).
-    Returns the complete step folder once every rank has written (on every rank). A save that
-    fails (a full disk) leaves no ``.partial`` folder and raises :class:`BadInput` on every rank,
+    Returns the complete step folder once every rank has written (on every rank). Weights or
+    optimizer state holding a NaN or an infinity are not saved (:func:`_refuse_non_finite`). A
+    save that fails (a full disk) leaves no ``.partial`` folder and raises :class:`BadInput` on every rank,
     in one line that names the folder and, for a full disk, the lack of space; a rank lost
     meanwhile is :class:`.p2p.PeerLost` (the launcher names the rank that went).
     """
@@ -130,15 +131,24 @@ def save(folder: Path, step: int, stage: StageChunks, optimizer: torch.optim.Opt
     _barrier(group)  # nobody writes into the folder before rank 0 has emptied it
     tensors = {f"{prefix}model/{key}": tensor.detach() for key, tensor in stage.state_dict().items()}
     tensors |= {prefix + name: tensor for name, tensor in _optimizer_tensors(stage, optimizer).items()}
+    _refuse_non_finite(folder, step, tensors, group)
     tensors |= _rng_tensors(rank, device)
 
     class Writer(dcp.FileSystemWriter):
-        """DCP's writer, telling the watchdog when this rank writes and when it waits for the others."""
+        """DCP's writer, telling the watchdog when this rank writes and when it waits for the others,
+        and handing DCP the operating system's error of a failed write (:func:`_os_error`): DCP
+        sends every rank's failure to every rank pickled, which keeps an ``OSError``'s errno but
+        drops the ``__context__`` where torch's ``unexpected pos 704 vs 598`` hides it."""
 
         def write_data(self, *args: Any, **kwargs: Any) -> Any:
             watchdog.doing(f"writing its tensors into '{partial}'")
             try:
                 return super().write_data(*args, **kwargs)
+            except Exception as exc:
+                cause = _os_error(exc)
+                if cause is None or cause is exc:
+                    raise
+                raise OSError(cause.errno, cause.strerror, cause.filename) from None
             finally:
                 watchdog.doing(together, waiting=True)
 
@@ -176,16 +186,81 @@ def _save_failure(exc: BaseException, partial: Path, nbytes: int) -> BadInput:
     the first rank's error."""
     if isinstance(exc, BadInput):   # rank 0's checkpoint.json (artifacts.cannot_write said why)
         return BadInput(f"{exc}; removed the unfinished '{partial}'")
-    inner = [error for _, error in _failures(exc)] or [exc]
+    inner = [_os_error(error) or error for _, error in _failures(exc)] or [_os_error(exc) or exc]
+    codes = {e.errno for e in inner if isinstance(e, OSError)}
     free = shutil.disk_usage(partial.parent).free if partial.parent.exists() else None
-    if any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in inner) or \
-            (free is not None and free < nbytes):
+    removed = f"removed the unfinished '{partial.name}'"
+    if errno.EDQUOT in codes:
+        return BadInput(f"cannot save checkpoint '{partial.parent}': over the disk quota of its file system "
+                        f"(this rank's tensors alone take {format_bytes(nbytes)}); {removed}; free some of your "
+                        f"space there (or raise the quota) or choose another --checkpoint-dir, then --resume")
+    if errno.EFBIG in codes:
+        return BadInput(f"cannot save checkpoint '{partial.parent}': File too large, over {_largest_file()} "
+                        f"(this rank's tensors take {format_bytes(nbytes)}); {removed}; raise that limit or choose "
+                        f"another --checkpoint-dir, then --resume")
+    if errno.ENOSPC in codes or (free is not None and free < nbytes):
         return BadInput(f"cannot save checkpoint '{partial.parent}': no space left on its device "
                         f"({format_bytes(free)} free, this rank's tensors alone take {format_bytes(nbytes)}); "
-                        f"removed the unfinished '{partial.name}'; free some space or choose another "
-                        f"--checkpoint-dir, then --resume")
+                        f"{removed}; free some space or choose another --checkpoint-dir, then --resume")
     return BadInput(f"cannot save checkpoint '{partial}': {named_first_line(inner[0])}; removed the unfinished "
                     f"folder")
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The operating system's error behind ``exc``: itself, or one it was raised from or while handling.
+
+    torch's writer turns a failed write into ``RuntimeError: unexpected pos 704 vs 598``; the
+    write's own ``OSError`` (which says *why*: no space, a quota, a size limit) survives only as
+    that error's ``__context__``."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError) and current.errno is not None:
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _largest_file() -> str:
+    """What refused a file too large: this process's ``ulimit -f`` if it has one, else the file system."""
+    import resource
+
+    limit, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if limit != resource.RLIM_INFINITY:
+        return f"this process's file-size limit, ulimit -f {format_bytes(limit)}"
+    return "the largest file its file system allows"
+
+
+def _refuse_non_finite(folder: Path, step: int, tensors: dict[str, torch.Tensor],
+                       group: dist.ProcessGroup | None) -> None:
+    """Refuse, on every rank alike, to save weights or optimizer state holding a NaN or an infinity.
+
+    A learning rate far too high can leave a step's loss finite and its update infinite: the
+    run stops only at the next step's loss, and a checkpoint saved in between holds the
+    diverged weights. It would be the newest, which ``--resume`` picks (lowering ``--lr`` then
+    meets a NaN at once), and pruning would delete the last good one to make room for it. So
+    the step is not saved, the older ones stay, and the line says where to go on from.
+    """
+    from ..artifacts import RunFailure
+
+    mine = next((name for name, tensor in tensors.items() if _non_finite(tensor)), None)
+    found = all_gather_objects(mine, group) if _world_size(group) > 1 else [mine]
+    bad = [(rank, name) for rank, name in enumerate(found) if name]
+    if not bad:
+        return
+    rank, name = bad[0]
+    older = sorted(s for s in complete_steps(folder) if s < step)
+    kept = f"the newest checkpoint, step {older[-1]}, is kept" if older else "no checkpoint was saved before it"
+    raise RunFailure(f"the weights are not finite after step {step} ('{name}' on rank {rank} holds a NaN or an "
+                     f"infinity): training diverged in that step's update, so step {step} was not saved and "
+                     f"{kept}; lower --lr or set --grad-clip, then --resume")
+
+
+def _non_finite(tensor: torch.Tensor) -> bool:
+    """Whether a floating-point tensor holds a NaN or an infinity (fsdp's DTensor: this rank's shard)."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.is_floating_point() and local.numel() > 0 and not bool(torch.isfinite(local).all())
 
 
 def _failures(exc: BaseException) -> list[tuple[int, BaseException]]:

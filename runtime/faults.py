@@ -2,14 +2,17 @@
 
 A pipeline fails in ways a unit test cannot reach from outside: one rank raises in the middle
 of a step while the others wait for it, one rank is killed, the loss turns NaN. The tests set
-``GPIPE_PLAN_FAULT=kind:rank:step`` (``raise``, ``kill`` or ``nan``; step counted from 0): the
-rank named raises, or kills itself, in its first forward of that step, or its loss of that
-step is NaN.
+``GPIPE_PLAN_FAULT=kind:rank:step`` (``raise``, ``kill``, ``nan`` or ``nan-grad``; step counted
+from 0): the rank named raises, or kills itself, in its first forward of that step, or its loss
+of that step is NaN, or (``nan-grad``) its loss of that step is finite but its gradient NaN: the
+step's update makes the weights NaN while the step's loss looks fine, as a learning rate far too
+high does.
 
 Nothing else in the runtime knows of faults: not the executors, not the chunks, not the loss.
 Training calls :func:`install_from_env` once, at set-up, before it builds its executor, and
 the fault installs itself from outside, on the rank named only: a forward pre-hook on the
-rank's first chunk (``raise``, ``kill``), or a wrapper around the loss function (``nan``),
+rank's first chunk (``raise``, ``kill``), or a wrapper around the loss function (``nan``,
+``nan-grad``),
 each reading the step from the training loop's own counter. Unset, nothing is installed, so
 a run without a fault has no check of any kind on its path.
 """
@@ -54,7 +57,7 @@ class Fault:
         if not text:
             return None
         kind, rank, step = text.split(":")
-        if kind not in ("raise", "kill", "nan"):
+        if kind not in ("raise", "kill", "nan", "nan-grad"):
             raise ValueError(f"{ENV}: unknown fault kind {kind!r}")
         return cls(kind, int(rank), int(step))
 
@@ -78,11 +81,13 @@ def install_from_env(rank: int, first_chunk: nn.Module, loss_fn: LossFn, current
     fault = Fault.from_env()
     if fault is None or fault.rank != rank:
         return loss_fn
-    if fault.kind == "nan":
+    if fault.kind in ("nan", "nan-grad"):
+        poison = (lambda loss: loss * float("nan")) if fault.kind == "nan" else _NanGradient.apply
+
         def poisoned_loss(outputs: Tensors, target: torch.Tensor) -> torch.Tensor:
-            # Every micro-batch's loss of the step: whichever the executor reads, it is NaN.
+            # Every micro-batch's loss of the step: whichever the executor reads, it is poisoned.
             loss = loss_fn(outputs, target)
-            return loss * float("nan") if current_step() == fault.step else loss
+            return poison(loss) if current_step() == fault.step else loss
         return poisoned_loss
 
     def fire_when_due(module: nn.Module, args: Any) -> None:
@@ -93,3 +98,16 @@ def install_from_env(rank: int, first_chunk: nn.Module, loss_fn: LossFn, current
     # before the chunk does anything.
     first_chunk.register_forward_pre_hook(fire_when_due, prepend=True)
     return loss_fn
+
+
+class _NanGradient(torch.autograd.Function):
+    """The identity going forward, NaN coming back: a loss that reads finite, whose backward
+    gives every parameter upstream a NaN gradient (and the optimizer step NaN weights)."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor) -> torch.Tensor:
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("nan")

@@ -11,7 +11,10 @@ then waits. The guarantees:
   :mod:`.worker`); a rank stuck in its own work says so itself (:mod:`.watchdog`), and one that
   was stopped (SIGSTOP) and says nothing is named as such;
 - no process is left behind: the launcher waits for every rank it started, and each rank
-  asks Linux to kill it if the launcher itself dies (``PR_SET_PDEATHSIG``).
+  asks Linux to kill it if the launcher itself dies (``PR_SET_PDEATHSIG``);
+- a launcher asked to stop stops the ranks and says so: Ctrl-C (exit 130), and SIGTERM or
+  SIGHUP (``kill``, ``timeout``, a scheduler, a closed terminal), which would otherwise end it
+  at once, in silence, the ranks killed mid-write by the kernel (:class:`Stopped`, exit 143 or 129).
 
 No torch here: the launcher only starts and watches processes.
 """
@@ -26,6 +29,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,10 +78,49 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class Stopped(RunFailure):
+    """The launcher got SIGTERM or SIGHUP. A :class:`RunFailure`, so that wherever it surfaces
+    (the stop, the clean-up after it) the command ends in its one line, with the exit status a
+    process killed by that signal has (143 for SIGTERM, 129 for SIGHUP), which schedulers read."""
+
+    def __init__(self, signum: int, nprocs: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}: stopped all {nprocs} ranks (the checkpoints "
+                         f"saved are kept: --resume continues from the newest)")
+        self.exit_code = 128 + signum
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _stop_on_signals(nprocs: int) -> dict[int, Any]:
+    """Have SIGTERM and SIGHUP raise :class:`Stopped` in the launcher; return the handlers they had."""
+    def stopped(signum: int, frame: Any) -> None:
+        raise Stopped(signum, nprocs)
+
+    if threading.current_thread() is not threading.main_thread():   # only the main thread may set them
+        return {}
+    return {sig: signal.signal(sig, stopped) for sig in STOP_SIGNALS}
+
+
 def launch_local(options: RunOptions, nprocs: int, threads: int) -> None:
     """Run ``nprocs`` ranks here; return when all succeeded, raise when one failed."""
-    port = free_port()
     clear_dead_launchers()
+    previous = _stop_on_signals(nprocs)
+    stopping = False
+    try:
+        _launch(options, nprocs, threads)
+    except (KeyboardInterrupt, Stopped):
+        stopping = True     # the signals stay ignored (_launch): the command ends in its one line
+        raise
+    finally:
+        if not stopping:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def _launch(options: RunOptions, nprocs: int, threads: int) -> None:
+    """:func:`launch_local`'s ranks, from start to stop."""
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix=f"{ERRORS_PREFIX}{HOST_TAG}-{os.getpid()}-") as errors:
         procs: list[subprocess.Popen[bytes]] = []
         try:
@@ -96,11 +139,12 @@ def launch_local(options: RunOptions, nprocs: int, threads: int) -> None:
                 procs.append(subprocess.Popen([sys.executable, "-m", "gpipe_plan.runtime.worker"], env=env,
                                               process_group=0))
             failure = _watch(procs, Path(errors), patience_s=options.timeout)
-        except KeyboardInterrupt:
-            # From the first Ctrl-C on the launcher only stops the ranks and exits (130): another
-            # one, as a held key or an impatient hand sends, must not cut the stop short (it had
-            # left "aborted", exit 1, and tracebacks of interrupted clean-ups).
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except (KeyboardInterrupt, Stopped):
+            # From the first Ctrl-C (or SIGTERM, SIGHUP) on the launcher only stops the ranks and
+            # exits: another one, as a held key or an impatient hand sends, must not cut the stop
+            # short (it had left "aborted", exit 1, and tracebacks of interrupted clean-ups).
+            for sig in (signal.SIGINT, *STOP_SIGNALS):
+                signal.signal(sig, signal.SIG_IGN)
             _stop(procs)
             raise
         finally:

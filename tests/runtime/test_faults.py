@@ -30,7 +30,7 @@ from gpipe_plan.runtime.options import RunOptions, check_options
 
 from helpers.handplan import hand_plan
 from helpers.planner import cli, profile_doc, write_json
-from helpers.ranks import GPT
+from helpers.ranks import GPT, model_spec
 
 
 
@@ -274,6 +274,35 @@ def test_a_killed_launchers_folder_is_cleared_by_the_next_run(gpt_plan: Path, tm
     assert again.returncode == 0, again.stderr
     assert list(temp.glob("gpipe-plan-run-*")) == []
 
+
+
+def test_a_launcher_sent_sigterm_stops_the_ranks_and_says_so(gpt_plan: Path, tmp_path: Path) -> None:
+    """Seen: `kill`, `timeout` or a scheduler's SIGTERM ended the launcher at once, in silence (the
+    shell's exit 143), its ranks killed by the kernel, its error folder and `.lock` left behind."""
+    from helpers.cli_process import leftover_processes
+
+    temp, mark = tmp_path / "temp", "sigterm-" + os.urandom(8).hex()
+    temp.mkdir()
+    env = dict(os.environ, PYTHONWARNINGS="ignore", TMPDIR=str(temp), GPIPE_PLAN_TEST_MARK=mark)
+    env.pop("GPIPE_PLAN_FAULT", None)
+    launcher = subprocess.Popen([str(BIN / "gpipe-plan"), "run", "plan.json", "--steps", "100000", "-q",
+                                 "--checkpoint-dir", "ckpt", "--checkpoint-every", "2"], cwd=gpt_plan.parent, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        saved = gpt_plan.parent / "ckpt" / "step-00000002"
+        deadline = time.monotonic() + 120          # a hang guard only
+        while not saved.exists() and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGTERM)       # the ranks are training
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 143 and "Traceback" not in err, (launcher.returncode, err)
+    assert error_lines(err)[-1] == ("error: stopped by SIGTERM: stopped all 2 ranks (the checkpoints saved are kept: "
+                                    "--resume continues from the newest)"), err
+    assert leftover_processes(mark) == [] and list(temp.glob("gpipe-plan-run-*")) == []
+    assert saved.is_dir() and not (gpt_plan.parent / "ckpt" / ".lock").exists()
 
 # --------------------------------------------------------------------------- 9. one line
 @pytest.mark.parametrize("timeout", [float("inf"), float("nan"), 1e300])
@@ -555,7 +584,8 @@ def test_a_checkpoint_that_cannot_be_written_leaves_no_partial_folder(tmp_path: 
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("BadInput: cannot save checkpoint '") and "File too large" in done.stdout, done.stdout
-    assert "removed the unfinished folder" in done.stdout
+    assert "File too large, over this process's file-size limit, ulimit -f 19.53 KiB" in done.stdout, done.stdout
+    assert "removed the unfinished 'step-00000001.partial'" in done.stdout
     assert [p.name for p in (tmp_path / "ckpt").iterdir()] == []
 
 
@@ -572,6 +602,56 @@ def test_a_full_disk_during_a_checkpoint_is_named_as_such(tmp_path: Path) -> Non
     assert "removed the unfinished 'step-00000004.partial'" in line and "then --resume" in line
     opaque = CheckpointException("write", {0: (RuntimeError("unexpected pos 704 vs 598"), None)})
     assert "no space left" in str(_save_failure(opaque, partial, 10 ** 30))   # more than any disk has free
+
+
+@pytest.mark.parametrize("code, says", [(errno.EFBIG, "File too large, over "), (errno.EDQUOT, "over the disk quota"),
+                                        (errno.ENOSPC, "no space left on its device")])
+def test_a_write_error_behind_torchs_unexpected_pos_is_named(tmp_path: Path, code: int, says: str) -> None:
+    """Seen under `ulimit -f` (and so a disk quota, or a file system's largest file): the line said
+    only torch's `unexpected pos 704 vs 598`. The write's own error is that error's __context__."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from gpipe_plan.runtime.checkpoint import _save_failure
+
+    opaque = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    opaque.__context__ = OSError(code, os.strerror(code))
+    line = str(_save_failure(CheckpointException("write", {0: (opaque, None)}), tmp_path / "step-00000004.partial", 10))
+    assert line.startswith(f"cannot save checkpoint '{tmp_path}': {says}"), line
+    assert "unexpected pos" not in line and "removed the unfinished 'step-00000004.partial'" in line, line
+    assert line.endswith("then --resume"), line
+
+
+def test_a_file_size_limit_met_by_every_rank_is_named_not_torchs_unexpected_pos(user_dir: Path) -> None:
+    """Seen under `ulimit -f`: `cannot save checkpoint ...: RuntimeError: [enforce fail at
+    inline_container.cc:672] . unexpected pos 704 vs 598`: torch's zip writer hides the OSError of
+    a tensor's write (layers of width 128 here), and DCP hands each rank's failure to the others
+    pickled, which drops it. The ranks now hand over the OSError itself."""
+    write_json_atomic(user_dir / "wide.json", hand_plan(model_spec("gpt", layers=2, width=128, heads=2, seq_len=8,
+                                                                   vocab_size=256), [2, 2], 2, 2))
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))   # inside each rank's first big tensor
+
+    result = gpipe_plan("run", "wide.json", "--steps", "2", "--checkpoint-dir", "ckpt", "--checkpoint-every", "1", "-q",
+                        cwd=user_dir, preexec_fn=small_files, timeout=180)
+    last = error_lines(result.stderr)[-1]
+    assert result.returncode == 2 and "unexpected pos" not in last, result.stderr
+    assert last.startswith(f"error: cannot save checkpoint '{user_dir / 'ckpt'}': File too large, over this "
+                           f"process's file-size limit, ulimit -f 97.66 KiB (this rank's tensors take "), last
+    assert [p.name for p in (user_dir / "ckpt").iterdir()] == []
+
+
+def test_weights_a_diverged_update_made_nan_are_not_saved_over_the_good_ones(gpt_plan: Path) -> None:
+    """Seen with --lr 1e6: step 2's loss was finite but its update made the weights NaN; step 2 was
+    saved all NaN and pruned step 1 (--keep-checkpoints 1), and `--resume` with a lower --lr met a NaN
+    loss at once. Weights that are not finite are not saved; the last good step stays."""
+    result = gpipe_plan("run", "plan.json", "--steps", "4", "--checkpoint-dir", "ckpt", "--checkpoint-every", "1",
+                        "--keep-checkpoints", "1", "-q", cwd=gpt_plan.parent, fault="nan-grad:1:1", timeout=180)
+    last = error_lines(result.stderr)[-1]
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert re.match(r"error: rank [01] failed: the weights are not finite after step 2 \('model/", last), last
+    assert "step 2 was not saved and the newest checkpoint, step 1, is kept" in last and "--resume" in last, last
+    assert sorted(p.name for p in (gpt_plan.parent / "ckpt").iterdir()) == ["step-00000001"]
 
 
 # --------------------------------------------------------------------------- 10. absurd plans
