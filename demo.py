@@ -4,7 +4,9 @@ It joins the three packages (profile, planner, runtime) as the command line does
 beside cli.py, not in any of them.
 
 1. profile the default ``gpt`` layer by layer (one thread, as each rank will run), for the
-   demo's global batch;
+   demo's global batch, and, as ``gpipe-plan profile`` does by default, the runtime's fixed
+   costs per action and message (without them a plan of many chunks looks cheaper than it runs:
+   planner/fixedcosts.py);
 2. solve for ``--stages`` stages (2): where to cut, how many micro-batches, which schedule;
 3. train with the plan for ``--steps`` steps (100), one process per stage, on a real text
    shipped with the package (the Declaration of Independence, public domain: runtime/texts/),
@@ -35,7 +37,9 @@ if TYPE_CHECKING:
     from .plan_view import PlanView
 
 GLOBAL_BATCH = 32
-MICRO_BATCH_SIZES = [1, 2, 4, 8, 16, 32]
+# The sizes profiled (M = 16, 8, 4 or 2 micro-batches of the global batch): the profile times the
+# runtime's fixed costs at each, in a short 2-process pipeline, so each size costs seconds.
+MICRO_BATCH_SIZES = [2, 4, 8, 16]
 # The text the demo learns, and how (the README's recipe for real text, scaled to a short run):
 # Adam at LEARNING_RATE after a linear warm-up over the first tenth of the steps, the global
 # gradient norm clipped to GRAD_CLIP (docs/runtime.md, "Real text"; docs/benchmarks.md, "Demo").
@@ -144,7 +148,10 @@ def _profile(console: Console, path: Path, stages: int) -> dict[str, Any]:
     request = ProfileRequest(spec=model_spec("gpt"), micro_batch_sizes=MICRO_BATCH_SIZES,
                              device=torch.device("cpu"), threads=1, warmup=2, repeats=5, batch_size=GLOBAL_BATCH,
                              # the stages will compute side by side: measure what that costs
-                             contention_processes=stages if stages > 1 else 0)
+                             contention_processes=stages if stages > 1 else 0,
+                             # ... and pay the runtime's own costs on every action and message, which
+                             # decide between few chunks and many (planner/fixedcosts.py)
+                             fixed_costs=stages > 1)
     with phase_lines():      # what the profile is doing, a line each, as profile prints them
         doc = profile_model(request)
     doc["global_batch_size"] = GLOBAL_BATCH   # as `profile --global-batch-size`: what solve plans for

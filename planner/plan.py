@@ -299,7 +299,7 @@ def plan_warnings(profile: Profile, best: Candidate, ev: Evaluation) -> list[str
             "the profile measured no fixed costs per action and message (profile format 9): the plan charges "
             f"{'the calibrated overhead' if profile.calibrated_overhead_s else 'nothing'} for the runtime's work "
             "per action, so schedules of many chunks (interleaved) look cheaper than they run; profile again "
-            "without --no-fixed-costs")
+            "(`gpipe-plan profile` measures them unless told --no-fixed-costs)")
     misfit = probe_misfit(profile.fixed_costs_record, setting.schedule, setting.virtual_stages,
                           best.micro_batch_size) if setting.stages > 1 else None
     if misfit is not None and misfit[0] > PROBE_MISFIT_WARN:
