@@ -46,6 +46,7 @@ optimizer state once) and 1F1B's ``K - k`` micro-batches of activations
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Iterable, Sequence
 
 from ..weight_versions import updates_per_step
@@ -91,12 +92,19 @@ def steady_period_s(work_s: Sequence[float], send_s: Sequence[float]) -> float:
 def evaluate_async(cm: CostModel, bounds: Sequence[int], recompute: Sequence[bool] | None = None) -> Evaluation:
     """The step of the cut ``bounds``: M periods (fill and drain amortised over the run), and the
     one-time fill and drain beyond them: one step played out alone (1F1B's makespan over M
-    micro-batches) less its M periods, at least 0."""
+    micro-batches, each backward followed by its share of the stage's update, as the period
+    charges it) less its M periods, at least 0."""
     chunks, stages = cm.layout(bounds, recompute)
     fits = cm.limit is None or all(s.memory_bytes <= cm.limit for s in stages)
-    period = steady_period_s(stage_work_s(chunks, stages, update_share(cm)), [c.send_s for c in chunks])
+    share = update_share(cm)
+    period = steady_period_s(stage_work_s(chunks, stages, share), [c.send_s for c in chunks])
     step = cm.M * period
-    alone = simulate_plan(cm.schedule, cm.K, cm.M, 1, [c.times() for c in chunks]).makespan_s
+    # The updates are in the period, so they are in the step played alone too: else a stage's
+    # updates would cancel its fill and drain (pipedream with an optimizer step as long as a
+    # micro-batch's F + B would show none at all).
+    alone = simulate_plan(cm.schedule, cm.K, cm.M, 1, [
+        replace(c.times(), backward_s=c.backward_s + share * st.optimizer_s)
+        for c, st in zip(chunks, stages)]).makespan_s
     return Evaluation(tuple(bounds), tuple(chunks), tuple(stages), step, step, fits,
                       steady_state_period_s=period, fill_drain_s=max(0.0, alone - step),
                       updates_per_step=updates_per_step(cm.schedule, cm.M))
