@@ -348,6 +348,15 @@ def plan_warnings(profile: Profile, best: Candidate, ev: Evaluation) -> list[str
             f"{setting.schedule} never flushes: its gradients are {'-'.join(map(str, (stale[0], stale[-1]))) if len(stale) > 1 else stale[0]} "
             "update(s) stale (stages[].staleness_updates), which changes what training computes; compare its loss "
             "with a synchronous schedule's before relying on it (docs/planner.md, \"Asynchronous pipelines\")")
+    if setting.schedule == "pipedream" and setting.micro_batches > 1:
+        # pipedream updates after every micro-batch: M, chosen for speed, is also the update's batch.
+        per_update = best.micro_batch_size * setting.data_parallel
+        warnings.append(
+            f"pipedream applies each micro-batch's gradient as an update of its own: {setting.micro_batches} "
+            f"updates a step, each of {per_update} sample{'s' if per_update != 1 else ''} (micro-batch "
+            f"{best.micro_batch_size} x {setting.data_parallel} replica{'s' if setting.data_parallel != 1 else ''}), "
+            "not one of the global batch; the search chose M for speed: give -m for the batch an update should "
+            "see (fewer micro-batches, larger updates), or pipedream-2bw, which updates once a step")
     if setting.schedule in SPLIT_BACKWARD and not profile.split_measured:
         warnings.append(
             f"{setting.schedule} splits each backward into I and W, which this profile did not measure: "

@@ -293,8 +293,8 @@ def asynchronous_line(view: PlanView) -> str:
             + (f" of {format_seconds(period)}" if period is not None else "")
             + (f", plus {format_seconds(fill)} of fill and drain once per run (and per checkpoint)" if fill is not None
                else "")
-            + f"; every stage updates {updates} time{'s' if updates != 1 else ''} a step, with gradients "
-            "'stale' updates behind the weights they are applied to (the stage table)")
+            + f"; every stage updates {updates} time{'s' if updates != 1 else ''} a step, each gradient computed "
+            "on weights some updates older than those it is applied to (the stage table's 'stale')")
 
 
 def stage_table(stages: Sequence[StagePlan], limit: float | None, sync: bool = False,

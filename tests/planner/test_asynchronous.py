@@ -262,6 +262,21 @@ def test_the_plan_records_staleness_and_versions_validates_and_shows(profile_pat
     assert "forward micro-batch 4" in svg and "micro-batch 11" not in svg.split("forward micro-batch")[0]
 
 
+@pytest.mark.parametrize("schedule", ASYNC_SCHEDULES)
+def test_a_pipedream_plan_says_how_many_samples_each_update_sees(profile_path, schedule):
+    """Seen: pipedream, which updates after every micro-batch, planned 64 micro-batches of 1 for
+    speed, so that each update saw one sample a replica, and the plan did not say so."""
+    plan = solve("--stages", "2", "--schedule", schedule, "--micro-batches", "4", "--global-batch-size", "8")
+    said = [w for w in plan["warnings"] if "updates a step, each of" in w]
+    if schedule == "pipedream":
+        assert said == ["pipedream applies each micro-batch's gradient as an update of its own: 4 updates a step, "
+                        "each of 2 samples (micro-batch 2 x 1 replica), not one of the global batch; the search "
+                        "chose M for speed: give -m for the batch an update should see (fewer micro-batches, "
+                        "larger updates), or pipedream-2bw, which updates once a step"]
+    else:        # 2BW accumulates the step's micro-batches into one update
+        assert said == []
+
+
 def test_the_steady_window_is_one_step_of_events_from_zero(profile_path):
     from gpipe_plan.plan_view import view_of
     from gpipe_plan.planner.render import plan_timeline
