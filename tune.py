@@ -55,7 +55,8 @@ class TuneOptions:
     steps: int = option("--steps", default=10, type=int, show_default=True,
                         help="Training steps per run; a run's step is the median of those after the first.")
     rounds: int = option("--rounds", default=3, type=int, show_default=True,
-                         help="Rounds: each runs every candidate once, in reverse order every other round.")
+                         help="Rounds: each runs every candidate once, in reverse order every other round (at 1, "
+                              "a candidate that won it must also win the confirming rounds).")
     confirm_rounds: int = option("--confirm-rounds", default=2, type=int, show_default=True,
                                  help="Where no candidate ran faster in every round than PLAN in any, but one beat it "
                                       "in each round, run the two this many rounds more; it replaces PLAN if it "
@@ -76,6 +77,10 @@ class TuneOptions:
             raise BadInput(f"--rounds {self.rounds}: give 1 or more")
         if self.confirm_rounds < 0:
             raise BadInput(f"--confirm-rounds {self.confirm_rounds}: give 0 (never) or more")
+        if self.rounds == 1 and self.confirm_rounds == 0:
+            raise BadInput("--rounds 1 with --confirm-rounds 0: one run of each cannot tell two plans apart (plans that "
+                           "run alike would win 1 time in 2), so nothing could replace PLAN: give --rounds 2 or more, "
+                           "or --confirm-rounds 1 or more")
         from .plan_view import profile_file_of
 
         # The plan's profile is an input: tune reads it, and so does a later tune or calibrate of
@@ -212,9 +217,9 @@ def _kept(measured: list[_Measured], rounds: int) -> int:
     host's noise: on the 2-core VM, 2 ranks, three plans within 4% ran 43-49 ms each, their
     medians 1% apart, in an order the next tune would not repeat. So a candidate replaces the
     plan only on evidence that chance rarely gives two plans that run alike:
-    - their rounds do not overlap: by chance 1 time in C(2r, r) (20 at r = 3 rounds; r = 1
-      never protects). A plan that runs 10% faster, as the ties of ranks sharing cores can,
-      clears it;
+    - their rounds do not overlap: by chance 1 time in C(2r, r) (20 at r = 3 rounds; at r = 1,
+      a coin's toss, the test is not made: a winner of the one round must win the confirming
+      rounds). A plan that runs 10% faster, as the ties of ranks sharing cores can, clears it;
     - or it wins round by round: the plans of one round run within a minute or two, so a host
       that slows for a while slows the whole round, and a plan a few percent faster can lose the
       overlap test to that drift yet beat the plan in every round. Three such wins come by
@@ -225,8 +230,10 @@ def _kept(measured: list[_Measured], rounds: int) -> int:
     if own.median_s is None:
         return 0
     own_fastest = min((s for s in own.steps_s[:rounds] if s is not None), default=None)
+    # One round proves nothing (C(2, 1) = 2: a coin's toss), so there the overlap test is left
+    # out and a winner must win the confirming rounds too.
     clear = [(m.median_s, i) for i, m in enumerate(measured[1:], 1)
-             if m.median_s is not None and own_fastest is not None
+             if rounds > 1 and m.median_s is not None and own_fastest is not None
              and max((s for s in m.steps_s[:rounds] if s is not None), default=math.inf) < own_fastest]
     if clear:
         return min(clear)[1]

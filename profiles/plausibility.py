@@ -19,7 +19,8 @@ it, and what to do:
 
 What no run can make consistent stays refused, ``--force`` or not, and is checked where the
 report is read (profiles/calibrate.py): a report of another model or precision, layers the
-profile does not have, chunks that are not the plan's, a ``--profile`` that is not the plan's.
+profile does not have, chunks that are not the plan's, a ``--profile`` that is not the plan's,
+a report the profile's rounds already hold.
 
 Pure JSON in, words out: no torch here.
 """
