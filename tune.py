@@ -275,8 +275,11 @@ def _summary(tried: list, measured: list[_Measured], best: int, out: str) -> str
         return f"{out}: the plan as solve chose it (nothing else to run)"
     ran = sum(m.median_s is not None for m in measured)
     if best == 0:
-        return (f"{out}: solve's plan kept, measured {_ms(own)} a step (predicted {tried[0].predicted_step_s * 1e3:.1f} ms): "
-                f"none of the other {ran - 1} measured ran faster in every round")
+        others = ("no other plan could be measured" if ran == 1 else
+                  "the other plan measured did not run faster in every round" if ran == 2 else
+                  f"none of the other {ran - 1} measured ran faster in every round")
+        return (f"{out}: solve's plan kept, measured {_ms(own)} a step (predicted "
+                f"{tried[0].predicted_step_s * 1e3:.1f} ms): {others}")
     return (f"{out}: {_name(tried[best])}, measured {_ms(chosen)} a step (predicted "
             f"{tried[best].predicted_step_s * 1e3:.1f} ms), faster in every round than solve's plan, "
             f"{_ms(own)} ({chosen / own - 1:+.1%})")

@@ -258,3 +258,19 @@ def test_solve_points_at_tune_only_where_another_setting_is_predicted_within_fiv
     hint = tune_hint(view_of(plan), "plan.json")
     assert hint is not None and hint.startswith("1 other setting is predicted within 5%")
     assert "gpipe-plan tune plan.json --out tuned.json" in hint
+
+
+@pytest.mark.parametrize("ran, says", [
+    (1, "no other plan could be measured"),
+    (2, "the other plan measured did not run faster in every round"),
+    (3, "none of the other 2 measured ran faster in every round"),
+])
+def test_the_kept_plans_summary_counts_the_others_in_words(ran: int, says: str) -> None:
+    """Seen: 'none of the other 1 measured ran faster in every round'."""
+    from types import SimpleNamespace
+
+    tried = [SimpleNamespace(predicted_step_s=0.05)] * 3
+    measured = [tune._Measured([0.05, 0.05])] + [tune._Measured([0.06, 0.06] if i < ran else [None, None])
+                                                  for i in range(1, 3)]
+    assert tune._summary(tried, measured, 0, "tuned.json") == (
+        f"tuned.json: solve's plan kept, measured 50.0 ms a step (predicted 50.0 ms): {says}")
