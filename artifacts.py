@@ -383,9 +383,30 @@ def fsync_folder(folder: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def locate(recorded: str, named_by: str) -> str | None:
+def locate(recorded: str, named_by: str, sha256: str | None = None) -> str | None:
     """A file another names (a report its plan, a plan its profile), as recorded there:
-    ``recorded`` as written if it exists, else beside the file that names it, else None."""
+    ``recorded`` as written if it exists, else beside the file that names it, else None.
+
+    With the ``sha256`` recorded too, a file found so that is not the one (another project's
+    ``p.json`` in the current folder, tried first as written) or none found gives way to the
+    first file with that SHA-256 of: the recorded path beside ``named_by`` and a file of its name
+    beside it (a folder moved whole: a report records its plan's absolute path); where neither
+    has it, what was found (the caller says it has changed) or None."""
+    found = _as_recorded(recorded, named_by)
+    if not sha256 or (found is not None and file_sha256(found) == sha256):
+        return found
+    here = Path(named_by).parent
+    for other in (here / recorded, here / Path(recorded).name):
+        try:
+            if other.is_file() and file_sha256(other) == sha256:
+                return str(other)
+        except (OSError, ValueError):     # a name no file can have
+            continue
+    return found
+
+
+def _as_recorded(recorded: str, named_by: str) -> str | None:
+    """:func:`locate` by the recorded path alone: as written, else beside ``named_by``."""
     try:
         if Path(recorded).is_file():
             return recorded

@@ -163,6 +163,14 @@ def probe_misfit(record: Any, schedule: str, virtual_stages: int,
     return None
 
 
+def optimizer_scale(record: Any) -> float:
+    """What an optimizer step of the layers takes in a pipeline over their ``optimizer_s``: a
+    profile's ``fixed_costs.optimizer_scale`` (version 14, [Note: the optimizer timed where it
+    runs], profiles/fixedcosts.py), which plans charge on every layer's; 1 where it measured none."""
+    scale = record.get("optimizer_scale") if isinstance(record, dict) else None
+    return float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0 else 1.0
+
+
 def _sizes(record: dict) -> list[dict]:
     """A record's per-size entries (``per_micro_batch_size``) that name a size, ascending by it."""
     entries = record.get("per_micro_batch_size")

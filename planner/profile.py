@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from ..artifacts import BadInput, precision_of
-from .fixedcosts import FixedCosts, between_actions_s, figures_at
+from .fixedcosts import FixedCosts, between_actions_s, figures_at, optimizer_scale
 from ..schema import (ISSUE_FIELDS, PROFILE_FORMAT, RECOMPUTE_FIELDS, SPLIT_FIELDS, check_format, recompute_timed,
                       split_backward_timed, validate)
 
@@ -202,8 +202,7 @@ class Profile:
         """What an optimizer step of the layers takes in a pipeline over their ``optimizer_s``, as the
         fixed-cost probe measured it (profile version 14; [Note: the optimizer timed where it runs],
         profiles/fixedcosts.py); 1 where it measured none."""
-        scale = (self.fixed_costs_record or {}).get("optimizer_scale")
-        return float(scale) if isinstance(scale, (int, float)) and scale > 0 else 1.0
+        return optimizer_scale(self.fixed_costs_record)
 
     def per_action_overhead_s(self, stages: int, micro_batch_size: float | None = None) -> float:
         """The cost between actions a plan of ``stages`` and micro-batches of ``micro_batch_size``

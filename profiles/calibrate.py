@@ -46,13 +46,13 @@ from __future__ import annotations
 import copy
 import statistics
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ..artifacts import BadInput, file_sha256, locate, precision_label, precision_of
 from ..hostload import SPREAD_VALUES, robust_spread
 from ..plan_view import ChunkPlan, read_plan
 from ..schema import read_profile, read_report, report_chunks, timing_key
+from ..planner.fixedcosts import optimizer_scale
 from .overhead import fixed_in_times, measure_overhead, profiled_at_run_size
 from .plausibility import Ratio, check_round
 
@@ -66,7 +66,8 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
     folds it in anyway, and the round records what was forced (``forced``)."""
     profile = read_profile(profile_path)
     report = read_report(report_path)   # from here on, every key has its type
-    _check_not_folded_in(profile, profile_path, report_path)
+    report_sha256 = file_sha256(report_path)
+    _check_not_folded_in(profile, profile_path, report_path, report_sha256)
     if report.get("model") != profile.get("model"):
         raise BadInput(f"'{report_path}' is a run of another model than '{profile_path}' profiles: "
                        "calibrate with the profile the run's plan was made from")
@@ -126,7 +127,7 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
             # for the optimizer in a pipeline and the sharing of cores (not the neighbours' factor,
             # which only the plan records).
             predicted = sum(layers[index[n]].get("optimizer_s") or 0.0 for n in stage["layers"]) \
-                * optimizer_scale_of(profile) * sharing.slowdown
+                * optimizer_scale(profile.get("fixed_costs")) * sharing.slowdown
         entry: dict[str, Any] = {"stage": stage["index"], "layers": stage["layers"]}
         if report.get("gradient_sync") == "fsdp":
             # Sharded (DTensor) optimizer steps are not the profile's plain ones: they would
@@ -175,7 +176,7 @@ def calibrate(profile_path: str, report_path: str, use_speed_probe: bool = False
     history = list(profile.get("calibration") or [])
     history.append({
         "report": report_path,
-        "report_sha256": file_sha256(report_path),
+        "report_sha256": report_sha256,
         "micro_batch_size": report.get("micro_batch_size"),
         "speed_ratio_divided_out": drift,
         "run_spread": spread,
@@ -280,25 +281,16 @@ def planned_optimizer_s(report: dict[str, Any], report_path: str) -> dict[int, f
     return planned
 
 
-def optimizer_scale_of(profile: dict[str, Any]) -> float:
-    """The factor plans charge on every layer's ``optimizer_s`` (``fixed_costs.optimizer_scale``,
-    profile version 14: planner/profile.py); 1 where the profile measured none."""
-    scale = (profile.get("fixed_costs") or {}).get("optimizer_scale") if isinstance(profile.get("fixed_costs"), dict) \
-        else None
-    return float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0 else 1.0
-
-
 def plan_of_report(report: dict[str, Any], report_path: str) -> str:
     """The plan the report's run ran, as the report names it: found, and unchanged since."""
     return named_file(*recorded_file(report, "plan"), "plan", f"report '{report_path}'", report_path, "a run of plan",
                       hint="keep the plan beside the report: its chunks say which layers each measured time is for")
 
 
-def _check_not_folded_in(profile: dict[str, Any], profile_path: str, report_path: str) -> None:
+def _check_not_folded_in(profile: dict[str, Any], profile_path: str, report_path: str, digest: str) -> None:
     """Refuse a report the profile's rounds already hold (the same file, by its SHA-256): its
     ratios are of the predictions before that round, so folding it in again would scale the
-    layers by them twice. ``--force`` or not: no run makes that right."""
-    digest = file_sha256(report_path)
+    layers by them twice. ``--force`` or not: no run makes that right. ``digest``: the report's."""
     rounds = [r for r in profile.get("calibration") or [] if isinstance(r, dict)]
     for n, done in enumerate(rounds, 1):
         if done.get("report_sha256") == digest:
@@ -358,36 +350,15 @@ def shrink(ratio: float, spread: float | None) -> float:
 def named_file(recorded_path: str | None, recorded_sha256: str | None, key: str, label: str, doc_path: str,
                relation: str, hint: str) -> str:
     """The ``key`` file an artifact at ``doc_path`` names (its recorded path and SHA-256), found
-    and unchanged (:func:`find_named`); else one line ending in ``hint``."""
+    and unchanged (``artifacts.locate`` by path and SHA-256); else one line ending in ``hint``."""
     if not recorded_path:
         raise BadInput(f"{label} does not name its {key}: {hint}")
-    path = find_named(recorded_path, recorded_sha256, doc_path)
+    path = locate(recorded_path, doc_path, recorded_sha256)
     if path is None:
         raise BadInput(f"{label} is {relation} '{recorded_path}', which is gone: {hint}")
     if recorded_sha256 and file_sha256(path) != recorded_sha256:
         raise BadInput(f"{key} '{path}' has changed since {label} was made from it: {hint}")
     return path
-
-
-def find_named(recorded_path: str, recorded_sha256: str | None, doc_path: str) -> str | None:
-    """Where the file an artifact at ``doc_path`` names is: as recorded, where that is the file
-    (``artifacts.locate``: as written, else beside ``doc_path``); else, where the recorded SHA-256
-    says which is the file, the first with it of: the recorded path beside ``doc_path`` and a
-    file of its name beside ``doc_path``. So a folder moved whole (a report records its plan's
-    absolute path) and a same-named file in the current folder (``p.json`` of another project,
-    tried first as written) do not hide the file beside the artifact. Else what ``locate``
-    found (None: nothing)."""
-    found = locate(recorded_path, doc_path)
-    if not recorded_sha256 or (found is not None and file_sha256(found) == recorded_sha256):
-        return found
-    here = Path(doc_path).parent
-    for other in (here / recorded_path, here / Path(recorded_path).name):
-        try:
-            if other.is_file() and file_sha256(other) == recorded_sha256:
-                return str(other)
-        except (OSError, ValueError):     # a name no file can have
-            continue
-    return found
 
 
 def recorded_file(doc: dict[str, Any], key: str) -> tuple[str | None, str | None]:

@@ -6,13 +6,13 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ..artifacts import BadInput, check_output_paths, file_sha256
+from ..artifacts import BadInput, check_output_paths, file_sha256, locate
 from ..layer_names import LayerNames
 from ..tables import NarrowTable, narrow_table
 from ..plan_view import read_plan
 from ..schema import read_profile, read_report, write_artifact
 from ..speedprobe import distrusted_probe
-from .calibrate import calibrate, find_named, named_file, recorded_file
+from .calibrate import calibrate, named_file, recorded_file
 
 
 def calibrate_command(report: str, profile: str | None, out: str | None, speed_correction: bool = False,
@@ -123,7 +123,7 @@ def check_profile_of_plan(report_path: str, profile_path: str) -> str | None:
     report = read_report(report_path)
     recorded = report.get("plan") if isinstance(report.get("plan"), dict) else {}
     sha256 = recorded.get("sha256") if isinstance(recorded.get("sha256"), str) else None
-    plan_path = find_named(recorded["path"], sha256, report_path) if isinstance(recorded.get("path"), str) else None
+    plan_path = locate(recorded["path"], report_path, sha256) if isinstance(recorded.get("path"), str) else None
     if plan_path is None:
         return None
     plan = read_plan(plan_path)
